@@ -1,0 +1,278 @@
+//! The [`MessageBus`]: wraps a message in an envelope and runs it through the
+//! canonical pipeline.
+//!
+//! The canonical order (seed 000, as Symfony Messenger has it):
+//!
+//! 1. `AddBusNameStamp`
+//! 2. `DispatchAfterCurrentBus`
+//! 3. `FailedMessageProcessing`
+//! 4. user middleware, in registration order
+//! 5. `SendMessage`
+//! 6. `Retry`
+//! 7. `HandleMessage`
+//!
+//! The built-in steps are known types, so the bus runs them inline in one
+//! future: no boxing and no dynamic call of their own, and a step with nothing
+//! to do (no routes, no retry configuration) costs a branch. Only user
+//! middleware goes through [`Middleware`]'s boxed futures.
+//!
+//! The user-middleware part can change while the bus runs
+//! ([`add_middleware`](MessageBus::add_middleware),
+//! [`remove_middleware`](MessageBus::remove_middleware)): the chain is an
+//! immutable list swapped atomically, so dispatch never takes a lock, and a
+//! dispatch already in flight finishes on the chain it started with.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+use crate::envelope::Envelope;
+use crate::error::{BusError, Result};
+use crate::message::Message;
+use crate::middleware::add_bus_name::AddBusNameStamp;
+use crate::middleware::dispatch_after_current_bus;
+use crate::middleware::failed_message_processing::FailedMessageProcessing;
+use crate::middleware::handle_message::HandleMessage;
+use crate::middleware::retry::Retry;
+use crate::middleware::send_message::SendMessage;
+use crate::middleware::{BoxFuture, Endpoint, Middleware, Next};
+use crate::stamp::DispatchAfterCurrentBusStamp;
+
+/// Identifies a middleware added to a live bus, for removing it later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MiddlewareId(u64);
+
+#[derive(Default)]
+struct Chain {
+    ids: Vec<MiddlewareId>,
+    items: Vec<Arc<dyn Middleware>>,
+}
+
+pub(crate) struct BusInner {
+    name: Arc<str>,
+    add_bus_name: AddBusNameStamp,
+    user: ArcSwap<Chain>,
+    send: Option<SendMessage>,
+    retry: Retry,
+    handle: HandleMessage,
+    next_id: AtomicU64,
+    disposed: AtomicBool,
+}
+
+/// A named bus running the canonical pipeline. Cheap to clone.
+///
+/// Build buses with [`Messenger::builder`](crate::Messenger::builder); use
+/// the typed [`Dispatcher`](crate::Dispatcher) for `Result`s typed by the
+/// message definition.
+#[derive(Clone)]
+pub struct MessageBus {
+    inner: Arc<BusInner>,
+}
+
+impl MessageBus {
+    pub(crate) fn new(
+        name: Arc<str>,
+        middleware: Vec<Arc<dyn Middleware>>,
+        send: Option<SendMessage>,
+        retry: Retry,
+        handle: HandleMessage,
+    ) -> Self {
+        let ids = (0..middleware.len() as u64).map(MiddlewareId).collect();
+        let next = middleware.len() as u64;
+        Self {
+            inner: Arc::new(BusInner {
+                add_bus_name: AddBusNameStamp::new(name.clone()),
+                name,
+                user: ArcSwap::from_pointee(Chain {
+                    ids,
+                    items: middleware,
+                }),
+                send,
+                retry,
+                handle,
+                next_id: AtomicU64::new(next),
+                disposed: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// The bus's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Runs `envelope` through the pipeline and returns it with the stamps
+    /// the steps added (a [`HandledStamp`](crate::stamp::HandledStamp) per
+    /// handler, or a [`SentStamp`](crate::stamp::SentStamp) per transport).
+    pub fn dispatch(
+        &self,
+        envelope: Envelope,
+    ) -> impl std::future::Future<Output = Result<Envelope>> + Send + '_ {
+        self.inner.dispatch(envelope)
+    }
+
+    /// Dispatches `message` as a command.
+    pub async fn dispatch_message<M: Message>(&self, message: M) -> Result<Envelope> {
+        self.dispatch(Envelope::new(message)).await
+    }
+
+    /// Dispatches `envelope` after the dispatch currently running on this
+    /// task has finished (at once if none is running). See
+    /// [`dispatch_after_current_bus`](crate::middleware::dispatch_after_current_bus).
+    pub async fn dispatch_after_current(&self, envelope: Envelope) -> Result<Envelope> {
+        self.dispatch(envelope.with(DispatchAfterCurrentBusStamp))
+            .await
+    }
+
+    /// Appends `middleware` to the user part of the pipeline. Dispatches
+    /// already running keep the chain they started with.
+    pub fn add_middleware(&self, middleware: Arc<dyn Middleware>) -> MiddlewareId {
+        let id = MiddlewareId(self.inner.next_id.fetch_add(1, Ordering::Relaxed));
+        self.inner.user.rcu(|chain| {
+            let mut ids = chain.ids.clone();
+            let mut items = chain.items.clone();
+            ids.push(id);
+            items.push(middleware.clone());
+            Chain { ids, items }
+        });
+        id
+    }
+
+    /// Removes the middleware added as `id` and calls its
+    /// [`dispose`](Middleware::dispose). Returns whether it was there.
+    pub fn remove_middleware(&self, id: MiddlewareId) -> bool {
+        let mut removed = None;
+        self.inner.user.rcu(|chain| {
+            removed = None;
+            let mut ids = chain.ids.clone();
+            let mut items = chain.items.clone();
+            if let Some(pos) = ids.iter().position(|i| *i == id) {
+                ids.remove(pos);
+                removed = Some(items.remove(pos));
+            }
+            Chain { ids, items }
+        });
+        match removed {
+            Some(m) => {
+                m.dispose();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The ids of the user middleware, in order.
+    pub fn middleware_ids(&self) -> Vec<MiddlewareId> {
+        self.inner.user.load().ids.clone()
+    }
+
+    /// Disposes every user middleware, clears the chain and refuses further
+    /// dispatches with [`BusError::Disposed`]. Idempotent.
+    pub fn dispose(&self) {
+        self.inner.disposed.store(true, Ordering::SeqCst);
+        let old = self.inner.user.swap(Arc::new(Chain::default()));
+        for m in &old.items {
+            m.dispose();
+        }
+    }
+
+    /// The pipeline, step by step, for `debug` listings.
+    pub fn pipeline(&self) -> Vec<Cow<'static, str>> {
+        let mut steps: Vec<Cow<'static, str>> = vec![
+            "AddBusNameStamp".into(),
+            "DispatchAfterCurrentBus".into(),
+            "FailedMessageProcessing".into(),
+        ];
+        steps.extend(self.inner.user.load().items.iter().map(|m| m.name()));
+        steps.push(match &self.inner.send {
+            Some(s) if !s.routes().is_empty() => "SendMessage".into(),
+            _ => "SendMessage (no routes)".into(),
+        });
+        steps.push(match self.inner.retry.config() {
+            Some(_) => "Retry".into(),
+            None => "Retry (not configured)".into(),
+        });
+        steps.push("HandleMessage".into());
+        steps
+    }
+
+    pub(crate) fn send_step(&self) -> Option<&SendMessage> {
+        self.inner.send.as_ref()
+    }
+
+    pub(crate) fn handle_step(&self) -> &HandleMessage {
+        &self.inner.handle
+    }
+}
+
+impl fmt::Debug for MessageBus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MessageBus")
+            .field("name", &self.inner.name)
+            .field("pipeline", &self.pipeline())
+            .finish()
+    }
+}
+
+impl BusInner {
+    async fn dispatch(self: &Arc<Self>, envelope: Envelope) -> Result<Envelope> {
+        if self.disposed.load(Ordering::Relaxed) {
+            return Err(BusError::Disposed(self.name.to_string()));
+        }
+        // 1. AddBusNameStamp
+        let envelope = self.add_bus_name.apply(envelope);
+        // 2. DispatchAfterCurrentBus
+        dispatch_after_current_bus::run(
+            envelope,
+            || Arc::new(AfterDeferral(self.clone())) as Arc<dyn Endpoint>,
+            |e| self.after_deferral(e),
+        )
+        .await
+    }
+
+    /// Steps 3 and 4, then the core.
+    async fn after_deferral(&self, envelope: Envelope) -> Result<Envelope> {
+        // 3. FailedMessageProcessing
+        let envelope = FailedMessageProcessing::apply(envelope);
+        // 4. user middleware
+        let chain = self.user.load();
+        if chain.items.is_empty() {
+            drop(chain);
+            return self.core(envelope).await;
+        }
+        let chain = arc_swap::Guard::into_inner(chain);
+        Next::new(&chain.items, Some(self)).run(envelope).await
+    }
+
+    /// Steps 5 to 7.
+    async fn core(&self, envelope: Envelope) -> Result<Envelope> {
+        // 5. SendMessage
+        if let Some(send) = &self.send {
+            if let Some(targets) = send.targets(&envelope) {
+                return send.send(envelope, targets).await;
+            }
+        }
+        // 6. Retry, 7. HandleMessage
+        self.retry
+            .process(envelope, |e| self.handle.process(e))
+            .await
+    }
+}
+
+impl Endpoint for BusInner {
+    fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
+        Box::pin(self.core(envelope))
+    }
+}
+
+/// Where deferred envelopes go: the pipeline from step 3 on.
+struct AfterDeferral(Arc<BusInner>);
+
+impl Endpoint for AfterDeferral {
+    fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
+        Box::pin(self.0.after_deferral(envelope))
+    }
+}

@@ -1,0 +1,53 @@
+//! # envoi-core
+//!
+//! The core of envoi, an async message bus: envelopes and stamps, the onion
+//! middleware pipeline, named buses assembled in Symfony Messenger's
+//! canonical order, handlers, typed dispatch, and the transport traits.
+//!
+//! This crate knows no SQL, AMQP, command line or terminal output; transports
+//! and tools live in crates of their own and depend on it.
+//!
+//! ```
+//! use envoi_core::{Command, Messenger, Message, Query};
+//! use std::convert::Infallible;
+//!
+//! #[derive(Debug, Clone)]
+//! struct Add(u32, u32);
+//! impl Message for Add { const NAME: &'static str = "Add"; }
+//! impl Query for Add { type Output = u32; type Error = Infallible; }
+//!
+//! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+//! let messenger = Messenger::builder()
+//!     .query_handler(|q: Add| async move { Ok::<_, Infallible>(q.0 + q.1) })
+//!     .build()
+//!     .unwrap();
+//! assert_eq!(messenger.dispatcher().ask(Add(2, 3)).await.unwrap(), 5);
+//! # });
+//! ```
+
+#![forbid(unsafe_code)]
+
+pub mod builder;
+pub mod bus;
+pub mod envelope;
+pub mod error;
+pub mod handler;
+pub mod message;
+pub mod middleware;
+pub mod stamp;
+pub mod testing;
+pub mod transport;
+pub mod typed;
+
+pub use builder::{BuildError, Messenger, MessengerBuilder};
+pub use bus::{MessageBus, MiddlewareId};
+pub use envelope::Envelope;
+pub use error::{
+    BoxError, BusError, HandlerError, Recoverable, Result, RetryHint, SerializationError, Stage,
+    TransportError, Unrecoverable,
+};
+pub use handler::{Handler, IntoHandler};
+pub use message::{Command, Event, Message, MessageKind, Query};
+pub use middleware::{Middleware, MiddlewareStack, Next};
+pub use stamp::Stamp;
+pub use typed::{DispatchError, Dispatcher};

@@ -1,0 +1,109 @@
+//! Step 7 of the canonical pipeline, the terminal: run the handlers.
+
+use std::sync::Arc;
+
+use super::{BoxFuture, Middleware, Next};
+use crate::envelope::Envelope;
+use crate::error::{BusError, HandlerError, Result};
+use crate::handler::HandlerRegistry;
+use crate::message::MessageKind;
+use crate::stamp::HandledStamp;
+
+/// Looks up the handlers of the message's type and runs them one after the
+/// other, adding one [`HandledStamp`] per handler that succeeded.
+///
+/// * A command or query without a handler fails with
+///   [`BusError::NoHandler`]; an event without one is fine.
+/// * A handler that already has a `HandledStamp` on the envelope (a retried
+///   event whose other handler failed) is not run again.
+/// * If any handler fails, the result is [`BusError::HandlerFailed`] with the
+///   envelope (carrying the stamps of those that succeeded) and every error.
+///
+/// It never calls `next`: it is the end of the pipeline.
+#[derive(Clone)]
+pub struct HandleMessage {
+    registry: Arc<HandlerRegistry>,
+}
+
+impl std::fmt::Debug for HandleMessage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandleMessage")
+            .field("registry", &self.registry)
+            .finish()
+    }
+}
+
+impl HandleMessage {
+    pub(crate) fn new(registry: Arc<HandlerRegistry>) -> Self {
+        Self { registry }
+    }
+
+    pub(crate) fn registry(&self) -> &HandlerRegistry {
+        &self.registry
+    }
+
+    /// Runs the handlers.
+    pub(crate) async fn process(&self, envelope: Envelope) -> Result<Envelope> {
+        let Some(reg) = self.registry.get(envelope.message_type_id()) else {
+            return match envelope.kind() {
+                MessageKind::Event => Ok(envelope),
+                kind => Err(BusError::NoHandler {
+                    message: envelope.message_name(),
+                    kind,
+                }),
+            };
+        };
+        if let [handler] = reg.handlers.as_slice() {
+            if !already_handled(&envelope, handler.name()) {
+                return match handler.call(&envelope).await {
+                    Ok(result) => Ok(envelope.with(HandledStamp::new(handler.name(), result))),
+                    Err(error) => Err(BusError::HandlerFailed {
+                        envelope: Box::new(envelope),
+                        errors: vec![HandlerError {
+                            handler: handler.name(),
+                            error,
+                        }],
+                    }),
+                };
+            }
+            return Ok(envelope);
+        }
+        let mut envelope = envelope;
+        let mut errors = Vec::new();
+        for handler in &reg.handlers {
+            if already_handled(&envelope, handler.name()) {
+                continue;
+            }
+            match handler.call(&envelope).await {
+                Ok(result) => envelope = envelope.with(HandledStamp::new(handler.name(), result)),
+                Err(error) => errors.push(HandlerError {
+                    handler: handler.name(),
+                    error,
+                }),
+            }
+        }
+        if errors.is_empty() {
+            Ok(envelope)
+        } else {
+            Err(BusError::HandlerFailed {
+                envelope: Box::new(envelope),
+                errors,
+            })
+        }
+    }
+}
+
+#[inline]
+fn already_handled(envelope: &Envelope, handler: &str) -> bool {
+    envelope.all::<HandledStamp>().any(|s| s.handler == handler)
+}
+
+impl Middleware for HandleMessage {
+    fn handle<'a>(
+        &'a self,
+        envelope: Envelope,
+        _next: Next<'a>,
+    ) -> BoxFuture<'a, Result<Envelope>> {
+        Box::pin(self.process(envelope))
+    }
+}

@@ -1,0 +1,390 @@
+//! The onion pipeline: [`Middleware`], [`Next`] and [`MiddlewareStack`].
+//!
+//! Every behaviour that is not "call the handler" lives in a middleware:
+//! routing, retries, logging, metrics, validation, deduplication. A
+//! middleware receives an [`Envelope`], may add stamps, calls
+//! [`next.run(envelope)`](Next::run) to continue (or does not, to
+//! short-circuit), may look at or stamp the envelope that comes back, and
+//! returns it. Code before `next` runs on the way in, code after it on the
+//! way out.
+//!
+//! ```
+//! use envoi_core::middleware::{Middleware, MiddlewareStack, Next, BoxFuture};
+//! use envoi_core::{Envelope, Message, Result};
+//! use envoi_core::stamp::DelayStamp;
+//! use std::sync::Arc;
+//!
+//! /// Adds a one-second delay to every message.
+//! struct Later;
+//!
+//! impl Middleware for Later {
+//!     fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
+//!         Box::pin(async move { next.run(envelope.with(DelayStamp { ms: 1000 })).await })
+//!     }
+//! }
+//!
+//! #[derive(Debug)]
+//! struct Ping;
+//! impl Message for Ping { const NAME: &'static str = "Ping"; }
+//!
+//! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+//! let stack = MiddlewareStack::new([Arc::new(Later) as Arc<dyn Middleware>]);
+//! let out = stack.run(Envelope::new(Ping)).await.unwrap();
+//! assert_eq!(out.last::<DelayStamp>().unwrap().ms, 1000);
+//! # });
+//! ```
+//!
+//! # `next` runs at most once
+//!
+//! [`Next::run`] takes `self`, so a middleware cannot run the rest of the
+//! pipeline twice; the second call does not compile:
+//!
+//! ```compile_fail
+//! use envoi_core::middleware::{Middleware, Next, BoxFuture};
+//! use envoi_core::{Envelope, Result};
+//!
+//! struct Twice;
+//! impl Middleware for Twice {
+//!     fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
+//!         Box::pin(async move {
+//!             let first = next.run(envelope.clone()).await?;
+//!             next.run(first).await // error[E0382]: use of moved value: `next`
+//!         })
+//!     }
+//! }
+//! ```
+
+pub mod add_bus_name;
+pub mod dispatch_after_current_bus;
+pub mod failed_message_processing;
+pub mod handle_message;
+pub mod retry;
+pub mod send_message;
+
+use std::borrow::Cow;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use crate::envelope::Envelope;
+use crate::error::Result;
+
+/// A boxed, `Send` future, the return type of object-safe async methods.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// One layer of the onion.
+///
+/// # Contract
+///
+/// * Call [`next.run(envelope)`](Next::run) at most once (enforced: it
+///   consumes `next`), or not at all to short-circuit.
+/// * Never remove a stamp; add new ones with [`Envelope::with`].
+/// * Await `next` inside the returned future; errors travel back through
+///   `Result`.
+///
+/// # Errors
+///
+/// Return a [`BusError`](crate::BusError); use
+/// [`BusError::Middleware`](crate::BusError::Middleware) for a failure of
+/// the middleware's own.
+pub trait Middleware: Send + Sync + 'static {
+    /// Processes `envelope`, usually by calling `next.run(envelope)`.
+    fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>>;
+
+    /// A name for diagnostics and pipeline listings; the type name by
+    /// default.
+    fn name(&self) -> Cow<'static, str> {
+        Cow::Borrowed(short_type_name(std::any::type_name::<Self>()))
+    }
+
+    /// Releases resources when the middleware is removed from a bus or the
+    /// bus is disposed. Should be idempotent. Does nothing by default.
+    fn dispose(&self) {}
+}
+
+/// Strips the module path from a type name (`a::b::Foo<c::D>` → `Foo<c::D>`).
+pub(crate) fn short_type_name(full: &'static str) -> &'static str {
+    let end = full.find('<').unwrap_or(full.len());
+    match full[..end].rfind("::") {
+        Some(i) => &full[i + 2..],
+        None => full,
+    }
+}
+
+/// What a [`Next`] runs once the middleware chain is exhausted.
+///
+/// The bus's own steps implement it; tests implement it to record what
+/// reached the end of a chain (see [`crate::testing`]).
+pub trait Endpoint: Send + Sync {
+    /// Runs the endpoint.
+    fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>>;
+}
+
+/// The rest of the pipeline, handed to a middleware.
+///
+/// Running it consumes it, so it runs at most once.
+#[must_use = "a middleware that drops `next` short-circuits the pipeline"]
+pub struct Next<'a> {
+    chain: &'a [Arc<dyn Middleware>],
+    endpoint: Option<&'a dyn Endpoint>,
+}
+
+impl<'a> Next<'a> {
+    /// A `Next` running `chain` and then `endpoint` (or returning the envelope
+    /// unchanged when `endpoint` is `None`).
+    pub fn new(chain: &'a [Arc<dyn Middleware>], endpoint: Option<&'a dyn Endpoint>) -> Self {
+        Self { chain, endpoint }
+    }
+
+    /// A `Next` that runs only `endpoint`.
+    pub fn to_endpoint(endpoint: &'a dyn Endpoint) -> Self {
+        Self {
+            chain: &[],
+            endpoint: Some(endpoint),
+        }
+    }
+
+    /// A `Next` that returns the envelope unchanged.
+    pub fn passthrough() -> Self {
+        Self {
+            chain: &[],
+            endpoint: None,
+        }
+    }
+
+    /// Runs the rest of the pipeline with `envelope`.
+    pub fn run(self, envelope: Envelope) -> NextFuture<'a> {
+        match self.chain.split_first() {
+            Some((first, rest)) => NextFuture(Inner::Boxed(first.handle(
+                envelope,
+                Next {
+                    chain: rest,
+                    endpoint: self.endpoint,
+                },
+            ))),
+            None => match self.endpoint {
+                Some(endpoint) => NextFuture(Inner::Boxed(endpoint.call(envelope))),
+                None => NextFuture(Inner::Ready(Some(Ok(envelope)))),
+            },
+        }
+    }
+}
+
+impl fmt::Debug for Next<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Next")
+            .field("remaining", &self.chain.len())
+            .field("endpoint", &self.endpoint.is_some())
+            .finish()
+    }
+}
+
+/// The future returned by [`Next::run`].
+#[must_use = "futures do nothing unless awaited"]
+pub struct NextFuture<'a>(Inner<'a>);
+
+enum Inner<'a> {
+    Ready(Option<Result<Envelope>>),
+    Boxed(BoxFuture<'a, Result<Envelope>>),
+}
+
+impl Future for NextFuture<'_> {
+    type Output = Result<Envelope>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.0 {
+            Inner::Ready(v) => Poll::Ready(v.take().expect("NextFuture polled after completion")),
+            Inner::Boxed(f) => f.as_mut().poll(cx),
+        }
+    }
+}
+
+impl fmt::Debug for NextFuture<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("NextFuture")
+    }
+}
+
+/// Runs a fixed list of middlewares in order, then returns the envelope.
+///
+/// This is the plain runner of seed 000: `MiddlewareStack::new(list).run(e)`.
+/// A [`MessageBus`](crate::MessageBus) assembles its own, faster pipeline in
+/// the canonical order; use a stack to test middlewares together or to build
+/// a pipeline by hand.
+#[derive(Clone)]
+pub struct MiddlewareStack {
+    chain: Arc<[Arc<dyn Middleware>]>,
+}
+
+impl MiddlewareStack {
+    /// A stack running `middlewares` in the given order.
+    pub fn new(middlewares: impl IntoIterator<Item = Arc<dyn Middleware>>) -> Self {
+        Self {
+            chain: middlewares.into_iter().collect(),
+        }
+    }
+
+    /// Runs the stack; once every middleware has called `next`, the envelope
+    /// comes back unchanged.
+    pub async fn run(&self, envelope: Envelope) -> Result<Envelope> {
+        Next::new(&self.chain, None).run(envelope).await
+    }
+
+    /// Runs the stack, then `endpoint`.
+    pub async fn run_with(&self, envelope: Envelope, endpoint: &dyn Endpoint) -> Result<Envelope> {
+        Next::new(&self.chain, Some(endpoint)).run(envelope).await
+    }
+
+    /// The names of the middlewares, in order.
+    pub fn names(&self) -> Vec<String> {
+        self.chain.iter().map(|m| m.name().into_owned()).collect()
+    }
+}
+
+impl fmt::Debug for MiddlewareStack {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
+}
+
+/// A middleware made from a closure; see [`from_fn`].
+pub struct FnMiddleware<F> {
+    name: Cow<'static, str>,
+    f: F,
+}
+
+/// Makes a middleware from a closure taking the envelope and `next`.
+///
+/// ```
+/// use envoi_core::middleware::{from_fn, Next};
+/// use envoi_core::Envelope;
+///
+/// let log = from_fn("log", |envelope: Envelope, next: Next<'_>| {
+///     Box::pin(async move {
+///         let name = envelope.message_name();
+///         let out = next.run(envelope).await;
+///         println!("{name}: {}", if out.is_ok() { "ok" } else { "failed" });
+///         out
+///     })
+/// });
+/// # let _ = log;
+/// ```
+pub fn from_fn<F>(name: impl Into<Cow<'static, str>>, f: F) -> FnMiddleware<F>
+where
+    F: for<'a> Fn(Envelope, Next<'a>) -> BoxFuture<'a, Result<Envelope>> + Send + Sync + 'static,
+{
+    FnMiddleware {
+        name: name.into(),
+        f,
+    }
+}
+
+impl<F> Middleware for FnMiddleware<F>
+where
+    F: for<'a> Fn(Envelope, Next<'a>) -> BoxFuture<'a, Result<Envelope>> + Send + Sync + 'static,
+{
+    fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
+        (self.f)(envelope, next)
+    }
+
+    fn name(&self) -> Cow<'static, str> {
+        self.name.clone()
+    }
+}
+
+impl<F> fmt::Debug for FnMiddleware<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FnMiddleware")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::Message;
+    use crate::stamp::{SentStamp, Stamp};
+    use std::sync::Mutex;
+
+    #[derive(Debug)]
+    struct Ping;
+    impl Message for Ping {
+        const NAME: &'static str = "Ping";
+    }
+
+    /// Records its name on the way in and on the way out.
+    struct Trace {
+        name: &'static str,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Middleware for Trace {
+        fn handle<'a>(&'a self, e: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
+            Box::pin(async move {
+                self.log.lock().unwrap().push(format!("{} in", self.name));
+                let out = next.run(e.with(SentStamp::new(self.name))).await;
+                self.log.lock().unwrap().push(format!("{} out", self.name));
+                out
+            })
+        }
+    }
+
+    struct Stop;
+    impl Middleware for Stop {
+        fn handle<'a>(&'a self, e: Envelope, _next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
+            Box::pin(async move { Ok(e) })
+        }
+    }
+
+    fn trace(name: &'static str, log: &Arc<Mutex<Vec<String>>>) -> Arc<dyn Middleware> {
+        Arc::new(Trace {
+            name,
+            log: log.clone(),
+        })
+    }
+
+    #[tokio::test]
+    async fn onion_runs_inbound_in_order_and_outbound_in_reverse() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let stack = MiddlewareStack::new([trace("a", &log), trace("b", &log), trace("c", &log)]);
+        let out = stack.run(Envelope::new(Ping)).await.unwrap();
+        assert_eq!(
+            *log.lock().unwrap(),
+            ["a in", "b in", "c in", "c out", "b out", "a out"]
+        );
+        let sent: Vec<_> = out
+            .all::<SentStamp>()
+            .map(|s| s.transport.clone())
+            .collect();
+        assert_eq!(sent, ["a", "b", "c"]);
+    }
+
+    #[tokio::test]
+    async fn a_middleware_that_does_not_call_next_short_circuits() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let stack = MiddlewareStack::new([trace("a", &log), Arc::new(Stop), trace("c", &log)]);
+        stack.run(Envelope::new(Ping)).await.unwrap();
+        assert_eq!(*log.lock().unwrap(), ["a in", "a out"]);
+    }
+
+    #[tokio::test]
+    async fn an_empty_stack_returns_the_envelope_unchanged() {
+        let out = MiddlewareStack::new([])
+            .run(Envelope::new(Ping))
+            .await
+            .unwrap();
+        assert_eq!(out.stamps().count(), 0);
+        assert_eq!(out.message_name(), Ping::NAME);
+    }
+
+    #[test]
+    fn short_type_names_drop_the_path() {
+        assert_eq!(short_type_name("a::b::Foo"), "Foo");
+        assert_eq!(short_type_name("a::Foo<b::C>"), "Foo<b::C>");
+        assert_eq!(short_type_name("Foo"), "Foo");
+        let _ = SentStamp::NAME;
+    }
+}

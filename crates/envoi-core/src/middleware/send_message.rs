@@ -1,0 +1,180 @@
+//! Step 5 of the canonical pipeline: send routed messages to their
+//! transports and stop there.
+
+use std::any::TypeId;
+use std::sync::Arc;
+
+use super::{BoxFuture, Middleware, Next};
+use crate::envelope::Envelope;
+use crate::error::Result;
+use crate::handler::TypeMap;
+use crate::message::Message;
+use crate::stamp::{ReceivedStamp, SentStamp};
+use crate::transport::SenderDispatcher;
+
+/// Which transports each message type is sent to.
+#[derive(Debug, Default, Clone)]
+pub struct Routes {
+    by_type: TypeMap<(&'static str, Vec<Arc<str>>)>,
+}
+
+impl Routes {
+    /// No routes: everything is handled in process.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sends messages of type `M` to `transport` (in addition to any
+    /// transport already routed).
+    pub fn add<M: Message>(&mut self, transport: impl Into<Arc<str>>) {
+        let entry = self
+            .by_type
+            .entry(TypeId::of::<M>())
+            .or_insert_with(|| (M::NAME, Vec::new()));
+        let transport = transport.into();
+        if !entry.1.contains(&transport) {
+            entry.1.push(transport);
+        }
+    }
+
+    /// The transports for a message type.
+    #[inline]
+    pub fn get(&self, type_id: TypeId) -> Option<&[Arc<str>]> {
+        self.by_type.get(&type_id).map(|(_, t)| t.as_slice())
+    }
+
+    /// Whether any route exists.
+    pub fn is_empty(&self) -> bool {
+        self.by_type.is_empty()
+    }
+
+    /// (message name, transports), sorted by name.
+    pub fn describe(&self) -> Vec<(&'static str, Vec<String>)> {
+        let mut out: Vec<_> = self
+            .by_type
+            .values()
+            .map(|(n, t)| (*n, t.iter().map(|s| s.to_string()).collect()))
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+/// If the message is routed and was not received from a transport, sends it
+/// to every routed transport (adding one [`SentStamp`] each) and returns
+/// without calling `next`. Otherwise calls `next`.
+///
+/// Sends go through a [`SenderDispatcher`], so a transactional outbox can
+/// replace "send now".
+#[derive(Clone)]
+pub struct SendMessage {
+    routes: Arc<Routes>,
+    dispatcher: Arc<dyn SenderDispatcher>,
+}
+
+impl std::fmt::Debug for SendMessage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendMessage")
+            .field("routes", &self.routes.describe())
+            .finish()
+    }
+}
+
+impl SendMessage {
+    /// The step with these routes and dispatcher.
+    pub fn new(routes: Arc<Routes>, dispatcher: Arc<dyn SenderDispatcher>) -> Self {
+        Self { routes, dispatcher }
+    }
+
+    /// The routes.
+    pub fn routes(&self) -> &Routes {
+        &self.routes
+    }
+
+    /// The dispatcher.
+    pub fn dispatcher(&self) -> &Arc<dyn SenderDispatcher> {
+        &self.dispatcher
+    }
+
+    /// The transports `envelope` must be sent to, or `None` when it goes on
+    /// to the handlers.
+    #[inline]
+    pub(crate) fn targets(&self, envelope: &Envelope) -> Option<&[Arc<str>]> {
+        if self.routes.is_empty() || envelope.has::<ReceivedStamp>() {
+            return None;
+        }
+        self.routes.get(envelope.message_type_id())
+    }
+
+    pub(crate) async fn send(
+        &self,
+        mut envelope: Envelope,
+        targets: &[Arc<str>],
+    ) -> Result<Envelope> {
+        for transport in targets {
+            envelope = self.dispatcher.send(transport, envelope).await?;
+            envelope = envelope.with(SentStamp::new(transport.to_string()));
+        }
+        Ok(envelope)
+    }
+}
+
+impl Middleware for SendMessage {
+    fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
+        Box::pin(async move {
+            match self.targets(&envelope) {
+                Some(targets) => self.send(envelope, targets).await,
+                None => next.run(envelope).await,
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{Ping, RecordingEndpoint, RecordingSenders};
+
+    fn step(senders: &RecordingSenders) -> SendMessage {
+        let mut routes = Routes::new();
+        routes.add::<Ping>("async");
+        routes.add::<Ping>("audit");
+        SendMessage::new(Arc::new(routes), Arc::new(senders.clone()))
+    }
+
+    #[tokio::test]
+    async fn a_routed_message_is_sent_to_each_transport_and_next_is_not_called() {
+        let senders = RecordingSenders::default();
+        let end = RecordingEndpoint::new();
+        let out = step(&senders)
+            .handle(Envelope::new(Ping), end.next())
+            .await
+            .unwrap();
+        assert!(end.calls().is_empty());
+        let sent: Vec<_> = out
+            .all::<SentStamp>()
+            .map(|s| s.transport.clone())
+            .collect();
+        assert_eq!(sent, ["async", "audit"]);
+        assert_eq!(senders.sent_to(), ["async", "audit"]);
+    }
+
+    #[tokio::test]
+    async fn a_received_message_goes_on_to_next() {
+        let senders = RecordingSenders::default();
+        let end = RecordingEndpoint::new();
+        let e = Envelope::new(Ping).with(ReceivedStamp::new("async"));
+        step(&senders).handle(e, end.next()).await.unwrap();
+        assert_eq!(end.calls().len(), 1);
+        assert!(senders.sent_to().is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_unrouted_message_goes_on_to_next() {
+        let senders = RecordingSenders::default();
+        let end = RecordingEndpoint::new();
+        let s = SendMessage::new(Arc::new(Routes::new()), Arc::new(senders.clone()));
+        s.handle(Envelope::new(Ping), end.next()).await.unwrap();
+        assert_eq!(end.calls().len(), 1);
+    }
+}

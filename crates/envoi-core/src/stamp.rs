@@ -1,0 +1,509 @@
+//! Stamps: small typed values that travel with an [`Envelope`](crate::Envelope).
+//!
+//! A stamp records something that happened to a message or something a
+//! middleware wants the next one to know: which bus it went through, which
+//! transport it was sent to, how many times it was retried. Stamps are plain
+//! serde values with a stable wire [`NAME`](Stamp::NAME); several stamps of
+//! one type are allowed and kept in the order they were added.
+//!
+//! ```
+//! use envoi_core::{Envelope, stamp::{SentStamp, BusNameStamp}};
+//!
+//! #[derive(Debug)]
+//! struct Ping;
+//! impl envoi_core::Message for Ping { const NAME: &'static str = "Ping"; }
+//!
+//! let envelope = Envelope::new(Ping)
+//!     .with(BusNameStamp::new("command.bus"))
+//!     .with(SentStamp::new("async"))
+//!     .with(SentStamp::new("audit"));
+//! assert_eq!(envelope.all::<SentStamp>().count(), 2);
+//! assert_eq!(envelope.last::<SentStamp>().unwrap().transport, "audit");
+//! ```
+//!
+//! # Writing your own stamp
+//!
+//! ```
+//! use envoi_core::Stamp;
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Debug, Clone, Serialize, Deserialize)]
+//! struct TenantStamp { tenant: String }
+//!
+//! impl Stamp for TenantStamp {
+//!     const NAME: &'static str = "Tenant";
+//! }
+//! ```
+
+use std::any::{Any, TypeId};
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// A typed value attached to an [`Envelope`](crate::Envelope).
+///
+/// Implement it for plain data (no references, no interior mutability) that
+/// serde can write and read. [`NAME`](Stamp::NAME) is the stable wire name
+/// used in the `X-Message-Stamp-<NAME>` header; never change it once
+/// messages carrying it exist in a transport.
+pub trait Stamp: Any + fmt::Debug + Clone + Send + Sync + Serialize + DeserializeOwned {
+    /// Stable wire name of this stamp type.
+    const NAME: &'static str;
+    /// Whether the stamp crosses a transport. Non-sendable stamps (a handler
+    /// result, for instance) are dropped by the serializer.
+    const SENDABLE: bool = true;
+}
+
+/// Object-safe view of a stamp, used for storage and serialization.
+pub trait ErasedStamp: Any + fmt::Debug + Send + Sync {
+    /// The stamp's wire name.
+    fn name(&self) -> &'static str;
+    /// Whether it crosses a transport.
+    fn sendable(&self) -> bool;
+    /// The stamp as JSON, or `None` if it is not sendable.
+    fn to_json(&self) -> Option<serde_json::Value>;
+    /// Upcast for downcasting.
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl<S: Stamp> ErasedStamp for S {
+    fn name(&self) -> &'static str {
+        S::NAME
+    }
+    fn sendable(&self) -> bool {
+        S::SENDABLE
+    }
+    fn to_json(&self) -> Option<serde_json::Value> {
+        if S::SENDABLE {
+            serde_json::to_value(self).ok()
+        } else {
+            None
+        }
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// One stored stamp. The stamps every dispatch adds are stored inline so that
+/// the hot path does not allocate for them; any other stamp is shared behind
+/// an `Arc`.
+#[derive(Clone)]
+pub(crate) enum StampEntry {
+    BusName(BusNameStamp),
+    Handled(HandledStamp),
+    Received(ReceivedStamp),
+    Other(Arc<dyn ErasedStamp>),
+}
+
+impl StampEntry {
+    pub(crate) fn new<S: Stamp>(stamp: S) -> Self {
+        // Route the built-in hot stamps to their inline slots.
+        let any: &dyn Any = &stamp;
+        if let Some(s) = any.downcast_ref::<BusNameStamp>() {
+            return StampEntry::BusName(s.clone());
+        }
+        if let Some(s) = any.downcast_ref::<HandledStamp>() {
+            return StampEntry::Handled(s.clone());
+        }
+        if let Some(s) = any.downcast_ref::<ReceivedStamp>() {
+            return StampEntry::Received(s.clone());
+        }
+        StampEntry::Other(Arc::new(stamp))
+    }
+
+    pub(crate) fn erased(&self) -> &dyn ErasedStamp {
+        match self {
+            StampEntry::BusName(s) => s,
+            StampEntry::Handled(s) => s,
+            StampEntry::Received(s) => s,
+            StampEntry::Other(s) => &**s,
+        }
+    }
+
+    #[inline]
+    pub(crate) fn type_id(&self) -> TypeId {
+        match self {
+            StampEntry::BusName(_) => TypeId::of::<BusNameStamp>(),
+            StampEntry::Handled(_) => TypeId::of::<HandledStamp>(),
+            StampEntry::Received(_) => TypeId::of::<ReceivedStamp>(),
+            StampEntry::Other(s) => (**s).as_any().type_id(),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn downcast<S: Stamp>(&self) -> Option<&S> {
+        if self.type_id() != TypeId::of::<S>() {
+            return None;
+        }
+        self.erased().as_any().downcast_ref::<S>()
+    }
+}
+
+impl fmt::Debug for StampEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.erased(), f)
+    }
+}
+
+/// Milliseconds since the Unix epoch, the time unit stamps use on the wire.
+pub fn now_millis() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Names the bus a message was dispatched on. Added by the first step of the
+/// canonical pipeline when missing, so a message received from a transport
+/// goes back through the bus it was sent from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BusNameStamp {
+    /// Name of the bus.
+    pub bus: Arc<str>,
+}
+
+impl BusNameStamp {
+    /// A stamp naming `bus`.
+    pub fn new(bus: impl Into<Arc<str>>) -> Self {
+        Self { bus: bus.into() }
+    }
+}
+
+impl Stamp for BusNameStamp {
+    const NAME: &'static str = "BusName";
+}
+
+/// Marks an envelope as received from a transport. Its presence makes the
+/// send step a no-op, so the receiver pipeline reaches the handlers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReceivedStamp {
+    /// Name of the transport the message came from.
+    pub transport: Arc<str>,
+}
+
+impl ReceivedStamp {
+    /// A stamp naming `transport`.
+    pub fn new(transport: impl Into<Arc<str>>) -> Self {
+        Self {
+            transport: transport.into(),
+        }
+    }
+}
+
+impl Stamp for ReceivedStamp {
+    const NAME: &'static str = "Received";
+    const SENDABLE: bool = false;
+}
+
+/// Records that the envelope was sent to a transport; one per transport.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SentStamp {
+    /// Name of the transport.
+    pub transport: String,
+}
+
+impl SentStamp {
+    /// A stamp naming `transport`.
+    pub fn new(transport: impl Into<String>) -> Self {
+        Self {
+            transport: transport.into(),
+        }
+    }
+}
+
+impl Stamp for SentStamp {
+    const NAME: &'static str = "Sent";
+    const SENDABLE: bool = false;
+}
+
+/// The value a handler returned, stored once and shared by every clone of the
+/// envelope.
+#[derive(Clone, Default)]
+pub struct HandlerResult(pub(crate) Option<Arc<dyn Any + Send + Sync>>);
+
+impl HandlerResult {
+    /// Wraps a value. `()` is stored without allocating.
+    pub fn new<T: Any + Send + Sync>(value: T) -> Self {
+        if TypeId::of::<T>() == TypeId::of::<()>() {
+            HandlerResult(None)
+        } else {
+            HandlerResult(Some(Arc::new(value)))
+        }
+    }
+
+    /// Borrows the value if it is a `T`.
+    pub fn downcast_ref<T: Any>(&self) -> Option<&T> {
+        match &self.0 {
+            Some(v) => (**v).downcast_ref::<T>(),
+            None => (&() as &dyn Any).downcast_ref::<T>(),
+        }
+    }
+
+    /// Takes the value out if it is a `T`; clones it when the result is
+    /// shared with another clone of the envelope.
+    pub fn take<T: Any + Send + Sync + Clone>(self) -> Option<T> {
+        match self.0 {
+            Some(v) => match v.downcast::<T>() {
+                Ok(arc) => Some(Arc::try_unwrap(arc).unwrap_or_else(|a| (*a).clone())),
+                Err(_) => None,
+            },
+            None => (&() as &dyn Any).downcast_ref::<T>().cloned(),
+        }
+    }
+}
+
+impl fmt::Debug for HandlerResult {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            None => f.write_str("()"),
+            Some(_) => f.write_str("<value>"),
+        }
+    }
+}
+
+/// Added by the handle step, once per handler that ran successfully.
+///
+/// Only the handler's name crosses a transport (the result is dropped at the
+/// wire), so a retried event does not run again the handlers that already
+/// succeeded.
+#[derive(Debug, Clone)]
+pub struct HandledStamp {
+    /// Name of the handler.
+    pub handler: Cow<'static, str>,
+    /// What it returned (empty after a transport round trip).
+    pub result: HandlerResult,
+}
+
+impl HandledStamp {
+    /// A stamp for `handler` with its `result`.
+    pub fn new(handler: impl Into<Cow<'static, str>>, result: HandlerResult) -> Self {
+        Self {
+            handler: handler.into(),
+            result,
+        }
+    }
+}
+
+impl Serialize for HandledStamp {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.handler)
+    }
+}
+
+impl<'de> Deserialize<'de> for HandledStamp {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let handler = String::deserialize(deserializer)?;
+        Ok(HandledStamp::new(handler, HandlerResult::default()))
+    }
+}
+
+impl Stamp for HandledStamp {
+    const NAME: &'static str = "Handled";
+}
+
+/// Counts redeliveries; added by the retry step before re-sending.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RedeliveryStamp {
+    /// 1 for the first retry, 2 for the second, …
+    pub retry_count: u32,
+    /// When the retry was scheduled, in milliseconds since the Unix epoch.
+    pub at: u64,
+}
+
+impl RedeliveryStamp {
+    /// A stamp for retry number `retry_count`, scheduled now.
+    pub fn new(retry_count: u32) -> Self {
+        Self {
+            retry_count,
+            at: now_millis(),
+        }
+    }
+}
+
+impl Stamp for RedeliveryStamp {
+    const NAME: &'static str = "Redelivery";
+}
+
+/// Asks the transport to deliver the message no sooner than `ms` from now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DelayStamp {
+    /// The delay in milliseconds.
+    pub ms: u64,
+}
+
+impl DelayStamp {
+    /// A delay of `delay`.
+    pub fn new(delay: Duration) -> Self {
+        Self {
+            ms: delay.as_millis() as u64,
+        }
+    }
+
+    /// The delay as a [`Duration`].
+    pub fn duration(&self) -> Duration {
+        Duration::from_millis(self.ms)
+    }
+}
+
+impl Stamp for DelayStamp {
+    const NAME: &'static str = "Delay";
+}
+
+/// Describes why handling a message failed; added before it goes to the
+/// failure transport.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDetailsStamp {
+    /// A short classification, such as the error's type or `decode`.
+    pub kind: String,
+    /// The error's message.
+    pub message: String,
+    /// The error's `source()` chain, outermost first.
+    pub chain: Vec<String>,
+}
+
+impl ErrorDetailsStamp {
+    /// Details of `error`, classified as `kind`.
+    pub fn from_error(kind: impl Into<String>, error: &(dyn std::error::Error + 'static)) -> Self {
+        let mut chain = Vec::new();
+        let mut source = error.source();
+        while let Some(e) = source {
+            chain.push(e.to_string());
+            source = e.source();
+        }
+        Self {
+            kind: kind.into(),
+            message: error.to_string(),
+            chain,
+        }
+    }
+
+    /// Details from a plain message.
+    pub fn new(kind: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            kind: kind.into(),
+            message: message.into(),
+            chain: Vec::new(),
+        }
+    }
+}
+
+impl Stamp for ErrorDetailsStamp {
+    const NAME: &'static str = "ErrorDetails";
+}
+
+/// The id a transport gave the message when it was sent or received.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportMessageIdStamp {
+    /// The transport-specific id.
+    pub id: String,
+}
+
+impl TransportMessageIdStamp {
+    /// A stamp carrying `id`.
+    pub fn new(id: impl Into<String>) -> Self {
+        Self { id: id.into() }
+    }
+}
+
+impl Stamp for TransportMessageIdStamp {
+    const NAME: &'static str = "TransportMessageId";
+    const SENDABLE: bool = false;
+}
+
+/// Marks a message that was moved to the failure transport, remembering where
+/// it came from so a retry from there behaves as the original delivery did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SentToFailureTransportStamp {
+    /// The transport the message was received from when it failed.
+    pub original_transport: String,
+}
+
+impl SentToFailureTransportStamp {
+    /// A stamp naming the original transport.
+    pub fn new(original_transport: impl Into<String>) -> Self {
+        Self {
+            original_transport: original_transport.into(),
+        }
+    }
+}
+
+impl Stamp for SentToFailureTransportStamp {
+    const NAME: &'static str = "SentToFailureTransport";
+}
+
+/// Defers a dispatch made while another dispatch on the same task is running
+/// until that outer dispatch has finished successfully.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DispatchAfterCurrentBusStamp;
+
+impl Stamp for DispatchAfterCurrentBusStamp {
+    const NAME: &'static str = "DispatchAfterCurrentBus";
+    const SENDABLE: bool = false;
+}
+
+/// A unique id for a message, kept across transports and retries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MessageIdStamp {
+    /// The id.
+    pub id: uuid::Uuid,
+}
+
+impl MessageIdStamp {
+    /// A fresh, time-ordered id.
+    pub fn generate() -> Self {
+        Self {
+            id: uuid::Uuid::now_v7(),
+        }
+    }
+}
+
+impl Stamp for MessageIdStamp {
+    const NAME: &'static str = "MessageId";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unit_handler_results_are_stored_without_a_value() {
+        let r = HandlerResult::new(());
+        assert!(r.0.is_none());
+        assert_eq!(r.downcast_ref::<()>(), Some(&()));
+        assert_eq!(r.take::<()>(), Some(()));
+    }
+
+    #[test]
+    fn handler_results_downcast_to_their_own_type_only() {
+        let r = HandlerResult::new(42u32);
+        assert_eq!(r.downcast_ref::<u32>(), Some(&42));
+        assert_eq!(r.downcast_ref::<i64>(), None);
+        assert_eq!(r.take::<u32>(), Some(42));
+    }
+
+    #[test]
+    fn error_details_keep_the_source_chain() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("outer")]
+        struct Outer(#[source] std::io::Error);
+        let e = Outer(std::io::Error::other("inner"));
+        let d = ErrorDetailsStamp::from_error("io", &e);
+        assert_eq!(d.message, "outer");
+        assert_eq!(d.chain, vec!["inner".to_string()]);
+    }
+
+    #[test]
+    fn handled_stamp_sends_the_handler_name_but_not_the_result() {
+        let s = HandledStamp::new("h", HandlerResult::new(1u8));
+        assert_eq!(ErasedStamp::to_json(&s), Some(serde_json::json!("h")));
+        let back: HandledStamp = serde_json::from_value(serde_json::json!("h")).unwrap();
+        assert_eq!(back.handler, "h");
+        assert!(back.result.downcast_ref::<u8>().is_none());
+        assert!(ErasedStamp::to_json(&ReceivedStamp::new("a")).is_none());
+    }
+}

@@ -1,0 +1,221 @@
+//! Helpers for testing middlewares and transports without a broker.
+//!
+//! Seed 000's advice: test a middleware in isolation with a fake `next` that
+//! records whether and with which envelope it was called, using real
+//! envelopes and stamps.
+//!
+//! ```
+//! use envoi_core::testing::RecordingEndpoint;
+//! use envoi_core::middleware::{Middleware, add_bus_name::AddBusNameStamp};
+//! use envoi_core::{Envelope, Message, stamp::BusNameStamp};
+//!
+//! #[derive(Debug)]
+//! struct Ping;
+//! impl Message for Ping { const NAME: &'static str = "Ping"; }
+//!
+//! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+//! let next = RecordingEndpoint::new();
+//! AddBusNameStamp::new("bus").handle(Envelope::new(Ping), next.next()).await.unwrap();
+//! assert_eq!(next.calls().len(), 1);
+//! assert!(next.calls()[0].has::<BusNameStamp>());
+//! # });
+//! ```
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use crate::envelope::Envelope;
+use crate::error::{BoxError, BusError, HandlerError, Result, TransportError};
+use crate::middleware::{BoxFuture, Endpoint, Next};
+use crate::stamp::TransportMessageIdStamp;
+use crate::transport::SenderDispatcher;
+
+/// An endpoint that records every envelope it receives and returns it.
+#[derive(Debug, Default, Clone)]
+pub struct RecordingEndpoint {
+    calls: Arc<Mutex<Vec<Envelope>>>,
+}
+
+impl RecordingEndpoint {
+    /// A new, empty recorder.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A [`Next`] that ends in this recorder.
+    pub fn next(&self) -> Next<'_> {
+        Next::to_endpoint(self)
+    }
+
+    /// The envelopes received so far.
+    pub fn calls(&self) -> Vec<Envelope> {
+        self.calls.lock().expect("poisoned").clone()
+    }
+
+    /// The one envelope received; panics unless exactly one was.
+    pub fn single(&self) -> Envelope {
+        let calls = self.calls();
+        assert_eq!(calls.len(), 1, "expected exactly one call of next");
+        calls.into_iter().next().expect("one call")
+    }
+}
+
+impl Endpoint for RecordingEndpoint {
+    fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
+        self.calls.lock().expect("poisoned").push(envelope.clone());
+        Box::pin(async move { Ok(envelope) })
+    }
+}
+
+/// An endpoint that fails like a handler would, with a fresh error each call.
+pub struct FailingEndpoint {
+    make: Box<dyn Fn() -> BoxError + Send + Sync>,
+}
+
+impl FailingEndpoint {
+    /// Fails with the errors `make` returns.
+    pub fn new(make: impl Fn() -> BoxError + Send + Sync + 'static) -> Self {
+        Self {
+            make: Box::new(make),
+        }
+    }
+
+    /// Fails with the message "boom".
+    pub fn plain() -> Self {
+        Self::new(|| "boom".into())
+    }
+
+    /// A [`Next`] that ends in this endpoint.
+    pub fn next(&self) -> Next<'_> {
+        Next::to_endpoint(self)
+    }
+}
+
+impl fmt::Debug for FailingEndpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FailingEndpoint")
+    }
+}
+
+impl Endpoint for FailingEndpoint {
+    fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
+        let error = (self.make)();
+        Box::pin(async move {
+            Err(BusError::HandlerFailed {
+                envelope: Box::new(envelope),
+                errors: vec![HandlerError {
+                    handler: "failing",
+                    error,
+                }],
+            })
+        })
+    }
+}
+
+type EndpointFn = dyn Fn(Envelope) -> BoxFuture<'static, Result<Envelope>> + Send + Sync;
+
+/// An endpoint made from a closure.
+pub struct FnEndpoint {
+    f: Box<EndpointFn>,
+}
+
+impl FnEndpoint {
+    /// Wraps `f`.
+    pub fn new(
+        f: impl Fn(Envelope) -> BoxFuture<'static, Result<Envelope>> + Send + Sync + 'static,
+    ) -> Self {
+        Self { f: Box::new(f) }
+    }
+}
+
+impl fmt::Debug for FnEndpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FnEndpoint")
+    }
+}
+
+impl Endpoint for FnEndpoint {
+    fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
+        (self.f)(envelope)
+    }
+}
+
+/// A [`SenderDispatcher`] that records what it was asked to send and
+/// succeeds, stamping a [`TransportMessageIdStamp`]. Transports named in
+/// [`failing`](Self::failing) fail instead, handing the envelope back.
+#[derive(Debug, Default, Clone)]
+pub struct RecordingSenders {
+    sent: Arc<Mutex<Vec<(String, Envelope)>>>,
+    failing: Arc<Mutex<Vec<String>>>,
+}
+
+impl RecordingSenders {
+    /// Makes sends to `transport` fail.
+    pub fn failing(&self, transport: &str) {
+        self.failing
+            .lock()
+            .expect("poisoned")
+            .push(transport.into());
+    }
+
+    /// The transports sent to, in order.
+    pub fn sent_to(&self) -> Vec<String> {
+        self.sent
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .map(|(t, _)| t.clone())
+            .collect()
+    }
+
+    /// The envelopes sent, in order.
+    pub fn envelopes(&self) -> Vec<Envelope> {
+        self.sent
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .map(|(_, e)| e.clone())
+            .collect()
+    }
+}
+
+impl SenderDispatcher for RecordingSenders {
+    fn send<'a>(
+        &'a self,
+        transport: &'a str,
+        envelope: Envelope,
+    ) -> BoxFuture<'a, Result<Envelope>> {
+        Box::pin(async move {
+            if self
+                .failing
+                .lock()
+                .expect("poisoned")
+                .iter()
+                .any(|t| t == transport)
+            {
+                return Err(BusError::Transport {
+                    transport: transport.into(),
+                    envelope: Some(Box::new(envelope)),
+                    source: TransportError::Closed,
+                });
+            }
+            let mut sent = self.sent.lock().expect("poisoned");
+            let id = sent.len().to_string();
+            sent.push((transport.to_string(), envelope.clone()));
+            Ok(envelope.with(TransportMessageIdStamp::new(id)))
+        })
+    }
+
+    fn transports(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+#[cfg(test)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Ping;
+
+#[cfg(test)]
+impl crate::message::Message for Ping {
+    const NAME: &'static str = "Ping";
+}

@@ -1,0 +1,244 @@
+//! Transport traits: how messages leave a process and come back.
+//!
+//! A [`Transport`] stores and hands out [`RawMessage`]s (a body and string
+//! headers); the [`Serializer`](crate::serializer::Serializer) turns
+//! envelopes into raw messages and back. Keeping transports byte-level means a
+//! message that cannot be decoded (unknown type, malformed body) is still a
+//! [`Delivery`] the worker can move to the failure transport with the reason,
+//! instead of an error that loses it.
+//!
+//! A [`Sender`] is the envelope-level view the send step uses; [`SenderDispatcher`]
+//! decides how a send happens (now, or after a database transaction commits).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::envelope::Envelope;
+use crate::error::{BusError, Result, TransportError};
+use crate::middleware::BoxFuture;
+
+/// A message as a transport stores it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RawMessage {
+    /// The encoded message.
+    pub body: Vec<u8>,
+    /// `type`, `kind` and one `X-Message-Stamp-<name>` header per stamp type.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl RawMessage {
+    /// Header `key`, if present.
+    pub fn header(&self, key: &str) -> Option<&str> {
+        self.headers.get(key).map(String::as_str)
+    }
+}
+
+/// A message handed out by [`Transport::get`], to be acknowledged, rejected
+/// or released by its `id`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    /// The transport's id for this message.
+    pub id: String,
+    /// The stored message.
+    pub raw: RawMessage,
+}
+
+/// What a transport promises; the conformance suite reads it to decide which
+/// tests apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// Messages survive a restart of the process.
+    pub persistent: bool,
+    /// A single consumer receives messages in the order they were sent.
+    pub ordered: bool,
+    /// `send` honours a delay.
+    pub delay: bool,
+    /// `list` and `find` work.
+    pub listable: bool,
+}
+
+impl Capabilities {
+    /// Every capability.
+    pub const ALL: Capabilities = Capabilities {
+        persistent: true,
+        ordered: true,
+        delay: true,
+        listable: true,
+    };
+
+    /// Builds capabilities from the four flags.
+    pub const fn new(persistent: bool, ordered: bool, delay: bool, listable: bool) -> Self {
+        Self {
+            persistent,
+            ordered,
+            delay,
+            listable,
+        }
+    }
+}
+
+/// Stores messages and hands them out to consumers.
+///
+/// Delivery is at least once: a message handed out by [`get`](Self::get)
+/// that is neither acknowledged nor rejected (the consumer died) becomes
+/// available again after the transport's lease or visibility timeout;
+/// [`keepalive`](Self::keepalive) extends the lease of a message still being
+/// worked on.
+pub trait Transport: Send + Sync + 'static {
+    /// Stores `message`, to be handed out no sooner than `delay` from now.
+    /// Returns the transport's id for it.
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>>;
+
+    /// Hands out up to `max` available messages, leasing them to the caller.
+    /// Returns an empty vector when none is available (it may wait briefly
+    /// for one first).
+    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>>;
+
+    /// The message was handled: remove it for good.
+    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>>;
+
+    /// The message must not be handled again: remove it for good.
+    fn reject<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        self.ack(id)
+    }
+
+    /// Gives the message back so it is handed out again (graceful stop).
+    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>>;
+
+    /// Extends the lease of a message still being handled.
+    fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        let _ = id;
+        Box::pin(async { Ok(()) })
+    }
+
+    /// Creates what the transport needs (tables, queues, streams). Idempotent.
+    fn setup(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    /// How many messages are waiting (including delayed and leased ones).
+    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+        Box::pin(async { Err(TransportError::Unsupported("message_count")) })
+    }
+
+    /// Up to `limit` stored messages, oldest first, without leasing them.
+    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        let _ = limit;
+        Box::pin(async { Err(TransportError::Unsupported("list")) })
+    }
+
+    /// The stored message with this id, without leasing it.
+    fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
+        let _ = id;
+        Box::pin(async { Err(TransportError::Unsupported("find")) })
+    }
+
+    /// What the transport promises.
+    fn capabilities(&self) -> Capabilities;
+}
+
+impl fmt::Debug for dyn Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Transport")
+            .field("capabilities", &self.capabilities())
+            .finish()
+    }
+}
+
+/// A failed send; hands the envelope back so nothing is lost.
+#[derive(Debug, thiserror::Error)]
+#[error("sending `{}` failed: {source}", envelope.message_name())]
+pub struct SendError {
+    /// The envelope that was not sent.
+    pub envelope: Box<Envelope>,
+    /// Why.
+    #[source]
+    pub source: TransportError,
+}
+
+/// Sends envelopes to one transport.
+pub trait Sender: Send + Sync + 'static {
+    /// Sends `envelope`; on success returns it stamped with a
+    /// [`TransportMessageIdStamp`](crate::stamp::TransportMessageIdStamp).
+    fn send(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope, SendError>>;
+}
+
+/// Decides how the send step's sends happen. The default sends at once; a
+/// transactional outbox can hold sends until its transaction commits.
+pub trait SenderDispatcher: Send + Sync + 'static {
+    /// Sends `envelope` to the transport called `transport`.
+    fn send<'a>(
+        &'a self,
+        transport: &'a str,
+        envelope: Envelope,
+    ) -> BoxFuture<'a, Result<Envelope>>;
+
+    /// The names of the transports it can send to.
+    fn transports(&self) -> Vec<String>;
+}
+
+/// The default [`SenderDispatcher`]: sends at once through named [`Sender`]s.
+#[derive(Default, Clone)]
+pub struct DirectSenders {
+    senders: BTreeMap<String, Arc<dyn Sender>>,
+}
+
+impl DirectSenders {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) the sender for `transport`.
+    pub fn insert(&mut self, transport: impl Into<String>, sender: Arc<dyn Sender>) {
+        self.senders.insert(transport.into(), sender);
+    }
+
+    /// The sender for `transport`.
+    pub fn get(&self, transport: &str) -> Option<&Arc<dyn Sender>> {
+        self.senders.get(transport)
+    }
+}
+
+impl fmt::Debug for DirectSenders {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.senders.keys()).finish()
+    }
+}
+
+impl SenderDispatcher for DirectSenders {
+    fn send<'a>(
+        &'a self,
+        transport: &'a str,
+        envelope: Envelope,
+    ) -> BoxFuture<'a, Result<Envelope>> {
+        Box::pin(async move {
+            let Some(sender) = self.senders.get(transport) else {
+                return Err(BusError::Transport {
+                    transport: transport.to_string(),
+                    envelope: Some(Box::new(envelope)),
+                    source: TransportError::UnknownTransport(transport.to_string()),
+                });
+            };
+            sender
+                .send(envelope)
+                .await
+                .map_err(|e| BusError::Transport {
+                    transport: transport.to_string(),
+                    envelope: Some(e.envelope),
+                    source: e.source,
+                })
+        })
+    }
+
+    fn transports(&self) -> Vec<String> {
+        self.senders.keys().cloned().collect()
+    }
+}
