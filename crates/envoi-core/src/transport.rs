@@ -96,6 +96,21 @@ pub trait Transport: Send + Sync + 'static {
         delay: Option<Duration>,
     ) -> BoxFuture<'_, Result<String, TransportError>>;
 
+    /// Stores several messages; returns their ids in order. Transports that
+    /// can write a batch in one round trip override it.
+    fn send_batch(
+        &self,
+        messages: Vec<(RawMessage, Option<Duration>)>,
+    ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+        Box::pin(async move {
+            let mut ids = Vec::with_capacity(messages.len());
+            for (message, delay) in messages {
+                ids.push(self.send(message, delay).await?);
+            }
+            Ok(ids)
+        })
+    }
+
     /// Hands out up to `max` available messages, leasing them to the caller.
     /// Returns an empty vector when none is available (it may wait briefly
     /// for one first).
@@ -103,6 +118,17 @@ pub trait Transport: Send + Sync + 'static {
 
     /// The message was handled: remove it for good.
     fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>>;
+
+    /// Acknowledges several messages; transports that can do it in one round
+    /// trip override it.
+    fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            for id in ids {
+                self.ack(id).await?;
+            }
+            Ok(())
+        })
+    }
 
     /// The message must not be handled again: remove it for good.
     fn reject<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
@@ -240,5 +266,52 @@ impl SenderDispatcher for DirectSenders {
 
     fn transports(&self) -> Vec<String> {
         self.senders.keys().cloned().collect()
+    }
+}
+
+/// Creates transports from DSNs such as `sqlite://envoi.db` or
+/// `redis://127.0.0.1:6379`. Each transport crate provides one.
+pub trait TransportFactory: Send + Sync + 'static {
+    /// Whether this factory understands `dsn` (usually by its scheme).
+    fn supports(&self, dsn: &str) -> bool;
+
+    /// Creates the transport called `name` from `dsn`. Fails with
+    /// [`TransportError::InvalidDsn`] for a DSN it cannot use.
+    fn create<'a>(&'a self, name: &'a str, dsn: &'a str) -> BoxFuture<'a, Result<Arc<dyn Transport>, TransportError>>;
+}
+
+/// Masks the password in a DSN (`scheme://user:secret@host` →
+/// `scheme://user:***@host`) for error messages and listings.
+pub fn mask_dsn(dsn: &str) -> String {
+    let Some(scheme_end) = dsn.find("://") else {
+        return dsn.to_string();
+    };
+    let rest = &dsn[scheme_end + 3..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    match (authority.rfind('@'), authority.find(':')) {
+        (Some(at), Some(colon)) if colon < at => format!(
+            "{}{}:***{}",
+            &dsn[..scheme_end + 3],
+            &authority[..colon],
+            &rest[at..]
+        ),
+        _ => dsn.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mask_dsn_hides_only_the_password() {
+        assert_eq!(
+            mask_dsn("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(mask_dsn("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(mask_dsn("sqlite://envoi.db"), "sqlite://envoi.db");
+        assert_eq!(mask_dsn("postgres://postgres@h/db"), "postgres://postgres@h/db");
     }
 }
