@@ -266,6 +266,12 @@ impl Endpoint for BusInner {
     fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
         Box::pin(self.core(envelope))
     }
+
+    fn sends(&self, envelope: &Envelope) -> bool {
+        self.send
+            .as_ref()
+            .is_some_and(|s| s.targets(envelope).is_some())
+    }
 }
 
 /// Where deferred envelopes go: the pipeline from step 3 on.

@@ -120,6 +120,13 @@ pub(crate) fn short_type_name(full: &'static str) -> &'static str {
 pub trait Endpoint: Send + Sync {
     /// Runs the endpoint.
     fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>>;
+
+    /// Whether running `envelope` would send it to a transport instead of
+    /// handling it here. `false` unless the endpoint routes messages.
+    fn sends(&self, envelope: &Envelope) -> bool {
+        let _ = envelope;
+        false
+    }
 }
 
 /// The rest of the pipeline, handed to a middleware.
@@ -152,6 +159,13 @@ impl<'a> Next<'a> {
             chain: &[],
             endpoint: None,
         }
+    }
+
+    /// Whether the rest of the pipeline would send `envelope` to a transport
+    /// (it is routed and was not received from one) rather than handle it in
+    /// this process. Stage adapters use it to run the sender-side stages only.
+    pub fn sends(&self, envelope: &Envelope) -> bool {
+        self.endpoint.is_some_and(|e| e.sends(envelope))
     }
 
     /// Runs the rest of the pipeline with `envelope`.
