@@ -1,0 +1,219 @@
+//! # envoi-transport-tests
+//!
+//! One conformance suite that every envoi transport passes, modelled on
+//! Watermill's universal Pub/Sub tests. The cases work at the raw level of
+//! [`Transport`]: bodies and headers go in through `send`, come out through
+//! `get`, and are settled with `ack`, `reject` or `release`. Envelope-level
+//! behaviour (stamps, the serializer) is tested through the serializer
+//! elsewhere and is deliberately absent here.
+//!
+//! ## Running the suite for a transport
+//!
+//! A transport crate adds this crate (and `tokio`) as dev-dependencies and
+//! writes `tests/conformance.rs`:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use envoi_core::transport::Transport;
+//!
+//! async fn make(name: String) -> Option<Arc<dyn Transport>> {
+//!     // Open the transport called `name` with a lease of `Options::lease`,
+//!     // or say why not and return None, which skips the case:
+//!     let _ = name;
+//!     eprintln!("skipped conformance: ENVOI_EXAMPLE_URL is not set");
+//!     None
+//! }
+//!
+//! envoi_transport_tests::conformance!(make);
+//! ```
+//!
+//! With [`Options`] (here a one-second lease):
+//!
+//! ```
+//! # use std::sync::Arc;
+//! # use envoi_core::transport::Transport;
+//! # async fn make(name: String) -> Option<Arc<dyn Transport>> { let _ = name; None }
+//! envoi_transport_tests::conformance!(
+//!     make,
+//!     envoi_transport_tests::Options {
+//!         lease: std::time::Duration::from_secs(1),
+//!         ..envoi_transport_tests::Options::default()
+//!     }
+//! );
+//! ```
+//!
+//! The test crate needs `tokio` only through this crate: the generated tests
+//! use the runtime this crate re-exports.
+//!
+//! The macro expands to one `#[tokio::test(flavor = "multi_thread",
+//! worker_threads = 2)]` per case, named after the case, each calling the
+//! function of the same name in [`cases`].
+//!
+//! ## What `make` must do
+//!
+//! * `make(name)` opens the transport (queue, table, stream) called `name`.
+//!   Calling it twice with the same name gives two handles on the same
+//!   queue: the cases use that to model restarts and several processes.
+//! * The transport's lease (visibility timeout) must be
+//!   [`Options::lease`] (2 s by default) so that redelivery cases finish
+//!   quickly.
+//! * Returning `None` skips the case; `make` prints why (for instance
+//!   `skipped conformance: ENVOI_REDIS_URL is not set`).
+//!
+//! Every case uses names of its own (with a random suffix), so the cases
+//! can run in parallel and repeatedly against the same server. The suite
+//! calls [`Transport::setup`] on each handle it opens.
+//!
+//! ## What the cases expect of every transport
+//!
+//! * **Bodies**: any UTF-8 text up to 256 KiB (envoi sends JSON). With
+//!   [`Options::binary_bodies`] (the default), any bytes as well: empty,
+//!   NUL bytes and invalid UTF-8.
+//! * **Headers**: keys made of ASCII letters, digits, `-`, `_` and `.`;
+//!   values any UTF-8 string without NUL (quotes, backslashes, newlines,
+//!   tabs, emoji, empty, several KiB), up to 64 headers per message. A
+//!   transport whose native headers cannot hold that must encode them.
+//! * **At least once**: a message handed out and neither acknowledged nor
+//!   rejected comes back (after [`Transport::release`] at once, after the
+//!   lease otherwise); an acknowledged or rejected message never comes back.
+//! * **Unknown ids**: `ack`, `reject`, `release` and `keepalive` of an id the
+//!   transport does not know must not panic nor disturb other messages.
+//!
+//! What applies beyond that is read from
+//! [`Transport::capabilities`](envoi_core::transport::Transport::capabilities):
+//! a case that needs a capability the transport lacks prints
+//! `skipped <case>: transport is not <capability>` and passes.
+//!
+//! [`Transport`]: envoi_core::transport::Transport
+//! [`Transport::setup`]: envoi_core::transport::Transport::setup
+//! [`Transport::release`]: envoi_core::transport::Transport::release
+
+#![forbid(unsafe_code)]
+
+pub mod cases;
+mod support;
+
+use std::time::Duration;
+
+pub use support::{unique_name, MakeTransport};
+
+/// What the suite may assume about the transport under test.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The lease (visibility timeout) the transports made by `make` use.
+    /// Keepalive cases renew it every quarter of this; redelivery cases wait
+    /// for it to pass. Default: 2 s.
+    pub lease: Duration,
+    /// Whether a message handed out and never settled comes back by itself
+    /// once the lease passes. Default: `true`. A transport that cannot do
+    /// that (it only redelivers what is released) sets it to `false`, which
+    /// skips the lease and keepalive cases.
+    pub lease_expiry: bool,
+    /// Whether bodies may be any bytes, not only UTF-8 text. Default: `true`.
+    pub binary_bodies: bool,
+    /// The longest a case waits for messages it expects. Generous, because
+    /// CI machines are slow. Default: 30 s.
+    pub timeout: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(2),
+            lease_expiry: true,
+            binary_bodies: true,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Names of every case, in the order the [`conformance!`] macro emits them.
+pub const CASES: &[&str] = &[
+    "publish_consume_integrity",
+    "binary_bodies_round_trip",
+    "acked_message_never_comes_back",
+    "rejected_message_never_comes_back",
+    "released_message_is_redelivered",
+    "continues_after_repeated_errors",
+    "unacked_message_is_redelivered_after_lease",
+    "keepalive_prevents_redelivery",
+    "concurrent_consumers_see_every_message_once",
+    "consumers_reopened_mid_stream_lose_nothing",
+    "many_consumers_closing_at_once_lose_nothing",
+    "single_consumer_receives_in_order",
+    "concurrent_publishers_lose_nothing",
+    "transport_names_isolate_messages",
+    "delay_is_honoured",
+    "message_count_counts_waiting_messages",
+    "list_and_find_do_not_lease",
+    "setup_is_idempotent",
+    "send_batch_and_ack_batch",
+    "get_never_exceeds_max",
+    "unknown_ids_do_not_disturb_other_messages",
+    "messages_survive_reopening",
+    "claimed_message_survives_consumer_crash",
+];
+
+/// Re-exports the macros need; not part of the API.
+#[doc(hidden)]
+pub mod __private {
+    pub use tokio;
+}
+
+/// Emits one `#[tokio::test]` per conformance case for the transport made by
+/// `make` (an `async fn(String) -> Option<Arc<dyn Transport>>`), optionally
+/// with [`Options`]; see the [crate docs](crate) for an example.
+#[macro_export]
+macro_rules! conformance {
+    ($make:path) => {
+        $crate::conformance!($make, $crate::Options::default());
+    };
+    ($make:path, $options:expr) => {
+        $crate::__conformance_cases!(
+            $make,
+            $options;
+            publish_consume_integrity,
+            binary_bodies_round_trip,
+            acked_message_never_comes_back,
+            rejected_message_never_comes_back,
+            released_message_is_redelivered,
+            continues_after_repeated_errors,
+            unacked_message_is_redelivered_after_lease,
+            keepalive_prevents_redelivery,
+            concurrent_consumers_see_every_message_once,
+            consumers_reopened_mid_stream_lose_nothing,
+            many_consumers_closing_at_once_lose_nothing,
+            single_consumer_receives_in_order,
+            concurrent_publishers_lose_nothing,
+            transport_names_isolate_messages,
+            delay_is_honoured,
+            message_count_counts_waiting_messages,
+            list_and_find_do_not_lease,
+            setup_is_idempotent,
+            send_batch_and_ack_batch,
+            get_never_exceeds_max,
+            unknown_ids_do_not_disturb_other_messages,
+            messages_survive_reopening,
+            claimed_message_survives_consumer_crash
+        );
+    };
+}
+
+/// Emits the test functions for [`conformance!`]; not part of the API.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_cases {
+    ($make:path, $options:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[$crate::__private::tokio::test(
+                flavor = "multi_thread",
+                worker_threads = 2,
+                crate = "::envoi_transport_tests::__private::tokio"
+            )]
+            async fn $case() {
+                let options: $crate::Options = $options;
+                $crate::cases::$case(&$make, &options).await;
+            }
+        )*
+    };
+}

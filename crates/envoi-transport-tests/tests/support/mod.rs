@@ -1,0 +1,245 @@
+//! A small in-memory reference transport, so the suite itself is tested:
+//! the correct version must pass every case, and versions with a planted
+//! fault must fail the case that looks for it.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use envoi_core::middleware::BoxFuture;
+use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
+use envoi_core::TransportError;
+
+/// A fault planted in the reference transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Behaves correctly.
+    None,
+    /// `ack` leaves the message stored (it comes back after the lease).
+    AckKeepsMessage,
+    /// `release` does nothing (the message only comes back after the lease).
+    ReleaseIgnored,
+    /// Every tenth `send` is dropped.
+    DropsEveryTenthSend,
+    /// `keepalive` does not extend the lease.
+    KeepaliveIgnored,
+    /// Delays are ignored.
+    DelayIgnored,
+    /// `get` hands out the newest message first.
+    NewestFirst,
+    /// Header values lose trailing whitespace.
+    TrimsHeaders,
+    /// Expired leases are never redelivered.
+    LeasesNeverExpire,
+}
+
+struct Stored {
+    raw: RawMessage,
+    available_at: Instant,
+    leased_until: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Queue {
+    next_id: u64,
+    sends: u64,
+    messages: BTreeMap<u64, Stored>,
+}
+
+fn registry() -> &'static Mutex<HashMap<String, Arc<Mutex<Queue>>>> {
+    static QUEUES: OnceLock<Mutex<HashMap<String, Arc<Mutex<Queue>>>>> = OnceLock::new();
+    QUEUES.get_or_init(Default::default)
+}
+
+/// A handle on the in-memory queue called `name` (same name, same queue).
+pub struct Reference {
+    queue: Arc<Mutex<Queue>>,
+    lease: Duration,
+    fault: Fault,
+}
+
+impl Reference {
+    /// Opens `name` with `lease` and `fault`.
+    pub fn open(name: &str, lease: Duration, fault: Fault) -> Arc<dyn Transport> {
+        let queue = Arc::clone(
+            registry()
+                .lock()
+                .unwrap()
+                .entry(name.to_string())
+                .or_default(),
+        );
+        Arc::new(Reference {
+            queue,
+            lease,
+            fault,
+        })
+    }
+
+    fn parse(id: &str) -> Option<u64> {
+        id.parse().ok()
+    }
+}
+
+impl Transport for Reference {
+    fn send(
+        &self,
+        mut message: RawMessage,
+        delay: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>> {
+        Box::pin(async move {
+            let mut q = self.queue.lock().unwrap();
+            q.next_id += 1;
+            q.sends += 1;
+            let id = q.next_id;
+            if self.fault == Fault::DropsEveryTenthSend && q.sends % 10 == 0 {
+                return Ok(id.to_string());
+            }
+            if self.fault == Fault::TrimsHeaders {
+                for v in message.headers.values_mut() {
+                    *v = v.trim_end().to_string();
+                }
+            }
+            let delay = if self.fault == Fault::DelayIgnored {
+                Duration::ZERO
+            } else {
+                delay.unwrap_or_default()
+            };
+            q.messages.insert(
+                id,
+                Stored {
+                    raw: message,
+                    available_at: Instant::now() + delay,
+                    leased_until: None,
+                },
+            );
+            Ok(id.to_string())
+        })
+    }
+
+    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        Box::pin(async move {
+            let now = Instant::now();
+            let mut q = self.queue.lock().unwrap();
+            let never_expire = self.fault == Fault::LeasesNeverExpire;
+            let available = |s: &Stored| {
+                s.available_at <= now
+                    && match s.leased_until {
+                        None => true,
+                        Some(until) => !never_expire && until <= now,
+                    }
+            };
+            let ids: Vec<u64> = if self.fault == Fault::NewestFirst {
+                q.messages
+                    .iter()
+                    .rev()
+                    .filter(|(_, s)| available(s))
+                    .map(|(id, _)| *id)
+                    .take(max)
+                    .collect()
+            } else {
+                q.messages
+                    .iter()
+                    .filter(|(_, s)| available(s))
+                    .map(|(id, _)| *id)
+                    .take(max)
+                    .collect()
+            };
+            let mut out = Vec::with_capacity(ids.len());
+            for id in ids {
+                let s = q.messages.get_mut(&id).expect("listed above");
+                s.leased_until = Some(now + self.lease);
+                out.push(Delivery {
+                    id: id.to_string(),
+                    raw: s.raw.clone(),
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            if self.fault == Fault::AckKeepsMessage {
+                return Ok(());
+            }
+            let Some(id) = Self::parse(id) else {
+                return Err(TransportError::NotFound(id.to_string()));
+            };
+            self.queue.lock().unwrap().messages.remove(&id);
+            Ok(())
+        })
+    }
+
+    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            if self.fault == Fault::ReleaseIgnored {
+                return Ok(());
+            }
+            if let Some(s) = Self::parse(id).and_then(|id| {
+                self.queue
+                    .lock()
+                    .unwrap()
+                    .messages
+                    .get_mut(&id)
+                    .map(|s| s.leased_until.take())
+            }) {
+                let _ = s;
+            }
+            Ok(())
+        })
+    }
+
+    fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            if self.fault == Fault::KeepaliveIgnored {
+                return Ok(());
+            }
+            let mut q = self.queue.lock().unwrap();
+            if let Some(s) = Self::parse(id).and_then(|id| q.messages.get_mut(&id)) {
+                if s.leased_until.is_some() {
+                    s.leased_until = Some(Instant::now() + self.lease);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+        Box::pin(async move { Ok(self.queue.lock().unwrap().messages.len() as u64) })
+    }
+
+    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        Box::pin(async move {
+            Ok(self
+                .queue
+                .lock()
+                .unwrap()
+                .messages
+                .iter()
+                .take(limit)
+                .map(|(id, s)| Delivery {
+                    id: id.to_string(),
+                    raw: s.raw.clone(),
+                })
+                .collect())
+        })
+    }
+
+    fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
+        Box::pin(async move {
+            let q = self.queue.lock().unwrap();
+            Ok(Self::parse(id).and_then(|n| {
+                q.messages.get(&n).map(|s| Delivery {
+                    id: id.to_string(),
+                    raw: s.raw.clone(),
+                })
+            }))
+        })
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::ALL
+    }
+}
