@@ -43,10 +43,17 @@ impl<M: Message> ErasedMessage for M {
 /// ```
 #[derive(Clone)]
 pub struct Envelope {
+    // One pointer: envelopes move through every step of the pipeline, so
+    // keeping them small keeps the pipeline's futures small.
+    inner: Arc<Inner>,
+}
+
+#[derive(Clone)]
+struct Inner {
     message: Arc<dyn ErasedMessage>,
     name: &'static str,
     kind: MessageKind,
-    stamps: SmallVec<[StampEntry; 3]>,
+    stamps: SmallVec<[StampEntry; 4]>,
     headers: Option<Arc<BTreeMap<String, String>>>,
 }
 
@@ -68,129 +75,179 @@ impl Envelope {
 
     /// Wraps a message of the given kind.
     pub fn with_kind<M: Message>(message: M, kind: MessageKind) -> Self {
-        Self {
-            message: Arc::new(message),
-            name: M::NAME,
-            kind,
-            stamps: SmallVec::new(),
-            headers: None,
-        }
+        Self::from_arc(Arc::new(message), kind)
     }
 
     /// Rebuilds an envelope around an already shared message, used by
     /// deserializers that produce the message behind an `Arc`.
     pub fn from_arc<M: Message>(message: Arc<M>, kind: MessageKind) -> Self {
         Self {
-            message,
-            name: M::NAME,
-            kind,
-            stamps: SmallVec::new(),
-            headers: None,
+            inner: Arc::new(Inner {
+                message,
+                name: M::NAME,
+                kind,
+                stamps: SmallVec::new(),
+                headers: None,
+            }),
         }
+    }
+
+    /// Mutable access for the consuming builders; copies the stamps only when
+    /// another clone shares them.
+    #[inline]
+    fn inner_mut(&mut self) -> &mut Inner {
+        Arc::make_mut(&mut self.inner)
     }
 
     /// Returns a new envelope carrying `stamp` after the existing ones.
     #[must_use = "an envelope is immutable: `with` returns the stamped copy"]
+    #[inline]
     pub fn with<S: Stamp>(mut self, stamp: S) -> Self {
-        self.stamps.push(StampEntry::new(stamp));
+        self.inner_mut().stamps.push(StampEntry::new(stamp));
         self
     }
 
     /// Returns a new envelope with header `key` set to `value`.
     #[must_use = "an envelope is immutable: `with_header` returns the new copy"]
     pub fn with_header(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        let headers = self.headers.get_or_insert_with(Default::default);
+        let headers = self
+            .inner_mut()
+            .headers
+            .get_or_insert_with(Default::default);
         Arc::make_mut(headers).insert(key.into(), value.into());
         self
     }
 
     /// The most recently added stamp of type `S`.
     pub fn last<S: Stamp>(&self) -> Option<&S> {
-        self.stamps.iter().rev().find_map(|e| e.downcast::<S>())
+        self.inner
+            .stamps
+            .iter()
+            .rev()
+            .find_map(|e| e.downcast::<S>())
     }
 
     /// Every stamp of type `S`, oldest first.
     pub fn all<S: Stamp>(&self) -> impl DoubleEndedIterator<Item = &S> + '_ {
-        self.stamps.iter().filter_map(|e| e.downcast::<S>())
+        self.inner.stamps.iter().filter_map(|e| e.downcast::<S>())
     }
 
     /// Whether at least one stamp of type `S` is present.
+    #[inline]
     pub fn has<S: Stamp>(&self) -> bool {
         let id = TypeId::of::<S>();
-        self.stamps.iter().any(|e| e.type_id() == id)
+        self.inner.stamps.iter().any(|e| e.type_id() == id)
     }
 
     /// Every stamp, oldest first, as object-safe views (for serializers and
     /// debugging).
     pub fn stamps(&self) -> impl Iterator<Item = &dyn crate::stamp::ErasedStamp> + '_ {
-        self.stamps.iter().map(|e| e.erased())
+        self.inner.stamps.iter().map(|e| e.erased())
     }
 
     /// Adds an already type-erased stamp (used by deserializers).
     #[must_use = "an envelope is immutable: `with_erased` returns the stamped copy"]
     pub fn with_erased(mut self, stamp: Arc<dyn crate::stamp::ErasedStamp>) -> Self {
-        self.stamps.push(StampEntry::Other(stamp));
+        self.inner_mut().stamps.push(StampEntry::Other(stamp));
         self
     }
 
     /// The message, if it is an `M`.
     pub fn message<M: Message>(&self) -> Option<&M> {
-        (*self.message).as_any().downcast_ref::<M>()
+        (*self.inner.message).as_any().downcast_ref::<M>()
     }
 
     /// The message as `&dyn Any`.
     pub fn message_any(&self) -> &dyn Any {
-        (*self.message).as_any()
+        (*self.inner.message).as_any()
     }
 
     /// The [`TypeId`] of the message.
+    #[inline]
     pub fn message_type_id(&self) -> TypeId {
-        (*self.message).as_any().type_id()
+        (*self.inner.message).as_any().type_id()
     }
 
     /// The message's stable name ([`Message::NAME`]).
     pub fn message_name(&self) -> &'static str {
-        self.name
+        self.inner.name
     }
 
     /// Whether the message was dispatched as a command, query or event.
     pub fn kind(&self) -> MessageKind {
-        self.kind
+        self.inner.kind
     }
 
     /// Header `key`, if set.
     pub fn header(&self, key: &str) -> Option<&str> {
-        self.headers.as_ref()?.get(key).map(String::as_str)
+        self.inner.headers.as_ref()?.get(key).map(String::as_str)
     }
 
     /// Every header.
     pub fn headers(&self) -> impl Iterator<Item = (&str, &str)> + '_ {
-        self.headers
+        self.inner
+            .headers
             .iter()
             .flat_map(|h| h.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+    }
+
+    /// This envelope with only its sendable stamps: what it looks like after
+    /// a round trip through a transport. Used by in-process transports that
+    /// store envelopes without encoding them.
+    pub(crate) fn into_sendable(mut self) -> Self {
+        if self.inner.stamps.iter().any(|e| !e.erased().sendable()) {
+            self.inner_mut().stamps.retain(|e| e.erased().sendable());
+        }
+        self
+    }
+
+    /// Removes and returns the dispatches a handler deferred (internal to
+    /// the dispatch-after-current-bus step).
+    pub(crate) fn take_deferred(
+        &mut self,
+    ) -> Vec<crate::middleware::dispatch_after_current_bus::Deferred> {
+        use crate::middleware::dispatch_after_current_bus::DeferredDispatches;
+        if !self.has::<DeferredDispatches>() {
+            return Vec::new();
+        }
+        let inner = self.inner_mut();
+        let mut out = Vec::new();
+        inner
+            .stamps
+            .retain(|e| match e.downcast::<DeferredDispatches>() {
+                Some(d) => {
+                    out.extend(d.0.iter().cloned());
+                    false
+                }
+                None => true,
+            });
+        out
     }
 
     /// A copy of this envelope without any stamps, keeping message, kind and
     /// headers. Used when a message is sent again from scratch.
     pub fn without_stamps(&self) -> Self {
         Self {
-            message: self.message.clone(),
-            name: self.name,
-            kind: self.kind,
-            stamps: SmallVec::new(),
-            headers: self.headers.clone(),
+            inner: Arc::new(Inner {
+                message: self.inner.message.clone(),
+                name: self.inner.name,
+                kind: self.inner.kind,
+                stamps: SmallVec::new(),
+                headers: self.inner.headers.clone(),
+            }),
         }
     }
 }
 
 impl fmt::Debug for Envelope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let i = &*self.inner;
         f.debug_struct("Envelope")
-            .field("name", &self.name)
-            .field("kind", &self.kind)
-            .field("message", &self.message)
-            .field("stamps", &self.stamps)
-            .field("headers", &self.headers)
+            .field("name", &i.name)
+            .field("kind", &i.kind)
+            .field("message", &i.message)
+            .field("stamps", &i.stamps)
+            .field("headers", &i.headers)
             .finish()
     }
 }

@@ -222,7 +222,7 @@ pub(crate) struct HandlerRegistry {
 
 impl HandlerRegistry {
     pub(crate) fn add<M: Message, H: Handler<M>>(&mut self, kind: MessageKind, handler: H) {
-        let name = handler.name();
+        let mut name = handler.name();
         let entry = self
             .by_type
             .entry(TypeId::of::<M>())
@@ -231,6 +231,19 @@ impl HandlerRegistry {
                 name: M::NAME,
                 handlers: Vec::new(),
             });
+        // Names identify handlers in `HandledStamp`s (a retried event skips
+        // the handlers that already succeeded), so they must be unique per
+        // message type: two closures in one function share a type name.
+        let taken = |n: &str| entry.handlers.iter().any(|h| h.name() == n);
+        if taken(name) {
+            let mut i = 2;
+            while taken(&format!("{name}#{i}")) {
+                i += 1;
+            }
+            // Registration happens once at start-up; the name lives as long
+            // as the program.
+            name = Box::leak(format!("{name}#{i}").into_boxed_str());
+        }
         entry.handlers.push(Arc::new(Typed {
             handler,
             name,

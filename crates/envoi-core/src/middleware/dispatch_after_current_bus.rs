@@ -5,8 +5,11 @@
 //! [`DispatchAfterCurrentBusStamp`] while the outer dispatch is still running
 //! (on the same task) does not get it handled at once: it is queued, and
 //! handled after the outer dispatch — on the bus it was dispatched on — once
-//! the outer one has succeeded. The nested `dispatch` call returns the
-//! envelope straight away.
+//! the outer one has succeeded, including every middleware on its way out
+//! (so a transaction middleware has committed). The nested `dispatch` call
+//! returns the envelope straight away. The queue lives around each handler
+//! call, so an outermost dispatch with no nested ones pays nothing for it;
+//! a stamped dispatch made outside any handler runs at once.
 //!
 //! * If the outer dispatch fails, the deferred messages are dropped: they were
 //!   consequences of work that did not happen.
@@ -22,36 +25,88 @@
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
+use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
 
 use super::{BoxFuture, Endpoint, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
-use crate::stamp::DispatchAfterCurrentBusStamp;
+use crate::stamp::{DispatchAfterCurrentBusStamp, Stamp};
 
-struct Deferred {
+/// A dispatch waiting for the outer one, with where to run it.
+#[derive(Clone)]
+pub(crate) struct Deferred {
     envelope: Envelope,
     target: Arc<dyn Endpoint>,
 }
 
+/// Carries the dispatches deferred by a handler from the handle step back
+/// out to step 2, which runs them (or hands them to an enclosing handler's
+/// scope). Never sent: it is removed before the envelope leaves the bus.
+#[derive(Clone, Default)]
+pub(crate) struct DeferredDispatches(pub(crate) Vec<Deferred>);
+
+impl fmt::Debug for DeferredDispatches {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeferredDispatches({})", self.0.len())
+    }
+}
+
+impl Serialize for DeferredDispatches {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        serializer.serialize_unit()
+    }
+}
+
+impl<'de> Deserialize<'de> for DeferredDispatches {
+    fn deserialize<D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> std::result::Result<Self, D::Error> {
+        <()>::deserialize(deserializer)?;
+        Ok(Self::default())
+    }
+}
+
+impl Stamp for DeferredDispatches {
+    const NAME: &'static str = "DeferredDispatches";
+    const SENDABLE: bool = false;
+}
+
 #[derive(Default)]
 struct Scope {
-    queue: RefCell<VecDeque<Deferred>>,
+    queue: RefCell<Vec<Deferred>>,
 }
 
 tokio::task_local! {
     static SCOPE: Scope;
 }
 
-/// Whether a dispatch is already running on this task.
+/// Whether a handler is running on this task (so a dispatch now is nested).
 fn in_scope() -> bool {
     SCOPE.try_with(|_| ()).is_ok()
 }
 
-/// Runs `next` as step 2: defers a stamped nested dispatch to `target`,
-/// runs a nested unstamped one at once, and wraps a root dispatch in a scope
-/// that handles the deferred ones afterwards.
+/// Runs a handler's future in a scope that collects the stamped dispatches
+/// it makes; returns its output and what it deferred.
+#[inline]
+pub(crate) async fn scoped<F: Future>(handler: F) -> (F::Output, Vec<Deferred>) {
+    SCOPE
+        .scope(Scope::default(), async move {
+            let out = handler.await;
+            (out, SCOPE.with(|s| s.queue.take()))
+        })
+        .await
+}
+
+/// Runs `next` as step 2: defers a stamped dispatch made inside a handler to
+/// `target`; after `next`, hands deferred dispatches to the enclosing
+/// handler's scope, or — at the outermost dispatch — runs them.
 #[inline]
 pub(crate) async fn run<F, Fut>(
     envelope: Envelope,
@@ -62,35 +117,33 @@ where
     F: FnOnce(Envelope) -> Fut,
     Fut: Future<Output = Result<Envelope>>,
 {
-    if in_scope() {
-        if envelope.has::<DispatchAfterCurrentBusStamp>() {
-            let deferred = Deferred {
-                envelope: envelope.clone(),
-                target: target(),
-            };
-            SCOPE.with(|s| s.queue.borrow_mut().push_back(deferred));
-            return Ok(envelope);
-        }
-        return next(envelope).await;
+    if envelope.has::<DispatchAfterCurrentBusStamp>() && in_scope() {
+        let deferred = Deferred {
+            envelope: envelope.clone(),
+            target: target(),
+        };
+        SCOPE.with(|s| s.queue.borrow_mut().push(deferred));
+        return Ok(envelope);
     }
-    SCOPE
-        .scope(Scope::default(), async move {
-            match next(envelope).await {
-                Ok(envelope) => drain(envelope).await,
-                Err(e) => {
-                    SCOPE.with(|s| s.queue.borrow_mut().clear());
-                    Err(e)
-                }
-            }
-        })
-        .await
+    let mut out = next(envelope).await?;
+    if !out.has::<DeferredDispatches>() {
+        return Ok(out);
+    }
+    let deferred = out.take_deferred();
+    if in_scope() {
+        SCOPE.with(|s| s.queue.borrow_mut().extend(deferred));
+        return Ok(out);
+    }
+    drain(out, deferred).await
 }
 
-async fn drain(envelope: Envelope) -> Result<Envelope> {
+async fn drain(envelope: Envelope, deferred: Vec<Deferred>) -> Result<Envelope> {
+    let mut queue: VecDeque<Deferred> = deferred.into();
     let mut errors = Vec::new();
-    while let Some(d) = SCOPE.with(|s| s.queue.borrow_mut().pop_front()) {
-        if let Err(e) = d.target.call(d.envelope).await {
-            errors.push(e);
+    while let Some(d) = queue.pop_front() {
+        match d.target.call(d.envelope).await {
+            Ok(mut handled) => queue.extend(handled.take_deferred()),
+            Err(e) => errors.push(e),
         }
     }
     if errors.is_empty() {
@@ -132,10 +185,10 @@ impl Middleware for DispatchAfterCurrentBus {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{Ping, RecordingEndpoint};
+    use crate::testing::{FnEndpoint, Ping, RecordingEndpoint};
 
     #[tokio::test]
-    async fn a_stamped_dispatch_outside_any_dispatch_runs_at_once() {
+    async fn a_stamped_dispatch_outside_any_handler_runs_at_once() {
         let end = RecordingEndpoint::new();
         let target = Arc::new(RecordingEndpoint::new());
         let mw = DispatchAfterCurrentBus::new(target.clone());
@@ -146,43 +199,52 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_stamped_nested_dispatch_waits_for_the_outer_one() {
+    async fn a_stamped_dispatch_inside_a_handler_is_queued_not_run() {
+        let end = RecordingEndpoint::new();
         let target = Arc::new(RecordingEndpoint::new());
-        let mw = Arc::new(DispatchAfterCurrentBus::new(target.clone()));
-        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (mw2, order2, target2) = (mw.clone(), order.clone(), target.clone());
-        let outer = crate::testing::FnEndpoint::new(move |e: Envelope| {
-            let (mw, order, target) = (mw2.clone(), order2.clone(), target2.clone());
+        let mw = DispatchAfterCurrentBus::new(target.clone());
+        let e = Envelope::new(Ping).with(DispatchAfterCurrentBusStamp);
+        let (out, deferred) = scoped(mw.handle(e, end.next())).await;
+        out.unwrap();
+        assert!(end.calls().is_empty(), "not run inside the handler");
+        assert_eq!(deferred.len(), 1);
+        assert!(target.calls().is_empty());
+    }
+
+    fn deferring_endpoint(target: Arc<RecordingEndpoint>, fail: bool) -> FnEndpoint {
+        FnEndpoint::new(move |e: Envelope| {
+            let target = target.clone();
             Box::pin(async move {
-                let nested = Envelope::new(Ping).with(DispatchAfterCurrentBusStamp);
-                let never = RecordingEndpoint::new();
-                mw.handle(nested, never.next()).await.unwrap();
-                assert!(never.calls().is_empty(), "deferred, not run now");
-                assert!(target.calls().is_empty(), "not yet handled");
-                order.lock().unwrap().push("outer done");
-                Ok(e)
+                let deferred = vec![Deferred {
+                    envelope: Envelope::new(Ping),
+                    target,
+                }];
+                if fail {
+                    return Err(BusError::Disposed("outer".into()));
+                }
+                Ok(e.with(DeferredDispatches(deferred)))
             })
-        });
-        mw.handle(Envelope::new(Ping), Next::to_endpoint(&outer))
+        })
+    }
+
+    #[tokio::test]
+    async fn deferred_dispatches_run_after_the_outer_one_and_leave_no_stamp() {
+        let target = Arc::new(RecordingEndpoint::new());
+        let mw = DispatchAfterCurrentBus::new(target.clone());
+        let outer = deferring_endpoint(target.clone(), false);
+        let out = mw
+            .handle(Envelope::new(Ping), Next::to_endpoint(&outer))
             .await
             .unwrap();
-        assert_eq!(*order.lock().unwrap(), ["outer done"]);
         assert_eq!(target.calls().len(), 1);
+        assert!(!out.has::<DeferredDispatches>());
     }
 
     #[tokio::test]
     async fn deferred_dispatches_are_dropped_when_the_outer_fails() {
         let target = Arc::new(RecordingEndpoint::new());
-        let mw = Arc::new(DispatchAfterCurrentBus::new(target.clone()));
-        let mw2 = mw.clone();
-        let outer = crate::testing::FnEndpoint::new(move |_e: Envelope| {
-            let mw = mw2.clone();
-            Box::pin(async move {
-                let nested = Envelope::new(Ping).with(DispatchAfterCurrentBusStamp);
-                mw.handle(nested, Next::passthrough()).await.unwrap();
-                Err(BusError::Disposed("x".into()))
-            })
-        });
+        let mw = DispatchAfterCurrentBus::new(target.clone());
+        let outer = deferring_endpoint(target.clone(), true);
         let err = mw
             .handle(Envelope::new(Ping), Next::to_endpoint(&outer))
             .await

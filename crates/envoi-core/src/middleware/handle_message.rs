@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use super::dispatch_after_current_bus::{scoped, Deferred, DeferredDispatches};
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result};
@@ -55,8 +56,12 @@ impl HandleMessage {
         };
         if let [handler] = reg.handlers.as_slice() {
             if !already_handled(&envelope, handler.name()) {
-                return match handler.call(&envelope).await {
-                    Ok(result) => Ok(envelope.with(HandledStamp::new(handler.name(), result))),
+                let (result, deferred) = scoped(handler.call(&envelope)).await;
+                return match result {
+                    Ok(result) => Ok(with_deferred(
+                        envelope.with(HandledStamp::new(handler.name(), result)),
+                        deferred,
+                    )),
                     Err(error) => Err(BusError::HandlerFailed {
                         envelope: Box::new(envelope),
                         errors: vec![HandlerError {
@@ -74,8 +79,14 @@ impl HandleMessage {
             if already_handled(&envelope, handler.name()) {
                 continue;
             }
-            match handler.call(&envelope).await {
-                Ok(result) => envelope = envelope.with(HandledStamp::new(handler.name(), result)),
+            let (result, deferred) = scoped(handler.call(&envelope)).await;
+            match result {
+                Ok(result) => {
+                    envelope = with_deferred(
+                        envelope.with(HandledStamp::new(handler.name(), result)),
+                        deferred,
+                    )
+                }
                 Err(error) => errors.push(HandlerError {
                     handler: handler.name(),
                     error,
@@ -90,6 +101,16 @@ impl HandleMessage {
                 errors,
             })
         }
+    }
+}
+
+/// Attaches what a successful handler deferred, for step 2 to run.
+#[inline]
+fn with_deferred(envelope: Envelope, deferred: Vec<Deferred>) -> Envelope {
+    if deferred.is_empty() {
+        envelope
+    } else {
+        envelope.with(DeferredDispatches(deferred))
     }
 }
 

@@ -58,8 +58,10 @@ pub mod add_bus_name;
 pub mod dispatch_after_current_bus;
 pub mod failed_message_processing;
 pub mod handle_message;
+pub mod hook;
 pub mod retry;
 pub mod send_message;
+pub mod stage;
 
 use std::borrow::Cow;
 use std::fmt;
@@ -104,13 +106,22 @@ pub trait Middleware: Send + Sync + 'static {
     fn dispose(&self) {}
 }
 
-/// Strips the module path from a type name (`a::b::Foo<c::D>` → `Foo<c::D>`).
+/// Strips the module path from a type name (`a::b::Foo<c::D>` → `Foo<c::D>`);
+/// a closure keeps the name of the function it is in (`a::main::{{closure}}`
+/// → `main::{{closure}}`).
 pub(crate) fn short_type_name(full: &'static str) -> &'static str {
     let end = full.find('<').unwrap_or(full.len());
-    match full[..end].rfind("::") {
-        Some(i) => &full[i + 2..],
-        None => full,
+    let head = &full[..end];
+    let mut cut = head.len();
+    // Walk back over closure segments to the first named one.
+    while let Some(i) = head[..cut].rfind("::") {
+        if head[i + 2..cut].starts_with("{{") {
+            cut = i;
+            continue;
+        }
+        return &full[i + 2..];
     }
+    full
 }
 
 /// What a [`Next`] runs once the middleware chain is exhausted.
@@ -211,6 +222,20 @@ impl Future for NextFuture<'_> {
         match &mut self.0 {
             Inner::Ready(v) => Poll::Ready(v.take().expect("NextFuture polled after completion")),
             Inner::Boxed(f) => f.as_mut().poll(cx),
+        }
+    }
+}
+
+impl<'a> NextFuture<'a> {
+    /// The future as a [`BoxFuture`], without boxing it a second time: a
+    /// middleware that decides to pass the envelope straight on can return
+    /// `next.run(envelope).boxed()` and add no allocation of its own.
+    pub fn boxed(self) -> BoxFuture<'a, Result<Envelope>> {
+        match self.0 {
+            Inner::Boxed(f) => f,
+            Inner::Ready(v) => Box::pin(std::future::ready(
+                v.expect("NextFuture polled after completion"),
+            )),
         }
     }
 }
@@ -399,6 +424,11 @@ mod tests {
         assert_eq!(short_type_name("a::b::Foo"), "Foo");
         assert_eq!(short_type_name("a::Foo<b::C>"), "Foo<b::C>");
         assert_eq!(short_type_name("Foo"), "Foo");
+        assert_eq!(short_type_name("a::main::{{closure}}"), "main::{{closure}}");
+        assert_eq!(
+            short_type_name("a::main::{{closure}}::{{closure}}"),
+            "main::{{closure}}::{{closure}}"
+        );
         let _ = SentStamp::NAME;
     }
 }

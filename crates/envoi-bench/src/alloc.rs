@@ -1,0 +1,16 @@
+//! A counting global allocator, so scenarios report allocations measured,
+//! not guessed.
+
+use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
+use std::alloc::System;
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+/// Counts heap allocations made while `f` runs (all threads).
+pub(crate) fn count<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    let region = Region::new(GLOBAL);
+    let r = f();
+    let stats = region.change();
+    (r, stats.allocations + stats.reallocations)
+}

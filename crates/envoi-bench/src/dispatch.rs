@@ -1,0 +1,233 @@
+//! In-process dispatch scenarios.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::hint::black_box;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use envoi_core::{Command, Envelope, Message, MessageBus, Messenger};
+use tower::{Service, ServiceExt};
+
+use crate::{alloc, report};
+
+/// The dispatched command: small and cheap to clone, like an id.
+#[derive(Debug, Clone)]
+pub(crate) struct Noop(pub(crate) u64);
+
+impl Message for Noop {
+    const NAME: &'static str = "Noop";
+}
+
+impl Command for Noop {
+    type Output = ();
+    type Error = Infallible;
+}
+
+async fn handle_noop(cmd: Noop) -> Result<(), Infallible> {
+    black_box(cmd.0);
+    Ok(())
+}
+
+/// A tower layer that only boxes its inner future: the cost of one boxed
+/// layer.
+#[derive(Clone)]
+struct Boxed<S>(S);
+
+impl<S> Service<Noop> for Boxed<S>
+where
+    S: Service<Noop, Response = (), Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = ();
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<(), Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Noop) -> Self::Future {
+        Box::pin(self.0.call(req))
+    }
+}
+
+type Tower7 =
+    Boxed<Boxed<Boxed<Boxed<Boxed<Boxed<Boxed<tower::util::ServiceFn<fn(Noop) -> HandlerFut>>>>>>>>;
+type HandlerFut = Pin<Box<dyn Future<Output = Result<(), Infallible>> + Send>>;
+
+fn tower_handler(cmd: Noop) -> HandlerFut {
+    // The innermost future is boxed too, as envoi's handler future is.
+    Box::pin(handle_noop(cmd))
+}
+
+fn tower_stack() -> Tower7 {
+    let f: fn(Noop) -> HandlerFut = tower_handler;
+    Boxed(Boxed(Boxed(Boxed(Boxed(Boxed(Boxed(tower::service_fn(
+        f,
+    ))))))))
+}
+
+pub(crate) fn canonical_bus() -> MessageBus {
+    Messenger::builder()
+        .command_handler(handle_noop)
+        .build()
+        .expect("a valid configuration")
+        .bus()
+        .clone()
+}
+
+/// Runs `op` `iters` times on a current-thread runtime and returns ns per
+/// call.
+pub(crate) fn time_async<F, Fut>(rt: &tokio::runtime::Runtime, iters: u64, mut op: F) -> f64
+where
+    F: FnMut(u64) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    rt.block_on(async {
+        let start = Instant::now();
+        for i in 0..iters {
+            op(i).await;
+        }
+        start.elapsed().as_nanos() as f64 / iters as f64
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    v[v.len() / 2]
+}
+
+/// `dispatch_canonical`: envoi's full canonical pipeline against tower with
+/// seven boxed layers, both over a no-op handler.
+pub(crate) fn canonical() -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let bus = canonical_bus();
+    let mut svc = tower_stack();
+    const ITERS: u64 = 200_000;
+    const ROUNDS: usize = 7;
+
+    // Correctness first: the handler runs and is stamped.
+    let out = rt
+        .block_on(bus.dispatch(Envelope::new(Noop(1))))
+        .map_err(|e| e.to_string())?;
+    if !out.has::<envoi_core::stamp::HandledStamp>() {
+        return Err("the handler did not run".into());
+    }
+
+    let (mut envoi, mut tower, mut direct) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        envoi.push(time_async(&rt, ITERS, |i| {
+            let bus = &bus;
+            async move {
+                let r = bus.dispatch(Envelope::new(Noop(i))).await;
+                black_box(r.is_ok());
+            }
+        }));
+        tower.push(rt.block_on(async {
+            let start = Instant::now();
+            for i in 0..ITERS {
+                let r = svc.ready().await.expect("infallible").call(Noop(i)).await;
+                black_box(r.is_ok());
+            }
+            start.elapsed().as_nanos() as f64 / ITERS as f64
+        }));
+        direct.push(time_async(&rt, ITERS, |i| async move {
+            let r = handle_noop(Noop(i)).await;
+            black_box(r.is_ok());
+        }));
+    }
+    let ((), allocs) = alloc::count(|| {
+        rt.block_on(async {
+            for i in 0..1000 {
+                let r = bus.dispatch(Envelope::new(Noop(i))).await;
+                black_box(r.is_ok());
+            }
+        })
+    });
+    let ((), tower_allocs) = alloc::count(|| {
+        rt.block_on(async {
+            for i in 0..1000 {
+                let r = svc.ready().await.expect("infallible").call(Noop(i)).await;
+                black_box(r.is_ok());
+            }
+        })
+    });
+    report::line(
+        "dispatch_canonical",
+        median(envoi),
+        median(tower),
+        "ns",
+        &[
+            ("allocs", format!("{:.1}", allocs as f64 / 1000.0)),
+            (
+                "baseline_allocs",
+                format!("{:.1}", tower_allocs as f64 / 1000.0),
+            ),
+            ("direct", format!("{:.1}ns", median(direct))),
+        ],
+    );
+    Ok(())
+}
+
+/// Loops only envoi's dispatch (for instruction-level profiling with
+/// callgrind); `ENVOI_BENCH_ITERS` sets the count.
+pub(crate) fn profile_envoi() -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let bus = canonical_bus();
+    let iters = iters_from_env();
+    let ns = time_async(&rt, iters, |i| {
+        let bus = &bus;
+        async move {
+            black_box(bus.dispatch(Envelope::new(Noop(i))).await.is_ok());
+        }
+    });
+    println!("profile_envoi: {ns:.1}ns over {iters} dispatches");
+    Ok(())
+}
+
+/// Loops only the tower stack, like [`profile_envoi`].
+pub(crate) fn profile_tower() -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let mut svc = tower_stack();
+    let iters = iters_from_env();
+    let ns = rt.block_on(async {
+        let start = Instant::now();
+        for i in 0..iters {
+            let r = svc.ready().await.expect("infallible").call(Noop(i)).await;
+            black_box(r.is_ok());
+        }
+        start.elapsed().as_nanos() as f64 / iters as f64
+    });
+    println!("profile_tower: {ns:.1}ns over {iters} calls");
+    Ok(())
+}
+
+fn iters_from_env() -> u64 {
+    std::env::var("ENVOI_BENCH_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000)
+}
+
+#[cfg(test)]
+mod sizes {
+    #[test]
+    fn print_sizes() {
+        let bus = super::canonical_bus();
+        let fut = bus.dispatch(envoi_core::Envelope::new(super::Noop(1)));
+        eprintln!(
+            "envelope={} error={} dispatch_future={}",
+            std::mem::size_of::<envoi_core::Envelope>(),
+            std::mem::size_of::<envoi_core::BusError>(),
+            std::mem::size_of_val(&fut)
+        );
+    }
+}

@@ -1,0 +1,79 @@
+//! envoi's benchmark harness: each scenario runs envoi and a baseline side by
+//! side in one process and ends with one line
+//! `<scenario>: envoi=<v><unit> baseline=<v><unit> ratio=<envoi/baseline>`.
+//!
+//! Run with: `cargo run --release -p envoi-bench -- <scenario|all>`
+
+#![forbid(unsafe_code)]
+
+mod alloc;
+mod dispatch;
+mod report;
+
+use std::process::ExitCode;
+
+/// One runnable scenario.
+struct Scenario {
+    name: &'static str,
+    about: &'static str,
+    run: fn() -> Result<(), String>,
+}
+
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "dispatch_canonical",
+        about: "canonical 7-step pipeline vs tower with 7 boxed layers, no-op command handler",
+        run: dispatch::canonical,
+    },
+    Scenario {
+        name: "profile_envoi",
+        about: "(profiling aid) envoi dispatch only, ENVOI_BENCH_ITERS times",
+        run: dispatch::profile_envoi,
+    },
+    Scenario {
+        name: "profile_tower",
+        about: "(profiling aid) tower stack only, ENVOI_BENCH_ITERS times",
+        run: dispatch::profile_tower,
+    },
+];
+
+fn usage() -> String {
+    let mut s = String::from("usage: envoi-bench <scenario|all>\n\nscenarios:\n");
+    for sc in SCENARIOS {
+        s.push_str(&format!("  {:<22} {}\n", sc.name, sc.about));
+    }
+    s
+}
+
+fn main() -> ExitCode {
+    let arg = std::env::args().nth(1).unwrap_or_default();
+    let selected: Vec<&Scenario> = match arg.as_str() {
+        "all" => SCENARIOS
+            .iter()
+            .filter(|s| !s.name.starts_with("profile_"))
+            .collect(),
+        "" | "-h" | "--help" => {
+            print!("{}", usage());
+            return ExitCode::SUCCESS;
+        }
+        name => match SCENARIOS.iter().find(|s| s.name == name) {
+            Some(s) => vec![s],
+            None => {
+                eprint!("unknown scenario `{name}`\n\n{}", usage());
+                return ExitCode::from(2);
+            }
+        },
+    };
+    let mut failed = false;
+    for sc in selected {
+        if let Err(e) = (sc.run)() {
+            eprintln!("{}: error: {e}", sc.name);
+            failed = true;
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
