@@ -1,0 +1,429 @@
+//! DSN parsing: `nats://[user:password@]host:port?stream=..&subject=..&..`.
+
+use std::time::Duration;
+
+use envoi_core::transport::mask_dsn;
+use envoi_core::TransportError;
+use url::Url;
+
+/// Where the messages of a JetStream stream live on the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Storage {
+    /// On disk: messages survive a server restart (the default).
+    File,
+    /// In memory: faster, lost when the server stops.
+    Memory,
+}
+
+/// How a [`NatsTransport`](crate::NatsTransport) connects and what it
+/// creates. Build it from a DSN with [`NatsConfig::from_dsn`]; fields can be
+/// adjusted afterwards.
+///
+/// | DSN option        | Field               | Default                     |
+/// |-------------------|---------------------|-----------------------------|
+/// | `stream`          | `stream`            | `envoi-<name>`              |
+/// | `subject`         | `subject`           | `envoi.<name>`              |
+/// | `consumer`        | `consumer`          | `envoi-<name>`              |
+/// | `lease`           | `lease`             | `30s`                       |
+/// | `batch`           | `batch`             | `500`                       |
+/// | `wait`            | `wait`              | `250ms`                     |
+/// | `storage`         | `storage`           | `file` (`file` or `memory`) |
+/// | `double_ack`      | `double_ack`        | `false`                     |
+/// | `max_ack_pending` | `max_ack_pending`   | `-1` (unlimited)            |
+/// | `auto_setup`      | `auto_setup`        | `true`                      |
+/// | `tls`             | `tls`               | `false`                     |
+///
+/// Durations are written `1500ms`, `2s`, `1m` or as plain (decimal) seconds.
+/// `<name>` is the transport name with characters that JetStream does not
+/// allow in names (`.`, `*`, `>`, whitespace) replaced by `_`.
+///
+/// ```
+/// use std::time::Duration;
+/// use envoi_nats::NatsConfig;
+///
+/// let config = NatsConfig::from_dsn(
+///     "orders",
+///     "nats://127.0.0.1:4222?lease=2s&batch=50",
+/// )
+/// .unwrap();
+/// assert_eq!(config.stream, "envoi-orders");
+/// assert_eq!(config.subject, "envoi.orders");
+/// assert_eq!(config.lease, Duration::from_secs(2));
+/// assert_eq!(config.batch, 50);
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NatsConfig {
+    /// The server URL without the query (`nats://user:password@host:port`).
+    pub server: String,
+    /// The JetStream stream holding the messages.
+    pub stream: String,
+    /// The subject messages are published to (the stream captures it).
+    pub subject: String,
+    /// The durable pull consumer shared by every handle on this transport.
+    pub consumer: String,
+    /// How long a handed-out message stays leased before JetStream delivers
+    /// it again: the consumer's `ack_wait`.
+    pub lease: Duration,
+    /// The largest number of messages one fetch asks for.
+    pub batch: usize,
+    /// How long a fetch waits for a message when none is available.
+    pub wait: Duration,
+    /// Where the stream keeps its messages.
+    pub storage: Storage,
+    /// Wait for the server to confirm each acknowledgement.
+    pub double_ack: bool,
+    /// The consumer's `max_ack_pending` (`-1` for no limit). Delayed
+    /// messages count against it until they are due.
+    pub max_ack_pending: i64,
+    /// Create the stream and consumer on first use.
+    pub auto_setup: bool,
+    /// Require TLS.
+    pub tls: bool,
+}
+
+impl std::fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("server", &mask_dsn(&self.server))
+            .field("stream", &self.stream)
+            .field("subject", &self.subject)
+            .field("consumer", &self.consumer)
+            .field("lease", &self.lease)
+            .field("batch", &self.batch)
+            .field("wait", &self.wait)
+            .field("storage", &self.storage)
+            .field("double_ack", &self.double_ack)
+            .field("max_ack_pending", &self.max_ack_pending)
+            .field("auto_setup", &self.auto_setup)
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
+
+/// The longest fetch wait accepted (JetStream pull requests can wait longer,
+/// but `get` is meant to return promptly).
+const MAX_WAIT: Duration = Duration::from_secs(30);
+
+impl NatsConfig {
+    /// Parses `dsn` for the transport called `name`. Fails with
+    /// [`TransportError::InvalidDsn`] (password masked) when the DSN or one
+    /// of its options is not understood.
+    pub fn from_dsn(name: &str, dsn: &str) -> Result<Self, TransportError> {
+        let invalid = |reason: String| TransportError::InvalidDsn {
+            dsn: mask_dsn(dsn),
+            reason,
+        };
+        let url = Url::parse(dsn).map_err(|e| invalid(e.to_string()))?;
+        if url.scheme() != "nats" {
+            return Err(invalid(format!(
+                "scheme must be `nats`, not `{}`",
+                url.scheme()
+            )));
+        }
+        if url.host_str().is_none_or(str::is_empty) {
+            return Err(invalid("a host is required".into()));
+        }
+        if !matches!(url.path(), "" | "/") {
+            return Err(invalid(format!(
+                "unexpected path `{}`; options go in the query",
+                url.path()
+            )));
+        }
+
+        let token = sanitize_token(name);
+        let mut config = NatsConfig {
+            server: server_url(&url),
+            stream: format!("envoi-{token}"),
+            subject: format!("envoi.{token}"),
+            consumer: format!("envoi-{token}"),
+            lease: Duration::from_secs(30),
+            batch: 500,
+            wait: Duration::from_millis(250),
+            storage: Storage::File,
+            double_ack: false,
+            max_ack_pending: -1,
+            auto_setup: true,
+            tls: false,
+        };
+
+        for (key, value) in url.query_pairs() {
+            let value = value.as_ref();
+            match key.as_ref() {
+                "stream" => config.stream = name_option("stream", value).map_err(invalid)?,
+                "consumer" => config.consumer = name_option("consumer", value).map_err(invalid)?,
+                "subject" => config.subject = subject_option(value).map_err(invalid)?,
+                "lease" => {
+                    let lease = parse_duration(value)
+                        .ok_or_else(|| invalid(format!("`lease={value}` is not a duration")))?;
+                    if lease < Duration::from_millis(100) {
+                        return Err(invalid("`lease` must be at least 100ms".into()));
+                    }
+                    config.lease = lease;
+                }
+                "wait" => {
+                    let wait = parse_duration(value)
+                        .ok_or_else(|| invalid(format!("`wait={value}` is not a duration")))?;
+                    if wait < Duration::from_millis(10) || wait > MAX_WAIT {
+                        return Err(invalid("`wait` must be between 10ms and 30s".into()));
+                    }
+                    config.wait = wait;
+                }
+                "batch" => {
+                    config.batch = value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|b| (1..=100_000).contains(b))
+                        .ok_or_else(|| {
+                            invalid(format!("`batch={value}` must be a number from 1 to 100000"))
+                        })?;
+                }
+                "storage" => {
+                    config.storage = match value {
+                        "file" => Storage::File,
+                        "memory" => Storage::Memory,
+                        _ => {
+                            return Err(invalid(format!(
+                                "`storage={value}` must be `file` or `memory`"
+                            )))
+                        }
+                    }
+                }
+                "double_ack" => config.double_ack = bool_option(&key, value).map_err(invalid)?,
+                "auto_setup" => config.auto_setup = bool_option(&key, value).map_err(invalid)?,
+                "tls" => config.tls = bool_option(&key, value).map_err(invalid)?,
+                "max_ack_pending" => {
+                    config.max_ack_pending = value
+                        .parse::<i64>()
+                        .ok()
+                        .filter(|n| *n == -1 || *n > 0)
+                        .ok_or_else(|| {
+                            invalid(format!(
+                                "`max_ack_pending={value}` must be -1 or a positive number"
+                            ))
+                        })?;
+                }
+                other => return Err(invalid(format!("unknown option `{other}`"))),
+            }
+        }
+        Ok(config)
+    }
+}
+
+/// `nats://user:password@host:port` without path or query.
+fn server_url(url: &Url) -> String {
+    let mut server = url.clone();
+    server.set_query(None);
+    server.set_fragment(None);
+    let mut s = server.to_string();
+    if s.ends_with('/') {
+        s.pop();
+    }
+    s
+}
+
+/// Replaces what JetStream forbids in stream and consumer names and in a
+/// subject token.
+fn sanitize_token(name: &str) -> String {
+    let token: String = name
+        .chars()
+        .map(|c| {
+            if c.is_whitespace() || matches!(c, '.' | '*' | '>' | '/' | '\\') || c.is_control() {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect();
+    if token.is_empty() {
+        "default".to_string()
+    } else {
+        token
+    }
+}
+
+fn name_option(key: &str, value: &str) -> Result<String, String> {
+    let valid = !value.is_empty()
+        && value.len() <= 255
+        && value
+            .chars()
+            .all(|c| c.is_ascii_graphic() && !matches!(c, '.' | '*' | '>' | '/' | '\\'));
+    if valid {
+        Ok(value.to_string())
+    } else {
+        Err(format!(
+            "`{key}={value}` is not a valid JetStream name (printable ASCII without `.`, `*`, `>`, `/`)"
+        ))
+    }
+}
+
+fn subject_option(value: &str) -> Result<String, String> {
+    let valid = !value.is_empty()
+        && value.split('.').all(|token| {
+            !token.is_empty()
+                && token != "*"
+                && token != ">"
+                && token
+                    .chars()
+                    .all(|c| c.is_ascii_graphic() && c != '*' && c != '>')
+        });
+    if valid {
+        Ok(value.to_string())
+    } else {
+        Err(format!(
+            "`subject={value}` must be a literal subject (dot-separated tokens, no wildcards)"
+        ))
+    }
+}
+
+fn bool_option(key: &str, value: &str) -> Result<bool, String> {
+    match value {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(format!("`{key}={value}` must be true or false")),
+    }
+}
+
+/// `250ms`, `2s`, `1.5s`, `1m`, `2` (seconds).
+pub(crate) fn parse_duration(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    let (number, unit_secs) = if let Some(n) = value.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = value.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = value.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (value, 1.0)
+    };
+    let number: f64 = number.trim().parse().ok()?;
+    if !number.is_finite() || number < 0.0 {
+        return None;
+    }
+    Duration::try_from_secs_f64(number * unit_secs).ok()
+}
+
+/// Whether the literal `subject` is captured by the stream subject `filter`
+/// (which may use `*` and `>` wildcards).
+pub(crate) fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut filter_tokens = filter.split('.');
+    let mut subject_tokens = subject.split('.');
+    loop {
+        match (filter_tokens.next(), subject_tokens.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(f), Some(s)) if f == s => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_derived_from_the_transport_name() {
+        let config = NatsConfig::from_dsn("my orders.v2", "nats://127.0.0.1:4222").unwrap();
+        assert_eq!(config.server, "nats://127.0.0.1:4222");
+        assert_eq!(config.stream, "envoi-my_orders_v2");
+        assert_eq!(config.subject, "envoi.my_orders_v2");
+        assert_eq!(config.consumer, "envoi-my_orders_v2");
+        assert_eq!(config.lease, Duration::from_secs(30));
+        assert_eq!(config.batch, 500);
+        assert_eq!(config.wait, Duration::from_millis(250));
+        assert_eq!(config.storage, Storage::File);
+        assert!(!config.double_ack);
+        assert!(config.auto_setup);
+        assert_eq!(config.max_ack_pending, -1);
+    }
+
+    #[test]
+    fn every_option_is_read_from_the_query() {
+        let config = NatsConfig::from_dsn(
+            "q",
+            "nats://u:p@nats.local:4223/?stream=S1&subject=a.b.c&consumer=C1&lease=1500ms\
+             &batch=7&wait=0.1&storage=memory&double_ack=true&max_ack_pending=64\
+             &auto_setup=false&tls=1",
+        )
+        .unwrap();
+        assert_eq!(config.server, "nats://u:p@nats.local:4223");
+        assert_eq!(config.stream, "S1");
+        assert_eq!(config.subject, "a.b.c");
+        assert_eq!(config.consumer, "C1");
+        assert_eq!(config.lease, Duration::from_millis(1500));
+        assert_eq!(config.batch, 7);
+        assert_eq!(config.wait, Duration::from_millis(100));
+        assert_eq!(config.storage, Storage::Memory);
+        assert!(config.double_ack);
+        assert_eq!(config.max_ack_pending, 64);
+        assert!(!config.auto_setup);
+        assert!(config.tls);
+    }
+
+    fn reason(dsn: &str) -> (String, String) {
+        match NatsConfig::from_dsn("q", dsn) {
+            Err(TransportError::InvalidDsn { dsn, reason }) => (dsn, reason),
+            other => panic!("expected InvalidDsn for {dsn}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_dsns_are_rejected_with_the_password_masked() {
+        let (dsn, why) = reason("nats://user:hunter2@127.0.0.1:4222?lease=soon");
+        assert!(!dsn.contains("hunter2"), "{dsn}");
+        assert!(dsn.contains("user:***@"), "{dsn}");
+        assert!(why.contains("lease"), "{why}");
+
+        assert!(reason("redis://127.0.0.1:6379").1.contains("scheme"));
+        assert!(reason("nats://127.0.0.1:4222?colour=red")
+            .1
+            .contains("colour"));
+        assert!(reason("nats://127.0.0.1:4222?stream=a.b")
+            .1
+            .contains("stream"));
+        assert!(reason("nats://127.0.0.1:4222?subject=a.*")
+            .1
+            .contains("subject"));
+        assert!(reason("nats://127.0.0.1:4222?subject=a..b")
+            .1
+            .contains("subject"));
+        assert!(reason("nats://127.0.0.1:4222?batch=0").1.contains("batch"));
+        assert!(reason("nats://127.0.0.1:4222?wait=5m").1.contains("wait"));
+        assert!(reason("nats://127.0.0.1:4222?lease=10ms")
+            .1
+            .contains("lease"));
+        assert!(reason("nats://127.0.0.1:4222?storage=tape")
+            .1
+            .contains("storage"));
+        assert!(reason("nats://127.0.0.1:4222?double_ack=maybe")
+            .1
+            .contains("double_ack"));
+        assert!(reason("nats://127.0.0.1:4222/queue").1.contains("path"));
+        assert!(reason("not a dsn").0.contains("not a dsn"));
+    }
+
+    #[test]
+    fn durations_accept_units_and_plain_seconds() {
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2s"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_duration("1.5"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("1m"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_duration("-1s"), None);
+        assert_eq!(parse_duration("NaN"), None);
+        assert_eq!(parse_duration("soon"), None);
+    }
+
+    #[test]
+    fn stream_subject_wildcards_are_matched_token_by_token() {
+        assert!(subject_matches("envoi.q", "envoi.q"));
+        assert!(subject_matches("envoi.*", "envoi.q"));
+        assert!(subject_matches("envoi.>", "envoi.q.r"));
+        assert!(subject_matches(">", "a"));
+        assert!(!subject_matches("envoi.*", "envoi.q.r"));
+        assert!(!subject_matches("envoi.q", "envoi.r"));
+        assert!(!subject_matches("envoi.q.r", "envoi.q"));
+    }
+}

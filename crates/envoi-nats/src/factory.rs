@@ -1,0 +1,70 @@
+//! [`NatsTransportFactory`]: builds [`NatsTransport`]s from `nats://` DSNs.
+
+use std::sync::Arc;
+
+use envoi_core::middleware::BoxFuture;
+use envoi_core::transport::{Transport, TransportFactory};
+use envoi_core::TransportError;
+
+use crate::{NatsConfig, NatsTransport};
+
+/// Creates a [`NatsTransport`] for every `nats://` DSN.
+///
+/// ```
+/// use envoi_core::transport::TransportFactory;
+/// use envoi_nats::NatsTransportFactory;
+///
+/// let factory = NatsTransportFactory;
+/// assert!(factory.supports("nats://127.0.0.1:4222?stream=orders"));
+/// assert!(!factory.supports("redis://127.0.0.1:6379"));
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NatsTransportFactory;
+
+impl TransportFactory for NatsTransportFactory {
+    fn supports(&self, dsn: &str) -> bool {
+        dsn.len() >= 7 && dsn[..7].eq_ignore_ascii_case("nats://")
+    }
+
+    fn create<'a>(
+        &'a self,
+        name: &'a str,
+        dsn: &'a str,
+    ) -> BoxFuture<'a, Result<Arc<dyn Transport>, TransportError>> {
+        Box::pin(async move {
+            let config = NatsConfig::from_dsn(name, dsn)?;
+            let transport = NatsTransport::connect(config).await?;
+            Ok(Arc::new(transport) as Arc<dyn Transport>)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_bad_dsn_fails_before_connecting_and_masks_the_password() {
+        let error = NatsTransportFactory
+            .create("q", "nats://admin:s3cret@127.0.0.1:1?batch=none")
+            .await
+            .unwrap_err();
+        match error {
+            TransportError::InvalidDsn { dsn, reason } => {
+                assert_eq!(dsn, "nats://admin:***@127.0.0.1:1?batch=none");
+                assert!(reason.contains("batch"), "{reason}");
+            }
+            other => panic!("expected InvalidDsn, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_server_is_a_backend_error_without_the_password() {
+        let error = NatsTransportFactory
+            .create("q", "nats://admin:s3cret@127.0.0.1:1")
+            .await
+            .unwrap_err();
+        assert!(matches!(error, TransportError::Backend { .. }), "{error:?}");
+        assert!(!error.to_string().contains("s3cret"), "{error}");
+    }
+}

@@ -1,0 +1,177 @@
+//! How envoi headers travel as NATS headers.
+//!
+//! NATS headers cannot carry everything a `BTreeMap<String, String>` can:
+//! names must be printable ASCII without `:`, values cannot hold line breaks
+//! and lose leading and trailing whitespace, and `Nats-*` names steer the
+//! server. Headers that would not survive (or would steer the server) travel
+//! JSON-encoded in one [`EXTRA_HEADERS`] header instead, so every header comes
+//! back exactly as it was sent.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+
+use async_nats::header::{HeaderMap, HeaderName, HeaderValue};
+use envoi_core::transport::RawMessage;
+
+/// The time (milliseconds since the Unix epoch) before which a delayed
+/// message must not be handed out.
+pub(crate) const NOT_BEFORE: &str = "Envoi-Not-Before";
+/// JSON object of the headers that cannot travel as NATS headers.
+pub(crate) const EXTRA_HEADERS: &str = "Envoi-Headers";
+/// JetStream's de-duplication id; set on every send so a retried publish is
+/// stored once.
+pub(crate) const MSG_ID: &str = "Nats-Msg-Id";
+
+fn is_reserved(name: &str) -> bool {
+    name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-")
+        || name.eq_ignore_ascii_case(NOT_BEFORE)
+        || name.eq_ignore_ascii_case(EXTRA_HEADERS)
+}
+
+fn travels_natively(name: &str, value: &str) -> bool {
+    !name.is_empty()
+        && name.chars().all(|c| c.is_ascii_graphic() && c != ':')
+        && !is_reserved(name)
+        && !value.contains(['\r', '\n'])
+        && value.trim() == value
+}
+
+/// Builds the NATS headers for `headers`, plus the de-duplication id and the
+/// due time of a delayed message.
+pub(crate) fn encode(
+    headers: &BTreeMap<String, String>,
+    msg_id: &str,
+    not_before_ms: Option<u128>,
+) -> Result<HeaderMap, serde_json::Error> {
+    let mut map = HeaderMap::new();
+    let mut extra: BTreeMap<&str, &str> = BTreeMap::new();
+    for (name, value) in headers {
+        match (
+            travels_natively(name, value),
+            HeaderName::from_str(name),
+            HeaderValue::from_str(value),
+        ) {
+            (true, Ok(name), Ok(value)) => map.insert(name, value),
+            _ => {
+                extra.insert(name, value);
+            }
+        }
+    }
+    if !extra.is_empty() {
+        map.insert(EXTRA_HEADERS, serde_json::to_string(&extra)?);
+    }
+    map.insert(MSG_ID, msg_id);
+    if let Some(ms) = not_before_ms {
+        map.insert(NOT_BEFORE, ms.to_string());
+    }
+    Ok(map)
+}
+
+/// The due time of a delayed message, if it has one.
+pub(crate) fn not_before_ms(headers: Option<&HeaderMap>) -> Option<u128> {
+    headers?.get(NOT_BEFORE)?.as_str().parse().ok()
+}
+
+/// Rebuilds the envoi message from a NATS message's headers and payload.
+/// Headers JetStream adds (`Nats-*`) and the transport's own are left out.
+///
+/// A message whose [`EXTRA_HEADERS`] header is not a JSON object of strings
+/// (written by something else than envoi) is still returned, with that
+/// header kept as it is, so the consumer can report it instead of losing it.
+pub(crate) fn decode(headers: Option<&HeaderMap>, payload: &[u8]) -> RawMessage {
+    let mut out = BTreeMap::new();
+    if let Some(headers) = headers {
+        for (name, values) in headers.iter() {
+            let name: &str = name.as_ref();
+            if is_reserved(name) {
+                continue;
+            }
+            if let Some(value) = values.last() {
+                out.insert(name.to_string(), value.as_str().to_string());
+            }
+        }
+        if let Some(extra) = headers.get(EXTRA_HEADERS) {
+            match serde_json::from_str::<BTreeMap<String, String>>(extra.as_str()) {
+                Ok(extra) => out.extend(extra),
+                Err(error) => {
+                    tracing::warn!(%error, "header `{EXTRA_HEADERS}` is not a JSON object of strings");
+                    out.insert(EXTRA_HEADERS.to_string(), extra.as_str().to_string());
+                }
+            }
+        }
+    }
+    RawMessage {
+        body: payload.to_vec(),
+        headers: out,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(headers: &[(&str, &str)]) -> BTreeMap<String, String> {
+        let headers: BTreeMap<String, String> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let map = encode(&headers, "id-1", None).unwrap();
+        decode(Some(&map), b"body").headers
+    }
+
+    #[test]
+    fn ordinary_headers_travel_as_nats_headers() {
+        let headers: BTreeMap<String, String> =
+            [("type".to_string(), "App\\Order".to_string())].into();
+        let map = encode(&headers, "id-1", Some(42)).unwrap();
+        assert_eq!(map.get("type").map(|v| v.as_str()), Some("App\\Order"));
+        assert_eq!(map.get(MSG_ID).map(|v| v.as_str()), Some("id-1"));
+        assert_eq!(not_before_ms(Some(&map)), Some(42));
+        assert!(map.get(EXTRA_HEADERS).is_none());
+    }
+
+    #[test]
+    fn headers_nats_cannot_carry_come_back_unchanged() {
+        let headers = [
+            ("type", "Order"),
+            ("X-Message-Stamp-Delay", "{\"ms\":5}"),
+            ("multi", "line one\r\nline two"),
+            ("padded", "  spaced  "),
+            ("with space", "v"),
+            ("colon:name", "v"),
+            ("Nats-Rollup", "all"),
+            ("Envoi-Not-Before", "1"),
+            ("unicode", "żółw 🐢"),
+            ("empty", ""),
+        ];
+        let back = roundtrip(&headers);
+        let expected: BTreeMap<String, String> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(back, expected);
+    }
+
+    #[test]
+    fn server_headers_are_not_reported_as_message_headers() {
+        let mut map = HeaderMap::new();
+        map.insert("Nats-Sequence", "7");
+        map.insert(MSG_ID, "abc");
+        map.insert("kind", "command");
+        let raw = decode(Some(&map), b"x");
+        assert_eq!(raw.headers.len(), 1);
+        assert_eq!(raw.header("kind"), Some("command"));
+        assert_eq!(raw.body, b"x");
+    }
+
+    #[test]
+    fn a_corrupt_extra_header_is_kept_rather_than_dropped() {
+        let mut map = HeaderMap::new();
+        map.insert(EXTRA_HEADERS, "not json");
+        map.insert("type", "Order");
+        let raw = decode(Some(&map), b"payload");
+        assert_eq!(raw.header(EXTRA_HEADERS), Some("not json"));
+        assert_eq!(raw.header("type"), Some("Order"));
+        assert_eq!(raw.body, b"payload");
+    }
+}

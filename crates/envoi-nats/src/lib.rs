@@ -1,0 +1,92 @@
+//! # envoi-nats
+//!
+//! A NATS JetStream transport for envoi.
+//!
+//! ```text
+//! nats://[user:password@]host:port?stream=..&subject=..&consumer=..&lease=..&batch=..&wait=..
+//! ```
+//!
+//! Each transport is a work-queue stream capturing one subject and a durable
+//! pull consumer on it; [`NatsConfig`] lists every DSN option. Handles created
+//! for the same name share the consumer and compete for messages.
+//!
+//! ## How each operation maps to JetStream
+//!
+//! | Transport             | JetStream                                                    |
+//! |-----------------------|--------------------------------------------------------------|
+//! | `setup`               | get-or-create stream, create-or-update durable pull consumer |
+//! | `send` / `send_batch` | publish with a `Nats-Msg-Id`, wait for the publish ack       |
+//! | `get`                 | one pull request (fetch) with an expiry of `wait`            |
+//! | `ack`                 | `+ACK` (with `double_ack`, confirmed by the server)          |
+//! | `reject`              | `+ACK` (a work queue then drops the message)                 |
+//! | `release`             | `-NAK` with no delay: handed out again at once               |
+//! | `keepalive`           | `+WPI` (in progress): the lease starts over                  |
+//! | lease                 | the consumer's `ack_wait`                                    |
+//! | `message_count`       | consumer info: `num_pending + num_ack_pending`               |
+//! | `list` / `find`       | `STREAM.MSG.GET` by subject / by sequence                    |
+//!
+//! Ids are stream sequence numbers, the same for every delivery of a message.
+//! `ack` and `reject` of an id this handle did not hand out (one from `list`,
+//! say) delete that message from the stream.
+//!
+//! ## Delays
+//!
+//! The JetStream servers this transport targets have no per-message delay.
+//! A delayed message is published at once with an `Envoi-Not-Before` header
+//! (milliseconds since the Unix epoch, by the sender's clock). When `get`
+//! receives it before that time it sends `-NAK {"delay": remaining}` and does
+//! not hand it out; JetStream delivers it again when it is due. A message is
+//! therefore never handed out early (given synchronised clocks) and is
+//! usually late by no more than a fetch round trip (a few milliseconds on a
+//! local server), provided some consumer is fetching. Waiting delayed messages
+//! count as "ack pending" on the consumer, which is why `max_ack_pending`
+//! defaults to unlimited.
+//!
+//! ## Stalls and reconnects
+//!
+//! The client reconnects on its own (100 ms backoff doubling up to 2 s).
+//! Every `get` is a fresh pull request with its own inbox, bounded by
+//! `wait` plus a two-second grace period: a request lost with a connection
+//! ends at that bound instead of hanging. After a failed or stalled fetch the
+//! consumer is re-bound (created again if it went missing). After five seconds
+//! (or four `wait`s) without a message, `get` asks the server about the
+//! consumer; if it reports pending messages that fetches do not return, or
+//! cannot be read, the binding is re-created.
+//!
+//! ## What an acknowledged send survives
+//!
+//! `send` returns once JetStream has stored the message (publish ack). With
+//! the default `storage=file` it survives the client and the connection going
+//! away and a server restart; `storage=memory` survives only the connection.
+//! On a single server (replicas 1) it does not survive losing the server's
+//! disk, and the server flushes to disk on its own schedule (`sync_interval`),
+//! so an operating-system crash right after the ack can lose it. A publish
+//! whose ack is lost is retried with the same `Nats-Msg-Id`, so JetStream's
+//! duplicate window (two minutes by default) stores it once.
+//!
+//! ## Performance notes
+//!
+//! * `send_batch` publishes every message before waiting for any ack, so a
+//!   batch costs about one round trip.
+//! * `get` fetches up to `min(max, batch)` messages with one pull request.
+//! * Acks, naks and keepalives are plain publishes on the shared connection,
+//!   written out together; `ack_batch` queues them all without waiting. With
+//!   `double_ack=true` each is confirmed, concurrently within a batch.
+//!
+//! ```
+//! use envoi_nats::NatsConfig;
+//!
+//! let config = NatsConfig::from_dsn("emails", "nats://127.0.0.1:4222?lease=1m").unwrap();
+//! assert_eq!(config.consumer, "envoi-emails");
+//! ```
+
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod factory;
+mod headers;
+pub mod transport;
+
+pub use config::{NatsConfig, Storage};
+pub use factory::NatsTransportFactory;
+pub use transport::NatsTransport;

@@ -1,0 +1,856 @@
+//! [`NatsTransport`]: a JetStream stream and a durable pull consumer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
+use async_nats::jetstream::stream::{
+    Config as StreamConfig, LastRawMessageErrorKind, RetentionPolicy, StorageType,
+};
+use async_nats::jetstream::{self, AckKind};
+use async_nats::{ConnectOptions, Subject};
+use bytes::Bytes;
+use envoi_core::middleware::BoxFuture;
+use envoi_core::transport::{mask_dsn, Capabilities, Delivery, RawMessage, Transport};
+use envoi_core::{BoxError, TransportError};
+use futures_util::StreamExt;
+use tokio::sync::OnceCell;
+
+use crate::config::{subject_matches, NatsConfig, Storage};
+use crate::headers;
+
+/// How many times a publish whose acknowledgement timed out (or whose
+/// connection broke) is tried, always with the same de-duplication id.
+const SEND_ATTEMPTS: usize = 3;
+/// Extra time a fetch gets beyond its expiry before it is considered
+/// stalled and abandoned.
+const FETCH_GRACE: Duration = Duration::from_secs(2);
+/// After this long without a single message, `get` checks the consumer.
+const IDLE_CHECK: Duration = Duration::from_secs(5);
+/// Leases not touched for this long (and at least three lease periods) are
+/// forgotten; JetStream has handed those messages out again anyway.
+const LEASE_MEMORY: Duration = Duration::from_secs(300);
+
+fn backend(context: impl Into<String>, source: impl Into<BoxError>) -> TransportError {
+    TransportError::Backend {
+        context: context.into(),
+        source: source.into(),
+    }
+}
+
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+fn parse_id(id: &str) -> Option<u64> {
+    id.parse().ok().filter(|seq| *seq > 0)
+}
+
+/// A message handed out and not yet acknowledged, rejected or released.
+#[derive(Debug)]
+struct Lease {
+    /// The JetStream ack subject of the latest delivery.
+    reply: Subject,
+    /// When it was handed out or last kept alive.
+    touched: Instant,
+}
+
+#[derive(Debug)]
+struct Leases {
+    by_sequence: HashMap<u64, Lease>,
+    last_pruned: Instant,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: NatsConfig,
+    client: async_nats::Client,
+    js: jetstream::Context,
+    consumer: Mutex<Option<Arc<PullConsumer>>>,
+    set_up: OnceCell<()>,
+    leases: Mutex<Leases>,
+    /// Since when fetches have returned nothing (stall detection).
+    idle_since: Mutex<Option<Instant>>,
+}
+
+/// A transport on a NATS JetStream stream.
+///
+/// [`setup`](Transport::setup) creates a work-queue stream capturing the
+/// configured subject and a durable pull consumer on it (both idempotently).
+/// [`send`](Transport::send) publishes and waits for JetStream's
+/// acknowledgement; [`get`](Transport::get) fetches a batch from the
+/// consumer, waiting up to the configured `wait` when none is available.
+/// Every handle created for the same name shares the durable consumer, so
+/// handles (and processes) compete for messages.
+///
+/// Message ids are stream sequence numbers: the id `send` returns is the id
+/// of every later delivery of that message and the id `list` and `find` use.
+///
+/// ```no_run
+/// use envoi_core::transport::{RawMessage, Transport};
+/// use envoi_nats::NatsTransport;
+///
+/// # async fn run() -> Result<(), envoi_core::TransportError> {
+/// let transport = NatsTransport::from_dsn("orders", "nats://127.0.0.1:4222?lease=30s").await?;
+/// transport.setup().await?;
+/// let id = transport.send(RawMessage { body: b"hello".to_vec(), ..Default::default() }, None).await?;
+/// for delivery in transport.get(10).await? {
+///     assert_eq!(delivery.id, id);
+///     transport.ack(&delivery.id).await?;
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct NatsTransport {
+    inner: Arc<Inner>,
+}
+
+/// A message ready to publish; kept so that a failed publish can be retried
+/// with the same de-duplication id.
+struct Prepared {
+    headers: async_nats::HeaderMap,
+    payload: Bytes,
+}
+
+impl NatsTransport {
+    /// Connects to the server named in `config`. Nothing is created on the
+    /// server until [`setup`](Transport::setup) (or the first use, when
+    /// `auto_setup` is on).
+    pub async fn connect(config: NatsConfig) -> Result<Self, TransportError> {
+        let options = ConnectOptions::new()
+            .name("envoi")
+            .require_tls(config.tls)
+            .reconnect_delay_callback(|attempts| {
+                // 100 ms, 200 ms, 400 ms ... capped at 2 s: a broker that
+                // comes back is used again within two seconds.
+                let exp = u32::try_from(attempts.min(5)).unwrap_or(5);
+                Duration::from_millis(100 * 2u64.pow(exp)).min(Duration::from_secs(2))
+            })
+            .event_callback(|event| async move {
+                tracing::debug!(%event, "nats connection event");
+            });
+        let client = options
+            .connect(config.server.as_str())
+            .await
+            .map_err(|e| backend(format!("connecting to {}", mask_dsn(&config.server)), e))?;
+        let js = jetstream::new(client.clone());
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                client,
+                js,
+                consumer: Mutex::new(None),
+                set_up: OnceCell::new(),
+                leases: Mutex::new(Leases {
+                    by_sequence: HashMap::new(),
+                    last_pruned: Instant::now(),
+                }),
+                idle_since: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// Parses `dsn` (see [`NatsConfig`]) and connects.
+    pub async fn from_dsn(name: &str, dsn: &str) -> Result<Self, TransportError> {
+        Self::connect(NatsConfig::from_dsn(name, dsn)?).await
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &NatsConfig {
+        &self.inner.config
+    }
+
+    /// Deletes the stream, its consumer and every message in it. Returns
+    /// whether there was a stream to delete.
+    pub async fn delete_stream(&self) -> Result<bool, TransportError> {
+        *lock(&self.inner.consumer) = None;
+        lock(&self.inner.leases).by_sequence.clear();
+        let stream = &self.inner.config.stream;
+        match self.inner.js.delete_stream(stream).await {
+            Ok(status) => Ok(status.success),
+            Err(e) => match e.kind() {
+                jetstream::context::DeleteStreamErrorKind::JetStream(js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+                {
+                    Ok(false)
+                }
+                _ => Err(backend(format!("deleting stream `{stream}`"), e)),
+            },
+        }
+    }
+
+    /// How many messages this handle has handed out and not yet settled.
+    pub fn leased(&self) -> usize {
+        lock(&self.inner.leases).by_sequence.len()
+    }
+
+    fn consumer_config(&self) -> pull::Config {
+        let config = &self.inner.config;
+        pull::Config {
+            durable_name: Some(config.consumer.clone()),
+            description: Some("envoi transport consumer".to_string()),
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: config.lease,
+            // Delays are naks: they must not use up a delivery budget.
+            max_deliver: -1,
+            max_ack_pending: config.max_ack_pending,
+            filter_subject: config.subject.clone(),
+            ..Default::default()
+        }
+    }
+
+    async fn setup_now(&self) -> Result<(), TransportError> {
+        let config = &self.inner.config;
+        let stream = self
+            .inner
+            .js
+            .get_or_create_stream(StreamConfig {
+                name: config.stream.clone(),
+                subjects: vec![config.subject.clone()],
+                retention: RetentionPolicy::WorkQueue,
+                storage: match config.storage {
+                    Storage::File => StorageType::File,
+                    Storage::Memory => StorageType::Memory,
+                },
+                num_replicas: 1,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| backend(format!("creating stream `{}`", config.stream), e))?;
+        let info = stream.cached_info();
+        let captured = if info.config.subjects.is_empty() {
+            info.config.name == config.subject
+        } else {
+            info.config
+                .subjects
+                .iter()
+                .any(|filter| subject_matches(filter, &config.subject))
+        };
+        if !captured {
+            return Err(backend(
+                format!("setting up stream `{}`", config.stream),
+                format!(
+                    "the existing stream does not capture subject `{}` (its subjects: {:?})",
+                    config.subject, info.config.subjects
+                ),
+            ));
+        }
+        if info.config.retention != RetentionPolicy::WorkQueue {
+            tracing::warn!(
+                stream = %config.stream,
+                "existing stream is not a work queue: acknowledged messages stay in it and `list` shows them"
+            );
+        }
+        let consumer = stream
+            .create_consumer(self.consumer_config())
+            .await
+            .map_err(|e| backend(format!("creating consumer `{}`", config.consumer), e))?;
+        *lock(&self.inner.consumer) = Some(Arc::new(consumer));
+        Ok(())
+    }
+
+    async fn ensure_setup(&self) -> Result<(), TransportError> {
+        if !self.inner.config.auto_setup {
+            return Ok(());
+        }
+        self.inner
+            .set_up
+            .get_or_try_init(|| self.setup_now())
+            .await
+            .map(|_| ())
+    }
+
+    /// The pull consumer, bound (or re-created, if it went missing) when
+    /// needed.
+    async fn consumer(&self) -> Result<Arc<PullConsumer>, TransportError> {
+        if let Some(consumer) = lock(&self.inner.consumer).clone() {
+            return Ok(consumer);
+        }
+        let config = &self.inner.config;
+        let stream = self
+            .inner
+            .js
+            .get_stream_no_info(&config.stream)
+            .await
+            .map_err(|e| backend(format!("opening stream `{}`", config.stream), e))?;
+        // Create-or-update: binds to the durable consumer, and brings it
+        // back if it was deleted behind our back.
+        let consumer = stream
+            .create_consumer(self.consumer_config())
+            .await
+            .map_err(|e| backend(format!("binding consumer `{}`", config.consumer), e))?;
+        let consumer = Arc::new(consumer);
+        *lock(&self.inner.consumer) = Some(consumer.clone());
+        Ok(consumer)
+    }
+
+    fn forget_consumer(&self) {
+        *lock(&self.inner.consumer) = None;
+    }
+
+    fn prepare(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> Result<Prepared, TransportError> {
+        let max_payload = self.inner.client.server_info().max_payload;
+        if max_payload > 0 && message.body.len() > max_payload {
+            return Err(TransportError::TooLarge {
+                size: message.body.len(),
+                limit: max_payload,
+            });
+        }
+        let not_before = delay
+            .filter(|d| !d.is_zero())
+            .map(|d| now_ms() + d.as_millis());
+        let msg_id = uuid::Uuid::new_v4().simple().to_string();
+        let headers = headers::encode(&message.headers, &msg_id, not_before)
+            .map_err(|e| backend("encoding headers", e))?;
+        Ok(Prepared {
+            headers,
+            payload: Bytes::from(message.body),
+        })
+    }
+
+    async fn start_publish(
+        &self,
+        prepared: &Prepared,
+    ) -> Result<PublishAckFuture, async_nats::jetstream::context::PublishError> {
+        self.inner
+            .js
+            .publish_with_headers(
+                self.inner.config.subject.clone(),
+                prepared.headers.clone(),
+                prepared.payload.clone(),
+            )
+            .await
+    }
+
+    /// Waits for `first` (an already started publish) and retries the
+    /// publish on a lost acknowledgement; the de-duplication id makes the
+    /// retry store the message at most once.
+    async fn finish_publish(
+        &self,
+        prepared: &Prepared,
+        first: Result<PublishAckFuture, async_nats::jetstream::context::PublishError>,
+    ) -> Result<String, TransportError> {
+        let mut attempt = first;
+        for tries in 1..=SEND_ATTEMPTS {
+            let outcome = match attempt {
+                Ok(ack) => ack.await,
+                Err(e) => Err(e),
+            };
+            let error = match outcome {
+                Ok(ack) => return Ok(ack.sequence.to_string()),
+                Err(e) => e,
+            };
+            let retryable = matches!(
+                error.kind(),
+                PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe
+            );
+            if error.kind() == PublishErrorKind::MaxPayloadExceeded {
+                return Err(TransportError::TooLarge {
+                    size: prepared.payload.len(),
+                    limit: self.inner.client.server_info().max_payload,
+                });
+            }
+            if !retryable || tries == SEND_ATTEMPTS {
+                let hint = if error.kind() == PublishErrorKind::StreamNotFound {
+                    " (no stream captures the subject: run setup)"
+                } else {
+                    ""
+                };
+                return Err(backend(
+                    format!(
+                        "publishing to `{}` after {tries} attempt(s){hint}",
+                        self.inner.config.subject
+                    ),
+                    error,
+                ));
+            }
+            tracing::debug!(%error, tries, "publish not acknowledged; retrying with the same id");
+            attempt = self.start_publish(prepared).await;
+        }
+        unreachable!("the loop returns on its last attempt")
+    }
+
+    /// One pull request for up to `want` messages, waiting up to `expires`.
+    /// Returns what arrived, and the error that ended it early, if any.
+    async fn fetch_once(
+        &self,
+        consumer: &PullConsumer,
+        want: usize,
+        expires: Duration,
+    ) -> (Vec<jetstream::Message>, Option<TransportError>) {
+        let hard_deadline = tokio::time::Instant::now() + expires + FETCH_GRACE;
+        let request = consumer
+            .fetch()
+            .max_messages(want)
+            .expires(expires)
+            .messages();
+        let mut batch = match tokio::time::timeout_at(hard_deadline, request).await {
+            Ok(Ok(batch)) => batch,
+            Ok(Err(e)) => return (Vec::new(), Some(backend("requesting a batch", e))),
+            Err(_) => return (Vec::new(), Some(backend("requesting a batch", "timed out"))),
+        };
+        let mut messages = Vec::new();
+        loop {
+            match tokio::time::timeout_at(hard_deadline, batch.next()).await {
+                Ok(Some(Ok(message))) => messages.push(message),
+                Ok(Some(Err(e))) => return (messages, Some(backend("fetching messages", e))),
+                Ok(None) => return (messages, None),
+                Err(_) => {
+                    // The server's end-of-batch never came: a stalled pull
+                    // (lost connection, lost subscription).
+                    return (
+                        messages,
+                        Some(backend(
+                            "fetching messages",
+                            format!("no end of batch within {:?}", expires + FETCH_GRACE),
+                        )),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Sorts fetched messages: due ones are leased and returned, delayed
+    /// ones are given back to JetStream until they are due.
+    async fn accept(&self, messages: Vec<jetstream::Message>, out: &mut Vec<Delivery>) {
+        let now = now_ms();
+        for message in messages {
+            let (sequence, delivered) = match message.info() {
+                Ok(info) => (info.stream_sequence, info.delivered),
+                Err(error) => {
+                    tracing::warn!(%error, "message without JetStream metadata skipped");
+                    continue;
+                }
+            };
+            let Some(reply) = message.message.reply.clone() else {
+                continue;
+            };
+            if let Some(due) = headers::not_before_ms(message.message.headers.as_ref()) {
+                if due > now {
+                    let wait = Duration::from_millis(u64::try_from(due - now).unwrap_or(u64::MAX));
+                    if let Err(error) = self
+                        .inner
+                        .client
+                        .publish(reply, AckKind::Nak(Some(wait)).into())
+                        .await
+                    {
+                        // The lease expires and JetStream hands it out again.
+                        tracing::warn!(%error, sequence, "could not defer a delayed message");
+                    }
+                    continue;
+                }
+            }
+            tracing::trace!(sequence, delivered, "message handed out");
+            let raw = headers::decode(message.message.headers.as_ref(), &message.message.payload);
+            lock(&self.inner.leases).by_sequence.insert(
+                sequence,
+                Lease {
+                    reply,
+                    touched: Instant::now(),
+                },
+            );
+            out.push(Delivery {
+                id: sequence.to_string(),
+                raw,
+            });
+        }
+    }
+
+    /// Stall guard: after a long run of empty fetches, checks that the
+    /// consumer still exists and is not sitting on messages it does not
+    /// hand out; re-creates the binding if something is off.
+    async fn check_idle(&self, got_messages: bool) {
+        let due = {
+            let mut idle = lock(&self.inner.idle_since);
+            if got_messages {
+                *idle = None;
+                return;
+            }
+            let since = *idle.get_or_insert_with(Instant::now);
+            let period = IDLE_CHECK.max(self.inner.config.wait * 4);
+            if since.elapsed() >= period {
+                *idle = Some(Instant::now());
+                true
+            } else {
+                false
+            }
+        };
+        if !due {
+            return;
+        }
+        let config = &self.inner.config;
+        let info = match self.inner.js.get_stream_no_info(&config.stream).await {
+            Ok(stream) => stream.consumer_info(&config.consumer).await,
+            Err(e) => {
+                tracing::warn!(error = %e, "stall check could not open the stream");
+                return;
+            }
+        };
+        match info {
+            Ok(info) if info.num_pending > 0 => {
+                tracing::warn!(
+                    consumer = %config.consumer,
+                    pending = info.num_pending,
+                    "consumer has pending messages but fetches return none; re-binding"
+                );
+                self.forget_consumer();
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(%error, consumer = %config.consumer, "consumer check failed; re-binding");
+                self.forget_consumer();
+            }
+        }
+    }
+
+    fn prune_leases(&self) {
+        let lease = self.inner.config.lease;
+        let mut leases = lock(&self.inner.leases);
+        if leases.last_pruned.elapsed() < lease {
+            return;
+        }
+        leases.last_pruned = Instant::now();
+        let keep = LEASE_MEMORY.max(lease * 3);
+        leases.by_sequence.retain(|_, l| l.touched.elapsed() < keep);
+    }
+
+    fn take_lease(&self, sequence: u64) -> Option<Lease> {
+        lock(&self.inner.leases).by_sequence.remove(&sequence)
+    }
+
+    async fn send_ack(&self, reply: Subject, kind: AckKind) -> Result<(), TransportError> {
+        if self.inner.config.double_ack {
+            let response = self
+                .inner
+                .client
+                .request(reply, kind.into())
+                .await
+                .map_err(|e| backend("acknowledging (waiting for confirmation)", e))?;
+            if let Some(status) = response.status {
+                if !status.is_success() {
+                    return Err(backend(
+                        "acknowledging",
+                        format!("server answered {status}"),
+                    ));
+                }
+            }
+            Ok(())
+        } else {
+            self.inner
+                .client
+                .publish(reply, kind.into())
+                .await
+                .map_err(|e| backend("acknowledging", e))
+        }
+    }
+
+    /// Removes the message with stream sequence `sequence` from the stream
+    /// directly (used for ids this handle did not hand out, such as ids
+    /// from `list`). A message that is already gone counts as removed.
+    async fn delete_by_sequence(&self, sequence: u64) -> Result<(), TransportError> {
+        let config = &self.inner.config;
+        let stream = self
+            .inner
+            .js
+            .get_stream_no_info(&config.stream)
+            .await
+            .map_err(|e| backend(format!("opening stream `{}`", config.stream), e))?;
+        match stream.delete_message(sequence).await {
+            Ok(_) => Ok(()),
+            Err(e) => match e.kind() {
+                jetstream::stream::DeleteMessageErrorKind::JetStream(js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_MESSAGE_DELETE_FAILED
+                        || js.error_code() == jetstream::ErrorCode::NO_MESSAGE_FOUND
+                        || js.error_code() == jetstream::ErrorCode::SEQUENCE_NOT_FOUND =>
+                {
+                    Ok(())
+                }
+                _ => Err(backend(format!("deleting message {sequence}"), e)),
+            },
+        }
+    }
+
+    async fn remove(&self, id: &str) -> Result<(), TransportError> {
+        let sequence = parse_id(id).ok_or_else(|| TransportError::NotFound(id.to_string()))?;
+        match self.take_lease(sequence) {
+            Some(lease) => self.send_ack(lease.reply, AckKind::Ack).await,
+            None => self.delete_by_sequence(sequence).await,
+        }
+    }
+
+    fn stream_message_to_delivery(message: jetstream::message::StreamMessage) -> Delivery {
+        Delivery {
+            id: message.sequence.to_string(),
+            raw: headers::decode(Some(&message.headers), &message.payload),
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Transport for NatsTransport {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>> {
+        Box::pin(async move {
+            self.ensure_setup().await?;
+            let prepared = self.prepare(message, delay)?;
+            let first = self.start_publish(&prepared).await;
+            self.finish_publish(&prepared, first).await
+        })
+    }
+
+    fn send_batch(
+        &self,
+        messages: Vec<(RawMessage, Option<Duration>)>,
+    ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+        Box::pin(async move {
+            self.ensure_setup().await?;
+            let prepared = messages
+                .into_iter()
+                .map(|(message, delay)| self.prepare(message, delay))
+                .collect::<Result<Vec<_>, _>>()?;
+            // Publish everything first, then collect the acknowledgements:
+            // one round trip for the whole batch instead of one per message.
+            let mut started = Vec::with_capacity(prepared.len());
+            for message in &prepared {
+                started.push(self.start_publish(message).await);
+            }
+            let mut ids = Vec::with_capacity(prepared.len());
+            for (message, first) in prepared.iter().zip(started) {
+                ids.push(self.finish_publish(message, first).await?);
+            }
+            Ok(ids)
+        })
+    }
+
+    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        Box::pin(async move {
+            if max == 0 {
+                return Ok(Vec::new());
+            }
+            self.ensure_setup().await?;
+            self.prune_leases();
+            let consumer = self.consumer().await?;
+            let wait = self.inner.config.wait;
+            let want = max.min(self.inner.config.batch);
+            let deadline = Instant::now() + wait;
+            let mut out = Vec::new();
+            loop {
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                let expires = remaining.max(Duration::from_millis(10));
+                let started = Instant::now();
+                let (messages, error) = self.fetch_once(&consumer, want - out.len(), expires).await;
+                let fetched = messages.len();
+                self.accept(messages, &mut out).await;
+                if let Some(error) = error {
+                    tracing::warn!(%error, "pull request failed; the consumer will be re-bound");
+                    self.forget_consumer();
+                    if out.is_empty() {
+                        return Err(error);
+                    }
+                    break;
+                }
+                if !out.is_empty() || Instant::now() >= deadline {
+                    break;
+                }
+                if fetched == 0 && started.elapsed() < expires / 2 {
+                    // The server answered at once (e.g. other requests are
+                    // waiting for the few pending messages): do not spin.
+                    let pause = Duration::from_millis(20)
+                        .min(deadline.saturating_duration_since(Instant::now()));
+                    tokio::time::sleep(pause).await;
+                }
+            }
+            self.check_idle(!out.is_empty()).await;
+            Ok(out)
+        })
+    }
+
+    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.remove(id))
+    }
+
+    fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            let mut replies = Vec::with_capacity(ids.len());
+            let mut others = Vec::new();
+            {
+                let mut leases = lock(&self.inner.leases);
+                for id in ids {
+                    let sequence =
+                        parse_id(id).ok_or_else(|| TransportError::NotFound(id.to_string()))?;
+                    match leases.by_sequence.remove(&sequence) {
+                        Some(lease) => replies.push(lease.reply),
+                        None => others.push(sequence),
+                    }
+                }
+            }
+            if self.inner.config.double_ack {
+                let confirmations = replies
+                    .into_iter()
+                    .map(|reply| self.send_ack(reply, AckKind::Ack));
+                for result in futures_util::future::join_all(confirmations).await {
+                    result?;
+                }
+            } else {
+                // Acks are plain publishes: they are queued on the connection
+                // and written together.
+                for reply in replies {
+                    self.send_ack(reply, AckKind::Ack).await?;
+                }
+            }
+            for sequence in others {
+                self.delete_by_sequence(sequence).await?;
+            }
+            Ok(())
+        })
+    }
+
+    fn reject<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        // On a work-queue stream an acknowledgement removes the message.
+        Box::pin(self.remove(id))
+    }
+
+    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            let sequence = parse_id(id).ok_or_else(|| TransportError::NotFound(id.to_string()))?;
+            let lease = self
+                .take_lease(sequence)
+                .ok_or_else(|| TransportError::NotFound(id.to_string()))?;
+            self.send_ack(lease.reply, AckKind::Nak(None)).await
+        })
+    }
+
+    fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            let sequence = parse_id(id).ok_or_else(|| TransportError::NotFound(id.to_string()))?;
+            let reply = {
+                let mut leases = lock(&self.inner.leases);
+                let lease = leases
+                    .by_sequence
+                    .get_mut(&sequence)
+                    .ok_or_else(|| TransportError::NotFound(id.to_string()))?;
+                lease.touched = Instant::now();
+                lease.reply.clone()
+            };
+            self.send_ack(reply, AckKind::Progress).await
+        })
+    }
+
+    fn setup(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async move {
+            self.setup_now().await?;
+            let _ = self.inner.set_up.set(());
+            Ok(())
+        })
+    }
+
+    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+        Box::pin(async move {
+            self.ensure_setup().await?;
+            let config = &self.inner.config;
+            let stream = self
+                .inner
+                .js
+                .get_stream_no_info(&config.stream)
+                .await
+                .map_err(|e| backend(format!("opening stream `{}`", config.stream), e))?;
+            let info = stream
+                .consumer_info(&config.consumer)
+                .await
+                .map_err(|e| backend(format!("reading consumer `{}`", config.consumer), e))?;
+            Ok(info.num_pending + info.num_ack_pending as u64)
+        })
+    }
+
+    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        Box::pin(async move {
+            self.ensure_setup().await?;
+            let config = &self.inner.config;
+            let stream = self
+                .inner
+                .js
+                .get_stream_no_info(&config.stream)
+                .await
+                .map_err(|e| backend(format!("opening stream `{}`", config.stream), e))?;
+            let mut out = Vec::new();
+            let mut sequence = 1;
+            while out.len() < limit {
+                match stream
+                    .get_first_raw_message_by_subject(&config.subject, sequence)
+                    .await
+                {
+                    Ok(message) => {
+                        sequence = message.sequence + 1;
+                        out.push(Self::stream_message_to_delivery(message));
+                    }
+                    Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => break,
+                    Err(e) => {
+                        return Err(backend(format!("listing stream `{}`", config.stream), e))
+                    }
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
+        Box::pin(async move {
+            let Some(sequence) = parse_id(id) else {
+                return Ok(None);
+            };
+            self.ensure_setup().await?;
+            let config = &self.inner.config;
+            let stream = self
+                .inner
+                .js
+                .get_stream_no_info(&config.stream)
+                .await
+                .map_err(|e| backend(format!("opening stream `{}`", config.stream), e))?;
+            match stream.get_raw_message(sequence).await {
+                Ok(message) if message.subject.as_str() == config.subject => {
+                    Ok(Some(Self::stream_message_to_delivery(message)))
+                }
+                Ok(_) => Ok(None),
+                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+                Err(e) => Err(backend(format!("reading message {sequence}"), e)),
+            }
+        })
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(self.inner.config.storage == Storage::File, true, true, true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_id;
+
+    #[test]
+    fn ids_are_positive_stream_sequences() {
+        assert_eq!(parse_id("42"), Some(42));
+        assert_eq!(parse_id("0"), None);
+        assert_eq!(parse_id("-1"), None);
+        assert_eq!(parse_id("42.1"), None);
+        assert_eq!(parse_id("abc"), None);
+    }
+}
