@@ -1,0 +1,138 @@
+//! # envoi-sqlite
+//!
+//! The SQLite transport, envoi's embedded default: messages wait in a table
+//! of a local database file, so a worker in the same or another process
+//! consumes them with no broker to run.
+//!
+//! ```no_run
+//! use envoi_core::transport::{RawMessage, Transport};
+//! use envoi_sqlite::SqliteTransport;
+//!
+//! # async fn run() -> Result<(), envoi_core::TransportError> {
+//! let orders = SqliteTransport::connect("orders", "sqlite://var/envoi.db?lease=30s").await?;
+//! orders.setup().await?;
+//! orders.send(RawMessage { body: br#"{"id":1}"#.to_vec(), ..Default::default() }, None).await?;
+//! for delivery in orders.get(10).await? {
+//!     // handle it, then
+//!     orders.ack(&delivery.id).await?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! ## DSN
+//!
+//! `sqlite://<path>[?table=..&lease=..&poll=..&batch=..&busy_timeout=..&auto_setup=..]`;
+//! see [`SqliteOptions`] for each option and its default.
+//! `sqlite:///abs/path.db` is absolute, `sqlite://var/envoi.db` relative to
+//! the working directory; the file and its directory are created if
+//! missing. In-memory databases (`sqlite::memory:`) are rejected with
+//! [`TransportError::InvalidDsn`](envoi_core::TransportError::InvalidDsn):
+//! every pooled connection would see a database of its own; use the
+//! `in-memory://` transport instead.
+//!
+//! ## Schema
+//!
+//! One table per transport, `envoi_<name>` unless `table=` says otherwise
+//! (several transports may share a table: every statement filters on
+//! `queue_name`). [`setup`](envoi_core::transport::Transport::setup), or the
+//! first use with `auto_setup`, creates it:
+//!
+//! ```sql
+//! CREATE TABLE IF NOT EXISTS "envoi_<name>" (
+//!     id INTEGER PRIMARY KEY AUTOINCREMENT,  -- the delivery id; never reused
+//!     queue_name TEXT NOT NULL,              -- the transport's name
+//!     body BLOB NOT NULL,                    -- the encoded message, any bytes
+//!     headers TEXT NOT NULL,                 -- JSON object of string values
+//!     created_at INTEGER NOT NULL,           -- Unix ms
+//!     available_at INTEGER NOT NULL,         -- Unix ms; not handed out before
+//!     delivered_at INTEGER,                  -- Unix ms of the claim; NULL when not leased
+//!     lease_until INTEGER                    -- Unix ms; NULL when not leased
+//! );
+//! CREATE INDEX IF NOT EXISTS "envoi_<name>_claim" ON "envoi_<name>" (queue_name, available_at, id);
+//! ```
+//!
+//! The statements, with `?now` the current Unix time in milliseconds:
+//!
+//! * **send**: `INSERT … (queue_name, body, headers, created_at,
+//!   available_at) VALUES (?, ?, ?, ?now, ?now + delay)`;
+//!   `send_batch` inserts 64 rows per statement in one transaction.
+//! * **claim** (`get`): one statement, atomic on its own (a writing
+//!   statement takes SQLite's write lock before it reads):
+//!   `UPDATE … SET delivered_at = ?now, lease_until = ?now + lease,
+//!   available_at = ?now + lease WHERE id IN (SELECT id … WHERE queue_name = ?
+//!   AND available_at <= ?now ORDER BY available_at, id LIMIT ?batch)
+//!   RETURNING id, body, headers`. Moving `available_at` to the end of the
+//!   lease is what makes a claimed row invisible to other consumers and
+//!   visible again when the lease expires, with one index range scan.
+//! * **ack** / **reject**: `DELETE … WHERE id = ?`; `ack_batch`:
+//!   `DELETE … WHERE id IN (SELECT value FROM json_each(?))`.
+//! * **release**: `lease_until = NULL, available_at = ?now` (handed out
+//!   again at once). **keepalive**: `lease_until = available_at = ?now +
+//!   lease`.
+//!
+//! ## Guarantees
+//!
+//! * At least once: a message handed out is leased for `lease` (60 s by
+//!   default); a consumer that dies without acknowledging it loses the lease
+//!   and the message is handed out again, to any process using the file. A
+//!   live consumer calls `keepalive` to keep a long handler's message.
+//! * Ordered: one consumer gets messages in the order they became
+//!   available (send order, for undelayed messages).
+//! * Delays to the millisecond, observed within `poll` (50 ms by default);
+//!   sends in the same process wake waiting consumers at once.
+//! * Persistent: WAL journal, `synchronous=NORMAL`; a committed send
+//!   survives a crash of the process (the last transactions may be lost on
+//!   power failure, as `NORMAL` trades that for speed).
+//! * `list`, `find` and `message_count` cover waiting, delayed and leased
+//!   messages.
+//!
+//! Rows are claimed `batch` (16) at a time: `get(1)` claims up to 16 rows
+//! and keeps the others, leased to this handle, for the next calls. Rows kept
+//! for half the lease are given back, as are those held by a handle when it
+//! is dropped or [closed](SqliteTransport::close).
+//!
+//! A handle writes through one connection (SQLite has a single writer) and
+//! reads (`list`, `find`, `message_count`) through up to two more.
+
+#![forbid(unsafe_code)]
+
+mod options;
+mod transport;
+
+use std::sync::Arc;
+
+use envoi_core::middleware::BoxFuture;
+use envoi_core::transport::{Transport, TransportFactory};
+use envoi_core::TransportError;
+
+pub use options::SqliteOptions;
+pub use transport::{SqliteTransport, INVALID_HEADERS};
+
+/// Creates [`SqliteTransport`]s from `sqlite://` DSNs.
+///
+/// ```
+/// use envoi_core::transport::TransportFactory;
+/// use envoi_sqlite::SqliteTransportFactory;
+///
+/// assert!(SqliteTransportFactory.supports("sqlite://var/envoi.db"));
+/// assert!(!SqliteTransportFactory.supports("redis://127.0.0.1:6379"));
+/// ```
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SqliteTransportFactory;
+
+impl TransportFactory for SqliteTransportFactory {
+    fn supports(&self, dsn: &str) -> bool {
+        dsn.starts_with("sqlite:")
+    }
+
+    fn create<'a>(
+        &'a self,
+        name: &'a str,
+        dsn: &'a str,
+    ) -> BoxFuture<'a, Result<Arc<dyn Transport>, TransportError>> {
+        Box::pin(async move {
+            let transport = SqliteTransport::connect(name, dsn).await?;
+            Ok(Arc::new(transport) as Arc<dyn Transport>)
+        })
+    }
+}

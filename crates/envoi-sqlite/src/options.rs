@@ -1,0 +1,274 @@
+//! The DSN `sqlite://<path>[?option=value&…]` and what it configures.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use envoi_core::transport::mask_dsn;
+use envoi_core::TransportError;
+
+/// How a [`SqliteTransport`](crate::SqliteTransport) is configured; parsed
+/// from a DSN by [`SqliteOptions::from_dsn`].
+///
+/// | option | default | meaning |
+/// |---|---|---|
+/// | `table` | `envoi_<name>` | the table; several transports may share one (rows carry their `queue_name`) |
+/// | `lease` | `60s` | how long a handed-out message stays leased before it is handed out again |
+/// | `poll` | `50ms` | how long `get` waits for a message when none is available |
+/// | `batch` | `16` | rows claimed per round trip; extra rows are kept for the next `get` |
+/// | `busy_timeout` | `5s` | how long a statement waits for another connection's write lock |
+/// | `auto_setup` | `true` | create the table on first use |
+///
+/// Durations are a number with an optional unit: `ms`, `s` (the default),
+/// `m` or `h`; `1500ms`, `1.5`, `2s` and `1m` are all valid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SqliteOptions {
+    /// The database file; created if missing.
+    pub path: PathBuf,
+    /// The table, or `None` for `envoi_<transport name>`.
+    pub table: Option<String>,
+    /// How long a handed-out message stays leased.
+    pub lease: Duration,
+    /// How long `get` waits when nothing is available.
+    pub poll: Duration,
+    /// Rows claimed per round trip.
+    pub batch: usize,
+    /// How long a statement waits for a lock held by another connection.
+    pub busy_timeout: Duration,
+    /// Whether the table is created on first use.
+    pub auto_setup: bool,
+}
+
+impl SqliteOptions {
+    /// Default options for the database at `path`.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            table: None,
+            lease: Duration::from_secs(60),
+            poll: Duration::from_millis(50),
+            batch: 16,
+            busy_timeout: Duration::from_secs(5),
+            auto_setup: true,
+        }
+    }
+
+    /// Parses `sqlite://<path>[?option=value&…]` (also `sqlite:<path>`).
+    /// `sqlite:///abs/path.db` is absolute, `sqlite://data/envoi.db`
+    /// relative to the working directory.
+    ///
+    /// ```
+    /// use envoi_sqlite::SqliteOptions;
+    /// use std::time::Duration;
+    ///
+    /// let o = SqliteOptions::from_dsn("sqlite://var/envoi.db?lease=2s&batch=64").unwrap();
+    /// assert_eq!(o.path, std::path::Path::new("var/envoi.db"));
+    /// assert_eq!(o.lease, Duration::from_secs(2));
+    /// assert_eq!(o.batch, 64);
+    /// assert!(SqliteOptions::from_dsn("sqlite://x.db?lease=soon").is_err());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`TransportError::InvalidDsn`] for another scheme, an empty path, an
+    /// in-memory database, an unknown option or a bad value.
+    pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
+        let invalid = |reason: String| TransportError::InvalidDsn {
+            dsn: mask_dsn(dsn),
+            reason,
+        };
+        let rest = dsn
+            .strip_prefix("sqlite://")
+            .or_else(|| dsn.strip_prefix("sqlite:"))
+            .ok_or_else(|| invalid("expected `sqlite://<path>`".into()))?;
+        let (path, query) = match rest.split_once('?') {
+            Some((p, q)) => (p, Some(q)),
+            None => (rest, None),
+        };
+        if path.is_empty() {
+            return Err(invalid("the database path is empty".into()));
+        }
+        if path == ":memory:" || path.starts_with("file:") {
+            return Err(invalid(
+                "in-memory and URI databases are not supported (each pooled connection would \
+                 see its own database); use a file path, or the `in-memory://` transport"
+                    .into(),
+            ));
+        }
+        let mut options = SqliteOptions::new(path);
+        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair
+                .split_once('=')
+                .ok_or_else(|| invalid(format!("option `{pair}` has no value")))?;
+            match key {
+                "table" => {
+                    validate_table(value).map_err(invalid)?;
+                    options.table = Some(value.to_string());
+                }
+                "lease" => options.lease = positive_duration(key, value).map_err(invalid)?,
+                "poll" => options.poll = duration(key, value).map_err(invalid)?,
+                "busy_timeout" => options.busy_timeout = duration(key, value).map_err(invalid)?,
+                "batch" => {
+                    options.batch = match value.parse::<usize>() {
+                        Ok(n) if (1..=MAX_BATCH).contains(&n) => n,
+                        _ => {
+                            return Err(invalid(format!(
+                            "`batch` must be a whole number from 1 to {MAX_BATCH}, not `{value}`"
+                        )))
+                        }
+                    }
+                }
+                "auto_setup" => {
+                    options.auto_setup = match value {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        _ => {
+                            return Err(invalid(format!(
+                                "`auto_setup` must be `true` or `false`, not `{value}`"
+                            )))
+                        }
+                    }
+                }
+                "mode" if value == "memory" => {
+                    return Err(invalid("in-memory databases are not supported".into()))
+                }
+                _ => {
+                    return Err(invalid(format!(
+                        "unknown option `{key}` (expected table, lease, poll, batch, \
+                         busy_timeout or auto_setup)"
+                    )))
+                }
+            }
+        }
+        Ok(options)
+    }
+}
+
+/// The most rows one claim may take.
+pub(crate) const MAX_BATCH: usize = 10_000;
+
+/// A table name must be a plain identifier: ASCII letters, digits and `_`,
+/// not starting with a digit, at most 64 characters.
+pub(crate) fn validate_table(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && !name.to_ascii_lowercase().starts_with("sqlite_");
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "table name `{name}` must be 1 to 64 ASCII letters, digits or `_`, not start with a \
+             digit nor with `sqlite_`"
+        ))
+    }
+}
+
+/// The default table for the transport called `name`: `envoi_` followed by
+/// the name with every character other than ASCII letters and digits
+/// replaced by `_`, cut to 64 characters.
+pub(crate) fn default_table(name: &str) -> String {
+    let mut table: String = "envoi_".to_string();
+    table.extend(name.chars().map(|c| {
+        if c.is_ascii_alphanumeric() {
+            c.to_ascii_lowercase()
+        } else {
+            '_'
+        }
+    }));
+    table.truncate(64);
+    table
+}
+
+fn positive_duration(key: &str, value: &str) -> Result<Duration, String> {
+    let d = duration(key, value)?;
+    if d < Duration::from_millis(1) {
+        return Err(format!("`{key}` must be at least 1ms, not `{value}`"));
+    }
+    Ok(d)
+}
+
+/// Parses `1500ms`, `1.5`, `2s`, `1m`, `1h`.
+fn duration(key: &str, value: &str) -> Result<Duration, String> {
+    let bad = || format!("`{key}` must be a duration such as `500ms`, `2s` or `1m`, not `{value}`");
+    let (number, scale) = if let Some(n) = value.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = value.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = value.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = value.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (value, 1.0)
+    };
+    let n: f64 = number.parse().map_err(|_| bad())?;
+    if !n.is_finite() || n < 0.0 {
+        return Err(bad());
+    }
+    Duration::try_from_secs_f64(n * scale).map_err(|_| bad())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dsn_options_are_parsed() {
+        let o = SqliteOptions::from_dsn(
+            "sqlite:///tmp/q.db?table=jobs&lease=1500ms&poll=0.1&batch=8&busy_timeout=1m&auto_setup=false",
+        )
+        .unwrap();
+        assert_eq!(o.path, PathBuf::from("/tmp/q.db"));
+        assert_eq!(o.table.as_deref(), Some("jobs"));
+        assert_eq!(o.lease, Duration::from_millis(1500));
+        assert_eq!(o.poll, Duration::from_millis(100));
+        assert_eq!(o.batch, 8);
+        assert_eq!(o.busy_timeout, Duration::from_secs(60));
+        assert!(!o.auto_setup);
+        let o = SqliteOptions::from_dsn("sqlite:envoi.db").unwrap();
+        assert_eq!(o, SqliteOptions::new("envoi.db"));
+    }
+
+    #[test]
+    fn bad_dsns_are_invalid_with_a_reason() {
+        for (dsn, reason) in [
+            ("postgres://x", "expected `sqlite://<path>`"),
+            ("sqlite://", "path is empty"),
+            ("sqlite://?lease=1s", "path is empty"),
+            ("sqlite::memory:", "in-memory"),
+            ("sqlite://:memory:", "in-memory"),
+            ("sqlite://file:x?mode=memory", "in-memory"),
+            ("sqlite://x.db?mode=memory", "in-memory"),
+            ("sqlite://x.db?lease=soon", "`lease` must be a duration"),
+            ("sqlite://x.db?lease=0s", "at least 1ms"),
+            ("sqlite://x.db?poll=-1", "`poll` must be a duration"),
+            ("sqlite://x.db?batch=0", "`batch` must be"),
+            ("sqlite://x.db?batch=many", "`batch` must be"),
+            ("sqlite://x.db?table=drop%20table", "table name"),
+            ("sqlite://x.db?table=1abc", "table name"),
+            ("sqlite://x.db?table=sqlite_master", "table name"),
+            ("sqlite://x.db?auto_setup=maybe", "`auto_setup`"),
+            ("sqlite://x.db?colour=blue", "unknown option `colour`"),
+            ("sqlite://x.db?lease", "has no value"),
+        ] {
+            match SqliteOptions::from_dsn(dsn) {
+                Err(TransportError::InvalidDsn { reason: r, .. }) => {
+                    assert!(
+                        r.contains(reason),
+                        "{dsn}: `{r}` does not mention `{reason}`"
+                    )
+                }
+                other => panic!("{dsn}: expected InvalidDsn, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn default_table_is_a_safe_identifier() {
+        assert_eq!(default_table("orders"), "envoi_orders");
+        assert_eq!(default_table("Async-Jobs.v2"), "envoi_async_jobs_v2");
+        assert!(validate_table(&default_table(&"ü".repeat(100))).is_ok());
+    }
+}

@@ -1,0 +1,22 @@
+//! The shared conformance suite against SQLite: every transport name gets
+//! its own table in one database file per test run, with a 2 s lease.
+
+use std::sync::Arc;
+
+use envoi_core::transport::Transport;
+use envoi_sqlite::SqliteTransport;
+
+async fn make(name: String) -> Option<Arc<dyn Transport>> {
+    let dir = std::env::temp_dir().join("envoi-sqlite-tests");
+    let path = dir.join(format!("conformance-{}.db", std::process::id()));
+    let dsn = format!(
+        "sqlite://{}?lease=2s&poll=50ms&busy_timeout=30s",
+        path.display()
+    );
+    match SqliteTransport::connect(&name, &dsn).await {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) => panic!("opening {dsn} failed: {e}"),
+    }
+}
+
+envoi_transport_tests::conformance!(make);
