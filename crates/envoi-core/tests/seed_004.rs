@@ -1,0 +1,299 @@
+//! Seed 004: the stage pipeline on a real bus — the seed's example word for
+//! word, `Stop` semantics per stage, and which stages run on the sender and
+//! on the receiver side of a transport.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use envoi_core::middleware::stage::{
+    as_filter, as_middleware, FilterAction, PipelineStage, StageNext, StagePipeline,
+};
+use envoi_core::stamp::{HandledStamp, ReceivedStamp};
+use envoi_core::testing::RecordingSenders;
+use envoi_core::{BusError, Command, DispatchError, Envelope, Message, Messenger};
+
+type Log = Arc<Mutex<Vec<String>>>;
+
+fn entries(log: &Log) -> Vec<String> {
+    log.lock().unwrap().clone()
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Invoice {
+    amount: u32,
+}
+impl Message for Invoice {
+    const NAME: &'static str = "Invoice";
+}
+#[derive(Debug, thiserror::Error)]
+#[error("rejected")]
+struct Rejected;
+impl Command for Invoice {
+    type Output = ();
+    type Error = Rejected;
+}
+
+/// The `metrics` object of the seed's example: collects observations.
+#[derive(Clone, Default)]
+struct Metrics(Arc<Mutex<Vec<Duration>>>);
+
+impl Metrics {
+    fn observe(&self, elapsed: Duration) {
+        self.0.lock().unwrap().push(elapsed);
+    }
+    fn count(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+fn invoice_handler(log: &Log) -> impl Fn(Invoice) -> std::future::Ready<Result<(), Rejected>> {
+    let log = log.clone();
+    move |invoice: Invoice| {
+        log.lock().unwrap().push("handler".into());
+        std::future::ready(if invoice.amount == 0 {
+            Err(Rejected)
+        } else {
+            Ok(())
+        })
+    }
+}
+
+/// The seed's example: middleware first, filter second in the call.
+fn seed_example(metrics: &Metrics, log: &Log) -> StagePipeline {
+    let metrics = metrics.clone();
+    let (log_m, log_f) = (log.clone(), log.clone());
+    StagePipeline::new().use_(
+        PipelineStage::BeforeConsuming,
+        [
+            as_middleware(move |envelope: Envelope, next: StageNext<'_>| {
+                let metrics = metrics.clone();
+                let log = log_m.clone();
+                Box::pin(async move {
+                    log.lock().unwrap().push("timing middleware".into());
+                    let start = Instant::now();
+                    // try { await next() } finally { metrics.observe(...) }
+                    let out = next.run(envelope).await;
+                    metrics.observe(start.elapsed());
+                    out
+                })
+            }),
+            as_filter(move |envelope: &Envelope| {
+                log_f.lock().unwrap().push("tenant filter".into());
+                if envelope.header("tenant").is_some() {
+                    FilterAction::Continue
+                } else {
+                    FilterAction::Stop
+                }
+            }),
+        ],
+    )
+}
+
+#[tokio::test]
+async fn seed_example_the_filter_runs_first_although_given_second_and_the_message_is_timed() {
+    let (metrics, log) = (Metrics::default(), Log::default());
+    let m = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .middleware(seed_example(&metrics, &log))
+        .build()
+        .unwrap();
+    let out = m
+        .bus()
+        .dispatch(Envelope::new(Invoice { amount: 5 }).with_header("tenant", "acme"))
+        .await
+        .unwrap();
+    assert!(out.has::<HandledStamp>());
+    assert_eq!(
+        entries(&log),
+        ["tenant filter", "timing middleware", "handler"]
+    );
+    assert_eq!(metrics.count(), 1);
+}
+
+#[tokio::test]
+async fn seed_example_without_a_tenant_the_filter_stops_and_the_timing_middleware_is_skipped_entirely(
+) {
+    let (metrics, log) = (Metrics::default(), Log::default());
+    let m = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .middleware(seed_example(&metrics, &log))
+        .build()
+        .unwrap();
+    let out = m
+        .bus()
+        .dispatch(Envelope::new(Invoice { amount: 5 }))
+        .await
+        .expect("a before_consuming stop is not an error");
+    assert!(!out.has::<HandledStamp>(), "the handler must not run");
+    assert_eq!(entries(&log), ["tenant filter"]);
+    assert_eq!(metrics.count(), 0);
+}
+
+fn mark(log: &Log, name: &'static str) -> envoi_core::middleware::stage::StageItem {
+    let log = log.clone();
+    as_middleware(move |envelope: Envelope, next: StageNext<'_>| {
+        let log = log.clone();
+        Box::pin(async move {
+            log.lock().unwrap().push(name.to_string());
+            next.run(envelope).await
+        })
+    })
+}
+
+fn four_stages(log: &Log) -> StagePipeline {
+    StagePipeline::new()
+        .use_(PipelineStage::Outgoing, [mark(log, "outgoing")])
+        .use_(
+            PipelineStage::BeforeConsuming,
+            [mark(log, "before_consuming")],
+        )
+        .use_(
+            PipelineStage::AfterConsuming,
+            [mark(log, "after_consuming")],
+        )
+        .use_(
+            PipelineStage::OnConsumedSuccessfully,
+            [mark(log, "on_consumed_successfully")],
+        )
+}
+
+#[tokio::test]
+async fn in_process_dispatch_runs_all_four_stages_around_the_handler() {
+    let log = Log::default();
+    let m = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .middleware(four_stages(&log))
+        .build()
+        .unwrap();
+    m.dispatcher()
+        .dispatch(Invoice { amount: 1 })
+        .await
+        .unwrap();
+    assert_eq!(
+        entries(&log),
+        [
+            "outgoing",
+            "before_consuming",
+            "handler",
+            "after_consuming",
+            "on_consumed_successfully"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn after_consuming_runs_when_the_handler_fails_but_on_consumed_successfully_does_not() {
+    let log = Log::default();
+    let m = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .middleware(four_stages(&log))
+        .build()
+        .unwrap();
+    let err = m
+        .dispatcher()
+        .dispatch(Invoice { amount: 0 })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DispatchError::Domain(Rejected)));
+    assert_eq!(
+        entries(&log),
+        ["outgoing", "before_consuming", "handler", "after_consuming"]
+    );
+}
+
+#[tokio::test]
+async fn an_outgoing_stop_fails_at_the_call_site_with_outgoing_filters_blocked() {
+    let log = Log::default();
+    let senders = RecordingSenders::default();
+    let m = Messenger::builder()
+        .route::<Invoice>("async")
+        .sender_dispatcher(Arc::new(senders.clone()))
+        .middleware(four_stages(&log).use_(
+            PipelineStage::Outgoing,
+            [as_filter(|e: &Envelope| {
+                if e.message::<Invoice>().is_some_and(|i| i.amount > 1000) {
+                    FilterAction::Stop
+                } else {
+                    FilterAction::Continue
+                }
+            })],
+        ))
+        .build()
+        .unwrap();
+    let err = m
+        .dispatcher()
+        .dispatch(Invoice { amount: 5000 })
+        .await
+        .unwrap_err();
+    match err {
+        DispatchError::Infrastructure(BusError::OutgoingFiltersBlocked { message }) => {
+            assert_eq!(message, "Invoice")
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(senders.sent_to().is_empty(), "nothing may be sent");
+    assert!(
+        entries(&log).is_empty(),
+        "outgoing middleware is skipped too"
+    );
+}
+
+#[tokio::test]
+async fn with_a_transport_outgoing_runs_on_the_sender_and_the_consuming_stages_on_the_receiver() {
+    let log = Log::default();
+    let senders = RecordingSenders::default();
+    let stamp_origin = as_middleware(|envelope: Envelope, next: StageNext<'_>| {
+        next.run(envelope.with_header("origin", "billing"))
+    });
+    let m = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .route::<Invoice>("async")
+        .sender_dispatcher(Arc::new(senders.clone()))
+        .middleware(four_stages(&log).use_(PipelineStage::Outgoing, [stamp_origin]))
+        .build()
+        .unwrap();
+
+    // Sender side.
+    m.bus()
+        .dispatch(Envelope::new(Invoice { amount: 3 }))
+        .await
+        .unwrap();
+    assert_eq!(entries(&log), ["outgoing"]);
+    assert_eq!(senders.sent_to(), ["async"]);
+    let sent = senders.envelopes().remove(0);
+    assert_eq!(sent.header("origin"), Some("billing"));
+
+    // Receiver side, as a worker dispatches what it consumed.
+    log.lock().unwrap().clear();
+    let received = sent.with(ReceivedStamp::new("async"));
+    let out = m.bus().dispatch(received).await.unwrap();
+    assert!(out.has::<HandledStamp>());
+    assert_eq!(
+        entries(&log),
+        [
+            "before_consuming",
+            "handler",
+            "after_consuming",
+            "on_consumed_successfully"
+        ]
+    );
+    assert_eq!(senders.sent_to(), ["async"], "not sent again");
+}
+
+#[tokio::test]
+async fn a_before_consuming_stop_on_the_receiver_ends_processing_without_error_so_the_message_is_acked(
+) {
+    let (metrics, log) = (Metrics::default(), Log::default());
+    let m = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .middleware(seed_example(&metrics, &log))
+        .build()
+        .unwrap();
+    let received = Envelope::new(Invoice { amount: 1 }).with(ReceivedStamp::new("async"));
+    let out = m.bus().dispatch(received).await;
+    assert!(
+        out.is_ok(),
+        "an error would make the worker reject or retry"
+    );
+    assert_eq!(entries(&log), ["tenant filter"]);
+}
