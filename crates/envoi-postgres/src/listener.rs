@@ -1,0 +1,108 @@
+//! Waking consumers: one `LISTEN` connection per transport, shared by every
+//! consumer, with polling as the fallback.
+//!
+//! Consumers never hold a connection while they wait. Each waits on a
+//! [`Wake`] signal (a generation counter in a `watch` channel) for at most
+//! the poll interval. The listener task owns the only `LISTEN` connection;
+//! it bumps the generation when a notification for its queue arrives, and
+//! also whenever it (re)connects, because notifications sent while it was
+//! away are lost. While it is down, consumers simply poll.
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgListener, PgPool};
+use tokio::sync::watch;
+
+/// The generation counter consumers wait on.
+#[derive(Debug)]
+pub(crate) struct Wake {
+    tx: watch::Sender<u64>,
+}
+
+impl Wake {
+    pub(crate) fn new() -> Self {
+        Self {
+            tx: watch::Sender::new(0),
+        }
+    }
+
+    /// Wakes every consumer waiting now, and makes the next wait of one
+    /// that subscribed before this call return at once.
+    pub(crate) fn wake(&self) {
+        self.tx
+            .send_modify(|generation| *generation = generation.wrapping_add(1));
+    }
+
+    /// A receiver that sees every wake from now on.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.tx.subscribe()
+    }
+}
+
+/// What the listener task needs; it holds no reference to the transport, so
+/// dropping the transport (which aborts the task) frees everything.
+pub(crate) struct ListenerTask {
+    /// A pool of one connection, used only for `LISTEN`.
+    pub(crate) pool: PgPool,
+    /// The channel (the table name).
+    pub(crate) channel: String,
+    /// Notifications whose payload is this queue name wake consumers.
+    pub(crate) queue: String,
+    pub(crate) wake: std::sync::Arc<Wake>,
+}
+
+impl ListenerTask {
+    /// Listens until aborted, reconnecting with a capped backoff.
+    pub(crate) async fn run(self) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match self.listen(&mut backoff).await {
+                Ok(never) => match never {},
+                Err(error) => {
+                    tracing::warn!(
+                        %error,
+                        channel = %self.channel,
+                        queue = %self.queue,
+                        retry_in = ?backoff,
+                        "postgres listener lost; consumers poll until it is back"
+                    );
+                }
+            }
+            // Whatever was notified while the listener was away is lost.
+            self.wake.wake();
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// Connects, listens and forwards notifications until the connection fails.
+    /// Resets `backoff` once listening.
+    async fn listen(
+        &self,
+        backoff: &mut Duration,
+    ) -> Result<std::convert::Infallible, sqlx::Error> {
+        let mut listener = PgListener::connect_with(&self.pool).await?;
+        // Reconnects are handled here, with a wake after each.
+        listener.eager_reconnect(false);
+        listener.listen(&self.channel).await?;
+        tracing::debug!(channel = %self.channel, queue = %self.queue, "postgres listener connected");
+        *backoff = Duration::from_millis(100);
+        // Messages may have been sent between the last poll and LISTEN.
+        self.wake.wake();
+        loop {
+            match listener.try_recv().await? {
+                Some(notification) => {
+                    if notification.payload() == self.queue {
+                        self.wake.wake();
+                    }
+                }
+                None => {
+                    return Err(sqlx::Error::Io(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionAborted,
+                        "listener connection closed",
+                    )))
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,758 @@
+//! [`PostgresTransport`]: the [`Transport`] implementation.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use envoi_core::middleware::BoxFuture;
+use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
+use envoi_core::TransportError;
+use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Row};
+use tokio::task::JoinHandle;
+
+use crate::config::{validate_table, ConfigError, PostgresConfig};
+use crate::listener::{ListenerTask, Wake};
+use crate::sql::Statements;
+
+/// The header a delivery gets, holding the stored text, when the stored
+/// headers are not a JSON object (a row written by hand, for instance): the
+/// message is still handed out, and the worker's decoder reports it.
+pub const INVALID_HEADERS_HEADER: &str = "X-Envoi-Postgres-Invalid-Headers";
+
+/// A message that PostgreSQL cannot store as it is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MessageError {
+    /// A header key or value contains a NUL character (`jsonb` cannot hold it).
+    #[error("header `{key}` contains a NUL character, which PostgreSQL text cannot hold")]
+    NulInHeader {
+        /// The header's key (NULs shown as `\0`).
+        key: String,
+    },
+}
+
+/// A transport storing messages in a PostgreSQL table.
+///
+/// Every queue (transport name) is a set of rows in a shared table
+/// (`envoi_messages` unless the DSN says `table=`), so one table can serve
+/// many transports. Cloning is cheap and gives another handle on the same
+/// pool and listener.
+///
+/// # Delivery
+///
+/// [`get`](Transport::get) leases a batch with one statement,
+/// `UPDATE … WHERE id IN (SELECT … FOR UPDATE SKIP LOCKED LIMIT n) RETURNING …`:
+/// concurrent consumers never block each other nor receive the same row. A
+/// leased message is invisible until its lease (`lease=`, 300 s by default)
+/// passes, then handed out again, so a consumer that dies loses nothing.
+/// [`keepalive`](Transport::keepalive) renews the lease;
+/// [`ack`](Transport::ack) and [`reject`](Transport::reject) delete the row;
+/// [`release`](Transport::release) ends the lease at once.
+///
+/// # Waking consumers
+///
+/// An empty `get` waits up to the poll interval (`poll=`, 500 ms) for a
+/// wake-up. Sends run `NOTIFY` in the same statement as the `INSERT`; one
+/// listener connection per transport value (shared by all its consumers and
+/// clones, opened by the first `get`) turns notifications for this queue into
+/// wake-ups. Notifications missed while the listener reconnects, delays that
+/// come due and leases that expire are caught by polling.
+///
+/// # Connection loss
+///
+/// A statement that fails because its connection was lost (killed by
+/// `pg_terminate_backend`, a restart, a network cut) is retried on a fresh
+/// connection, a few times within `acquire_timeout`. A retried `send` whose
+/// first attempt committed just before the connection dropped stores the
+/// message twice: delivery is at least once.
+#[derive(Clone)]
+pub struct PostgresTransport {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    name: String,
+    config: PostgresConfig,
+    pool: PgPool,
+    listener_pool: Option<PgPool>,
+    sql: Statements,
+    wake: Arc<Wake>,
+    listener: OnceLock<AbortOnDrop>,
+    /// The wake generation when the latest claim started.
+    claimed_generation: AtomicU64,
+    lease_secs: f64,
+    max_retries: u32,
+}
+
+/// Aborts the listener task when the transport is dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl fmt::Debug for PostgresTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresTransport")
+            .field("name", &self.inner.name)
+            .field("config", &self.inner.config)
+            .finish()
+    }
+}
+
+impl PostgresTransport {
+    /// The transport called `name` described by `dsn` (see
+    /// [`PostgresConfig::from_dsn`]). Connects lazily: nothing is opened
+    /// before the first operation. Must be called within a Tokio runtime.
+    ///
+    /// ```no_run
+    /// use envoi_core::transport::Transport;
+    /// use envoi_postgres::PostgresTransport;
+    ///
+    /// # async fn run() -> Result<(), envoi_core::TransportError> {
+    /// let orders = PostgresTransport::from_dsn(
+    ///     "orders",
+    ///     "postgres://app@127.0.0.1:5432/shop?lease=60s",
+    /// )?;
+    /// orders.setup().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn from_dsn(name: impl Into<String>, dsn: &str) -> Result<Self, TransportError> {
+        Self::new(name, PostgresConfig::from_dsn(dsn)?)
+    }
+
+    /// The transport called `name` with `config`, on a pool of its own.
+    /// Connects lazily. Must be called within a Tokio runtime.
+    pub fn new(name: impl Into<String>, config: PostgresConfig) -> Result<Self, TransportError> {
+        require_runtime()?;
+        let pool = PgPoolOptions::new()
+            .max_connections(config.max_connections)
+            .acquire_timeout(config.acquire_timeout)
+            // A dead connection is noticed by the statement that uses it and
+            // the statement retried; pinging before every use would cost a
+            // round trip per operation.
+            .test_before_acquire(false)
+            .connect_lazy_with(config.connect.clone());
+        Self::with_pool(name, pool, config)
+    }
+
+    /// The transport called `name` on an existing `pool` (shared with the
+    /// application, for instance). `config.connect` is used only by the
+    /// listener connection, which is never taken from `pool`. Must be called
+    /// within a Tokio runtime.
+    pub fn with_pool(
+        name: impl Into<String>,
+        pool: PgPool,
+        config: PostgresConfig,
+    ) -> Result<Self, TransportError> {
+        require_runtime()?;
+        let name = name.into();
+        let invalid = |e: ConfigError| TransportError::backend("invalid postgres transport", e);
+        config.validate().map_err(invalid)?;
+        validate_table(&config.table).map_err(invalid)?;
+        if name.is_empty() || name.contains('\0') {
+            return Err(invalid(ConfigError::InvalidName(name)));
+        }
+        let listener_pool = config.listen.then(|| {
+            PgPoolOptions::new()
+                .max_connections(1)
+                .min_connections(0)
+                .acquire_timeout(config.acquire_timeout)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .connect_lazy_with(config.connect.clone())
+        });
+        let max_retries = pool.options().get_max_connections().saturating_add(2);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                sql: Statements::new(&config.table),
+                lease_secs: config.lease.as_secs_f64(),
+                name,
+                config,
+                pool,
+                listener_pool,
+                wake: Arc::new(Wake::new()),
+                listener: OnceLock::new(),
+                claimed_generation: AtomicU64::new(0),
+                max_retries,
+            }),
+        })
+    }
+
+    /// The transport's name (the `queue_name` of its rows).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &PostgresConfig {
+        &self.inner.config
+    }
+
+    /// The pool its statements run on.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// Deletes every message of this transport, leased ones included;
+    /// returns how many.
+    pub async fn purge(&self) -> Result<u64, TransportError> {
+        let inner = &*self.inner;
+        inner
+            .retrying("purging messages", || {
+                sqlx::query(AssertSqlSafe(inner.sql.purge.clone()))
+                    .bind(inner.name.as_str())
+                    .execute(&inner.pool)
+            })
+            .await
+            .map(|r| r.rows_affected())
+    }
+
+    /// Stops the listener and closes the connections, waiting for them to
+    /// finish. Every handle on this transport fails with
+    /// [`TransportError::Closed`] afterwards.
+    pub async fn close(&self) {
+        if let Some(listener) = self.inner.listener.get() {
+            listener.0.abort();
+        }
+        self.inner.pool.close().await;
+        if let Some(pool) = &self.inner.listener_pool {
+            pool.close().await;
+        }
+    }
+}
+
+fn require_runtime() -> Result<(), TransportError> {
+    tokio::runtime::Handle::try_current()
+        .map(|_| ())
+        .map_err(|e| TransportError::backend("the postgres transport needs a Tokio runtime", e))
+}
+
+/// Whether `error` means the connection is gone (so a retry on another
+/// connection may succeed), as opposed to a problem with the statement.
+fn is_connection_error(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+        // Class 08: connection exception; 57P01-57P05: the server is
+        // terminating the session (pg_terminate_backend, shutdown, restart).
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|code| code.starts_with("08") || code.starts_with("57P")),
+        _ => false,
+    }
+}
+
+fn parse_id(id: &str) -> Option<i64> {
+    id.parse::<i64>().ok().filter(|id| *id > 0)
+}
+
+fn delay_secs(delay: Option<Duration>) -> f64 {
+    delay.map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn decode_headers(text: &str) -> BTreeMap<String, String> {
+    if let Ok(headers) = serde_json::from_str::<BTreeMap<String, String>>(text) {
+        return headers;
+    }
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(map)) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect(),
+        _ => BTreeMap::from([(INVALID_HEADERS_HEADER.to_string(), text.to_string())]),
+    }
+}
+
+fn row_to_delivery(row: &PgRow) -> Result<Delivery, sqlx::Error> {
+    let id: i64 = row.try_get(0)?;
+    let body: Vec<u8> = row.try_get(1)?;
+    let headers: String = row.try_get(2)?;
+    Ok(Delivery {
+        id: id.to_string(),
+        raw: RawMessage {
+            body,
+            headers: decode_headers(&headers),
+        },
+    })
+}
+
+impl Inner {
+    fn error(&self, what: &str, error: sqlx::Error) -> TransportError {
+        match error {
+            sqlx::Error::PoolClosed => TransportError::Closed,
+            error => TransportError::backend(
+                format!(
+                    "postgres: {what} (transport `{}`, table `{}`)",
+                    self.name, self.config.table
+                ),
+                error,
+            ),
+        }
+    }
+
+    /// Runs `op`, again on another connection when it failed because its
+    /// connection was lost.
+    async fn retrying<T, F, Fut>(&self, what: &str, mut op: F) -> Result<T, TransportError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, sqlx::Error>>,
+    {
+        let started = Instant::now();
+        let mut attempt = 0u32;
+        loop {
+            match op().await {
+                Ok(value) => return Ok(value),
+                Err(error)
+                    if is_connection_error(&error)
+                        && attempt < self.max_retries
+                        && started.elapsed() < self.config.acquire_timeout =>
+                {
+                    attempt += 1;
+                    tracing::debug!(%error, attempt, transport = %self.name, "postgres: {what}: connection lost, retrying");
+                    // The first retries are immediate: each takes another
+                    // pooled connection, and a killed pool has several dead ones.
+                    if attempt > 2 {
+                        let pause = Duration::from_millis(20 * u64::from(attempt));
+                        tokio::time::sleep(pause.min(Duration::from_millis(500))).await;
+                    }
+                }
+                Err(error) => return Err(self.error(what, error)),
+            }
+        }
+    }
+
+    fn ensure_listener(&self) {
+        let Some(pool) = &self.listener_pool else {
+            return;
+        };
+        self.listener.get_or_init(|| {
+            let task = ListenerTask {
+                pool: pool.clone(),
+                channel: self.config.table.clone(),
+                queue: self.name.clone(),
+                wake: Arc::clone(&self.wake),
+            };
+            AbortOnDrop(tokio::spawn(task.run()))
+        });
+    }
+
+    fn encode_headers(&self, headers: &BTreeMap<String, String>) -> Result<String, TransportError> {
+        if let Some((key, _)) = headers
+            .iter()
+            .find(|(k, v)| k.contains('\0') || v.contains('\0'))
+        {
+            return Err(TransportError::backend(
+                format!(
+                    "postgres: cannot store a message of transport `{}`",
+                    self.name
+                ),
+                MessageError::NulInHeader {
+                    key: key.replace('\0', "\\0"),
+                },
+            ));
+        }
+        serde_json::to_string(headers)
+            .map_err(|e| TransportError::backend("postgres: encoding headers", e))
+    }
+
+    fn check_size(&self, message: &RawMessage) -> Result<(), TransportError> {
+        if message.body.len() > self.config.max_body {
+            return Err(TransportError::TooLarge {
+                size: message.body.len(),
+                limit: self.config.max_body,
+            });
+        }
+        Ok(())
+    }
+
+    async fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> Result<String, TransportError> {
+        self.check_size(&message)?;
+        let headers = self.encode_headers(&message.headers)?;
+        let delay = delay_secs(delay);
+        let immediate = delay <= 0.0;
+        let sql = if immediate {
+            &self.sql.insert_notify
+        } else {
+            &self.sql.insert
+        };
+        let id: i64 = self
+            .retrying("sending a message", || {
+                sqlx::query_scalar(AssertSqlSafe(sql.clone()))
+                    .bind(self.name.as_str())
+                    .bind(message.body.as_slice())
+                    .bind(headers.as_str())
+                    .bind(delay)
+                    .fetch_one(&self.pool)
+            })
+            .await?;
+        if immediate {
+            self.wake.wake();
+        }
+        Ok(id.to_string())
+    }
+
+    async fn send_batch(
+        &self,
+        messages: Vec<(RawMessage, Option<Duration>)>,
+    ) -> Result<Vec<String>, TransportError> {
+        if messages.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut bodies = Vec::with_capacity(messages.len());
+        let mut headers = Vec::with_capacity(messages.len());
+        let mut delays = Vec::with_capacity(messages.len());
+        for (message, delay) in messages {
+            self.check_size(&message)?;
+            headers.push(self.encode_headers(&message.headers)?);
+            bodies.push(message.body);
+            delays.push(delay_secs(delay));
+        }
+        let immediate = delays.iter().any(|d| *d <= 0.0);
+        let sql = if immediate {
+            &self.sql.insert_batch_notify
+        } else {
+            &self.sql.insert_batch
+        };
+        let ids: Vec<i64> = self
+            .retrying("sending a batch", || {
+                sqlx::query_scalar(AssertSqlSafe(sql.clone()))
+                    .bind(self.name.as_str())
+                    .bind(&bodies)
+                    .bind(&headers)
+                    .bind(&delays)
+                    .fetch_all(&self.pool)
+            })
+            .await?;
+        if ids.len() != bodies.len() {
+            return Err(TransportError::backend(
+                "postgres: sending a batch",
+                format!("stored {} rows for {} messages", ids.len(), bodies.len()),
+            ));
+        }
+        if immediate {
+            self.wake.wake();
+        }
+        Ok(ids.into_iter().map(|id| id.to_string()).collect())
+    }
+
+    /// One claim statement: leases up to `limit` available messages, in
+    /// queue order.
+    async fn claim(&self, limit: i64) -> Result<Vec<Delivery>, TransportError> {
+        let rows = self
+            .retrying("claiming messages", || {
+                sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
+                    .bind(self.name.as_str())
+                    .bind(limit)
+                    .bind(self.lease_secs)
+                    .fetch_all(&self.pool)
+            })
+            .await?;
+        // RETURNING does not keep the sub-select's order: sort by
+        // (available_at, id) again.
+        let mut keyed = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let at: i64 = row
+                .try_get(3)
+                .map_err(|e| self.error("reading claimed messages", e))?;
+            let delivery =
+                row_to_delivery(row).map_err(|e| self.error("reading claimed messages", e))?;
+            let id: i64 = row
+                .try_get(0)
+                .map_err(|e| self.error("reading claimed messages", e))?;
+            keyed.push(((at, id), delivery));
+        }
+        keyed.sort_by_key(|(key, _)| *key);
+        Ok(keyed.into_iter().map(|(_, d)| d).collect())
+    }
+
+    async fn get(&self, max: usize) -> Result<Vec<Delivery>, TransportError> {
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(max.min(self.config.batch)).unwrap_or(i64::MAX);
+        self.ensure_listener();
+        let deadline = Instant::now() + self.config.poll_interval;
+        loop {
+            // Subscribe before claiming: a wake that arrives while the claim
+            // runs makes the wait below return at once.
+            let mut wakes = self.wake.subscribe();
+            self.claimed_generation
+                .store(*wakes.borrow_and_update(), Ordering::Relaxed);
+            let got = self.claim(limit).await?;
+            if !got.is_empty() {
+                return Ok(got);
+            }
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Ok(got);
+            }
+            match tokio::time::timeout(remaining, wakes.changed()).await {
+                Ok(Ok(())) => continue,
+                Ok(Err(_)) | Err(_) => return Ok(got),
+            }
+        }
+    }
+
+    async fn wait_for_messages(&self, timeout: Duration) {
+        self.ensure_listener();
+        let mut wakes = self.wake.subscribe();
+        if *wakes.borrow_and_update() != self.claimed_generation.load(Ordering::Relaxed) {
+            // Woken since the latest claim started: there may be messages.
+            return;
+        }
+        // Delays coming due and leases expiring send no notification: poll.
+        let timeout = timeout.min(self.config.poll_interval);
+        let _ = tokio::time::timeout(timeout, wakes.changed()).await;
+    }
+
+    async fn ack(&self, id: &str) -> Result<(), TransportError> {
+        let Some(key) = parse_id(id) else {
+            return Err(TransportError::NotFound(id.to_string()));
+        };
+        // Deleting a message that is already gone is fine: a consumer whose
+        // lease expired may ack after another consumer did.
+        self.retrying("acknowledging a message", || {
+            sqlx::query(AssertSqlSafe(self.sql.delete.clone()))
+                .bind(key)
+                .bind(self.name.as_str())
+                .execute(&self.pool)
+        })
+        .await
+        .map(|_| ())
+    }
+
+    async fn ack_batch(&self, ids: &[String]) -> Result<(), TransportError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut keys = Vec::with_capacity(ids.len());
+        for id in ids {
+            keys.push(parse_id(id).ok_or_else(|| TransportError::NotFound(id.clone()))?);
+        }
+        self.retrying("acknowledging messages", || {
+            sqlx::query(AssertSqlSafe(self.sql.delete_batch.clone()))
+                .bind(&keys)
+                .bind(self.name.as_str())
+                .execute(&self.pool)
+        })
+        .await
+        .map(|_| ())
+    }
+
+    async fn release(&self, id: &str) -> Result<(), TransportError> {
+        let Some(key) = parse_id(id) else {
+            return Err(TransportError::NotFound(id.to_string()));
+        };
+        let row = self
+            .retrying("releasing a message", || {
+                sqlx::query(AssertSqlSafe(self.sql.release.clone()))
+                    .bind(key)
+                    .bind(self.name.as_str())
+                    .fetch_optional(&self.pool)
+            })
+            .await?;
+        if row.is_none() {
+            return Err(TransportError::NotFound(id.to_string()));
+        }
+        self.wake.wake();
+        Ok(())
+    }
+
+    async fn keepalive(&self, id: &str) -> Result<(), TransportError> {
+        let Some(key) = parse_id(id) else {
+            return Err(TransportError::NotFound(id.to_string()));
+        };
+        let result = self
+            .retrying("renewing a lease", || {
+                sqlx::query(AssertSqlSafe(self.sql.keepalive.clone()))
+                    .bind(key)
+                    .bind(self.name.as_str())
+                    .bind(self.lease_secs)
+                    .execute(&self.pool)
+            })
+            .await?;
+        if result.rows_affected() == 0 {
+            return Err(TransportError::NotFound(id.to_string()));
+        }
+        Ok(())
+    }
+
+    async fn setup(&self) -> Result<(), TransportError> {
+        self.retrying("creating the table", || async {
+            let mut tx = self.pool.begin().await?;
+            // CREATE … IF NOT EXISTS races with itself: serialize setups.
+            sqlx::query(AssertSqlSafe(self.sql.setup_lock.clone()))
+                .bind(self.config.table.as_str())
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(AssertSqlSafe(self.sql.create_table.clone()))
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(AssertSqlSafe(self.sql.create_index.clone()))
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await
+        })
+        .await
+    }
+
+    async fn message_count(&self) -> Result<u64, TransportError> {
+        let count: i64 = self
+            .retrying("counting messages", || {
+                sqlx::query_scalar(AssertSqlSafe(self.sql.count.clone()))
+                    .bind(self.name.as_str())
+                    .fetch_one(&self.pool)
+            })
+            .await?;
+        Ok(u64::try_from(count).unwrap_or(0))
+    }
+
+    async fn list(&self, limit: usize) -> Result<Vec<Delivery>, TransportError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self
+            .retrying("listing messages", || {
+                sqlx::query(AssertSqlSafe(self.sql.list.clone()))
+                    .bind(self.name.as_str())
+                    .bind(limit)
+                    .fetch_all(&self.pool)
+            })
+            .await?;
+        rows.iter()
+            .map(|row| row_to_delivery(row).map_err(|e| self.error("reading listed messages", e)))
+            .collect()
+    }
+
+    async fn find(&self, id: &str) -> Result<Option<Delivery>, TransportError> {
+        let Some(key) = parse_id(id) else {
+            return Ok(None);
+        };
+        let row = self
+            .retrying("finding a message", || {
+                sqlx::query(AssertSqlSafe(self.sql.find.clone()))
+                    .bind(key)
+                    .bind(self.name.as_str())
+                    .fetch_optional(&self.pool)
+            })
+            .await?;
+        row.as_ref()
+            .map(row_to_delivery)
+            .transpose()
+            .map_err(|e| self.error("reading a found message", e))
+    }
+}
+
+impl Transport for PostgresTransport {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>> {
+        Box::pin(self.inner.send(message, delay))
+    }
+
+    /// One multi-row `INSERT … SELECT … FROM UNNEST(…)` and one `NOTIFY`,
+    /// in one round trip.
+    fn send_batch(
+        &self,
+        messages: Vec<(RawMessage, Option<Duration>)>,
+    ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+        Box::pin(self.inner.send_batch(messages))
+    }
+
+    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        Box::pin(self.inner.get(max))
+    }
+
+    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.inner.ack(id))
+    }
+
+    /// One `DELETE … WHERE id = ANY($1)`.
+    fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.inner.ack_batch(ids))
+    }
+
+    fn reject<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.inner.ack(id))
+    }
+
+    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.inner.release(id))
+    }
+
+    fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.inner.keepalive(id))
+    }
+
+    fn setup(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(self.inner.setup())
+    }
+
+    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+        Box::pin(self.inner.message_count())
+    }
+
+    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        Box::pin(self.inner.list(limit))
+    }
+
+    fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
+        Box::pin(self.inner.find(id))
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::ALL
+    }
+
+    /// Returns when a notification for this queue arrived since the latest
+    /// `get` started, or after `timeout` capped at the poll interval (delays
+    /// coming due and expired leases are not notified).
+    fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(self.inner.wait_for_messages(timeout))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_positive_integers_only() {
+        assert_eq!(parse_id("42"), Some(42));
+        for bad in ["", "0", "-3", "1-0", "abc", "💥", "99999999999999999999"] {
+            assert_eq!(parse_id(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn stored_headers_decode_leniently_and_never_vanish() {
+        assert_eq!(
+            decode_headers(r#"{"type":"A","n":"1"}"#),
+            BTreeMap::from([("type".into(), "A".into()), ("n".into(), "1".into())])
+        );
+        assert_eq!(
+            decode_headers(r#"{"n":1,"ok":true}"#),
+            BTreeMap::from([("n".into(), "1".into()), ("ok".into(), "true".into())])
+        );
+        assert_eq!(
+            decode_headers("[1,2]"),
+            BTreeMap::from([(INVALID_HEADERS_HEADER.into(), "[1,2]".into())])
+        );
+    }
+}

@@ -1,0 +1,25 @@
+//! The shared conformance suite, against the PostgreSQL server in
+//! `ENVOI_POSTGRES_URL`.
+
+use std::sync::Arc;
+
+use envoi_core::transport::Transport;
+use envoi_postgres::PostgresTransport;
+
+async fn make(name: String) -> Option<Arc<dyn Transport>> {
+    let Ok(url) = std::env::var("ENVOI_POSTGRES_URL") else {
+        eprintln!("skipped conformance: ENVOI_POSTGRES_URL is not set");
+        return None;
+    };
+    let separator = if url.contains('?') { '&' } else { '?' };
+    // The suite's default lease is 2 s; a short poll keeps its waits brief.
+    let dsn = format!(
+        "{url}{separator}table=envoi_conformance&lease=2s&poll=200ms&max_connections=4\
+         &application_name=envoi_conformance"
+    );
+    let transport = PostgresTransport::from_dsn(name, &dsn)
+        .unwrap_or_else(|e| panic!("opening the postgres transport failed: {e}"));
+    Some(Arc::new(transport))
+}
+
+envoi_transport_tests::conformance!(make);
