@@ -94,9 +94,8 @@ where
     })
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-    v[v.len() / 2]
+pub(crate) fn fastest(v: Vec<f64>) -> f64 {
+    v.into_iter().fold(f64::INFINITY, f64::min)
 }
 
 /// `dispatch_canonical`: envoi's full canonical pipeline against tower with
@@ -107,8 +106,11 @@ pub(crate) fn canonical() -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let bus = canonical_bus();
     let mut svc = tower_stack();
-    const ITERS: u64 = 200_000;
-    const ROUNDS: usize = 7;
+    // Many short rounds, alternating sides, and the fastest round of each:
+    // on a shared machine the minimum is the figure least disturbed by
+    // other work.
+    const ITERS: u64 = 50_000;
+    const ROUNDS: usize = 25;
 
     // Correctness first: the handler runs and is stamped.
     let out = rt
@@ -158,8 +160,8 @@ pub(crate) fn canonical() -> Result<(), String> {
     });
     report::line(
         "dispatch_canonical",
-        median(envoi),
-        median(tower),
+        fastest(envoi),
+        fastest(tower),
         "ns",
         &[
             ("allocs", format!("{:.1}", allocs as f64 / 1000.0)),
@@ -167,7 +169,7 @@ pub(crate) fn canonical() -> Result<(), String> {
                 "baseline_allocs",
                 format!("{:.1}", tower_allocs as f64 / 1000.0),
             ),
-            ("direct", format!("{:.1}ns", median(direct))),
+            ("direct", format!("{:.1}ns", fastest(direct))),
         ],
     );
     Ok(())
@@ -219,15 +221,17 @@ fn iters_from_env() -> u64 {
 
 #[cfg(test)]
 mod sizes {
+    /// Envelopes move through every step and the dispatch future holds
+    /// them: both must stay small for the pipeline to stay fast.
     #[test]
-    fn print_sizes() {
+    fn envelopes_are_one_pointer_and_the_dispatch_future_stays_small() {
         let bus = super::canonical_bus();
         let fut = bus.dispatch(envoi_core::Envelope::new(super::Noop(1)));
-        eprintln!(
-            "envelope={} error={} dispatch_future={}",
+        assert_eq!(
             std::mem::size_of::<envoi_core::Envelope>(),
-            std::mem::size_of::<envoi_core::BusError>(),
-            std::mem::size_of_val(&fut)
+            std::mem::size_of::<usize>()
         );
+        let size = std::mem::size_of_val(&fut);
+        assert!(size <= 1024, "dispatch future grew to {size} bytes");
     }
 }

@@ -55,6 +55,10 @@ pub(crate) struct BusInner {
     name: Arc<str>,
     add_bus_name: AddBusNameStamp,
     user: ArcSwap<Chain>,
+    /// Whether the user chain is empty: lets a dispatch skip the chain
+    /// without loading it. A dispatch racing an `add_middleware` may miss
+    /// the new middleware, as if it had started just before.
+    user_empty: AtomicBool,
     send: Option<SendMessage>,
     retry: Retry,
     handle: HandleMessage,
@@ -81,6 +85,7 @@ impl MessageBus {
         handle: HandleMessage,
     ) -> Self {
         let ids = (0..middleware.len() as u64).map(MiddlewareId).collect();
+        let user_empty = AtomicBool::new(middleware.is_empty());
         let next = middleware.len() as u64;
         Self {
             inner: Arc::new(BusInner {
@@ -90,6 +95,7 @@ impl MessageBus {
                     ids,
                     items: middleware,
                 }),
+                user_empty,
                 send,
                 retry,
                 handle,
@@ -138,6 +144,7 @@ impl MessageBus {
             items.push(middleware.clone());
             Chain { ids, items }
         });
+        self.inner.user_empty.store(false, Ordering::SeqCst);
         id
     }
 
@@ -155,6 +162,7 @@ impl MessageBus {
             }
             Chain { ids, items }
         });
+        self.sync_user_empty();
         match removed {
             Some(m) => {
                 m.dispose();
@@ -162,6 +170,11 @@ impl MessageBus {
             }
             None => false,
         }
+    }
+
+    fn sync_user_empty(&self) {
+        let empty = self.inner.user.load().items.is_empty();
+        self.inner.user_empty.store(empty, Ordering::SeqCst);
     }
 
     /// The ids of the user middleware, in order.
@@ -174,6 +187,7 @@ impl MessageBus {
     pub fn dispose(&self) {
         self.inner.disposed.store(true, Ordering::SeqCst);
         let old = self.inner.user.swap(Arc::new(Chain::default()));
+        self.sync_user_empty();
         for m in &old.items {
             m.dispose();
         }
@@ -238,12 +252,10 @@ impl BusInner {
         // 3. FailedMessageProcessing
         let envelope = FailedMessageProcessing::apply(envelope);
         // 4. user middleware
-        let chain = self.user.load();
-        if chain.items.is_empty() {
-            drop(chain);
+        if self.user_empty.load(Ordering::Relaxed) {
             return self.core(envelope).await;
         }
-        let chain = arc_swap::Guard::into_inner(chain);
+        let chain = self.user.load_full();
         Next::new(&chain.items, Some(self)).run(envelope).await
     }
 

@@ -13,12 +13,67 @@ use crate::stamp::{Stamp, StampEntry};
 /// Object-safe view of a message inside an envelope.
 pub(crate) trait ErasedMessage: Any + fmt::Debug + Send + Sync {
     fn as_any(&self) -> &dyn Any;
+
+    /// The body that really holds the message, when this one only points
+    /// at it.
+    fn shared(&self) -> Option<&Arc<Body>> {
+        None
+    }
 }
 
 impl<M: Message> ErasedMessage for M {
     fn as_any(&self) -> &dyn Any {
         self
     }
+}
+
+/// A message that arrived behind an `Arc` (see [`Envelope::from_arc`]).
+struct ArcMessage<M>(Arc<M>);
+
+impl<M: Message> fmt::Debug for ArcMessage<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl<M: Message> ErasedMessage for ArcMessage<M> {
+    fn as_any(&self) -> &dyn Any {
+        &*self.0
+    }
+}
+
+/// The message of another body: what a copy-on-write copy holds, since a
+/// type-erased message cannot be cloned.
+struct SharedMessage(Arc<Body>);
+
+impl fmt::Debug for SharedMessage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0.message, f)
+    }
+}
+
+impl ErasedMessage for SharedMessage {
+    fn as_any(&self) -> &dyn Any {
+        self.0.message.as_any()
+    }
+
+    fn shared(&self) -> Option<&Arc<Body>> {
+        Some(&self.0)
+    }
+}
+
+/// Stamps, headers and the message in one allocation.
+pub(crate) struct Body<M: ?Sized = dyn ErasedMessage> {
+    meta: Meta,
+    message: M,
+}
+
+#[derive(Clone)]
+struct Meta {
+    name: &'static str,
+    kind: MessageKind,
+    stamps: SmallVec<[StampEntry; 4]>,
+    headers: Option<Arc<BTreeMap<String, String>>>,
 }
 
 /// A message with its stamps and headers.
@@ -43,18 +98,10 @@ impl<M: Message> ErasedMessage for M {
 /// ```
 #[derive(Clone)]
 pub struct Envelope {
-    // One pointer: envelopes move through every step of the pipeline, so
-    // keeping them small keeps the pipeline's futures small.
-    inner: Arc<Inner>,
-}
-
-#[derive(Clone)]
-struct Inner {
-    message: Arc<dyn ErasedMessage>,
-    name: &'static str,
-    kind: MessageKind,
-    stamps: SmallVec<[StampEntry; 4]>,
-    headers: Option<Arc<BTreeMap<String, String>>>,
+    // One pointer to one allocation holding message, stamps and headers:
+    // envelopes move through every step of the pipeline, so keeping them
+    // small keeps the pipeline's futures small.
+    body: Arc<Body>,
 }
 
 impl Envelope {
@@ -73,54 +120,76 @@ impl Envelope {
         Self::with_kind(message, MessageKind::Event)
     }
 
+    fn meta_for<M: Message>(kind: MessageKind) -> Meta {
+        Meta {
+            name: M::NAME,
+            kind,
+            stamps: SmallVec::new(),
+            headers: None,
+        }
+    }
+
     /// Wraps a message of the given kind.
     pub fn with_kind<M: Message>(message: M, kind: MessageKind) -> Self {
-        Self::from_arc(Arc::new(message), kind)
+        let body: Arc<Body> = Arc::new(Body {
+            meta: Self::meta_for::<M>(kind),
+            message,
+        });
+        Self { body }
     }
 
     /// Rebuilds an envelope around an already shared message, used by
     /// deserializers that produce the message behind an `Arc`.
     pub fn from_arc<M: Message>(message: Arc<M>, kind: MessageKind) -> Self {
-        Self {
-            inner: Arc::new(Inner {
-                message,
-                name: M::NAME,
-                kind,
-                stamps: SmallVec::new(),
-                headers: None,
-            }),
-        }
+        let body: Arc<Body> = Arc::new(Body {
+            meta: Self::meta_for::<M>(kind),
+            message: ArcMessage(message),
+        });
+        Self { body }
     }
 
-    /// Mutable access for the consuming builders; copies the stamps only when
-    /// another clone shares them.
+    /// Mutable access for the consuming builders. When another clone shares
+    /// the body, the stamps and headers are copied into a new body that
+    /// points at the original message.
     #[inline]
-    fn inner_mut(&mut self) -> &mut Inner {
-        Arc::make_mut(&mut self.inner)
+    fn meta_mut(&mut self) -> &mut Meta {
+        if Arc::get_mut(&mut self.body).is_none() {
+            let root = match self.body.message.shared() {
+                Some(root) => root.clone(),
+                None => self.body.clone(),
+            };
+            let copy: Arc<Body> = Arc::new(Body {
+                meta: self.body.meta.clone(),
+                message: SharedMessage(root),
+            });
+            self.body = copy;
+        }
+        match Arc::get_mut(&mut self.body) {
+            Some(body) => &mut body.meta,
+            None => unreachable!("a freshly allocated body is unique"),
+        }
     }
 
     /// Returns a new envelope carrying `stamp` after the existing ones.
     #[must_use = "an envelope is immutable: `with` returns the stamped copy"]
     #[inline]
     pub fn with<S: Stamp>(mut self, stamp: S) -> Self {
-        self.inner_mut().stamps.push(StampEntry::new(stamp));
+        self.meta_mut().stamps.push(StampEntry::new(stamp));
         self
     }
 
     /// Returns a new envelope with header `key` set to `value`.
     #[must_use = "an envelope is immutable: `with_header` returns the new copy"]
     pub fn with_header(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        let headers = self
-            .inner_mut()
-            .headers
-            .get_or_insert_with(Default::default);
+        let headers = self.meta_mut().headers.get_or_insert_with(Default::default);
         Arc::make_mut(headers).insert(key.into(), value.into());
         self
     }
 
     /// The most recently added stamp of type `S`.
     pub fn last<S: Stamp>(&self) -> Option<&S> {
-        self.inner
+        self.body
+            .meta
             .stamps
             .iter()
             .rev()
@@ -129,63 +198,73 @@ impl Envelope {
 
     /// Every stamp of type `S`, oldest first.
     pub fn all<S: Stamp>(&self) -> impl DoubleEndedIterator<Item = &S> + '_ {
-        self.inner.stamps.iter().filter_map(|e| e.downcast::<S>())
+        self.body
+            .meta
+            .stamps
+            .iter()
+            .filter_map(|e| e.downcast::<S>())
     }
 
     /// Whether at least one stamp of type `S` is present.
     #[inline]
     pub fn has<S: Stamp>(&self) -> bool {
         let id = TypeId::of::<S>();
-        self.inner.stamps.iter().any(|e| e.type_id() == id)
+        self.body.meta.stamps.iter().any(|e| e.type_id() == id)
     }
 
     /// Every stamp, oldest first, as object-safe views (for serializers and
     /// debugging).
     pub fn stamps(&self) -> impl Iterator<Item = &dyn crate::stamp::ErasedStamp> + '_ {
-        self.inner.stamps.iter().map(|e| e.erased())
+        self.body.meta.stamps.iter().map(|e| e.erased())
     }
 
     /// Adds an already type-erased stamp (used by deserializers).
     #[must_use = "an envelope is immutable: `with_erased` returns the stamped copy"]
     pub fn with_erased(mut self, stamp: Arc<dyn crate::stamp::ErasedStamp>) -> Self {
-        self.inner_mut().stamps.push(StampEntry::Other(stamp));
+        self.meta_mut().stamps.push(StampEntry::Other(stamp));
         self
     }
 
     /// The message, if it is an `M`.
     pub fn message<M: Message>(&self) -> Option<&M> {
-        (*self.inner.message).as_any().downcast_ref::<M>()
+        self.body.message.as_any().downcast_ref::<M>()
     }
 
     /// The message as `&dyn Any`.
     pub fn message_any(&self) -> &dyn Any {
-        (*self.inner.message).as_any()
+        self.body.message.as_any()
     }
 
     /// The [`TypeId`] of the message.
     #[inline]
     pub fn message_type_id(&self) -> TypeId {
-        (*self.inner.message).as_any().type_id()
+        self.body.message.as_any().type_id()
     }
 
     /// The message's stable name ([`Message::NAME`]).
     pub fn message_name(&self) -> &'static str {
-        self.inner.name
+        self.body.meta.name
     }
 
     /// Whether the message was dispatched as a command, query or event.
     pub fn kind(&self) -> MessageKind {
-        self.inner.kind
+        self.body.meta.kind
     }
 
     /// Header `key`, if set.
     pub fn header(&self, key: &str) -> Option<&str> {
-        self.inner.headers.as_ref()?.get(key).map(String::as_str)
+        self.body
+            .meta
+            .headers
+            .as_ref()?
+            .get(key)
+            .map(String::as_str)
     }
 
     /// Every header.
     pub fn headers(&self) -> impl Iterator<Item = (&str, &str)> + '_ {
-        self.inner
+        self.body
+            .meta
             .headers
             .iter()
             .flat_map(|h| h.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -195,8 +274,8 @@ impl Envelope {
     /// a round trip through a transport. Used by in-process transports that
     /// store envelopes without encoding them.
     pub(crate) fn into_sendable(mut self) -> Self {
-        if self.inner.stamps.iter().any(|e| !e.erased().sendable()) {
-            self.inner_mut().stamps.retain(|e| e.erased().sendable());
+        if self.body.meta.stamps.iter().any(|e| !e.erased().sendable()) {
+            self.meta_mut().stamps.retain(|e| e.erased().sendable());
         }
         self
     }
@@ -210,10 +289,9 @@ impl Envelope {
         if !self.has::<DeferredDispatches>() {
             return Vec::new();
         }
-        let inner = self.inner_mut();
+        let meta = self.meta_mut();
         let mut out = Vec::new();
-        inner
-            .stamps
+        meta.stamps
             .retain(|e| match e.downcast::<DeferredDispatches>() {
                 Some(d) => {
                     out.extend(d.0.iter().cloned());
@@ -227,27 +305,32 @@ impl Envelope {
     /// A copy of this envelope without any stamps, keeping message, kind and
     /// headers. Used when a message is sent again from scratch.
     pub fn without_stamps(&self) -> Self {
-        Self {
-            inner: Arc::new(Inner {
-                message: self.inner.message.clone(),
-                name: self.inner.name,
-                kind: self.inner.kind,
+        let root = match self.body.message.shared() {
+            Some(root) => root.clone(),
+            None => self.body.clone(),
+        };
+        let body: Arc<Body> = Arc::new(Body {
+            meta: Meta {
+                name: self.body.meta.name,
+                kind: self.body.meta.kind,
                 stamps: SmallVec::new(),
-                headers: self.inner.headers.clone(),
-            }),
-        }
+                headers: self.body.meta.headers.clone(),
+            },
+            message: SharedMessage(root),
+        });
+        Self { body }
     }
 }
 
 impl fmt::Debug for Envelope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let i = &*self.inner;
+        let m = &self.body.meta;
         f.debug_struct("Envelope")
-            .field("name", &i.name)
-            .field("kind", &i.kind)
-            .field("message", &i.message)
-            .field("stamps", &i.stamps)
-            .field("headers", &i.headers)
+            .field("name", &m.name)
+            .field("kind", &m.kind)
+            .field("message", &&self.body.message)
+            .field("stamps", &m.stamps)
+            .field("headers", &m.headers)
             .finish()
     }
 }
@@ -300,6 +383,35 @@ mod tests {
         assert_eq!(e.message::<Ping>(), Some(&Ping(3)));
         assert_eq!(e.message_name(), "Ping");
         assert_eq!(e.kind(), MessageKind::Command);
+    }
+
+    #[test]
+    fn a_stamped_copy_of_a_shared_envelope_keeps_the_message_and_the_original_stamps() {
+        let a = Envelope::new(Ping(7)).with(SentStamp::new("a"));
+        let b = a.clone().with(SentStamp::new("b"));
+        let c = b.clone().with(SentStamp::new("c"));
+        assert_eq!(c.message::<Ping>(), Some(&Ping(7)));
+        assert_eq!(c.message_type_id(), TypeId::of::<Ping>());
+        assert_eq!(c.all::<SentStamp>().count(), 3);
+        assert_eq!(a.all::<SentStamp>().count(), 1);
+        assert_eq!(b.all::<SentStamp>().count(), 2);
+        // Copies point at the original message, not at each other.
+        assert!(c
+            .body
+            .message
+            .shared()
+            .is_some_and(|r| Arc::ptr_eq(r, &a.body)));
+        let bare = c.without_stamps();
+        assert_eq!(bare.stamps().count(), 0);
+        assert_eq!(bare.message::<Ping>(), Some(&Ping(7)));
+    }
+
+    #[test]
+    fn envelopes_from_shared_messages_downcast_to_the_message_type() {
+        let e = Envelope::from_arc(Arc::new(Ping(2)), MessageKind::Query);
+        assert_eq!(e.message::<Ping>(), Some(&Ping(2)));
+        assert_eq!(e.kind(), MessageKind::Query);
+        assert!(format!("{e:?}").contains("Ping(2)"));
     }
 
     #[test]
