@@ -1,0 +1,68 @@
+//! Shared helpers for the tests that talk to a real NATS server.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use envoi_core::transport::Transport;
+use envoi_nats::NatsTransport;
+
+/// The server URL, or `None` after printing why the test is skipped.
+pub fn nats_url(test: &str) -> Option<String> {
+    match std::env::var("ENVOI_NATS_URL") {
+        Ok(url) if !url.trim().is_empty() => Some(url),
+        _ => {
+            eprintln!("skipped {test}: ENVOI_NATS_URL is not set");
+            None
+        }
+    }
+}
+
+/// A transport name no other test (or earlier run) uses.
+pub fn unique_name(test: &str) -> String {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{test}-{}-{}-{nanos}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// `url` with extra query options appended.
+pub fn with_options(url: &str, options: &str) -> String {
+    if options.is_empty() {
+        url.to_string()
+    } else if url.contains('?') {
+        format!("{url}&{options}")
+    } else {
+        format!("{url}?{options}")
+    }
+}
+
+/// A set-up transport on a fresh stream.
+pub async fn transport(url: &str, name: &str, options: &str) -> NatsTransport {
+    let transport = NatsTransport::from_dsn(name, &with_options(url, options))
+        .await
+        .expect("connect");
+    transport.setup().await.expect("setup");
+    transport
+}
+
+/// Gets until `n` deliveries arrived or `timeout` passed.
+pub async fn get_n(
+    transport: &NatsTransport,
+    n: usize,
+    timeout: std::time::Duration,
+) -> Vec<envoi_core::transport::Delivery> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut out = Vec::new();
+    while out.len() < n && std::time::Instant::now() < deadline {
+        out.extend(transport.get(n - out.len()).await.expect("get"));
+    }
+    out
+}

@@ -1,0 +1,400 @@
+//! The NATS transport against a real JetStream server (`ENVOI_NATS_URL`).
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use common::{get_n, nats_url, transport, unique_name};
+use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::TransportError;
+
+fn message(body: &str) -> RawMessage {
+    RawMessage {
+        body: body.as_bytes().to_vec(),
+        headers: BTreeMap::from([
+            ("type".to_string(), "App\\Order".to_string()),
+            ("kind".to_string(), "command".to_string()),
+        ]),
+    }
+}
+
+#[tokio::test]
+async fn a_sent_message_arrives_intact_and_an_acked_one_never_returns() {
+    let Some(url) = nats_url("a_sent_message_arrives_intact_and_an_acked_one_never_returns") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("intact"), "lease=1s&wait=200ms").await;
+    let mut raw = message("{\"id\":1}");
+    raw.headers.insert(
+        "X-Message-Stamp-Bus".into(),
+        "[{\"name\":\"default\"}]".into(),
+    );
+    raw.headers.insert("multi".into(), "line\r\nbreak".into());
+    raw.headers.insert("padded".into(), " x ".into());
+    raw.body.extend_from_slice(&[0, 159, 255]);
+
+    let id = t.send(raw.clone(), None).await.unwrap();
+    let got = get_n(&t, 1, Duration::from_secs(5)).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].id, id);
+    assert_eq!(got[0].raw, raw);
+    assert_eq!(t.leased(), 1);
+
+    t.ack(&got[0].id).await.unwrap();
+    assert_eq!(t.leased(), 0);
+    // Well past the 1 s lease: an acknowledged message is gone for good.
+    let again = get_n(&t, 1, Duration::from_millis(2500)).await;
+    assert!(again.is_empty(), "acked message came back: {again:?}");
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unacknowledged_message_comes_back_after_the_lease() {
+    let Some(url) = nats_url("an_unacknowledged_message_comes_back_after_the_lease") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("lease"), "lease=1s&wait=200ms").await;
+    let id = t.send(message("m"), None).await.unwrap();
+    let first = get_n(&t, 1, Duration::from_secs(5)).await;
+    assert_eq!(first.len(), 1);
+    let leased_at = Instant::now();
+
+    // Leased: not handed out again before the lease ends.
+    let during = t.get(10).await.unwrap();
+    assert!(during.is_empty() || leased_at.elapsed() >= Duration::from_millis(900));
+
+    let second = get_n(&t, 1, Duration::from_secs(6)).await;
+    assert_eq!(second.len(), 1, "message not redelivered after the lease");
+    assert_eq!(second[0].id, id);
+    assert!(leased_at.elapsed() >= Duration::from_millis(800));
+    t.ack(&second[0].id).await.unwrap();
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_released_message_is_handed_out_again_before_its_lease_ends() {
+    let Some(url) = nats_url("a_released_message_is_handed_out_again_before_its_lease_ends") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("release"), "lease=20s&wait=200ms").await;
+    t.send(message("m"), None).await.unwrap();
+    let first = get_n(&t, 1, Duration::from_secs(5)).await;
+    assert_eq!(first.len(), 1);
+    let released_at = Instant::now();
+    t.release(&first[0].id).await.unwrap();
+    let again = get_n(&t, 1, Duration::from_secs(5)).await;
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].id, first[0].id);
+    assert_eq!(again[0].raw, first[0].raw);
+    assert!(
+        released_at.elapsed() < Duration::from_secs(10),
+        "waited for the lease"
+    );
+    t.ack(&again[0].id).await.unwrap();
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn keepalive_keeps_a_message_from_being_handed_out_again() {
+    let Some(url) = nats_url("keepalive_keeps_a_message_from_being_handed_out_again") else {
+        return;
+    };
+    let name = unique_name("keepalive");
+    let worker = transport(&url, &name, "lease=1s&wait=100ms").await;
+    let other = transport(&url, &name, "lease=1s&wait=100ms").await;
+    worker.send(message("m"), None).await.unwrap();
+    let got = get_n(&worker, 1, Duration::from_secs(5)).await;
+    assert_eq!(got.len(), 1);
+
+    // Three lease periods, kept alive every 300 ms: nobody else gets it.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        worker.keepalive(&got[0].id).await.unwrap();
+        let stolen = other.get(1).await.unwrap();
+        assert!(stolen.is_empty(), "kept-alive message handed out again");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    worker.ack(&got[0].id).await.unwrap();
+    worker.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_delayed_message_is_not_handed_out_before_it_is_due() {
+    let Some(url) = nats_url("a_delayed_message_is_not_handed_out_before_it_is_due") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("delay"), "lease=5s&wait=100ms").await;
+    let sent_at = Instant::now();
+    let delayed = t
+        .send(message("later"), Some(Duration::from_millis(1200)))
+        .await
+        .unwrap();
+    let now = t.send(message("now"), None).await.unwrap();
+
+    let first = get_n(&t, 1, Duration::from_secs(3)).await;
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].id, now, "the undelayed message comes first");
+    t.ack(&first[0].id).await.unwrap();
+
+    let later = get_n(&t, 1, Duration::from_secs(8)).await;
+    let elapsed = sent_at.elapsed();
+    assert_eq!(later.len(), 1, "delayed message never arrived");
+    assert_eq!(later[0].id, delayed);
+    assert_eq!(later[0].raw, message("later"));
+    assert!(elapsed >= Duration::from_millis(1150), "early: {elapsed:?}");
+    assert!(
+        elapsed < Duration::from_secs(6),
+        "much too late: {elapsed:?}"
+    );
+    t.ack(&later[0].id).await.unwrap();
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn message_count_includes_waiting_leased_and_delayed_messages() {
+    let Some(url) = nats_url("message_count_includes_waiting_leased_and_delayed_messages") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("count"), "lease=10s&wait=100ms").await;
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    t.send(message("a"), None).await.unwrap();
+    t.send(message("b"), None).await.unwrap();
+    t.send(message("c"), Some(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    assert_eq!(t.message_count().await.unwrap(), 3);
+
+    // One leased, one waiting, one delayed (seen and deferred).
+    let got = t.get(1).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(t.message_count().await.unwrap(), 3);
+    t.ack(&got[0].id).await.unwrap();
+
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut count = t.message_count().await.unwrap();
+    while count != 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        count = t.message_count().await.unwrap();
+    }
+    assert_eq!(count, 2);
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn list_and_find_show_stored_messages_oldest_first_without_leasing() {
+    let Some(url) = nats_url("list_and_find_show_stored_messages_oldest_first_without_leasing")
+    else {
+        return;
+    };
+    let t = transport(&url, &unique_name("list"), "lease=10s&wait=100ms").await;
+    let ids = t
+        .send_batch(vec![
+            (message("one"), None),
+            (message("two"), None),
+            (message("three"), None),
+        ])
+        .await
+        .unwrap();
+
+    let listed = t.list(10).await.unwrap();
+    assert_eq!(
+        listed.iter().map(|d| d.id.clone()).collect::<Vec<_>>(),
+        ids,
+        "listed oldest first"
+    );
+    assert_eq!(listed[1].raw, message("two"));
+    assert_eq!(t.list(2).await.unwrap().len(), 2);
+    assert_eq!(t.leased(), 0, "listing leases nothing");
+
+    let found = t.find(&ids[2]).await.unwrap().expect("found");
+    assert_eq!(found.raw, message("three"));
+    assert!(t.find("999999").await.unwrap().is_none());
+    assert!(t.find("not-an-id").await.unwrap().is_none());
+
+    // Removing a listed (never handed out) message deletes it.
+    t.reject(&ids[0]).await.unwrap();
+    assert!(t.find(&ids[0]).await.unwrap().is_none());
+    let left = t.list(10).await.unwrap();
+    assert_eq!(left.len(), 2);
+
+    // Acked through a delivery: gone from the listing too.
+    let got = get_n(&t, 2, Duration::from_secs(5)).await;
+    assert_eq!(got.len(), 2);
+    t.ack_batch(&[got[0].id.clone(), got[1].id.clone()])
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !t.list(10).await.unwrap().is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(t.list(10).await.unwrap().is_empty());
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn setup_is_idempotent_and_handles_with_one_name_share_the_queue() {
+    let Some(url) = nats_url("setup_is_idempotent_and_handles_with_one_name_share_the_queue")
+    else {
+        return;
+    };
+    let name = unique_name("shared");
+    let a = transport(&url, &name, "lease=10s&wait=100ms").await;
+    a.setup().await.unwrap();
+    a.setup().await.unwrap();
+    let b = transport(&url, &name, "lease=10s&wait=100ms").await;
+
+    let batch = (0..20)
+        .map(|i| (message(&format!("m{i}")), None))
+        .collect::<Vec<_>>();
+    let ids: BTreeSet<String> = a.send_batch(batch).await.unwrap().into_iter().collect();
+    assert_eq!(ids.len(), 20);
+
+    let mut seen = BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while seen.len() < 20 && Instant::now() < deadline {
+        for handle in [&a, &b] {
+            for d in handle.get(3).await.unwrap() {
+                assert!(seen.insert(d.id.clone()), "{} handed out twice", d.id);
+                handle.ack(&d.id).await.unwrap();
+            }
+        }
+    }
+    assert_eq!(seen, ids);
+    a.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn transport_names_isolate_messages() {
+    let Some(url) = nats_url("transport_names_isolate_messages") else {
+        return;
+    };
+    let a = transport(&url, &unique_name("iso-a"), "wait=100ms").await;
+    let b = transport(&url, &unique_name("iso-b"), "wait=100ms").await;
+    a.send(message("for a"), None).await.unwrap();
+    assert!(b.get(10).await.unwrap().is_empty());
+    assert_eq!(b.message_count().await.unwrap(), 0);
+    let got = get_n(&a, 1, Duration::from_secs(5)).await;
+    assert_eq!(got.len(), 1);
+    a.ack(&got[0].id).await.unwrap();
+    a.delete_stream().await.unwrap();
+    b.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn get_hands_out_at_most_max_and_waits_briefly_when_empty() {
+    let Some(url) = nats_url("get_hands_out_at_most_max_and_waits_briefly_when_empty") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("max"), "lease=10s&wait=300ms&batch=4").await;
+    let started = Instant::now();
+    assert!(t.get(10).await.unwrap().is_empty());
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250),
+        "returned at once: {waited:?}"
+    );
+    assert!(waited < Duration::from_secs(5), "blocked: {waited:?}");
+
+    let batch = (0..10).map(|i| (message(&format!("{i}")), None)).collect();
+    t.send_batch(batch).await.unwrap();
+    assert_eq!(t.get(3).await.unwrap().len(), 3);
+    assert_eq!(t.get(10).await.unwrap().len(), 4, "capped by batch=4");
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_consumer_deleted_behind_its_back_is_recreated() {
+    let Some(url) = nats_url("a_consumer_deleted_behind_its_back_is_recreated") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("stall"), "lease=10s&wait=100ms").await;
+    let id = t.send(message("m"), None).await.unwrap();
+
+    let client = async_nats::connect(t.config().server.as_str())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client);
+    let stream = js.get_stream(&t.config().stream).await.unwrap();
+    stream.delete_consumer(&t.config().consumer).await.unwrap();
+
+    // The next gets fail or come back empty until the consumer is re-bound.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut got = Vec::new();
+    while got.is_empty() && Instant::now() < deadline {
+        got = t.get(1).await.unwrap_or_default();
+    }
+    assert_eq!(got.len(), 1, "consumer never resumed");
+    assert_eq!(got[0].id, id);
+    t.ack(&got[0].id).await.unwrap();
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn ids_that_were_not_handed_out_cannot_be_released_or_kept_alive() {
+    let Some(url) = nats_url("ids_that_were_not_handed_out_cannot_be_released_or_kept_alive")
+    else {
+        return;
+    };
+    let t = transport(&url, &unique_name("unknown"), "wait=100ms").await;
+    let id = t.send(message("m"), None).await.unwrap();
+    assert!(matches!(
+        t.release(&id).await,
+        Err(TransportError::NotFound(_))
+    ));
+    assert!(matches!(
+        t.keepalive("nope").await,
+        Err(TransportError::NotFound(_))
+    ));
+    assert!(matches!(
+        t.ack("nope").await,
+        Err(TransportError::NotFound(_))
+    ));
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_oversized_payload_is_refused_with_its_size() {
+    let Some(url) = nats_url("an_oversized_payload_is_refused_with_its_size") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("large"), "").await;
+    let body = vec![b'x'; 8 * 1024 * 1024];
+    match t
+        .send(
+            RawMessage {
+                body,
+                headers: BTreeMap::new(),
+            },
+            None,
+        )
+        .await
+    {
+        Err(TransportError::TooLarge { size, limit }) => {
+            assert_eq!(size, 8 * 1024 * 1024);
+            assert!(limit < size);
+        }
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn double_ack_waits_for_the_server_and_removes_the_message() {
+    let Some(url) = nats_url("double_ack_waits_for_the_server_and_removes_the_message") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("dack"), "double_ack=true&wait=100ms").await;
+    t.send_batch(vec![(message("a"), None), (message("b"), None)])
+        .await
+        .unwrap();
+    let got = get_n(&t, 2, Duration::from_secs(5)).await;
+    assert_eq!(got.len(), 2);
+    t.ack(&got[0].id).await.unwrap();
+    t.ack_batch(&[got[1].id.clone()]).await.unwrap();
+    // Confirmed acks: the count is already zero, no waiting needed.
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    t.delete_stream().await.unwrap();
+}
