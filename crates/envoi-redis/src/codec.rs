@@ -1,0 +1,295 @@
+//! How a [`RawMessage`] is laid out in a stream entry, and back.
+//!
+//! An entry has a `body` field holding the body bytes as they are, and one
+//! `h:<name>` field per header. Fields written by other producers (without
+//! the `h:` prefix) come back as headers of their own name, so a foreign
+//! entry still reaches the worker, which can then park it with a reason.
+
+use std::collections::BTreeMap;
+
+use envoi_core::transport::{Delivery, RawMessage};
+use redis::{Cmd, Value};
+
+/// The field holding the body.
+pub(crate) const BODY: &str = "body";
+/// The prefix of header fields.
+pub(crate) const HEADER_PREFIX: &str = "h:";
+
+/// Appends the message's fields (`body`, `h:<name>` ...) to `cmd`.
+pub(crate) fn push_fields(cmd: &mut Cmd, raw: &RawMessage) {
+    cmd.arg(BODY).arg(raw.body.as_slice());
+    for (key, value) in &raw.headers {
+        cmd.arg(format!("{HEADER_PREFIX}{key}")).arg(value.as_str());
+    }
+}
+
+/// Whether `id` is a stream entry id (`<ms>` or `<ms>-<seq>`).
+pub(crate) fn is_stream_id(id: &str) -> bool {
+    let mut parts = id.splitn(2, '-');
+    let digits = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 20
+            && s.bytes().all(|b| b.is_ascii_digit())
+            && s.parse::<u64>().is_ok()
+    };
+    match (parts.next(), parts.next()) {
+        (Some(ms), None) => digits(ms),
+        (Some(ms), Some(seq)) => digits(ms) && digits(seq),
+        _ => false,
+    }
+}
+
+/// A reply that does not have the shape the command promises.
+pub(crate) fn unexpected(what: &str, value: &Value) -> String {
+    let mut shown = format!("{value:?}");
+    shown.truncate(200);
+    format!("unexpected reply to {what}: {shown}")
+}
+
+fn bytes(value: Value) -> Option<Vec<u8>> {
+    match value {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.into_bytes()),
+        Value::Int(i) => Some(i.to_string().into_bytes()),
+        Value::VerbatimString { text, .. } => Some(text.into_bytes()),
+        _ => None,
+    }
+}
+
+/// The string in `value` (a bulk or simple string).
+pub(crate) fn string(value: Value) -> Option<String> {
+    bytes(value).map(|b| String::from_utf8_lossy(&b).into_owned())
+}
+
+/// Builds the message from a flat `field, value, ...` list.
+pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
+    if fields.len() % 2 != 0 {
+        return Err(format!(
+            "an entry has an odd number ({}) of field items",
+            fields.len()
+        ));
+    }
+    let mut raw = RawMessage {
+        body: Vec::new(),
+        headers: BTreeMap::new(),
+    };
+    let mut items = fields.into_iter();
+    while let (Some(field), Some(value)) = (items.next(), items.next()) {
+        let field = string(field).ok_or("an entry has a field name that is not a string")?;
+        let value = bytes(value).ok_or("an entry has a field value that is not a string")?;
+        if field == BODY {
+            raw.body = value;
+        } else {
+            let name = field
+                .strip_prefix(HEADER_PREFIX)
+                .map(str::to_string)
+                .unwrap_or(field);
+            raw.headers
+                .insert(name, String::from_utf8_lossy(&value).into_owned());
+        }
+    }
+    Ok(raw)
+}
+
+fn flatten(value: Value) -> Option<Vec<Value>> {
+    match value {
+        Value::Array(items) => Some(items),
+        Value::Map(pairs) => Some(pairs.into_iter().flat_map(|(k, v)| [k, v]).collect()),
+        _ => None,
+    }
+}
+
+/// Entries decoded from a list of `[id, [field, value, ...]]`. Entries whose
+/// fields are nil (deleted while pending) are returned apart by id.
+#[derive(Debug, Default)]
+pub(crate) struct Entries {
+    pub(crate) deliveries: Vec<Delivery>,
+    pub(crate) deleted: Vec<String>,
+}
+
+/// Decodes a list of entries as `XRANGE`, `XREADGROUP` and `XAUTOCLAIM` give.
+pub(crate) fn decode_entries(value: Value, what: &str) -> Result<Entries, String> {
+    let mut out = Entries::default();
+    let list = match value {
+        Value::Nil => return Ok(out),
+        Value::Array(list) => list,
+        other => return Err(unexpected(what, &other)),
+    };
+    for entry in list {
+        let Value::Array(mut parts) = entry else {
+            return Err(unexpected(what, &entry));
+        };
+        if parts.len() < 2 {
+            return Err(unexpected(what, &Value::Array(parts)));
+        }
+        let fields = parts.swap_remove(1);
+        let id = string(parts.swap_remove(0))
+            .ok_or_else(|| format!("{what} gave an entry without an id"))?;
+        match fields {
+            Value::Nil => out.deleted.push(id),
+            fields => {
+                let fields = flatten(fields)
+                    .ok_or_else(|| format!("{what} gave entry `{id}` without fields"))?;
+                let raw =
+                    decode_fields(fields).map_err(|e| format!("{what}: entry `{id}`: {e}"))?;
+                out.deliveries.push(Delivery { id, raw });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Decodes an `XREADGROUP` reply: nil, or `[[stream, [entries]]]` (a map in
+/// RESP3).
+pub(crate) fn decode_read(value: Value) -> Result<Entries, String> {
+    let streams = match value {
+        Value::Nil => return Ok(Entries::default()),
+        Value::Array(streams) => streams
+            .into_iter()
+            .map(|s| match s {
+                Value::Array(mut kv) if kv.len() == 2 => Ok(kv.swap_remove(1)),
+                other => Err(unexpected("XREADGROUP", &other)),
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Value::Map(pairs) => pairs.into_iter().map(|(_, v)| v).collect(),
+        other => return Err(unexpected("XREADGROUP", &other)),
+    };
+    let mut out = Entries::default();
+    for entries in streams {
+        let more = decode_entries(entries, "XREADGROUP")?;
+        out.deliveries.extend(more.deliveries);
+        out.deleted.extend(more.deleted);
+    }
+    Ok(out)
+}
+
+/// Decodes an `XAUTOCLAIM` reply: `[cursor, [entries], [deleted ids]]`.
+pub(crate) fn decode_autoclaim(value: Value) -> Result<(String, Entries), String> {
+    let Value::Array(mut parts) = value else {
+        return Err(unexpected("XAUTOCLAIM", &value));
+    };
+    if parts.len() < 2 {
+        return Err(unexpected("XAUTOCLAIM", &Value::Array(parts)));
+    }
+    let deleted = if parts.len() > 2 {
+        parts.swap_remove(2)
+    } else {
+        Value::Nil
+    };
+    let entries = parts.swap_remove(1);
+    let cursor = string(parts.swap_remove(0)).ok_or("XAUTOCLAIM gave no cursor")?;
+    let mut out = decode_entries(entries, "XAUTOCLAIM")?;
+    if let Value::Array(ids) = deleted {
+        out.deleted.extend(ids.into_iter().filter_map(string));
+    }
+    Ok((cursor, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(s: &[u8]) -> Value {
+        Value::BulkString(s.to_vec())
+    }
+
+    #[test]
+    fn stream_ids_are_recognised() {
+        for id in ["0", "1-0", "1700000000000-12", "999999999"] {
+            assert!(is_stream_id(id), "{id}");
+        }
+        for id in [
+            "",
+            "-",
+            "1-",
+            "-1",
+            "a-1",
+            "1-2-3",
+            "💥",
+            "not-an-id",
+            "1-0 ",
+            "+1-0",
+        ] {
+            assert!(!is_stream_id(id), "{id}");
+        }
+    }
+
+    #[test]
+    fn fields_round_trip_body_bytes_and_headers() {
+        let raw = RawMessage {
+            body: vec![0, 255, 10, 0xc3],
+            headers: [
+                ("type".to_string(), "A".to_string()),
+                ("body".to_string(), "a header called body".to_string()),
+                ("empty".to_string(), String::new()),
+            ]
+            .into_iter()
+            .collect(),
+        };
+        let mut cmd = redis::cmd("XADD");
+        push_fields(&mut cmd, &raw);
+        let fields: Vec<Value> = cmd
+            .args_iter()
+            .skip(1)
+            .map(|a| match a {
+                redis::Arg::Simple(b) => bulk(b),
+                _ => panic!("only plain arguments expected"),
+            })
+            .collect();
+        assert_eq!(decode_fields(fields).unwrap(), raw);
+    }
+
+    #[test]
+    fn foreign_fields_become_headers_and_a_missing_body_is_empty() {
+        let raw = decode_fields(vec![bulk(b"event"), bulk(b"signup")]).unwrap();
+        assert!(raw.body.is_empty());
+        assert_eq!(raw.header("event"), Some("signup"));
+    }
+
+    #[test]
+    fn malformed_entries_are_errors_not_panics() {
+        assert!(decode_fields(vec![bulk(b"body")]).is_err());
+        assert!(decode_fields(vec![Value::Nil, bulk(b"x")]).is_err());
+        assert!(decode_entries(Value::Int(3), "XRANGE").is_err());
+        assert!(decode_entries(Value::Array(vec![Value::Int(1)]), "XRANGE").is_err());
+        assert!(decode_entries(
+            Value::Array(vec![Value::Array(vec![bulk(b"1-0")])]),
+            "XRANGE"
+        )
+        .is_err());
+        assert!(decode_read(Value::Okay).is_err());
+        assert!(decode_autoclaim(Value::Array(vec![bulk(b"0-0")])).is_err());
+    }
+
+    #[test]
+    fn deleted_entries_are_reported_apart() {
+        let reply = Value::Array(vec![
+            Value::Array(vec![bulk(b"1-0"), Value::Nil]),
+            Value::Array(vec![
+                bulk(b"2-0"),
+                Value::Array(vec![bulk(b"body"), bulk(b"x")]),
+            ]),
+        ]);
+        let entries = decode_entries(reply, "XAUTOCLAIM").unwrap();
+        assert_eq!(entries.deleted, vec!["1-0".to_string()]);
+        assert_eq!(entries.deliveries.len(), 1);
+        assert_eq!(entries.deliveries[0].id, "2-0");
+        assert_eq!(entries.deliveries[0].raw.body, b"x");
+    }
+
+    #[test]
+    fn autoclaim_reply_gives_cursor_entries_and_deleted_ids() {
+        let reply = Value::Array(vec![
+            bulk(b"5-0"),
+            Value::Array(vec![Value::Array(vec![
+                bulk(b"3-0"),
+                Value::Array(vec![bulk(b"body"), bulk(b"y")]),
+            ])]),
+            Value::Array(vec![bulk(b"4-0")]),
+        ]);
+        let (cursor, entries) = decode_autoclaim(reply).unwrap();
+        assert_eq!(cursor, "5-0");
+        assert_eq!(entries.deliveries[0].id, "3-0");
+        assert_eq!(entries.deleted, vec!["4-0".to_string()]);
+    }
+}

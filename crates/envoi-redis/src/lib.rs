@@ -1,0 +1,60 @@
+//! # envoi-redis
+//!
+//! The Redis Streams transport for envoi: a DSN such as
+//! `redis://127.0.0.1:6379?lease=30s` becomes a [`RedisTransport`] that
+//! stores messages in one stream and hands them out through a consumer
+//! group, at least once.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use envoi_core::transport::{Transport, TransportFactory};
+//! use envoi_redis::RedisTransportFactory;
+//!
+//! # async fn demo() -> Result<(), envoi_core::TransportError> {
+//! let transport: Arc<dyn Transport> = RedisTransportFactory
+//!     .create("async", "redis://127.0.0.1:6379?group=workers&lease=30s")
+//!     .await?;
+//! transport.setup().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## How it maps onto Redis
+//!
+//! | operation | Redis |
+//! |---|---|
+//! | `setup` | `XGROUP CREATE <stream> <group> 0 MKSTREAM` (an existing group is fine) |
+//! | `send` | `XADD <stream> [MAXLEN ~ n] * body <bytes> h:<header> <value> ...` |
+//! | `send` with a delay | script: `HSET <stream>:delayed:<id>` + `ZADD <stream>:delayed <due ms> <id>` |
+//! | `get` | `XAUTOCLAIM` (expired leases), script moving due delayed messages, `XREADGROUP ... BLOCK` on a dedicated connection |
+//! | `ack` / `reject` | script: `XACK` then `XDEL` of each entry that was pending |
+//! | `release` | script: `XADD` a copy at the end, `XACK` + `XDEL` the old entry |
+//! | `keepalive` | script: `XCLAIM <id> JUSTID` to the same consumer (resets the idle time) |
+//! | `message_count` | `XLEN` + `ZCARD` |
+//! | `list` / `find` | `XRANGE`, then the delay set |
+//!
+//! The crate's README describes the DSN options, the guarantees and how to
+//! run the tests.
+//!
+//! ## Performance notes
+//!
+//! * `send_batch` writes up to 500 messages per pipeline (one round trip).
+//! * `ack_batch` settles a whole batch with one script call.
+//! * `get(max)` fetches up to `max` entries with one `XREADGROUP`; lease
+//!   recovery (`XAUTOCLAIM`) runs at most every quarter lease and the delay
+//!   mover at most every 250 ms, not on every call.
+//! * Sends, acks and scripts share one multiplexed connection per handle;
+//!   only the blocking read has a connection of its own.
+
+#![forbid(unsafe_code)]
+
+mod codec;
+mod factory;
+mod link;
+mod options;
+mod scripts;
+mod transport;
+
+pub use factory::RedisTransportFactory;
+pub use options::RedisOptions;
+pub use transport::RedisTransport;

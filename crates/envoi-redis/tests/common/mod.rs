@@ -1,0 +1,103 @@
+//! Helpers shared by the integration tests: the server URL, unique stream
+//! names, a raw connection for inspecting what the transport stored, and
+//! removal of what earlier runs left behind.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::Once;
+
+use envoi_redis::{RedisOptions, RedisTransport};
+use redis::aio::MultiplexedConnection;
+
+/// Stream keys of every test start with this.
+pub const PREFIX: &str = "envoi-test:";
+
+/// `ENVOI_REDIS_URL`, or `None` after printing why `test` is skipped.
+pub fn url(test: &str) -> Option<String> {
+    match std::env::var("ENVOI_REDIS_URL") {
+        Ok(url) => {
+            collect_garbage(&url);
+            Some(url)
+        }
+        Err(_) => {
+            eprintln!("skipped {test}: ENVOI_REDIS_URL is not set");
+            None
+        }
+    }
+}
+
+/// A fresh stream name for `tag`.
+pub fn unique(tag: &str) -> String {
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    format!("{tag}_{}", &suffix[..12])
+}
+
+/// Options for the transport `name` on `url`, with `extra` DSN options.
+pub fn options(url: &str, name: &str, extra: &str) -> RedisOptions {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let mut dsn = format!("{url}{separator}stream={PREFIX}{name}");
+    if !extra.is_empty() {
+        dsn.push('&');
+        dsn.push_str(extra);
+    }
+    RedisOptions::from_dsn(name, &dsn).unwrap_or_else(|e| panic!("bad test DSN: {e}"))
+}
+
+/// A transport handle on stream `name`.
+pub fn transport(url: &str, name: &str, extra: &str) -> RedisTransport {
+    RedisTransport::new(options(url, name, extra)).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A plain connection for inspecting the server.
+pub async fn raw(url: &str) -> MultiplexedConnection {
+    let base = url.split('?').next().unwrap_or(url);
+    redis::Client::open(base)
+        .unwrap_or_else(|e| panic!("ENVOI_REDIS_URL is not usable: {e}"))
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to {base}: {e}"))
+}
+
+/// Streams of earlier test runs that are empty and untouched for ten
+/// minutes are deleted, once per test binary, so repeated runs do not pile
+/// up keys (a test cannot delete its stream after a panic).
+fn collect_garbage(url: &str) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let base = url.split('?').next().unwrap_or(url).to_string();
+        let Ok(client) = redis::Client::open(base) else {
+            return;
+        };
+        let Ok(mut c) = client.get_connection() else {
+            return;
+        };
+        let keys: Vec<String> = match redis::cmd("KEYS").arg(format!("{PREFIX}*")).query(&mut c) {
+            Ok(keys) => keys,
+            Err(_) => return,
+        };
+        for key in keys {
+            let idle: i64 = redis::cmd("OBJECT")
+                .arg("IDLETIME")
+                .arg(&key)
+                .query(&mut c)
+                .unwrap_or(0);
+            let kind: String = redis::cmd("TYPE")
+                .arg(&key)
+                .query(&mut c)
+                .unwrap_or_default();
+            let empty = match kind.as_str() {
+                "stream" => {
+                    redis::cmd("XLEN")
+                        .arg(&key)
+                        .query::<i64>(&mut c)
+                        .unwrap_or(1)
+                        == 0
+                }
+                _ => false,
+            };
+            if idle > 600 && empty {
+                let _: Result<i64, _> = redis::cmd("DEL").arg(&key).query(&mut c);
+            }
+        }
+    });
+}

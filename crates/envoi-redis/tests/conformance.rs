@@ -1,0 +1,15 @@
+//! The shared conformance suite against the real Redis server in
+//! `ENVOI_REDIS_URL`, with a 2 s lease.
+
+mod common;
+
+use std::sync::Arc;
+
+use envoi_core::transport::Transport;
+
+async fn make(name: String) -> Option<Arc<dyn Transport>> {
+    let url = common::url("conformance")?;
+    Some(Arc::new(common::transport(&url, &name, "lease=2s")))
+}
+
+envoi_transport_tests::conformance!(make);

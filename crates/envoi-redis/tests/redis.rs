@@ -1,0 +1,613 @@
+//! Redis-specific behaviour of the transport, checked against the real
+//! server in `ENVOI_REDIS_URL` by looking at what it stores.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoi_core::transport::{Delivery, RawMessage, Transport};
+use envoi_core::TransportError;
+use envoi_redis::RedisTransport;
+use redis::aio::MultiplexedConnection;
+use redis::Value;
+
+fn text(body: &str) -> RawMessage {
+    RawMessage {
+        body: body.as_bytes().to_vec(),
+        headers: BTreeMap::new(),
+    }
+}
+
+fn body(d: &Delivery) -> String {
+    String::from_utf8_lossy(&d.raw.body).into_owned()
+}
+
+/// Gets until `n` deliveries arrived (or panics after `within`).
+async fn receive(t: &dyn Transport, n: usize, within: Duration) -> Vec<Delivery> {
+    let deadline = Instant::now() + within;
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "received {} of {n} within {within:?}",
+            out.len()
+        );
+        out.extend(t.get(n - out.len()).await.expect("get failed"));
+    }
+    out
+}
+
+async fn xlen(c: &mut MultiplexedConnection, stream: &str) -> i64 {
+    redis::cmd("XLEN")
+        .arg(stream)
+        .query_async(c)
+        .await
+        .expect("XLEN")
+}
+
+/// `XPENDING <stream> <group>`'s count.
+async fn pending(c: &mut MultiplexedConnection, t: &RedisTransport) -> i64 {
+    let summary: Vec<Value> = redis::cmd("XPENDING")
+        .arg(&t.options().stream)
+        .arg(&t.options().group)
+        .query_async(c)
+        .await
+        .expect("XPENDING");
+    match summary.first() {
+        Some(Value::Int(n)) => *n,
+        other => panic!("unexpected XPENDING summary {other:?}"),
+    }
+}
+
+/// `(consumer, idle ms)` of a pending entry.
+async fn pending_entry(
+    c: &mut MultiplexedConnection,
+    t: &RedisTransport,
+    id: &str,
+) -> Option<(String, i64)> {
+    let rows: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
+        .arg(&t.options().stream)
+        .arg(&t.options().group)
+        .arg(id)
+        .arg(id)
+        .arg(1)
+        .query_async(c)
+        .await
+        .expect("XPENDING range");
+    rows.into_iter()
+        .next()
+        .map(|(_, consumer, idle, _)| (consumer, idle))
+}
+
+async fn consumers(c: &mut MultiplexedConnection, t: &RedisTransport) -> Vec<String> {
+    let rows: Vec<Vec<Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(&t.options().stream)
+        .arg(&t.options().group)
+        .query_async(c)
+        .await
+        .expect("XINFO CONSUMERS");
+    rows.into_iter()
+        .filter_map(|row| match row.get(1) {
+            Some(Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acked_entries_are_deleted_from_the_stream_and_the_pending_list() {
+    let Some(url) = common::url("acked_entries_are_deleted_from_the_stream_and_the_pending_list")
+    else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("acked"), "");
+    t.setup().await.unwrap();
+    let mut c = common::raw(&url).await;
+    for i in 0..5 {
+        t.send(text(&format!("m{i}")), None).await.unwrap();
+    }
+    assert_eq!(xlen(&mut c, &t.options().stream).await, 5);
+    let got = receive(&t, 5, Duration::from_secs(10)).await;
+    assert_eq!(
+        pending(&mut c, &t).await,
+        5,
+        "handed out entries are pending"
+    );
+    let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+    t.ack_batch(&ids[..3]).await.unwrap();
+    t.reject(&ids[3]).await.unwrap();
+    t.ack(&ids[4]).await.unwrap();
+    assert_eq!(
+        xlen(&mut c, &t.options().stream).await,
+        0,
+        "settled entries stay in the stream"
+    );
+    assert_eq!(pending(&mut c, &t).await, 0, "settled entries stay pending");
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acking_an_entry_that_was_never_handed_out_leaves_it_alone() {
+    let Some(url) = common::url("acking_an_entry_that_was_never_handed_out_leaves_it_alone") else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("stray_ack"), "");
+    t.setup().await.unwrap();
+    let id = t.send(text("waiting"), None).await.unwrap();
+    t.ack(&id).await.unwrap();
+    let got = receive(&t, 1, Duration::from_secs(10)).await;
+    assert_eq!(got[0].id, id, "an ack of an undelivered entry deleted it");
+    t.ack(&id).await.unwrap();
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_messages_are_moved_exactly_once_by_competing_workers() {
+    const N: usize = 300;
+    const WORKERS: usize = 6;
+    let Some(url) = common::url("delayed_messages_are_moved_exactly_once_by_competing_workers")
+    else {
+        return;
+    };
+    let name = common::unique("delay_race");
+    let sender = common::transport(&url, &name, "lease=30s");
+    sender.setup().await.unwrap();
+    let start = Instant::now();
+    let delay = Duration::from_millis(700);
+    sender
+        .send_batch(
+            (0..N)
+                .map(|i| (text(&format!("d{i}")), Some(delay)))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        sender.message_count().await.unwrap(),
+        N as u64,
+        "delayed messages are counted"
+    );
+    let mut c = common::raw(&url).await;
+    assert_eq!(
+        xlen(&mut c, &sender.options().stream).await,
+        0,
+        "delayed messages reached the stream early"
+    );
+
+    let seen = Arc::new(std::sync::Mutex::new(Vec::<(String, Duration)>::new()));
+    let mut tasks = Vec::new();
+    for _ in 0..WORKERS {
+        let t = common::transport(&url, &name, "lease=30s&block=50ms");
+        let seen = Arc::clone(&seen);
+        tasks.push(tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while seen.lock().unwrap().len() < N && Instant::now() < deadline {
+                let got = t.get(25).await.expect("get failed");
+                let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+                let at = start.elapsed();
+                seen.lock()
+                    .unwrap()
+                    .extend(got.iter().map(|d| (body(d), at)));
+                t.ack_batch(&ids).await.expect("ack failed");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("a worker panicked");
+    }
+    let seen = seen.lock().unwrap().clone();
+    let mut bodies: Vec<String> = seen.iter().map(|(b, _)| b.clone()).collect();
+    bodies.sort();
+    let before = bodies.len();
+    bodies.dedup();
+    assert_eq!(
+        before,
+        bodies.len(),
+        "a delayed message was moved (and handed out) twice"
+    );
+    assert_eq!(bodies.len(), N, "delayed messages were lost");
+    for (b, at) in &seen {
+        assert!(
+            *at + Duration::from_millis(50) >= delay,
+            "`{b}` arrived after {at:?}, before its delay"
+        );
+    }
+    assert_eq!(sender.message_count().await.unwrap(), 0);
+    sender.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_and_find_show_delayed_messages_by_the_id_send_returned() {
+    let Some(url) = common::url("list_and_find_show_delayed_messages_by_the_id_send_returned")
+    else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("delayed_list"), "");
+    t.setup().await.unwrap();
+    let now_id = t.send(text("now"), None).await.unwrap();
+    let later = RawMessage {
+        body: vec![0, 1, 2, 255],
+        headers: [("type".to_string(), "Later".to_string())]
+            .into_iter()
+            .collect(),
+    };
+    let later_id = t
+        .send(later.clone(), Some(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    assert_ne!(now_id, later_id);
+    let listed = t.list(10).await.unwrap();
+    let ids: Vec<&str> = listed.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(
+        ids,
+        [now_id.as_str(), later_id.as_str()],
+        "stream entries first, then delayed ones"
+    );
+    assert_eq!(listed[1].raw, later);
+    assert_eq!(t.list(1).await.unwrap().len(), 1);
+    let found = t
+        .find(&later_id)
+        .await
+        .unwrap()
+        .expect("the delayed message is findable");
+    assert_eq!(found.raw, later);
+    assert_eq!(t.message_count().await.unwrap(), 2);
+    t.destroy().await.unwrap();
+    assert_eq!(
+        t.message_count().await.unwrap(),
+        0,
+        "destroy left messages behind"
+    );
+    assert!(
+        t.find(&later_id).await.unwrap().is_none(),
+        "destroy left the delayed payload"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_readds_the_entry_and_settles_the_old_one_atomically() {
+    let Some(url) = common::url("release_readds_the_entry_and_settles_the_old_one_atomically")
+    else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("release"), "lease=30s");
+    t.setup().await.unwrap();
+    let mut c = common::raw(&url).await;
+    let sent = RawMessage {
+        body: b"again".to_vec(),
+        headers: [("attempt".to_string(), "1".to_string())]
+            .into_iter()
+            .collect(),
+    };
+    t.send(sent.clone(), None).await.unwrap();
+    let first = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
+    t.release(&first.id).await.unwrap();
+    assert_eq!(
+        xlen(&mut c, &t.options().stream).await,
+        1,
+        "release must replace, not add"
+    );
+    assert_eq!(
+        pending(&mut c, &t).await,
+        0,
+        "the released entry is still pending"
+    );
+    assert!(
+        t.find(&first.id).await.unwrap().is_none(),
+        "the old entry is still stored"
+    );
+    let second = receive(&t, 1, Duration::from_secs(5)).await.remove(0);
+    assert_ne!(second.id, first.id);
+    assert_eq!(second.raw, sent);
+    t.ack(&second.id).await.unwrap();
+    assert!(
+        matches!(
+            t.release(&second.id).await,
+            Err(TransportError::NotFound(_))
+        ),
+        "releasing a settled message must not bring it back"
+    );
+    assert_eq!(xlen(&mut c, &t.options().stream).await, 0);
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_resets_the_idle_time_of_the_pending_entry() {
+    let Some(url) = common::url("keepalive_resets_the_idle_time_of_the_pending_entry") else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("keepalive"), "lease=30s");
+    t.setup().await.unwrap();
+    let mut c = common::raw(&url).await;
+    t.send(text("slow"), None).await.unwrap();
+    let held = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let (owner, idle_before) = pending_entry(&mut c, &t, &held.id).await.expect("pending");
+    assert_eq!(owner, t.consumer_name());
+    assert!(
+        idle_before >= 700,
+        "idle time {idle_before} ms before keepalive"
+    );
+    t.keepalive(&held.id).await.unwrap();
+    let (owner, idle_after) = pending_entry(&mut c, &t, &held.id)
+        .await
+        .expect("still pending");
+    assert_eq!(
+        owner,
+        t.consumer_name(),
+        "keepalive moved the entry to another consumer"
+    );
+    assert!(
+        idle_after < idle_before,
+        "keepalive did not reset the idle time ({idle_after} ms)"
+    );
+    t.ack(&held.id).await.unwrap();
+    assert!(
+        matches!(
+            t.keepalive(&held.id).await,
+            Err(TransportError::NotFound(_))
+        ),
+        "keepalive of a settled message must fail"
+    );
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_whose_lease_expired_loses_the_message_to_the_claimer() {
+    let Some(url) = common::url("a_consumer_whose_lease_expired_loses_the_message_to_the_claimer")
+    else {
+        return;
+    };
+    let name = common::unique("claimed");
+    let a = common::transport(&url, &name, "lease=1s");
+    let b = common::transport(&url, &name, "lease=1s");
+    a.setup().await.unwrap();
+    a.send(text("contested"), None).await.unwrap();
+    let held = receive(&a, 1, Duration::from_secs(10)).await.remove(0);
+    let again = receive(&b, 1, Duration::from_secs(10)).await.remove(0);
+    assert_eq!(again.id, held.id, "XAUTOCLAIM hands over the same entry");
+    assert!(
+        matches!(
+            a.keepalive(&held.id).await,
+            Err(TransportError::NotFound(_))
+        ),
+        "the old holder's keepalive must not take the message back"
+    );
+    let mut c = common::raw(&url).await;
+    let (owner, _) = pending_entry(&mut c, &b, &held.id).await.expect("pending");
+    assert_eq!(owner, b.consumer_name());
+    b.ack(&again.id).await.unwrap();
+    a.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trim_caps_the_stream_approximately() {
+    let Some(url) = common::url("trim_caps_the_stream_approximately") else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("trim"), "trim=10");
+    t.setup().await.unwrap();
+    t.send_batch((0..1000).map(|i| (text(&format!("t{i}")), None)).collect())
+        .await
+        .unwrap();
+    let mut c = common::raw(&url).await;
+    let len = xlen(&mut c, &t.options().stream).await;
+    assert!(
+        (10..1000).contains(&len),
+        "stream holds {len} entries with trim=10"
+    );
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_creates_one_group_and_get_recreates_a_deleted_stream() {
+    let Some(url) = common::url("setup_creates_one_group_and_get_recreates_a_deleted_stream")
+    else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("setup"), "group=billing");
+    t.setup().await.unwrap();
+    t.setup().await.unwrap();
+    let mut c = common::raw(&url).await;
+    let groups: Vec<Value> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&t.options().stream)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(groups.len(), 1, "setup created {} groups", groups.len());
+
+    // Someone deletes the stream (and so the group) under a running consumer.
+    let _: i64 = redis::cmd("DEL")
+        .arg(&t.options().stream)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(t.get(1).await.unwrap().is_empty());
+    t.send(text("after the purge"), None).await.unwrap();
+    let got = receive(&t, 1, Duration::from_secs(10)).await;
+    assert_eq!(body(&got[0]), "after the purge");
+    t.ack(&got[0].id).await.unwrap();
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_written_by_other_producers_arrive_with_their_fields_as_headers() {
+    let Some(url) =
+        common::url("entries_written_by_other_producers_arrive_with_their_fields_as_headers")
+    else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("foreign"), "");
+    t.setup().await.unwrap();
+    let mut c = common::raw(&url).await;
+    let _: String = redis::cmd("XADD")
+        .arg(&t.options().stream)
+        .arg("*")
+        .arg("event")
+        .arg("signup")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let got = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
+    assert!(got.raw.body.is_empty());
+    assert_eq!(got.raw.header("event"), Some("signup"));
+    t.ack(&got.id).await.unwrap();
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_read_does_not_hold_up_sends_on_the_same_handle() {
+    let Some(url) = common::url("a_blocking_read_does_not_hold_up_sends_on_the_same_handle") else {
+        return;
+    };
+    let t = Arc::new(common::transport(
+        &url,
+        &common::unique("block"),
+        "block=5s",
+    ));
+    t.setup().await.unwrap();
+    // Make the first get skip straight to the read (no reclaim, no delays due).
+    let reader = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move { t.get(1).await })
+    };
+    let mut c = common::raw(&url).await;
+    // Wait until the read is blocked on the server, on its own connection.
+    let blocking_name = t.client_names()[1].to_string();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        if list
+            .lines()
+            .any(|l| l.contains(&format!("name={blocking_name} ")) && l.contains("cmd=xreadgroup"))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the read never blocked on `{blocking_name}`"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let sent = tokio::time::timeout(Duration::from_secs(3), t.send(text("while blocked"), None))
+        .await
+        .expect("send waited for the blocking read")
+        .unwrap();
+    let got = reader.await.unwrap().unwrap();
+    assert_eq!(
+        got.len(),
+        1,
+        "the blocked read did not wake up for the new entry"
+    );
+    assert_eq!(got[0].id, sent);
+    t.ack(&sent).await.unwrap();
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_connection_is_replaced_without_an_error() {
+    let Some(url) = common::url("a_killed_connection_is_replaced_without_an_error") else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("kill_once"), "");
+    t.setup().await.unwrap();
+    t.send(text("before"), None).await.unwrap();
+    let mut c = common::raw(&url).await;
+    let killed = kill_clients(&mut c, t.client_names()[0]).await;
+    assert_eq!(killed, 1, "the shared connection was not found by its name");
+    t.send(text("after"), None)
+        .await
+        .expect("a send after CLIENT KILL failed");
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(
+        list.contains(&format!("name={} ", t.client_names()[0])),
+        "the new connection is not named"
+    );
+    let got = receive(&t, 2, Duration::from_secs(10)).await;
+    let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+    t.ack_batch(&ids).await.unwrap();
+    t.destroy().await.unwrap();
+}
+
+/// Kills every client whose name is `name`; returns how many.
+async fn kill_clients(c: &mut MultiplexedConnection, name: &str) -> usize {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(c)
+        .await
+        .unwrap();
+    let mut killed = 0;
+    for line in list
+        .lines()
+        .filter(|l| l.contains(&format!(" name={name} ")))
+    {
+        let Some(id) = line.split(' ').find_map(|f| f.strip_prefix("id=")) else {
+            continue;
+        };
+        let n: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("ID")
+            .arg(id)
+            .query_async(c)
+            .await
+            .unwrap();
+        killed += n as usize;
+    }
+    killed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pruning_deletes_idle_consumers_but_never_one_with_pending_entries() {
+    let Some(url) =
+        common::url("pruning_deletes_idle_consumers_but_never_one_with_pending_entries")
+    else {
+        return;
+    };
+    let name = common::unique("prune");
+    let holder = common::transport(&url, &name, "lease=30s");
+    let idle = common::transport(&url, &name, "lease=30s&block=10ms");
+    let pruner = common::transport(&url, &name, "lease=30s");
+    holder.setup().await.unwrap();
+    holder.send(text("held"), None).await.unwrap();
+    holder.send(text("handled"), None).await.unwrap();
+    let held = receive(&holder, 1, Duration::from_secs(10)).await.remove(0);
+    // A consumer exists once it has been handed something; this one settles it.
+    let handled = receive(&idle, 1, Duration::from_secs(10)).await.remove(0);
+    idle.ack(&handled.id).await.unwrap();
+    let mut c = common::raw(&url).await;
+    let before = consumers(&mut c, &holder).await;
+    assert!(
+        before.contains(&idle.consumer_name().to_string()),
+        "{before:?}"
+    );
+
+    assert_eq!(
+        pruner
+            .prune_idle_consumers(Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        0
+    );
+    let removed = pruner.prune_idle_consumers(Duration::ZERO).await.unwrap();
+    let after = consumers(&mut c, &holder).await;
+    assert_eq!(removed, 1, "consumers before {before:?}, after {after:?}");
+    assert!(!after.contains(&idle.consumer_name().to_string()));
+    assert!(
+        after.contains(&holder.consumer_name().to_string()),
+        "a consumer with a pending entry was deleted"
+    );
+    holder.ack(&held.id).await.unwrap();
+    holder.destroy().await.unwrap();
+}
