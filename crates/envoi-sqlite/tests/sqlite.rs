@@ -1,0 +1,391 @@
+//! SQLite-specific behaviour: leases across pools and processes, keepalive,
+//! restarts, prefetching, wake-ups, DSNs and the schema.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoi_core::transport::{RawMessage, Transport, TransportFactory};
+use envoi_core::TransportError;
+use envoi_sqlite::{SqliteTransport, SqliteTransportFactory, INVALID_HEADERS};
+
+fn db_path(test: &str) -> PathBuf {
+    std::env::temp_dir()
+        .join("envoi-sqlite-tests")
+        .join(format!(
+            "{test}-{}-{}.db",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ))
+}
+
+fn dsn(path: &std::path::Path, options: &str) -> String {
+    format!("sqlite://{}?{options}", path.display())
+}
+
+fn text(body: &str) -> RawMessage {
+    RawMessage {
+        body: body.as_bytes().to_vec(),
+        ..RawMessage::default()
+    }
+}
+
+async fn open(path: &std::path::Path, options: &str) -> SqliteTransport {
+    let t = SqliteTransport::connect("jobs", &dsn(path, options))
+        .await
+        .expect("open");
+    t.setup().await.expect("setup");
+    t
+}
+
+async fn bodies_within(t: &SqliteTransport, n: usize, within: Duration) -> Vec<String> {
+    let deadline = Instant::now() + within;
+    let mut out = Vec::new();
+    while out.len() < n && Instant::now() < deadline {
+        for d in t.get(n - out.len()).await.expect("get") {
+            t.ack(&d.id).await.expect("ack");
+            out.push(String::from_utf8(d.raw.body).expect("utf-8"));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_expires_for_another_pool_on_the_same_file_unless_kept_alive() {
+    let path = db_path("lease");
+    let a = open(&path, "lease=1s&batch=1&poll=20ms").await;
+    let b = open(&path, "lease=1s&batch=1&poll=20ms").await;
+    a.send(text("held"), None).await.expect("send");
+    let held = a.get(1).await.expect("get").remove(0);
+
+    // Kept alive for three leases: the other pool never gets it.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        assert!(
+            b.get(10).await.expect("get").is_empty(),
+            "stolen while kept alive"
+        );
+        a.keepalive(&held.id).await.expect("keepalive");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The holder goes silent: after the lease the other pool gets it.
+    let silent_at = Instant::now();
+    let mut again = Vec::new();
+    while again.is_empty() && silent_at.elapsed() < Duration::from_secs(15) {
+        again = b.get(1).await.expect("get");
+    }
+    assert_eq!(
+        again.len(),
+        1,
+        "the message never came back after its lease"
+    );
+    assert!(
+        silent_at.elapsed() >= Duration::from_millis(700),
+        "came back after {:?}, before the 1 s lease ran out",
+        silent_at.elapsed()
+    );
+    assert_eq!(
+        again[0].id, held.id,
+        "the row keeps its id across deliveries"
+    );
+    b.ack(&again[0].id).await.expect("ack");
+    assert_eq!(a.message_count().await.expect("count"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_keeps_waiting_messages_and_redelivers_leased_ones_after_the_lease() {
+    let path = db_path("restart");
+    let a = open(&path, "lease=2s&batch=1").await;
+    for i in 0..10 {
+        a.send(text(&format!("m{i}")), None).await.expect("send");
+    }
+    let taken = a.get(3).await.expect("get");
+    assert_eq!(taken.len(), 3);
+    a.close().await;
+    drop(a);
+
+    let b = open(&path, "lease=2s&batch=1&poll=20ms").await;
+    let restarted = Instant::now();
+    let waiting = bodies_within(&b, 7, Duration::from_secs(1)).await;
+    assert_eq!(
+        waiting.len(),
+        7,
+        "waiting messages after a restart: {waiting:?}"
+    );
+    assert!(
+        b.get(10).await.expect("get").is_empty(),
+        "leased messages were handed out before their lease expired"
+    );
+    let leased = bodies_within(&b, 3, Duration::from_secs(20)).await;
+    assert_eq!(leased, ["m0", "m1", "m2"]);
+    assert!(restarted.elapsed() >= Duration::from_millis(1000));
+    assert_eq!(b.message_count().await.expect("count"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_of_a_killed_worker_process_come_back_and_acked_ones_do_not() {
+    use std::io::{BufRead, BufReader};
+
+    // The test binary runs itself as the worker that gets killed: it claims
+    // messages, acks two, says so, then waits for SIGKILL.
+    if let Ok(dsn) = std::env::var("ENVOI_SQLITE_CHILD_DSN") {
+        let t = SqliteTransport::connect("jobs", &dsn).await.expect("open");
+        let got = t.get(5).await.expect("get");
+        assert_eq!(got.len(), 5, "the child expected 5 messages");
+        for d in &got[..2] {
+            t.ack(&d.id).await.expect("ack");
+        }
+        println!("CHILD-READY");
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        panic!("the child was not killed");
+    }
+
+    let path = db_path("killed");
+    let options = "lease=1s&poll=20ms";
+    let parent = open(&path, options).await;
+    for i in 0..20 {
+        parent
+            .send(text(&format!("job-{i:02}")), None)
+            .await
+            .expect("send");
+    }
+    let mut child = Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "messages_of_a_killed_worker_process_come_back_and_acked_ones_do_not",
+            "--exact",
+            "--nocapture",
+        ])
+        .env("ENVOI_SQLITE_CHILD_DSN", dsn(&path, options))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn the child worker");
+    let stdout = child.stdout.take().expect("child stdout");
+    let ready = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|l| l.contains("CHILD-READY"))
+    });
+    let ready = tokio::time::timeout(Duration::from_secs(60), ready)
+        .await
+        .expect("the child did not get ready in time")
+        .expect("reading the child");
+    assert!(ready, "the child exited without claiming");
+    child.kill().expect("SIGKILL the child"); // SIGKILL on Unix
+    child.wait().expect("reap the child");
+
+    // The child prefetched 16 rows (batch 16), handed 5 to itself, acked 2:
+    // 18 are left, 14 of them leased to a dead process.
+    let got = bodies_within(&parent, 18, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 18, "lost messages: got {got:?}");
+    let expected: Vec<String> = (2..20).map(|i| format!("job-{i:02}")).collect();
+    assert_eq!(got, expected, "the two acked jobs are the oldest");
+    assert_eq!(parent.message_count().await.expect("count"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefetched_messages_are_given_back_when_the_handle_is_dropped() {
+    let path = db_path("prefetch");
+    let a = open(&path, "lease=60s&batch=16").await;
+    for i in 0..5 {
+        a.send(text(&format!("p{i}")), None).await.expect("send");
+    }
+    let first = a.get(1).await.expect("get");
+    assert_eq!(first.len(), 1);
+    let b = open(&path, "lease=60s&batch=1&poll=20ms").await;
+    assert!(
+        b.get(10).await.expect("get").is_empty(),
+        "the rows a prefetched are leased to it"
+    );
+    a.ack(&first[0].id).await.expect("ack");
+    drop(a);
+    // Dropping releases in the background; well before the 60 s lease.
+    let rest = bodies_within(&b, 4, Duration::from_secs(10)).await;
+    assert_eq!(rest, ["p1", "p2", "p3", "p4"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_wakes_a_consumer_waiting_on_another_handle() {
+    let path = db_path("wake");
+    let consumer = open(&path, "poll=20s").await;
+    let producer = open(&path, "poll=20s").await;
+    let waiting = tokio::spawn(async move {
+        let started = Instant::now();
+        let got = consumer.get(1).await.expect("get");
+        (got, started.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    producer.send(text("wake up"), None).await.expect("send");
+    let (got, waited) = waiting.await.expect("consumer task");
+    assert_eq!(got.len(), 1, "the consumer woke without the message");
+    assert!(
+        waited < Duration::from_secs(10),
+        "the consumer waited {waited:?}: it was not woken by the send"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn factory_turns_bad_dsns_into_invalid_dsn_errors() {
+    let factory = SqliteTransportFactory;
+    assert!(factory.supports("sqlite://x.db"));
+    assert!(factory.supports("sqlite:x.db"));
+    assert!(!factory.supports("postgres://u:p@h/db"));
+    for bad in [
+        "sqlite://",
+        "sqlite::memory:",
+        "sqlite://x.db?lease=forever",
+        "sqlite://x.db?table=a;drop",
+        "sqlite://x.db?unknown=1",
+    ] {
+        match factory.create("jobs", bad).await {
+            Err(TransportError::InvalidDsn { dsn, reason }) => {
+                assert_eq!(dsn, bad);
+                assert!(!reason.is_empty());
+            }
+            Err(other) => panic!("{bad}: expected InvalidDsn, got {other}"),
+            Ok(_) => panic!("{bad}: accepted"),
+        }
+    }
+    let path = db_path("factory");
+    let t = factory
+        .create("jobs", &dsn(&path, "lease=5s"))
+        .await
+        .expect("a good DSN");
+    t.send(text("via factory"), None).await.expect("send");
+    assert_eq!(t.message_count().await.expect("count"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unopenable_database_is_a_backend_error() {
+    let dir = db_path("not-a-file");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    match SqliteTransport::connect("jobs", &dsn(&dir, "")).await {
+        Err(TransportError::Backend { context, .. }) => {
+            assert!(context.contains("opening SQLite database"), "{context}")
+        }
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_auto_setup_the_table_must_be_set_up_first() {
+    let path = db_path("no-auto-setup");
+    let t = SqliteTransport::connect("jobs", &dsn(&path, "auto_setup=false"))
+        .await
+        .expect("open");
+    let err = t
+        .send(text("too early"), None)
+        .await
+        .expect_err("no table yet");
+    assert!(
+        format!("{err}").contains("envoi_jobs"),
+        "the error names the table: {err}"
+    );
+    t.setup().await.expect("setup");
+    t.send(text("now"), None).await.expect("send after setup");
+    assert_eq!(t.message_count().await.expect("count"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_has_the_documented_columns_and_claim_index() {
+    let path = db_path("schema");
+    let t = open(&path, "table=envoi_queue").await;
+    assert_eq!(t.table(), "envoi_queue");
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("raw pool");
+    let columns: Vec<(String, String)> =
+        sqlx::query_as("SELECT name, type FROM pragma_table_info('envoi_queue') ORDER BY cid")
+            .fetch_all(&pool)
+            .await
+            .expect("table_info");
+    let expected = [
+        ("id", "INTEGER"),
+        ("queue_name", "TEXT"),
+        ("body", "BLOB"),
+        ("headers", "TEXT"),
+        ("created_at", "INTEGER"),
+        ("available_at", "INTEGER"),
+        ("delivered_at", "INTEGER"),
+        ("lease_until", "INTEGER"),
+    ];
+    let columns: Vec<(&str, &str)> = columns
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.as_str()))
+        .collect();
+    assert_eq!(columns, expected);
+    let index: Vec<(String,)> =
+        sqlx::query_as("SELECT name FROM pragma_index_info('envoi_queue_claim') ORDER BY seqno")
+            .fetch_all(&pool)
+            .await
+            .expect("index_info");
+    let index: Vec<&str> = index.iter().map(|(n,)| n.as_str()).collect();
+    assert_eq!(index, ["queue_name", "available_at", "id"]);
+    let mode: (String,) = sqlx::query_as("PRAGMA journal_mode")
+        .fetch_one(&pool)
+        .await
+        .expect("journal_mode");
+    assert_eq!(mode.0, "wal");
+    pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_with_malformed_headers_is_delivered_with_the_reason() {
+    let path = db_path("bad-headers");
+    let t = open(&path, "poll=20ms").await;
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("raw pool");
+    sqlx::query(
+        "INSERT INTO envoi_jobs (queue_name, body, headers, created_at, available_at) \
+         VALUES ('jobs', x'7b7d', 'not json', 0, 0)",
+    )
+    .execute(&pool)
+    .await
+    .expect("raw insert");
+    pool.close().await;
+    let got = t.get(1).await.expect("get");
+    assert_eq!(got.len(), 1, "the malformed row must still be handed out");
+    let reason = got[0]
+        .raw
+        .header(INVALID_HEADERS)
+        .expect("the delivery says what is wrong");
+    assert!(reason.contains("not a JSON object"), "{reason}");
+    assert_eq!(got[0].raw.body, b"{}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transports_sharing_a_table_and_handles_sharing_a_connection_stay_apart() {
+    let path = db_path("shared");
+    let options = dsn(&path, "table=shared&poll=20ms");
+    let orders = Arc::new(
+        SqliteTransport::connect("orders", &options)
+            .await
+            .expect("open"),
+    );
+    let mails = SqliteTransport::connect("mails", &options)
+        .await
+        .expect("open");
+    orders.send(text("order"), None).await.expect("send");
+    mails.send(text("mail"), None).await.expect("send");
+    let clone = (*orders).clone();
+    assert_eq!(orders.message_count().await.expect("count"), 1);
+    let got = clone.get(10).await.expect("get");
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].raw.body, b"order");
+    assert!(
+        mails.find(&got[0].id).await.expect("find").is_none(),
+        "another transport's row is visible through `find`"
+    );
+    mails
+        .ack(&got[0].id)
+        .await
+        .expect("ack of a foreign id is a no-op");
+    assert_eq!(orders.message_count().await.expect("count"), 1);
+    orders.ack(&got[0].id).await.expect("ack");
+    assert_eq!(orders.message_count().await.expect("count"), 0);
+    assert_eq!(mails.message_count().await.expect("count"), 1);
+}
