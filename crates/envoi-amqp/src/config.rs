@@ -1,0 +1,427 @@
+//! The transport's configuration and its DSN form.
+//!
+//! ```text
+//! amqp://user:pass@host:port/vhost?exchange=orders&queue=orders&prefetch=100&queue_type=quorum
+//! ```
+//!
+//! The scheme is `amqp` or `amqps` (TLS). The path is the virtual host,
+//! percent-encoded (`%2f` is `/`). Query options, all optional:
+//!
+//! | option | default | meaning |
+//! |---|---|---|
+//! | `exchange` | the transport name | durable direct exchange messages are published to (empty: the default exchange) |
+//! | `queue` | the transport name | durable queue messages are consumed from; bound to the exchange with its own name as routing key |
+//! | `queue_type` | `quorum` | `quorum` or `classic` |
+//! | `prefetch` | `100` | `basic.qos` prefetch count of the consumer channel (1–65535) |
+//! | `delivery_limit` | `100` | quorum only: `x-delivery-limit`; a message returned more often is moved to `<queue>.dead` |
+//! | `lease` | `5m` | how long a handed-out message may stay unsettled before it is given back; `0` or `off` disables the timer |
+//! | `consumer_idle` | `5s`, at most half the lease | the consumer is cancelled (and its prefetched messages given back) when `get` was not called for this long |
+//! | `reconnect_timeout` | `30s` | how long an operation keeps reconnecting before it fails |
+//! | `auto_setup` | `true` | declare the exchange, queues and binding on (re)connect |
+//! | `expires` | none | `x-expires` on the queues: they are deleted after being unused this long (temporary queues, tests) |
+//! | `connection_name` | `envoi-<transport>` | the connection name shown by the management tools |
+//! | `heartbeat`, `frame_max`, `channel_max`, `connection_timeout`, `auth_mechanism` | server's | passed to the AMQP client |
+//!
+//! Durations are a number with an optional unit: `ms`, `s` (the default),
+//! `m` or `h` (`1500ms`, `2s`, `2`, `5m`).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use envoi_core::transport::mask_dsn;
+use envoi_core::TransportError;
+use lapin::uri::AMQPUri;
+
+/// Longest queue name accepted: RabbitMQ names are at most 255 bytes and the
+/// transport derives `<queue>.delay.<ms>` names from it.
+pub const MAX_QUEUE_NAME: usize = 200;
+
+/// The kind of queue the transport declares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum QueueType {
+    /// A replicated Raft-based queue: the durable choice. Gets an explicit
+    /// `x-delivery-limit` and a dead-letter queue.
+    #[default]
+    Quorum,
+    /// A classic queue.
+    Classic,
+}
+
+impl QueueType {
+    /// The value of the `x-queue-type` argument.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Quorum => "quorum",
+            QueueType::Classic => "classic",
+        }
+    }
+}
+
+impl fmt::Display for QueueType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Settings of an [`AmqpTransport`](crate::AmqpTransport), usually parsed
+/// from a DSN with [`AmqpConfig::from_dsn`]; see the [module docs](self) for
+/// each option.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct AmqpConfig {
+    /// The exchange; `None` means the transport name. `Some("")` publishes
+    /// through the default exchange.
+    pub exchange: Option<String>,
+    /// The queue; `None` means the transport name.
+    pub queue: Option<String>,
+    /// The queue type.
+    pub queue_type: QueueType,
+    /// The consumer channel's prefetch count.
+    pub prefetch: u16,
+    /// Quorum queues' `x-delivery-limit`.
+    pub delivery_limit: u32,
+    /// Lease of a handed-out message; `None` disables the lease timer.
+    pub lease: Option<Duration>,
+    /// How long without a `get` before the consumer is cancelled.
+    pub consumer_idle: Duration,
+    /// How long an operation keeps reconnecting before failing.
+    pub reconnect_timeout: Duration,
+    /// Declare the topology on every (re)connect.
+    pub auto_setup: bool,
+    /// `x-expires` of the queues, if any.
+    pub expires: Option<Duration>,
+    /// The connection name reported to the broker; `None` means
+    /// `envoi-<transport name>`.
+    pub connection_name: Option<String>,
+    uri: AMQPUri,
+    masked: String,
+}
+
+impl fmt::Debug for AmqpConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AmqpConfig")
+            .field("dsn", &self.masked)
+            .field("exchange", &self.exchange)
+            .field("queue", &self.queue)
+            .field("queue_type", &self.queue_type)
+            .field("prefetch", &self.prefetch)
+            .field("delivery_limit", &self.delivery_limit)
+            .field("lease", &self.lease)
+            .field("consumer_idle", &self.consumer_idle)
+            .field("reconnect_timeout", &self.reconnect_timeout)
+            .field("auto_setup", &self.auto_setup)
+            .field("expires", &self.expires)
+            .field("connection_name", &self.connection_name)
+            .finish()
+    }
+}
+
+/// Options the AMQP client itself reads from the query string.
+const CLIENT_OPTIONS: &[&str] = &[
+    "heartbeat",
+    "frame_max",
+    "channel_max",
+    "connection_timeout",
+    "auth_mechanism",
+];
+
+impl AmqpConfig {
+    /// Parses `dsn`. Fails with [`TransportError::InvalidDsn`] (password
+    /// masked) for a wrong scheme, a malformed URI, an unknown option or a
+    /// bad value.
+    ///
+    /// ```
+    /// use envoi_amqp::{AmqpConfig, QueueType};
+    /// use std::time::Duration;
+    ///
+    /// let c = AmqpConfig::from_dsn(
+    ///     "amqp://guest:guest@127.0.0.1:5672/%2f?queue=jobs&queue_type=classic&lease=2s",
+    /// )
+    /// .unwrap();
+    /// assert_eq!(c.queue.as_deref(), Some("jobs"));
+    /// assert_eq!(c.queue_type, QueueType::Classic);
+    /// assert_eq!(c.lease, Some(Duration::from_secs(2)));
+    /// assert!(AmqpConfig::from_dsn("amqp://h/%2f?prefetch=lots").is_err());
+    /// ```
+    pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
+        let masked = mask_dsn(dsn);
+        let invalid = |reason: String| TransportError::InvalidDsn {
+            dsn: masked.clone(),
+            reason,
+        };
+        if !(dsn.starts_with("amqp://") || dsn.starts_with("amqps://")) {
+            return Err(invalid("the scheme must be `amqp` or `amqps`".into()));
+        }
+        let uri = AMQPUri::from_str(dsn).map_err(|e| invalid(mask_reason(&e, dsn)))?;
+        let mut config = AmqpConfig {
+            exchange: None,
+            queue: None,
+            queue_type: QueueType::Quorum,
+            prefetch: 100,
+            delivery_limit: 100,
+            lease: Some(Duration::from_secs(300)),
+            consumer_idle: Duration::from_secs(5),
+            reconnect_timeout: Duration::from_secs(30),
+            auto_setup: true,
+            expires: None,
+            connection_name: None,
+            uri,
+            masked: masked.clone(),
+        };
+        let mut idle_given = false;
+        let query = dsn.split_once('?').map(|(_, q)| q).unwrap_or("");
+        let query = query.split('#').next().unwrap_or("");
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, raw) = pair.split_once('=').unwrap_or((pair, ""));
+            let value = percent_decode(raw).ok_or_else(|| {
+                invalid(format!("option `{key}` is not valid percent-encoded UTF-8"))
+            })?;
+            let bad = |what: &str| invalid(format!("option `{key}`: `{value}` is not {what}"));
+            match key {
+                "exchange" => config.exchange = Some(check_name(key, &value).map_err(invalid)?),
+                "queue" => {
+                    if value.is_empty() {
+                        return Err(invalid("option `queue` must not be empty".into()));
+                    }
+                    config.queue = Some(check_name(key, &value).map_err(invalid)?);
+                }
+                "queue_type" => {
+                    config.queue_type = match value.as_str() {
+                        "quorum" => QueueType::Quorum,
+                        "classic" => QueueType::Classic,
+                        _ => return Err(bad("`quorum` or `classic`")),
+                    }
+                }
+                "prefetch" => {
+                    config.prefetch = value
+                        .parse::<u16>()
+                        .ok()
+                        .filter(|p| *p > 0)
+                        .ok_or_else(|| bad("a count from 1 to 65535"))?
+                }
+                "delivery_limit" => {
+                    config.delivery_limit = value
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|p| *p > 0)
+                        .ok_or_else(|| bad("a positive count"))?
+                }
+                "lease" => {
+                    config.lease = if value == "off" {
+                        None
+                    } else {
+                        Some(parse_duration(&value).ok_or_else(|| bad("a duration"))?)
+                            .filter(|d| !d.is_zero())
+                    }
+                }
+                "consumer_idle" => {
+                    config.consumer_idle = parse_duration(&value)
+                        .filter(|d| !d.is_zero())
+                        .ok_or_else(|| bad("a positive duration"))?;
+                    idle_given = true;
+                }
+                "reconnect_timeout" => {
+                    config.reconnect_timeout =
+                        parse_duration(&value).ok_or_else(|| bad("a duration"))?
+                }
+                "auto_setup" => {
+                    config.auto_setup = match value.as_str() {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        _ => return Err(bad("`true` or `false`")),
+                    }
+                }
+                "expires" => {
+                    config.expires = Some(
+                        parse_duration(&value)
+                            .filter(|d| !d.is_zero() && d.as_millis() <= u128::from(u32::MAX))
+                            .ok_or_else(|| bad("a positive duration under 49 days"))?,
+                    )
+                }
+                "connection_name" => config.connection_name = Some(value),
+                k if CLIENT_OPTIONS.contains(&k) => {}
+                _ => return Err(invalid(format!("unknown option `{key}`"))),
+            }
+        }
+        if !idle_given {
+            if let Some(lease) = config.lease {
+                config.consumer_idle = config
+                    .consumer_idle
+                    .min(lease / 2)
+                    .max(Duration::from_millis(10));
+            }
+        }
+        Ok(config)
+    }
+
+    /// The DSN with its password masked.
+    pub fn masked_dsn(&self) -> &str {
+        &self.masked
+    }
+
+    pub(crate) fn uri(&self) -> &AMQPUri {
+        &self.uri
+    }
+}
+
+fn mask_reason(reason: &str, dsn: &str) -> String {
+    // The URI parser may quote its input; never echo a password.
+    let masked = mask_dsn(dsn);
+    reason.replace(dsn, &masked)
+}
+
+fn check_name(key: &str, value: &str) -> Result<String, String> {
+    if value.len() > MAX_QUEUE_NAME {
+        return Err(format!(
+            "option `{key}` is {} bytes long; at most {MAX_QUEUE_NAME} are allowed",
+            value.len()
+        ));
+    }
+    if value.starts_with("amq.") {
+        return Err(format!(
+            "option `{key}`: names starting with `amq.` are reserved by the broker"
+        ));
+    }
+    Ok(value.to_string())
+}
+
+/// Parses `1500ms`, `2s`, `2`, `1.5s`, `5m`, `1h`.
+pub(crate) fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let (number, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(i) => (&s[..i], &s[i..]),
+        None => (s, "s"),
+    };
+    let n: f64 = number
+        .parse()
+        .ok()
+        .filter(|n: &f64| n.is_finite() && *n >= 0.0)?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return None,
+    };
+    (secs < 1.0e9).then(|| Duration::from_secs_f64(secs))
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = s.get(i + 1..i + 3)?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reason(dsn: &str) -> String {
+        match AmqpConfig::from_dsn(dsn) {
+            Err(TransportError::InvalidDsn { dsn, reason }) => {
+                assert!(!dsn.contains("s3cret"), "password leaked in `{dsn}`");
+                assert!(!reason.contains("s3cret"), "password leaked in `{reason}`");
+                reason
+            }
+            other => panic!("expected InvalidDsn for `{dsn}`, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_apply_when_the_query_is_empty() {
+        let c = AmqpConfig::from_dsn("amqp://guest:guest@127.0.0.1:5672/%2f").unwrap();
+        assert_eq!(c.exchange, None);
+        assert_eq!(c.queue, None);
+        assert_eq!(c.queue_type, QueueType::Quorum);
+        assert_eq!(c.prefetch, 100);
+        assert_eq!(c.delivery_limit, 100);
+        assert_eq!(c.lease, Some(Duration::from_secs(300)));
+        assert_eq!(c.consumer_idle, Duration::from_secs(5));
+        assert!(c.auto_setup);
+        assert_eq!(c.expires, None);
+        assert_eq!(c.uri().vhost, "/");
+    }
+
+    #[test]
+    fn every_option_is_parsed() {
+        let c = AmqpConfig::from_dsn(
+            "amqps://u:p@h:5671/v?exchange=ex&queue=q%2Ea&queue_type=classic&prefetch=7\
+             &delivery_limit=9&lease=1500ms&consumer_idle=200ms&reconnect_timeout=3\
+             &auto_setup=false&expires=1m&connection_name=n+1&heartbeat=10",
+        )
+        .unwrap();
+        assert_eq!(c.exchange.as_deref(), Some("ex"));
+        assert_eq!(c.queue.as_deref(), Some("q.a"));
+        assert_eq!(c.queue_type, QueueType::Classic);
+        assert_eq!(c.prefetch, 7);
+        assert_eq!(c.delivery_limit, 9);
+        assert_eq!(c.lease, Some(Duration::from_millis(1500)));
+        assert_eq!(c.consumer_idle, Duration::from_millis(200));
+        assert_eq!(c.reconnect_timeout, Duration::from_secs(3));
+        assert!(!c.auto_setup);
+        assert_eq!(c.expires, Some(Duration::from_secs(60)));
+        assert_eq!(c.connection_name.as_deref(), Some("n 1"));
+        assert_eq!(c.uri().query.heartbeat, Some(10));
+        assert_eq!(c.uri().vhost, "v");
+    }
+
+    #[test]
+    fn consumer_idle_defaults_to_at_most_half_the_lease() {
+        let c = AmqpConfig::from_dsn("amqp://h/%2f?lease=2s").unwrap();
+        assert_eq!(c.consumer_idle, Duration::from_secs(1));
+        let c = AmqpConfig::from_dsn("amqp://h/%2f?lease=off").unwrap();
+        assert_eq!(c.lease, None);
+        assert_eq!(c.consumer_idle, Duration::from_secs(5));
+        let c = AmqpConfig::from_dsn("amqp://h/%2f?lease=0").unwrap();
+        assert_eq!(c.lease, None);
+    }
+
+    #[test]
+    fn bad_dsns_are_rejected_with_the_password_masked() {
+        assert!(reason("redis://u:s3cret@h/").contains("scheme"));
+        assert!(reason("amqp://u:s3cret@h/%2f?prefetch=0").contains("prefetch"));
+        assert!(reason("amqp://u:s3cret@h/%2f?prefetch=70000").contains("prefetch"));
+        assert!(reason("amqp://u:s3cret@h/%2f?queue_type=stream").contains("queue_type"));
+        assert!(reason("amqp://u:s3cret@h/%2f?lease=soon").contains("lease"));
+        assert!(reason("amqp://u:s3cret@h/%2f?colour=blue").contains("unknown option `colour`"));
+        assert!(reason("amqp://u:s3cret@h/%2f?queue=").contains("queue"));
+        assert!(reason("amqp://u:s3cret@h/%2f?queue=amq.x").contains("reserved"));
+        assert!(reason("amqp://u:s3cret@h/%2f?queue=%ZZ").contains("percent"));
+        let long = "q".repeat(MAX_QUEUE_NAME + 1);
+        assert!(reason(&format!("amqp://u:s3cret@h/%2f?queue={long}")).contains("bytes"));
+        reason("amqp://u:s3cret@h:notaport/%2f");
+        reason("amqp://u:s3cret@h/%2f?heartbeat=often");
+    }
+
+    #[test]
+    fn durations_take_units() {
+        assert_eq!(parse_duration("1500ms"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("5m"), Some(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("-1s"), None);
+        assert_eq!(parse_duration("1d"), None);
+        assert_eq!(parse_duration(""), None);
+    }
+}

@@ -1,0 +1,136 @@
+//! Mapping between envoi's string headers and AMQP header tables.
+//!
+//! Each header becomes one entry of the message's `headers` table, a long
+//! string holding the UTF-8 value. Headers the broker adds on its own
+//! (dead-lettering and quorum queue bookkeeping) are dropped on the way in,
+//! so a message comes back with exactly the headers it was sent with.
+
+use std::collections::BTreeMap;
+
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+use crate::error::AmqpError;
+
+/// Header names RabbitMQ sets by itself; they are not part of the message.
+const BROKER_HEADERS: &[&str] = &["x-death", "x-delivery-count"];
+/// Header name prefixes RabbitMQ sets by itself.
+const BROKER_PREFIXES: &[&str] = &["x-first-death-", "x-last-death-"];
+
+/// Bytes one header takes in the encoded table, besides its name and value:
+/// name length (1), type tag (1), value length (4).
+const PER_HEADER: usize = 6;
+
+pub(crate) fn is_broker_header(name: &str) -> bool {
+    BROKER_HEADERS.contains(&name) || BROKER_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+/// Encodes `headers`; returns the table and its encoded size in bytes.
+pub(crate) fn encode(headers: &BTreeMap<String, String>) -> Result<(FieldTable, usize), AmqpError> {
+    let mut table = FieldTable::default();
+    let mut size = 4;
+    for (name, value) in headers {
+        if is_broker_header(name) {
+            return Err(AmqpError::ReservedHeader(name.clone()));
+        }
+        let key = ShortString::try_new(name.as_str())
+            .map_err(|_| AmqpError::HeaderNameTooLong(name.len()))?;
+        size += PER_HEADER + name.len() + value.len();
+        table.insert(
+            key,
+            AMQPValue::LongString(LongString::from(value.as_bytes())),
+        );
+    }
+    Ok((table, size))
+}
+
+/// Decodes a received header table. String values (long or short) are kept;
+/// values of other types (set by other producers) are rendered as text;
+/// broker bookkeeping headers are dropped.
+pub(crate) fn decode(table: Option<&FieldTable>) -> BTreeMap<String, String> {
+    let Some(table) = table else {
+        return BTreeMap::new();
+    };
+    table
+        .into_iter()
+        .filter(|(k, _)| !is_broker_header(k.as_str()))
+        .map(|(k, v)| (k.as_str().to_string(), text(v)))
+        .collect()
+}
+
+fn text(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_string(),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        AMQPValue::Float(n) => n.to_string(),
+        AMQPValue::Double(n) => n.to_string(),
+        AMQPValue::Timestamp(n) => n.to_string(),
+        AMQPValue::ByteArray(b) => String::from_utf8_lossy(b.as_slice()).into_owned(),
+        AMQPValue::Void => String::new(),
+        other => format!("{other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_and_broker_headers_are_dropped() {
+        let headers: BTreeMap<String, String> = [
+            ("type", "App.Order"),
+            ("Type", "other case"),
+            ("empty", ""),
+            ("multi", "a\nb\r\nc\td \"q\" \\ 🎉"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let (mut table, size) = encode(&headers).unwrap();
+        assert!(size > headers.values().map(String::len).sum::<usize>());
+        table.insert("x-delivery-count".into(), AMQPValue::LongLongInt(2));
+        table.insert(
+            "x-first-death-reason".into(),
+            AMQPValue::LongString("expired".into()),
+        );
+        table.insert("x-death".into(), AMQPValue::Void);
+        assert_eq!(decode(Some(&table)), headers);
+        assert!(decode(None).is_empty());
+    }
+
+    #[test]
+    fn reserved_and_overlong_header_names_are_refused() {
+        let reserved: BTreeMap<String, String> = [("x-death".to_string(), String::new())]
+            .into_iter()
+            .collect();
+        assert!(matches!(
+            encode(&reserved),
+            Err(AmqpError::ReservedHeader(_))
+        ));
+        let long: BTreeMap<String, String> =
+            [("k".repeat(256), String::new())].into_iter().collect();
+        assert!(matches!(
+            encode(&long),
+            Err(AmqpError::HeaderNameTooLong(256))
+        ));
+    }
+
+    #[test]
+    fn foreign_header_types_are_rendered_as_text() {
+        let mut table = FieldTable::default();
+        table.insert("n".into(), AMQPValue::LongInt(-4));
+        table.insert("b".into(), AMQPValue::Boolean(true));
+        table.insert("s".into(), AMQPValue::ShortString("short".into()));
+        let decoded = decode(Some(&table));
+        assert_eq!(decoded["n"], "-4");
+        assert_eq!(decoded["b"], "true");
+        assert_eq!(decoded["s"], "short");
+    }
+}

@@ -1,0 +1,80 @@
+//! # envoi-amqp
+//!
+//! The RabbitMQ transport of envoi, on [lapin](https://docs.rs/lapin)
+//! (AMQP 0-9-1).
+//!
+//! ```no_run
+//! use envoi_amqp::AmqpTransport;
+//! use envoi_core::transport::{RawMessage, Transport};
+//!
+//! # async fn run() -> Result<(), envoi_core::TransportError> {
+//! let orders = AmqpTransport::connect(
+//!     "orders",
+//!     "amqp://guest:guest@127.0.0.1:5672/%2f?prefetch=200&queue_type=quorum",
+//! )
+//! .await?;
+//! orders.setup().await?;
+//! orders.send(RawMessage { body: b"{}".to_vec(), ..RawMessage::default() }, None).await?;
+//! for delivery in orders.get(10).await? {
+//!     orders.ack(&delivery.id).await?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## Topology
+//!
+//! `setup` (and, with `auto_setup`, every connection) declares:
+//!
+//! * a durable **direct exchange** (default: the transport name);
+//! * a durable **queue** (default: the transport name) bound to it with its
+//!   own name as routing key. A quorum queue (the default) gets an explicit
+//!   `x-delivery-limit` and dead-letters, at least once, to the quorum queue
+//!   `<queue>.dead`, so the broker never drops a message by itself;
+//! * on demand, one **delay queue** per distinct delay, `<queue>.delay.<ms>`:
+//!   a classic durable queue with `x-message-ttl = ms`, dead-lettering back to
+//!   the exchange with the queue's routing key, and `x-expires = ms + 60 s`
+//!   so that unused ones vanish. No plugin is needed.
+//!
+//! Every declaration is idempotent; declaring a queue that exists with other
+//! arguments fails with the broker's `PRECONDITION_FAILED`.
+//!
+//! ## Delivery
+//!
+//! * **Sending** publishes persistent messages, `mandatory`, on a channel in
+//!   confirm mode, and returns once the broker confirmed them. An unroutable
+//!   message makes the transport declare its topology again and retry; a
+//!   lost connection makes it reconnect and publish again whatever was not
+//!   confirmed (so a message can be stored twice, never lost).
+//! * **Consuming** runs `basic.consume` with the `prefetch` count while `get`
+//!   is being called and buffers deliveries; `get(max)` takes up to `max`
+//!   from the buffer, waiting up to 200 ms for a first one. When `get` has
+//!   not been called for `consumer_idle`, the consumer is cancelled and its
+//!   buffered messages are given back, so an idle handle does not hold
+//!   messages other consumers could take.
+//! * **Settling**: `ack` → `basic.ack`, `reject` → `basic.reject(requeue=false)`
+//!   (dead-lettered to `<queue>.dead` on quorum queues, discarded on classic
+//!   ones), `release` → `basic.nack(requeue=true)`, by delivery tag.
+//! * **Leases**: see [`AmqpTransport`]. `keepalive` restarts a lease.
+//!   RabbitMQ's own `consumer_timeout` (30 minutes by default) still closes
+//!   the channel of a consumer that holds a message longer than that.
+//! * `message_count` is the queue's ready messages (passive declare) plus
+//!   what this handle holds unsettled plus what waits in the delay queues
+//!   this handle used. Messages other handles hold unsettled are not counted.
+//! * `list` and `find` are not supported (AMQP cannot read a queue without
+//!   taking messages out of it); [`Capabilities::listable`] is `false`.
+//!
+//! [`Capabilities::listable`]: envoi_core::transport::Capabilities::listable
+
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod error;
+mod factory;
+mod headers;
+mod transport;
+
+pub use config::{AmqpConfig, QueueType};
+pub use error::AmqpError;
+pub use factory::AmqpTransportFactory;
+pub use transport::AmqpTransport;

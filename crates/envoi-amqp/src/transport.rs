@@ -1,0 +1,1376 @@
+//! [`AmqpTransport`]: the [`Transport`] implementation on RabbitMQ.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use envoi_core::middleware::BoxFuture;
+use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
+use envoi_core::TransportError;
+use futures_util::future::join_all;
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+    BasicPublishOptions, BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer,
+    ExchangeKind,
+};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use crate::config::{AmqpConfig, QueueType, MAX_QUEUE_NAME};
+use crate::error::AmqpError;
+use crate::headers;
+
+/// How long `get` waits for a first message when none is buffered.
+const GET_WAIT: Duration = Duration::from_millis(200);
+/// A delay queue lives this much longer than its delay once unused.
+const DELAY_QUEUE_GRACE: Duration = Duration::from_secs(60);
+/// A delay queue is declared again (renewing its expiry) when its last
+/// declaration is older than this; must stay below [`DELAY_QUEUE_GRACE`].
+const DELAY_REDECLARE: Duration = Duration::from_secs(30);
+/// Longest single wait between reconnection attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// How often a batch is retried when the broker keeps returning it as
+/// unroutable although the topology was declared again.
+const UNROUTABLE_ATTEMPTS: usize = 3;
+/// Bytes of the content header besides the header table (properties,
+/// message id); used to refuse headers that cannot fit in one frame.
+const PROPERTIES_OVERHEAD: usize = 512;
+/// How long a closing handle waits after its last settlement before it
+/// closes the connection; see [`Shared::shutdown`].
+const SETTLE_GRACE: Duration = Duration::from_millis(200);
+/// AMQP persistent delivery mode.
+const PERSISTENT: u8 = 2;
+
+/// A RabbitMQ transport: publishes with confirms to a durable exchange and
+/// consumes its durable queue with a prefetching consumer.
+///
+/// Open one with [`AmqpTransport::connect`] (or through
+/// [`AmqpTransportFactory`](crate::AmqpTransportFactory)). Each handle owns
+/// one connection with two channels: one in confirm mode for publishing, one
+/// for consuming and settling. Dropping the handle closes the connection, and
+/// the broker puts back every message the handle had not settled.
+///
+/// # Delivery ids
+///
+/// [`Delivery::id`] is `<connection generation>:<delivery tag>`. Delivery
+/// tags are scoped to the channel that delivered the message, so an id is
+/// only meaningful on the handle that handed it out and only until that
+/// handle reconnects; settling it afterwards fails with
+/// [`AmqpError::StaleDelivery`] (the broker has already put the message back).
+/// The id [`send`](Transport::send) returns is the AMQP `message-id`
+/// property (a UUIDv7), not a delivery id.
+///
+/// # Leases
+///
+/// RabbitMQ has no lease: an unsettled message is given back when the
+/// channel closes. The transport adds one on the consumer side: a handed-out
+/// message not settled within the `lease` is given back with
+/// `basic.nack(requeue)`; [`keepalive`](Transport::keepalive) restarts it.
+pub struct AmqpTransport {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for AmqpTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AmqpTransport")
+            .field("name", &self.shared.name)
+            .field("queue", &self.shared.names.queue)
+            .field("exchange", &self.shared.names.exchange)
+            .field("config", &self.shared.config)
+            .finish()
+    }
+}
+
+struct Names {
+    queue: String,
+    exchange: String,
+    dead: String,
+}
+
+impl Names {
+    fn delay_queue(&self, ms: u64) -> String {
+        format!("{}.delay.{ms}", self.queue)
+    }
+}
+
+/// One connection and its channels.
+struct Link {
+    epoch: u64,
+    connection: Connection,
+    publisher: Channel,
+    consumer: Channel,
+}
+
+impl Link {
+    fn healthy(&self) -> bool {
+        self.connection.status().connected()
+            && self.publisher.status().connected()
+            && self.consumer.status().connected()
+    }
+
+    fn frame_max(&self) -> usize {
+        match self.connection.configuration().frame_max() {
+            0 => usize::MAX,
+            n => n as usize,
+        }
+    }
+}
+
+/// What the consumer side holds, all for the link of generation `epoch`.
+#[derive(Default)]
+struct ConsumeState {
+    epoch: u64,
+    /// Generation of the running `basic.consume`, if one runs.
+    active: Option<u64>,
+    /// Its consumer tag.
+    tag: Option<ShortString>,
+    next_generation: u64,
+    /// Delivered by the broker, not yet handed out (unsettled on the channel).
+    buffer: VecDeque<lapin::message::Delivery>,
+    /// Handed out, unsettled: delivery tag → lease deadline.
+    leased: BTreeMap<u64, Instant>,
+    last_get: Option<Instant>,
+    pumps: Vec<JoinHandle<()>>,
+}
+
+struct Shared {
+    name: String,
+    config: AmqpConfig,
+    names: Names,
+    handle_id: String,
+    link: RwLock<Option<Arc<Link>>>,
+    reconnect: tokio::sync::Mutex<()>,
+    epochs: AtomicU64,
+    consume: Mutex<ConsumeState>,
+    consume_switch: tokio::sync::Mutex<()>,
+    arrived: Notify,
+    /// Delay (ms) → when this handle last declared its queue (`None`: must
+    /// be declared again before use, after a reconnection).
+    delay_queues: Mutex<HashMap<u64, Option<Instant>>>,
+    setup_done: AtomicBool,
+    closed: AtomicBool,
+    /// When this handle last acknowledged, rejected or released a message.
+    last_settle: Mutex<Option<Instant>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn backend(context: impl Into<String>, source: impl Into<envoi_core::BoxError>) -> TransportError {
+    TransportError::backend(context, source)
+}
+
+/// Whether an error is worth a reconnection (the connection or a channel
+/// broke) rather than a permanent failure (refused credentials, a queue
+/// declared with other arguments).
+fn retryable(error: &lapin::Error) -> bool {
+    use lapin::ErrorKind as K;
+    match error.kind() {
+        K::InvalidChannel(_)
+        | K::InvalidChannelState(..)
+        | K::InvalidConnectionState(_)
+        | K::IOError(_)
+        | K::MissingHeartbeatError => true,
+        // 320 connection-forced (closed by an operator), 541 internal error.
+        K::ProtocolError(e) => matches!(e.get_id(), 320 | 541),
+        _ => false,
+    }
+}
+
+fn short(s: &str) -> Result<ShortString, TransportError> {
+    ShortString::try_new(s).map_err(|e| backend(format!("name `{s}`"), e))
+}
+
+fn forget_declarations(known: &Mutex<HashMap<u64, Option<Instant>>>) {
+    for at in lock(known).values_mut() {
+        *at = None;
+    }
+}
+
+fn parse_id(id: &str) -> Option<(u64, u64)> {
+    let (epoch, tag) = id.split_once(':')?;
+    Some((epoch.parse().ok()?, tag.parse().ok()?))
+}
+
+impl AmqpTransport {
+    /// Connects the transport called `name` as `dsn` describes (see
+    /// [`AmqpConfig`] for the options). The queue and exchange default to
+    /// `name`. With `auto_setup` (the default) the topology is declared at
+    /// once.
+    ///
+    /// Fails with [`TransportError::InvalidDsn`] for a bad DSN and
+    /// [`TransportError::Backend`] when the broker cannot be reached (after
+    /// retrying for `reconnect_timeout`) or refuses the topology.
+    pub async fn connect(name: &str, dsn: &str) -> Result<Self, TransportError> {
+        Self::with_config(name, AmqpConfig::from_dsn(dsn)?).await
+    }
+
+    /// Like [`connect`](Self::connect) with an already parsed configuration.
+    pub async fn with_config(name: &str, config: AmqpConfig) -> Result<Self, TransportError> {
+        let queue = config.queue.clone().unwrap_or_else(|| name.to_string());
+        if queue.is_empty() || queue.len() > MAX_QUEUE_NAME || queue.starts_with("amq.") {
+            return Err(TransportError::InvalidDsn {
+                dsn: config.masked_dsn().to_string(),
+                reason: format!(
+                    "`{queue}` cannot name a queue: give 1 to {MAX_QUEUE_NAME} bytes not starting with `amq.` (option `queue`)"
+                ),
+            });
+        }
+        let exchange = config.exchange.clone().unwrap_or_else(|| queue.clone());
+        let names = Names {
+            dead: format!("{queue}.dead"),
+            queue,
+            exchange,
+        };
+        let handle_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+        let shared = Arc::new(Shared {
+            name: name.to_string(),
+            config,
+            names,
+            handle_id,
+            link: RwLock::new(None),
+            reconnect: tokio::sync::Mutex::new(()),
+            epochs: AtomicU64::new(0),
+            consume: Mutex::new(ConsumeState::default()),
+            consume_switch: tokio::sync::Mutex::new(()),
+            arrived: Notify::new(),
+            delay_queues: Mutex::new(HashMap::new()),
+            setup_done: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            last_settle: Mutex::new(None),
+        });
+        shared.link().await?;
+        tokio::spawn(housekeeping(Arc::downgrade(&shared)));
+        Ok(Self { shared })
+    }
+
+    /// The queue consumed from.
+    pub fn queue(&self) -> &str {
+        &self.shared.names.queue
+    }
+
+    /// The exchange published to (empty: the default exchange).
+    pub fn exchange(&self) -> &str {
+        &self.shared.names.exchange
+    }
+
+    /// How many times the connection was re-established after it broke
+    /// (the first connection does not count).
+    pub fn reconnections(&self) -> u64 {
+        self.shared.epochs.load(Ordering::SeqCst).saturating_sub(1)
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &AmqpConfig {
+        &self.shared.config
+    }
+
+    /// Closes the connection: every message handed out or prefetched and not
+    /// settled goes back to the queue. Later calls fail with
+    /// [`TransportError::Closed`]. Dropping the transport does the same in
+    /// the background.
+    pub async fn close(&self) -> Result<(), TransportError> {
+        self.shared.closed.store(true, Ordering::SeqCst);
+        match self.shared.take_link() {
+            Some(link) => self.shared.shutdown(link).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Deletes the queue, its dead-letter queue and (unless it is the
+    /// default one) the exchange, with every message in them. Delay queues
+    /// vanish by themselves once unused. Meant for tests and tooling.
+    pub async fn delete(&self) -> Result<(), TransportError> {
+        let link = self.shared.link().await?;
+        let channel = link
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| backend("opening a channel", e))?;
+        let names = &self.shared.names;
+        for queue in [&names.queue, &names.dead] {
+            channel
+                .queue_delete(short(queue)?, Default::default())
+                .await
+                .map_err(|e| backend(format!("deleting queue `{queue}`"), e))?;
+        }
+        if !names.exchange.is_empty() {
+            channel
+                .exchange_delete(short(&names.exchange)?, Default::default())
+                .await
+                .map_err(|e| backend(format!("deleting exchange `{}`", names.exchange), e))?;
+        }
+        self.shared.setup_done.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+impl Drop for AmqpTransport {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::SeqCst);
+        let Some(link) = self.shared.take_link() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let shared = Arc::clone(&self.shared);
+                runtime.spawn(async move {
+                    let _ = shared.shutdown(link).await;
+                });
+            }
+            // Without a runtime, dropping the last handle on the connection
+            // closes it.
+            Err(_) => {
+                for pump in std::mem::take(&mut lock(&self.shared.consume).pumps) {
+                    pump.abort();
+                }
+            }
+        }
+    }
+}
+
+fn close_in_background(link: Arc<Link>) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            let _ = link.connection.close(200, "closed".into()).await;
+        });
+    }
+    // Without a runtime, dropping the last handle closes the connection.
+}
+
+impl Shared {
+    fn current(&self) -> Option<Arc<Link>> {
+        self.link
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn take_link(&self) -> Option<Arc<Link>> {
+        self.link
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    /// Closes `link` gracefully: stops the consumer, lets the broker apply
+    /// the acknowledgements just sent, then closes the connection (which
+    /// gives back everything unsettled).
+    ///
+    /// Quorum queues apply acknowledgements asynchronously; a connection
+    /// closed right after a burst of them can lose the last ones, and the
+    /// broker would hand those messages out again. Waiting
+    /// [`SETTLE_GRACE`] after the last settlement avoids that.
+    async fn shutdown(&self, link: Arc<Link>) -> Result<(), TransportError> {
+        let (tag, pumps) = {
+            let mut state = lock(&self.consume);
+            state.active = None;
+            state.buffer.clear();
+            (state.tag.take(), std::mem::take(&mut state.pumps))
+        };
+        if let Some(tag) = tag {
+            let _ = link
+                .consumer
+                .basic_cancel(tag, BasicCancelOptions::default())
+                .await;
+        }
+        let last = *lock(&self.last_settle);
+        if let Some(wait) =
+            last.and_then(|at| (at + SETTLE_GRACE).checked_duration_since(Instant::now()))
+        {
+            tokio::time::sleep(wait).await;
+        }
+        for pump in pumps {
+            pump.abort();
+        }
+        link.connection
+            .close(200, "closed".into())
+            .await
+            .map_err(|e| backend("closing the connection", e))
+    }
+
+    fn lease(&self) -> Option<Duration> {
+        self.config.lease
+    }
+
+    /// The current healthy link, reconnecting (with topology recovery) when
+    /// the connection or one of its channels broke.
+    async fn link(&self) -> Result<Arc<Link>, TransportError> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(TransportError::Closed);
+        }
+        if let Some(link) = self.current().filter(|l| l.healthy()) {
+            return Ok(link);
+        }
+        let _guard = self.reconnect.lock().await;
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(TransportError::Closed);
+        }
+        if let Some(link) = self.current().filter(|l| l.healthy()) {
+            return Ok(link);
+        }
+        if let Some(old) = self.take_link() {
+            tracing::warn!(transport = %self.name, "AMQP connection lost; reconnecting");
+            close_in_background(old);
+        }
+        let deadline = Instant::now() + self.config.reconnect_timeout;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match self.open_link(deadline).await {
+                Ok(link) => {
+                    let link = Arc::new(link);
+                    self.install(Arc::clone(&link));
+                    return Ok(link);
+                }
+                Err((error, retry)) => {
+                    if !retry || Instant::now() + backoff >= deadline {
+                        return Err(error);
+                    }
+                    tracing::debug!(transport = %self.name, %error, "AMQP connection attempt failed");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+
+    async fn open_link(&self, deadline: Instant) -> Result<Link, (TransportError, bool)> {
+        let fail = |context: &str, e: lapin::Error| {
+            let retry = retryable(&e);
+            (backend(context, e), retry)
+        };
+        let connection_name = self
+            .config
+            .connection_name
+            .clone()
+            .unwrap_or_else(|| format!("envoi-{}", self.name));
+        let properties = ConnectionProperties::default()
+            .with_connection_name(LongString::from(connection_name.into_bytes()));
+        let budget = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(100));
+        let connection = tokio::time::timeout(
+            budget,
+            Connection::connect_uri(self.config.uri().clone(), properties),
+        )
+        .await
+        .map_err(|_| {
+            (
+                backend(
+                    format!("connecting to {}", self.config.masked_dsn()),
+                    AmqpError::ConnectTimeout(budget),
+                ),
+                true,
+            )
+        })?
+        .map_err(|e| fail(&format!("connecting to {}", self.config.masked_dsn()), e))?;
+        let publisher = connection
+            .create_channel()
+            .await
+            .map_err(|e| fail("opening the publishing channel", e))?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| fail("enabling publisher confirms", e))?;
+        let consumer = connection
+            .create_channel()
+            .await
+            .map_err(|e| fail("opening the consuming channel", e))?;
+        consumer
+            .basic_qos(self.config.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(|e| fail("setting the prefetch count", e))?;
+        let link = Link {
+            epoch: self.epochs.fetch_add(1, Ordering::SeqCst) + 1,
+            connection,
+            publisher,
+            consumer,
+        };
+        if self.config.auto_setup || self.setup_done.load(Ordering::SeqCst) {
+            self.declare(&link).await.map_err(|e| {
+                let retry = matches!(&e, TransportError::Backend { source, .. }
+                    if source.downcast_ref::<lapin::Error>().is_some_and(retryable));
+                (e, retry)
+            })?;
+        }
+        Ok(link)
+    }
+
+    /// Makes `link` current and forgets everything of the previous one: its
+    /// unsettled deliveries are back in the queue since it closed.
+    fn install(&self, link: Arc<Link>) {
+        let mut state = lock(&self.consume);
+        for pump in state.pumps.drain(..) {
+            pump.abort();
+        }
+        state.epoch = link.epoch;
+        state.active = None;
+        state.tag = None;
+        state.buffer.clear();
+        state.leased.clear();
+        *self.link.write().unwrap_or_else(PoisonError::into_inner) = Some(link);
+        forget_declarations(&self.delay_queues);
+    }
+
+    /// Forgets `link` if it is still current, so the next call reconnects.
+    fn invalidate(&self, link: &Link) {
+        let mut current = self.link.write().unwrap_or_else(PoisonError::into_inner);
+        if current.as_ref().is_some_and(|l| l.epoch == link.epoch) {
+            if let Some(old) = current.take() {
+                drop(current);
+                close_in_background(old);
+            }
+        }
+    }
+
+    fn main_queue_arguments(&self) -> FieldTable {
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString(self.config.queue_type.as_str().into()),
+        );
+        if self.config.queue_type == QueueType::Quorum {
+            args.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(i64::from(self.config.delivery_limit)),
+            );
+            args.insert(
+                "x-dead-letter-exchange".into(),
+                AMQPValue::LongString("".into()),
+            );
+            args.insert(
+                "x-dead-letter-routing-key".into(),
+                AMQPValue::LongString(self.names.dead.as_str().into()),
+            );
+            args.insert(
+                "x-dead-letter-strategy".into(),
+                AMQPValue::LongString("at-least-once".into()),
+            );
+            args.insert(
+                "x-overflow".into(),
+                AMQPValue::LongString("reject-publish".into()),
+            );
+        }
+        self.expires(&mut args);
+        args
+    }
+
+    fn expires(&self, args: &mut FieldTable) {
+        if let Some(expires) = self.config.expires {
+            args.insert(
+                "x-expires".into(),
+                AMQPValue::LongLongInt(i64::try_from(expires.as_millis()).unwrap_or(i64::MAX)),
+            );
+        }
+    }
+
+    fn delay_queue_arguments(&self, ms: u64) -> FieldTable {
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("classic".into()),
+        );
+        args.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(i64::try_from(ms).unwrap_or(i64::MAX)),
+        );
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(self.names.exchange.as_str().into()),
+        );
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(self.names.queue.as_str().into()),
+        );
+        let expires = u64::try_from(DELAY_QUEUE_GRACE.as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(ms);
+        args.insert(
+            "x-expires".into(),
+            AMQPValue::LongLongInt(i64::try_from(expires).unwrap_or(i64::MAX)),
+        );
+        args
+    }
+
+    /// Declares the exchange, the dead-letter queue (quorum), the queue and
+    /// its binding, on a channel of its own so a refusal does not break the
+    /// link.
+    async fn declare(&self, link: &Link) -> Result<(), TransportError> {
+        let channel = link
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| backend("opening a channel for setup", e))?;
+        let names = &self.names;
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        if !names.exchange.is_empty() {
+            channel
+                .exchange_declare(
+                    short(&names.exchange)?,
+                    ExchangeKind::Direct,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..ExchangeDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| backend(format!("declaring exchange `{}`", names.exchange), e))?;
+        }
+        if self.config.queue_type == QueueType::Quorum {
+            let mut args = FieldTable::default();
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+            self.expires(&mut args);
+            channel
+                .queue_declare(short(&names.dead)?, durable, args)
+                .await
+                .map_err(|e| backend(format!("declaring queue `{}`", names.dead), e))?;
+        }
+        channel
+            .queue_declare(short(&names.queue)?, durable, self.main_queue_arguments())
+            .await
+            .map_err(|e| backend(format!("declaring queue `{}`", names.queue), e))?;
+        if !names.exchange.is_empty() {
+            channel
+                .queue_bind(
+                    short(&names.queue)?,
+                    short(&names.exchange)?,
+                    short(&names.queue)?,
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| {
+                    backend(
+                        format!("binding queue `{}` to `{}`", names.queue, names.exchange),
+                        e,
+                    )
+                })?;
+        }
+        let _ = channel.close(200, "setup done".into()).await;
+        Ok(())
+    }
+
+    /// Declares the delay queue for `ms` unless it was declared recently.
+    async fn ensure_delay_queue(&self, link: &Link, ms: u64) -> Result<(), TransportError> {
+        let fresh = {
+            let mut known = lock(&self.delay_queues);
+            // Forget queues that have expired by now (unless another handle
+            // kept them alive, in which case they are counted there).
+            known.retain(|ms, at| {
+                at.is_none_or(|at| at.elapsed() < DELAY_QUEUE_GRACE + Duration::from_millis(*ms))
+            });
+            known
+                .get(&ms)
+                .copied()
+                .flatten()
+                .is_some_and(|at| at.elapsed() < DELAY_REDECLARE)
+        };
+        if !fresh {
+            self.declare_delay_queue(link, ms).await?;
+            lock(&self.delay_queues).insert(ms, Some(Instant::now()));
+        }
+        Ok(())
+    }
+
+    /// Declares the delay queue for `ms` (renewing its expiry); returns how
+    /// many messages wait in it.
+    async fn declare_delay_queue(&self, link: &Link, ms: u64) -> Result<u64, TransportError> {
+        let name = self.names.delay_queue(ms);
+        let channel = link
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| backend("opening a channel", e))?;
+        let queue = channel
+            .queue_declare(
+                short(&name)?,
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                self.delay_queue_arguments(ms),
+            )
+            .await
+            .map_err(|e| backend(format!("declaring delay queue `{name}`"), e))?;
+        let _ = channel.close(200, "declared".into()).await;
+        Ok(u64::from(queue.message_count()))
+    }
+
+    // ----- publishing -------------------------------------------------------
+
+    async fn publish(
+        &self,
+        messages: Vec<(RawMessage, Option<Duration>)>,
+    ) -> Result<Vec<String>, TransportError> {
+        struct Outgoing {
+            body: Vec<u8>,
+            table: FieldTable,
+            header_size: usize,
+            delay_ms: Option<u64>,
+            id: String,
+        }
+        let mut outgoing = Vec::with_capacity(messages.len());
+        for (message, delay) in messages {
+            let (table, header_size) =
+                headers::encode(&message.headers).map_err(|e| backend("encoding headers", e))?;
+            let delay_ms = delay.filter(|d| !d.is_zero()).map(|d| {
+                // Never early: round up to the next millisecond.
+                let ms = d.as_nanos().div_ceil(1_000_000);
+                u64::try_from(ms).unwrap_or(u64::MAX)
+            });
+            outgoing.push(Outgoing {
+                body: message.body,
+                table,
+                header_size,
+                delay_ms,
+                id: uuid::Uuid::now_v7().to_string(),
+            });
+        }
+        let ids: Vec<String> = outgoing.iter().map(|o| o.id.clone()).collect();
+        if outgoing.is_empty() {
+            return Ok(ids);
+        }
+
+        let deadline = Instant::now() + self.config.reconnect_timeout;
+        let mut pending: Vec<usize> = (0..outgoing.len()).collect();
+        let mut unroutable_rounds = 0;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let link = self.link().await?;
+            let limit = link.frame_max().saturating_sub(PROPERTIES_OVERHEAD);
+            if let Some(o) = pending
+                .iter()
+                .map(|&i| &outgoing[i])
+                .find(|o| o.header_size > limit)
+            {
+                return Err(TransportError::TooLarge {
+                    size: o.header_size,
+                    limit,
+                });
+            }
+            let mut failed: Vec<usize> = Vec::new();
+            let mut returned: Vec<usize> = Vec::new();
+            let mut last_error: Option<TransportError> = None;
+            let mut nacked = false;
+            let mut reply = None;
+
+            // Delay queues first, so every publish below is routable.
+            let mut delays: Vec<u64> = pending
+                .iter()
+                .filter_map(|&i| outgoing[i].delay_ms)
+                .collect();
+            delays.sort_unstable();
+            delays.dedup();
+            let mut delay_error = None;
+            for ms in delays {
+                if let Err(e) = self.ensure_delay_queue(&link, ms).await {
+                    delay_error = Some(e);
+                    break;
+                }
+            }
+            if let Some(e) = delay_error {
+                if link.healthy() || Instant::now() >= deadline {
+                    return Err(e);
+                }
+                self.invalidate(&link);
+                continue;
+            }
+
+            // Pipeline every publish, then collect the confirms.
+            let mut confirms = Vec::with_capacity(pending.len());
+            for (n, &i) in pending.iter().enumerate() {
+                let o = &outgoing[i];
+                let (exchange, routing_key) = match o.delay_ms {
+                    Some(ms) => (String::new(), self.names.delay_queue(ms)),
+                    None => (self.names.exchange.clone(), self.names.queue.clone()),
+                };
+                let properties = BasicProperties::default()
+                    .with_delivery_mode(PERSISTENT)
+                    .with_message_id(short(&o.id)?)
+                    .with_headers(o.table.clone());
+                let published = link
+                    .publisher
+                    .basic_publish(
+                        short(&exchange)?,
+                        short(&routing_key)?,
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        &o.body,
+                        properties,
+                    )
+                    .await;
+                match published {
+                    Ok(confirm) => confirms.push((i, confirm)),
+                    Err(e) => {
+                        failed.extend(pending[n..].iter().copied());
+                        last_error = Some(backend("publishing", e));
+                        break;
+                    }
+                }
+            }
+            for (i, confirm) in confirms {
+                match confirm.await {
+                    Ok(Confirmation::Ack(None)) | Ok(Confirmation::NotRequested) => {}
+                    Ok(Confirmation::Ack(Some(message))) => {
+                        reply = Some(message.reply_text.to_string());
+                        returned.push(i);
+                    }
+                    Ok(Confirmation::Nack(_)) => {
+                        nacked = true;
+                        failed.push(i);
+                    }
+                    Err(e) => {
+                        failed.push(i);
+                        last_error = Some(backend("waiting for the publisher confirm", e));
+                    }
+                }
+            }
+            if failed.is_empty() && returned.is_empty() {
+                return Ok(ids);
+            }
+            if !returned.is_empty() {
+                // The queue, binding or a delay queue is gone: declare again.
+                unroutable_rounds += 1;
+                let first = &outgoing[returned[0]];
+                if unroutable_rounds >= UNROUTABLE_ATTEMPTS {
+                    let (exchange, routing_key) = match first.delay_ms {
+                        Some(ms) => (String::new(), self.names.delay_queue(ms)),
+                        None => (self.names.exchange.clone(), self.names.queue.clone()),
+                    };
+                    return Err(backend(
+                        format!("publishing {} message(s)", returned.len()),
+                        AmqpError::Unroutable {
+                            exchange,
+                            routing_key,
+                            reply: reply.unwrap_or_default(),
+                        },
+                    ));
+                }
+                forget_declarations(&self.delay_queues);
+                if let Err(e) = self.declare(&link).await {
+                    if link.healthy() {
+                        return Err(e);
+                    }
+                }
+            }
+            if !link.healthy() {
+                self.invalidate(&link);
+            }
+            if Instant::now() >= deadline {
+                return Err(last_error.unwrap_or_else(|| {
+                    backend(
+                        format!("publishing {} message(s)", failed.len()),
+                        AmqpError::Nacked,
+                    )
+                }));
+            }
+            if nacked || !failed.is_empty() {
+                tracing::debug!(transport = %self.name, retrying = failed.len() + returned.len(), "retrying unconfirmed publishes");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+            failed.extend(returned);
+            failed.sort_unstable();
+            pending = failed;
+        }
+    }
+
+    // ----- consuming --------------------------------------------------------
+
+    /// Starts `basic.consume` on `link` unless a consumer already runs.
+    async fn ensure_consuming(self: &Arc<Self>, link: &Arc<Link>) -> Result<(), TransportError> {
+        let running = |s: &ConsumeState| s.epoch == link.epoch && s.active.is_some();
+        if running(&lock(&self.consume)) {
+            return Ok(());
+        }
+        let _switch = self.consume_switch.lock().await;
+        let generation = {
+            let mut state = lock(&self.consume);
+            if running(&state) {
+                return Ok(());
+            }
+            if state.epoch != link.epoch {
+                // The link was replaced meanwhile; the caller retries.
+                return Ok(());
+            }
+            state.next_generation += 1;
+            state.next_generation
+        };
+        let tag = format!("envoi-{}-{}-{generation}", self.handle_id, link.epoch);
+        let consumer = link
+            .consumer
+            .basic_consume(
+                short(&self.names.queue)?,
+                short(&tag)?,
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await;
+        let consumer = match consumer {
+            Ok(consumer) => consumer,
+            Err(e) => {
+                if !link.healthy() {
+                    self.invalidate(link);
+                }
+                return Err(backend(
+                    format!("consuming queue `{}`", self.names.queue),
+                    e,
+                ));
+            }
+        };
+        let mut state = lock(&self.consume);
+        if state.epoch != link.epoch {
+            return Ok(()); // dropped with the old link
+        }
+        state.active = Some(generation);
+        state.tag = Some(short(&tag)?);
+        state.last_get = Some(Instant::now());
+        let pump = tokio::spawn(pump(
+            Arc::downgrade(self),
+            Arc::clone(link),
+            generation,
+            consumer,
+        ));
+        state.pumps.retain(|p| !p.is_finished());
+        state.pumps.push(pump);
+        Ok(())
+    }
+
+    async fn get(self: &Arc<Self>, max: usize) -> Result<Vec<Delivery>, TransportError> {
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let deadline = Instant::now() + GET_WAIT;
+        loop {
+            let link = self.link().await?;
+            self.ensure_consuming(&link).await?;
+            let arrived = self.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
+            let mut out = Vec::new();
+            let running = {
+                let mut state = lock(&self.consume);
+                let now = Instant::now();
+                state.last_get = Some(now);
+                if state.epoch == link.epoch {
+                    let lease_end = now + self.lease().unwrap_or(Duration::MAX / 4);
+                    while out.len() < max {
+                        let Some(d) = state.buffer.pop_front() else {
+                            break;
+                        };
+                        state.leased.insert(d.delivery_tag, lease_end);
+                        out.push(Delivery {
+                            id: format!("{}:{}", link.epoch, d.delivery_tag),
+                            raw: RawMessage {
+                                headers: headers::decode(d.properties.headers().as_ref()),
+                                body: d.data,
+                            },
+                        });
+                    }
+                }
+                state.epoch == link.epoch && state.active.is_some()
+            };
+            if !out.is_empty() {
+                return Ok(out);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(out);
+            }
+            if !running {
+                // The consumer stopped (connection lost, queue deleted, idle
+                // cancel racing us): start again after a short pause.
+                tokio::time::sleep(Duration::from_millis(20).min(deadline - now)).await;
+                continue;
+            }
+            if tokio::time::timeout(deadline - now, arrived).await.is_err() {
+                return Ok(Vec::new());
+            }
+        }
+    }
+
+    /// Removes `ids` from the leases; returns the tags to settle on `link`
+    /// and the first id that could not be settled, with why.
+    fn take_leases(&self, link: &Link, ids: &[String]) -> (Vec<u64>, Option<TransportError>) {
+        let mut state = lock(&self.consume);
+        let mut tags = Vec::with_capacity(ids.len());
+        let mut error = None;
+        for id in ids {
+            match parse_id(id) {
+                Some((epoch, tag)) if epoch == link.epoch && state.epoch == link.epoch => {
+                    if state.leased.remove(&tag).is_some() {
+                        tags.push(tag);
+                    } else if error.is_none() {
+                        error = Some(TransportError::NotFound(id.clone()));
+                    }
+                }
+                Some((epoch, _)) if epoch > 0 && epoch < link.epoch => {
+                    if error.is_none() {
+                        error = Some(backend(
+                            format!("settling `{id}`"),
+                            AmqpError::StaleDelivery(id.clone()),
+                        ));
+                    }
+                }
+                _ => {
+                    if error.is_none() {
+                        error = Some(TransportError::NotFound(id.clone()));
+                    }
+                }
+            }
+        }
+        (tags, error)
+    }
+
+    async fn settle(&self, ids: &[String], how: Settle) -> Result<(), TransportError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let Some(link) = self.current().filter(|l| l.healthy()) else {
+            // The connection that delivered these is gone; so are the
+            // deliveries (the broker put them back). Unknown ids stay unknown.
+            let stale = ids
+                .iter()
+                .find(|id| parse_id(id).is_some_and(|(e, _)| e > 0));
+            return Err(match stale {
+                Some(id) if !self.closed.load(Ordering::SeqCst) => backend(
+                    format!("settling `{id}`"),
+                    AmqpError::StaleDelivery(id.clone()),
+                ),
+                Some(_) => TransportError::Closed,
+                None => TransportError::NotFound(ids[0].clone()),
+            });
+        };
+        let (tags, refused) = self.take_leases(&link, ids);
+        let sent = join_all(tags.iter().map(|&tag| how.send(&link.consumer, tag))).await;
+        *lock(&self.last_settle) = Some(Instant::now());
+        if let Some(e) = sent.into_iter().find_map(Result::err) {
+            if !link.healthy() {
+                self.invalidate(&link);
+            }
+            return Err(backend(
+                format!("{} {} message(s)", how.verb(), tags.len()),
+                e,
+            ));
+        }
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    async fn keepalive(&self, id: &str) -> Result<(), TransportError> {
+        let Some((epoch, tag)) = parse_id(id) else {
+            return Err(TransportError::NotFound(id.to_string()));
+        };
+        let mut state = lock(&self.consume);
+        if state.epoch != epoch {
+            return Err(if epoch > 0 && epoch < state.epoch {
+                backend(
+                    format!("keeping `{id}` alive"),
+                    AmqpError::StaleDelivery(id.to_string()),
+                )
+            } else {
+                TransportError::NotFound(id.to_string())
+            });
+        }
+        let lease = self.lease();
+        match state.leased.get_mut(&tag) {
+            Some(deadline) => {
+                if let Some(lease) = lease {
+                    *deadline = Instant::now() + lease;
+                }
+                Ok(())
+            }
+            None => Err(TransportError::NotFound(id.to_string())),
+        }
+    }
+
+    async fn message_count(&self) -> Result<u64, TransportError> {
+        let link = self.link().await?;
+        let channel = link
+            .connection
+            .create_channel()
+            .await
+            .map_err(|e| backend("opening a channel", e))?;
+        let queue = channel
+            .queue_declare(
+                short(&self.names.queue)?,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| backend(format!("counting queue `{}`", self.names.queue), e))?;
+        let _ = channel.close(200, "counted".into()).await;
+        let mut total = u64::from(queue.message_count());
+        let delays: Vec<u64> = lock(&self.delay_queues).keys().copied().collect();
+        for ms in delays {
+            total += self.declare_delay_queue(&link, ms).await?;
+        }
+        let state = lock(&self.consume);
+        if state.epoch == link.epoch {
+            total += (state.buffer.len() + state.leased.len()) as u64;
+        }
+        Ok(total)
+    }
+
+    // ----- housekeeping -----------------------------------------------------
+
+    /// Gives back expired leases and stops an idle consumer.
+    async fn housekeep(&self) {
+        let Some(link) = self.current().filter(|l| l.healthy()) else {
+            return;
+        };
+        let now = Instant::now();
+        let expired: Vec<u64> = {
+            let mut state = lock(&self.consume);
+            if state.epoch != link.epoch {
+                return;
+            }
+            let expired: Vec<u64> = state
+                .leased
+                .iter()
+                .filter(|(_, deadline)| **deadline <= now)
+                .map(|(tag, _)| *tag)
+                .collect();
+            for tag in &expired {
+                state.leased.remove(tag);
+            }
+            expired
+        };
+        if !expired.is_empty() {
+            tracing::debug!(transport = %self.name, count = expired.len(), "leases expired; giving the messages back");
+            let _ = join_all(
+                expired
+                    .iter()
+                    .map(|&t| Settle::Release.send(&link.consumer, t)),
+            )
+            .await;
+        }
+        self.cancel_if_idle(&link).await;
+    }
+
+    async fn cancel_if_idle(&self, link: &Link) {
+        let idle = |s: &ConsumeState| {
+            s.epoch == link.epoch
+                && s.active.is_some()
+                && s.last_get
+                    .is_none_or(|at| at.elapsed() >= self.config.consumer_idle)
+        };
+        if !idle(&lock(&self.consume)) {
+            return;
+        }
+        let _switch = self.consume_switch.lock().await;
+        let (tag, buffered) = {
+            let mut state = lock(&self.consume);
+            if !idle(&state) {
+                return;
+            }
+            state.active = None;
+            let buffered: Vec<u64> = state.buffer.drain(..).map(|d| d.delivery_tag).collect();
+            (state.tag.take(), buffered)
+        };
+        if let Some(tag) = tag {
+            let _ = link
+                .consumer
+                .basic_cancel(tag, BasicCancelOptions::default())
+                .await;
+        }
+        let _ = join_all(
+            buffered
+                .iter()
+                .map(|&t| Settle::Release.send(&link.consumer, t)),
+        )
+        .await;
+    }
+}
+
+/// Moves deliveries of consumer `generation` into the buffer while it is the
+/// active one; gives back anything arriving after it was cancelled.
+async fn pump(shared: Weak<Shared>, link: Arc<Link>, generation: u64, mut consumer: Consumer) {
+    while let Some(item) = consumer.next().await {
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        match item {
+            Ok(delivery) => {
+                let tag = delivery.delivery_tag;
+                let kept = {
+                    let mut state = lock(&shared.consume);
+                    if state.epoch == link.epoch && state.active == Some(generation) {
+                        state.buffer.push_back(delivery);
+                        true
+                    } else {
+                        false
+                    }
+                };
+                if kept {
+                    shared.arrived.notify_waiters();
+                } else if lock(&shared.consume).epoch == link.epoch {
+                    let _ = Settle::Release.send(&link.consumer, tag).await;
+                }
+            }
+            Err(error) => {
+                tracing::debug!(transport = %shared.name, %error, "AMQP consumer stopped");
+                break;
+            }
+        }
+    }
+    // The consumer ended (cancelled by us or the broker, or the connection
+    // broke): let the next `get` start another one.
+    if let Some(shared) = shared.upgrade() {
+        let mut state = lock(&shared.consume);
+        if state.epoch == link.epoch && state.active == Some(generation) {
+            state.active = None;
+            state.tag = None;
+        }
+        drop(state);
+        shared.arrived.notify_waiters();
+    }
+}
+
+/// Periodically expires leases and cancels an idle consumer, for as long as
+/// the transport lives.
+async fn housekeeping(shared: Weak<Shared>) {
+    let tick = {
+        let Some(s) = shared.upgrade() else {
+            return;
+        };
+        let by_lease = s.lease().map_or(Duration::from_secs(1), |l| l / 8);
+        by_lease
+            .min(s.config.consumer_idle / 4)
+            .clamp(Duration::from_millis(25), Duration::from_secs(1))
+    };
+    loop {
+        tokio::time::sleep(tick).await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        if shared.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        shared.housekeep().await;
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Settle {
+    Ack,
+    Reject,
+    Release,
+}
+
+impl Settle {
+    async fn send(self, channel: &Channel, tag: u64) -> Result<(), lapin::Error> {
+        match self {
+            Settle::Ack => channel.basic_ack(tag, BasicAckOptions::default()).await,
+            Settle::Reject => {
+                channel
+                    .basic_reject(tag, BasicRejectOptions { requeue: false })
+                    .await
+            }
+            Settle::Release => {
+                channel
+                    .basic_nack(
+                        tag,
+                        BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        },
+                    )
+                    .await
+            }
+        }
+    }
+
+    fn verb(self) -> &'static str {
+        match self {
+            Settle::Ack => "acknowledging",
+            Settle::Reject => "rejecting",
+            Settle::Release => "releasing",
+        }
+    }
+}
+
+impl Transport for AmqpTransport {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>> {
+        Box::pin(async move {
+            let mut ids = self.shared.publish(vec![(message, delay)]).await?;
+            ids.pop()
+                .ok_or_else(|| backend("publishing", AmqpError::Nacked))
+        })
+    }
+
+    fn send_batch(
+        &self,
+        messages: Vec<(RawMessage, Option<Duration>)>,
+    ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+        Box::pin(self.shared.publish(messages))
+    }
+
+    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        Box::pin(self.shared.get(max))
+    }
+
+    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move { self.shared.settle(&[id.to_string()], Settle::Ack).await })
+    }
+
+    fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.shared.settle(ids, Settle::Ack))
+    }
+
+    fn reject<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move { self.shared.settle(&[id.to_string()], Settle::Reject).await })
+    }
+
+    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move { self.shared.settle(&[id.to_string()], Settle::Release).await })
+    }
+
+    fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.shared.keepalive(id))
+    }
+
+    fn setup(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async move {
+            let link = self.shared.link().await?;
+            self.shared.declare(&link).await?;
+            self.shared.setup_done.store(true, Ordering::SeqCst);
+            Ok(())
+        })
+    }
+
+    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+        Box::pin(self.shared.message_count())
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(true, true, true, false)
+    }
+}

@@ -1,0 +1,376 @@
+//! Behaviour specific to the RabbitMQ transport: DSN errors, topology,
+//! delay queues, dead-lettering, idle consumers, header limits.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoi_amqp::{AmqpError, AmqpTransport, AmqpTransportFactory};
+use envoi_core::transport::{Delivery, RawMessage, Transport, TransportFactory};
+use envoi_core::TransportError;
+use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+
+fn url(test: &str) -> Option<String> {
+    match std::env::var("ENVOI_AMQP_URL") {
+        Ok(url) => Some(url),
+        Err(_) => {
+            eprintln!("skipped {test}: ENVOI_AMQP_URL is not set");
+            None
+        }
+    }
+}
+
+fn unique(tag: &str) -> String {
+    format!("{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+fn with_options(url: &str, options: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}expires=60s&{options}")
+}
+
+fn message(body: &str, headers: &[(&str, &str)]) -> RawMessage {
+    RawMessage {
+        body: body.as_bytes().to_vec(),
+        headers: headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+}
+
+async fn receive(t: &dyn Transport, n: usize, within: Duration) -> Vec<Delivery> {
+    let deadline = Instant::now() + within;
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "received {} of {n} messages within {within:?}",
+            out.len()
+        );
+        out.extend(t.get(n - out.len()).await.expect("get failed"));
+    }
+    out
+}
+
+async fn raw_connection(url: &str) -> Connection {
+    Connection::connect(url, ConnectionProperties::default())
+        .await
+        .expect("raw connection failed")
+}
+
+/// Takes one message from `queue` with `basic.get` (auto-ack), if any.
+async fn take_one(connection: &Connection, queue: &str) -> Option<Vec<u8>> {
+    let channel = connection.create_channel().await.expect("channel");
+    let got = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap_or_else(|e| panic!("basic.get on `{queue}` failed: {e}"));
+    got.map(|m| m.delivery.data)
+}
+
+#[tokio::test]
+async fn bad_dsn_gives_invalid_dsn_with_the_password_masked() {
+    let factory = AmqpTransportFactory;
+    for dsn in [
+        "amqp://user:s3cret@127.0.0.1:5672/%2f?prefetch=none",
+        "amqp://user:s3cret@127.0.0.1:5672/%2f?unknown=1",
+        "amqp://user:s3cret@127.0.0.1:notaport/%2f",
+    ] {
+        match factory.create("bad", dsn).await {
+            Err(TransportError::InvalidDsn { dsn: shown, reason }) => {
+                assert!(shown.contains("user:***@"), "DSN not masked: {shown}");
+                assert!(!shown.contains("s3cret") && !reason.contains("s3cret"));
+            }
+            other => panic!("`{dsn}` gave {other:?}, expected InvalidDsn"),
+        }
+    }
+    let long = "n".repeat(300);
+    assert!(matches!(
+        AmqpTransport::connect(&long, "amqp://127.0.0.1/%2f").await,
+        Err(TransportError::InvalidDsn { .. })
+    ));
+}
+
+#[tokio::test]
+async fn unreachable_broker_fails_with_a_backend_error_after_reconnect_timeout() {
+    let started = Instant::now();
+    let result = AmqpTransport::connect(
+        "nowhere",
+        "amqp://u:s3cret@127.0.0.1:1/%2f?reconnect_timeout=300ms",
+    )
+    .await;
+    match result {
+        Err(TransportError::Backend { context, .. }) => {
+            assert!(context.contains("u:***@127.0.0.1:1"), "context: {context}");
+            assert!(!context.contains("s3cret"));
+        }
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_message_waits_in_a_ttl_queue_and_comes_back_with_its_own_headers() {
+    let Some(url) = url("delayed_message_waits_in_a_ttl_queue_and_comes_back_with_its_own_headers")
+    else {
+        return;
+    };
+    let name = unique("amqp_delay");
+    let t = AmqpTransport::connect(&name, &with_options(&url, "lease=2s"))
+        .await
+        .expect("connect");
+    t.setup().await.expect("setup");
+    let sent = message("{\"later\":true}", &[("type", "Later"), ("n", "1")]);
+    let start = Instant::now();
+    t.send(sent.clone(), Some(Duration::from_millis(700)))
+        .await
+        .expect("delayed send");
+
+    // The message waits in `<queue>.delay.700`, not in the queue.
+    let raw = raw_connection(&url).await;
+    let channel = raw.create_channel().await.expect("channel");
+    let delay_queue = channel
+        .queue_declare(
+            format!("{name}.delay.700").as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("the delay queue exists");
+    assert_eq!(delay_queue.message_count(), 1);
+    assert_eq!(t.message_count().await.expect("count"), 1);
+
+    let got = receive(&t, 1, Duration::from_secs(10)).await;
+    assert!(
+        start.elapsed() >= Duration::from_millis(650),
+        "arrived after {:?}",
+        start.elapsed()
+    );
+    // Dead-lettering adds x-death headers; they are not the message's.
+    assert_eq!(got[0].raw, sent);
+    t.ack(&got[0].id).await.expect("ack");
+    t.delete().await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_queue_dead_letters_past_the_delivery_limit_instead_of_dropping() {
+    let Some(url) = url("quorum_queue_dead_letters_past_the_delivery_limit_instead_of_dropping")
+    else {
+        return;
+    };
+    let name = unique("amqp_limit");
+    let t = AmqpTransport::connect(
+        &name,
+        &with_options(&url, "delivery_limit=2&queue_type=quorum"),
+    )
+    .await
+    .expect("connect");
+    t.setup().await.expect("setup");
+    t.send(message("poison", &[]), None).await.expect("send");
+    t.send(message("refused", &[]), None).await.expect("send");
+
+    // `refused` is rejected: it is moved to the dead-letter queue.
+    // `poison` is released until the broker's delivery limit is passed.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut releases = 0;
+    let mut rejected = false;
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "the poison message kept coming back"
+        );
+        let got = t.get(10).await.expect("get");
+        for d in &got {
+            match d.raw.body.as_slice() {
+                b"refused" => {
+                    t.reject(&d.id).await.expect("reject");
+                    rejected = true;
+                }
+                _ => {
+                    t.release(&d.id).await.expect("release");
+                    releases += 1;
+                }
+            }
+        }
+        if got.is_empty() && rejected && releases > 2 {
+            break;
+        }
+    }
+    assert_eq!(
+        releases, 3,
+        "handed out {releases} times with a delivery limit of 2"
+    );
+
+    let raw = raw_connection(&url).await;
+    let dead_letter_queue = format!("{name}.dead");
+    let mut dead = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dead.len() < 2 && Instant::now() < deadline {
+        match take_one(&raw, &dead_letter_queue).await {
+            Some(body) => dead.push(String::from_utf8(body).expect("utf-8")),
+            None => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    dead.sort();
+    assert_eq!(dead, ["poison", "refused"], "dead-lettered messages");
+    t.delete().await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_consumer_gives_its_prefetched_messages_to_other_handles() {
+    let Some(url) = url("idle_consumer_gives_its_prefetched_messages_to_other_handles") else {
+        return;
+    };
+    let name = unique("amqp_idle");
+    let dsn = with_options(&url, "consumer_idle=300ms&lease=off&prefetch=50");
+    let a = AmqpTransport::connect(&name, &dsn)
+        .await
+        .expect("connect a");
+    let b = AmqpTransport::connect(&name, &dsn)
+        .await
+        .expect("connect b");
+    a.setup().await.expect("setup");
+    let batch: Vec<_> = (0..10)
+        .map(|i| (message(&format!("m{i}"), &[]), None))
+        .collect();
+    a.send_batch(batch).await.expect("send_batch");
+    // `a` takes one; the prefetch puts the nine others in its buffer.
+    let held = receive(&a, 1, Duration::from_secs(10)).await;
+    // `a` stops calling `get`: its consumer is cancelled and the nine go
+    // back, so `b` gets them although `a` never settles what it holds.
+    let others = receive(&b, 9, Duration::from_secs(10)).await;
+    let mut bodies: Vec<_> = others
+        .iter()
+        .chain(&held)
+        .map(|d| String::from_utf8_lossy(&d.raw.body).into_owned())
+        .collect();
+    bodies.sort();
+    let expected: Vec<String> = (0..10).map(|i| format!("m{i}")).collect();
+    assert_eq!(bodies, expected);
+    let ids: Vec<String> = others.iter().map(|d| d.id.clone()).collect();
+    b.ack_batch(&ids).await.expect("ack_batch");
+    // What `a` handed out is still its own to settle.
+    a.ack(&held[0].id).await.expect("ack of the held message");
+    assert_eq!(a.message_count().await.expect("count"), 0);
+    a.delete().await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_that_cannot_travel_are_refused_and_the_transport_keeps_working() {
+    let Some(url) = url("headers_that_cannot_travel_are_refused_and_the_transport_keeps_working")
+    else {
+        return;
+    };
+    let name = unique("amqp_headers");
+    let t = AmqpTransport::connect(&name, &with_options(&url, "queue_type=classic"))
+        .await
+        .expect("connect");
+    t.setup().await.expect("setup");
+
+    let huge: BTreeMap<String, String> = (0..4)
+        .map(|i| (format!("h{i}"), "v".repeat(64 * 1024)))
+        .collect();
+    let too_large = RawMessage {
+        body: b"{}".to_vec(),
+        headers: huge,
+    };
+    assert!(matches!(
+        t.send(too_large, None).await,
+        Err(TransportError::TooLarge { .. })
+    ));
+    match t.send(message("{}", &[("x-death", "mine")]), None).await {
+        Err(TransportError::Backend { source, .. }) => assert!(matches!(
+            source.downcast_ref::<AmqpError>(),
+            Some(AmqpError::ReservedHeader(h)) if h == "x-death"
+        )),
+        other => panic!("a reserved header gave {other:?}"),
+    }
+    let long_name = "k".repeat(300);
+    assert!(t
+        .send(message("{}", &[(long_name.as_str(), "v")]), None)
+        .await
+        .is_err());
+
+    let fine = message("{\"ok\":1}", &[("type", "Fine")]);
+    t.send(fine.clone(), None)
+        .await
+        .expect("send after refusals");
+    let got = receive(&t, 1, Duration::from_secs(10)).await;
+    assert_eq!(got[0].raw, fine);
+    t.ack(&got[0].id).await.expect("ack");
+    assert_eq!(t.message_count().await.expect("count"), 0);
+    t.delete().await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_refuses_a_queue_declared_with_another_type() {
+    let Some(url) = url("setup_refuses_a_queue_declared_with_another_type") else {
+        return;
+    };
+    let name = unique("amqp_mismatch");
+    let classic = AmqpTransport::connect(&name, &with_options(&url, "queue_type=classic"))
+        .await
+        .expect("connect classic");
+    classic.setup().await.expect("setup classic");
+    let quorum = AmqpTransport::connect(
+        &name,
+        &with_options(
+            &url,
+            "queue_type=quorum&auto_setup=false&reconnect_timeout=2s",
+        ),
+    )
+    .await
+    .expect("connect without setup");
+    match quorum.setup().await {
+        Err(TransportError::Backend { context, .. }) => {
+            assert!(context.contains(&name), "context: {context}")
+        }
+        other => panic!("setup over a classic queue gave {other:?}"),
+    }
+    // The refusal broke nothing: the classic handle still sends and consumes.
+    classic
+        .send(message("still fine", &[]), None)
+        .await
+        .expect("send");
+    let got = receive(&classic, 1, Duration::from_secs(10)).await;
+    classic.ack(&got[0].id).await.expect("ack");
+    classic.delete().await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_gives_back_unsettled_messages_and_later_calls_fail_closed() {
+    let Some(url) = url("close_gives_back_unsettled_messages_and_later_calls_fail_closed") else {
+        return;
+    };
+    let name = unique("amqp_close");
+    let dsn = with_options(&url, "lease=off");
+    let a = AmqpTransport::connect(&name, &dsn)
+        .await
+        .expect("connect a");
+    a.send(message("held", &[]), None).await.expect("send");
+    let held = receive(&a, 1, Duration::from_secs(10)).await;
+    a.close().await.expect("close");
+    assert!(matches!(a.get(1).await, Err(TransportError::Closed)));
+    assert!(a.ack(&held[0].id).await.is_err());
+
+    let b: Arc<dyn Transport> = Arc::new(
+        AmqpTransport::connect(&name, &dsn)
+            .await
+            .expect("connect b"),
+    );
+    let again = receive(&*b, 1, Duration::from_secs(10)).await;
+    assert_eq!(again[0].raw.body, b"held");
+    b.ack(&again[0].id).await.expect("ack");
+    AmqpTransport::connect(&name, &dsn)
+        .await
+        .expect("connect c")
+        .delete()
+        .await
+        .expect("delete");
+}
