@@ -32,7 +32,10 @@ use std::any::TypeId;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fmt::Write as _;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 use crate::bus::MessageBus;
 use crate::handler::{Handler, HandlerRegistry, IntoHandler};
@@ -41,7 +44,10 @@ use crate::middleware::handle_message::HandleMessage;
 use crate::middleware::retry::{Retry, RetryConfig, RetryStrategy};
 use crate::middleware::send_message::{Routes, SendMessage};
 use crate::middleware::Middleware;
-use crate::transport::{DirectSenders, Sender, SenderDispatcher};
+use crate::serializer::{RegistryError, Serializer, SerializerBuilder};
+use crate::stamp::Stamp;
+use crate::transport::{Sender, SenderDispatcher, Transport, TransportBinding, TransportFactory};
+use crate::transports::{Senders, TransportFactories, TransportSender};
 use crate::typed::Dispatcher;
 
 /// A configuration mistake found by [`MessengerBuilder::build`].
@@ -77,6 +83,27 @@ pub enum BuildError {
         /// The transport name.
         transport: String,
     },
+    /// A failure transport is not a configured transport.
+    #[error("failure transport `{0}` is not a configured transport")]
+    UnknownFailureTransport(String),
+    /// Two transports (or a transport and a sender) have one name.
+    #[error("transport `{0}` is defined twice")]
+    DuplicateTransport(String),
+    /// Two message or stamp types share a wire name.
+    #[error(transparent)]
+    Serializer(#[from] RegistryError),
+    /// A transport could not be created from its DSN.
+    #[error("transport `{name}`: {reason}")]
+    Transport {
+        /// The transport's name.
+        name: String,
+        /// Why (the DSN in it has its password masked).
+        reason: String,
+    },
+    /// A transport is configured by DSN, which needs
+    /// [`MessengerBuilder::build_async`].
+    #[error("transport `{0}` is configured by DSN; build with `build_async().await`")]
+    NeedsAsyncBuild(String),
 }
 
 /// The configuration of one bus; see [`MessengerBuilder::bus`].
@@ -121,10 +148,18 @@ pub struct MessengerBuilder {
     default_middleware: Vec<Arc<dyn Middleware>>,
     routes: Routes,
     route_checks: Vec<(&'static str, String)>,
-    senders: DirectSenders,
+    senders: Vec<(String, Arc<dyn Sender>)>,
+    transports: Vec<(String, TransportSpec)>,
+    factories: TransportFactories,
+    serializer: SerializerBuilder,
     sender_dispatcher: Option<Arc<dyn SenderDispatcher>>,
     retry_strategies: Vec<(Option<String>, Arc<dyn RetryStrategy>)>,
     failure_transports: Vec<(Option<String>, String)>,
+}
+
+enum TransportSpec {
+    Ready(Arc<dyn Transport>),
+    Dsn(String),
 }
 
 impl Default for MessengerBuilder {
@@ -137,7 +172,10 @@ impl Default for MessengerBuilder {
             default_middleware: Vec::new(),
             routes: Routes::new(),
             route_checks: Vec::new(),
-            senders: DirectSenders::new(),
+            senders: Vec::new(),
+            transports: Vec::new(),
+            factories: TransportFactories::default(),
+            serializer: SerializerBuilder::default(),
             sender_dispatcher: None,
             retry_strategies: Vec::new(),
             failure_transports: Vec::new(),
@@ -242,17 +280,101 @@ impl MessengerBuilder {
 
     /// Sends messages of type `M` to `transport` instead of handling them in
     /// process. May be called several times for several transports.
-    pub fn route<M: Message>(mut self, transport: impl Into<String>) -> Self {
+    ///
+    /// Registers `M` with the serializer, so it can be encoded here and
+    /// decoded by the worker.
+    pub fn route<M>(mut self, transport: impl Into<String>) -> Self
+    where
+        M: Message + Serialize + DeserializeOwned,
+    {
         let transport = transport.into();
         self.route_checks.push((M::NAME, transport.clone()));
         self.routes.add::<M>(transport);
+        self.serializer.add_message::<M>();
+        self
+    }
+
+    /// Registers message type `M` with the serializer without routing it:
+    /// for types this process only receives from a transport. Only
+    /// registered types decode.
+    pub fn message<M>(mut self) -> Self
+    where
+        M: Message + Serialize + DeserializeOwned,
+    {
+        self.serializer.add_message::<M>();
+        self
+    }
+
+    /// Registers stamp type `S` with the serializer, so its header decodes
+    /// to `S` (unregistered stamp headers are kept as
+    /// [`OpaqueStamp`](crate::serializer::OpaqueStamp)s).
+    pub fn stamp<S: Stamp>(mut self) -> Self {
+        self.serializer.add_stamp::<S>();
+        self
+    }
+
+    /// Limits the size of an encoded message body, in bytes (16 MiB by
+    /// default). Larger messages fail to send; received ones go to the
+    /// failure transport.
+    pub fn max_body_size(mut self, bytes: usize) -> Self {
+        self.serializer.set_max_body_size(bytes);
         self
     }
 
     /// Registers the sender of `transport`.
     pub fn sender(mut self, transport: impl Into<String>, sender: Arc<dyn Sender>) -> Self {
-        self.senders.insert(transport, sender);
+        self.senders.push((transport.into(), sender));
         self
+    }
+
+    /// Registers `transport` under `name`: routes, retries and failure
+    /// transports can name it, workers can consume it, and
+    /// [`Messenger::transport`] hands it out.
+    pub fn transport(mut self, name: impl Into<String>, transport: Arc<dyn Transport>) -> Self {
+        self.transports
+            .push((name.into(), TransportSpec::Ready(transport)));
+        self
+    }
+
+    /// Registers a transport created from `dsn` (`in-memory://`, `sync://`,
+    /// or any scheme of a registered [`TransportFactory`]) when the
+    /// messenger is built with [`build_async`](Self::build_async).
+    pub fn transport_dsn(mut self, name: impl Into<String>, dsn: impl Into<String>) -> Self {
+        self.transports
+            .push((name.into(), TransportSpec::Dsn(dsn.into())));
+        self
+    }
+
+    /// Registers a factory for [`transport_dsn`](Self::transport_dsn);
+    /// it is asked before the built-in ones.
+    pub fn transport_factory(mut self, factory: impl TransportFactory) -> Self {
+        self.factories.register(Arc::new(factory));
+        self
+    }
+
+    /// Creates the transports configured by DSN, then builds as
+    /// [`build`](Self::build) does. A DSN that no factory supports or that
+    /// its factory refuses is a [`BuildError::Transport`].
+    pub async fn build_async(mut self) -> Result<Messenger, BuildError> {
+        let specs = std::mem::take(&mut self.transports);
+        let mut ready = Vec::with_capacity(specs.len());
+        for (name, spec) in specs {
+            let transport = match spec {
+                TransportSpec::Ready(t) => t,
+                TransportSpec::Dsn(dsn) => {
+                    self.factories
+                        .create(&name, &dsn)
+                        .await
+                        .map_err(|e| BuildError::Transport {
+                            name: name.clone(),
+                            reason: e.to_string(),
+                        })?
+                }
+            };
+            ready.push((name, TransportSpec::Ready(transport)));
+        }
+        self.transports = ready;
+        self.build()
     }
 
     /// Replaces "send now" with another [`SenderDispatcher`] (a
@@ -297,28 +419,65 @@ impl MessengerBuilder {
         self
     }
 
-    /// Checks the configuration and assembles every bus.
+    /// Checks the configuration and assembles every bus. Transports
+    /// configured by DSN need [`build_async`](Self::build_async).
     pub fn build(mut self) -> Result<Messenger, BuildError> {
         if let Some(e) = self.errors.into_iter().next() {
             return Err(e);
+        }
+        let serializer = self.serializer.build()?;
+        let mut transports: BTreeMap<String, Arc<dyn Transport>> = BTreeMap::new();
+        let mut senders = Senders::new();
+        for (name, spec) in self.transports {
+            let transport = match spec {
+                TransportSpec::Ready(t) => t,
+                TransportSpec::Dsn(_) => return Err(BuildError::NeedsAsyncBuild(name)),
+            };
+            if transports.contains_key(&name) {
+                return Err(BuildError::DuplicateTransport(name));
+            }
+            senders.insert_transport(
+                name.clone(),
+                TransportSender::new(name.as_str(), transport.clone(), serializer.clone()),
+            );
+            transports.insert(name, transport);
+        }
+        for (name, sender) in self.senders {
+            if senders.contains(&name) {
+                return Err(BuildError::DuplicateTransport(name));
+            }
+            senders.insert_sender(name, sender);
         }
         let dispatcher: Arc<dyn SenderDispatcher> = match self.sender_dispatcher.take() {
             Some(d) => d,
             None => {
                 for (message, transport) in &self.route_checks {
-                    if self.senders.get(transport).is_none() {
+                    if !senders.contains(transport) {
                         return Err(BuildError::UnknownTransport {
                             message,
                             transport: transport.clone(),
                         });
                     }
                 }
-                Arc::new(self.senders.clone())
+                for (_, failure) in &self.failure_transports {
+                    if !senders.contains(failure) {
+                        return Err(BuildError::UnknownFailureTransport(failure.clone()));
+                    }
+                }
+                Arc::new(senders)
             }
         };
-        let has_transports = !dispatcher.transports().is_empty() || !self.routes.is_empty();
+        let has_transports = !dispatcher.transports().is_empty()
+            || !self.routes.is_empty()
+            || !transports.is_empty();
+        let mut retry_config = None;
         let retry = if has_transports {
             let mut cfg = RetryConfig::new(dispatcher.clone());
+            for (name, transport) in &transports {
+                if transport.local().is_some_and(|l| l.handles_on_send()) {
+                    cfg = cfg.without_retry(name.clone());
+                }
+            }
             for (transport, strategy) in self.retry_strategies {
                 cfg = match transport {
                     Some(t) => cfg.strategy(t, strategy),
@@ -331,7 +490,9 @@ impl MessengerBuilder {
                     None => cfg.failure_transport(failure),
                 };
             }
-            Retry::new(Some(Arc::new(cfg)))
+            let cfg = Arc::new(cfg);
+            retry_config = Some(cfg.clone());
+            Retry::new(Some(cfg))
         } else {
             Retry::new(None)
         };
@@ -366,14 +527,26 @@ impl MessengerBuilder {
             buses.insert(name, bus);
         }
         let default = buses[&self.default_bus].clone();
-        Ok(Messenger {
+        let messenger = Messenger {
             inner: Arc::new(MessengerInner {
                 buses,
                 order,
                 default,
                 dispatcher,
+                transports,
+                serializer,
+                retry: retry_config,
             }),
-        })
+        };
+        let weak = messenger.downgrade();
+        for (name, transport) in &messenger.inner.transports {
+            transport.bind(&TransportBinding {
+                name: Arc::from(name.as_str()),
+                serializer: messenger.inner.serializer.clone(),
+                messenger: weak.clone(),
+            });
+        }
+        Ok(messenger)
     }
 }
 
@@ -382,6 +555,27 @@ struct MessengerInner {
     order: Vec<String>,
     default: MessageBus,
     dispatcher: Arc<dyn SenderDispatcher>,
+    transports: BTreeMap<String, Arc<dyn Transport>>,
+    serializer: Serializer,
+    retry: Option<Arc<RetryConfig>>,
+}
+
+/// A handle to a [`Messenger`] that does not keep it alive; transports that
+/// dispatch (the sync transport) hold one.
+#[derive(Clone, Default)]
+pub struct WeakMessenger(Weak<MessengerInner>);
+
+impl WeakMessenger {
+    /// The messenger, if it still exists.
+    pub fn upgrade(&self) -> Option<Messenger> {
+        self.0.upgrade().map(|inner| Messenger { inner })
+    }
+}
+
+impl fmt::Debug for WeakMessenger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("WeakMessenger")
+    }
 }
 
 /// A configured application: its buses, handlers, routes and senders. Cheap
@@ -430,6 +624,50 @@ impl Messenger {
         &self.inner.dispatcher
     }
 
+    /// The transport registered as `name`.
+    pub fn transport(&self, name: &str) -> Option<&Arc<dyn Transport>> {
+        self.inner.transports.get(name)
+    }
+
+    /// Every registered transport with its name, sorted by name.
+    pub fn transports(&self) -> impl Iterator<Item = (&str, &Arc<dyn Transport>)> + '_ {
+        self.inner.transports.iter().map(|(n, t)| (n.as_str(), t))
+    }
+
+    /// The names of the registered transports, sorted.
+    pub fn transport_names(&self) -> Vec<&str> {
+        self.inner.transports.keys().map(String::as_str).collect()
+    }
+
+    /// The serializer transports and workers encode and decode with.
+    pub fn serializer(&self) -> &Serializer {
+        &self.inner.serializer
+    }
+
+    /// The retry configuration, when the messenger has transports.
+    pub fn retry_config(&self) -> Option<&RetryConfig> {
+        self.inner.retry.as_deref()
+    }
+
+    /// The failure transport of messages received from `transport`.
+    pub fn failure_transport_for(&self, transport: &str) -> Option<&str> {
+        self.inner.retry.as_ref()?.failure_for(transport)
+    }
+
+    /// Every configured failure transport, sorted, without duplicates.
+    pub fn failure_transports(&self) -> Vec<&str> {
+        self.inner
+            .retry
+            .as_ref()
+            .map(|r| r.failure_transports())
+            .unwrap_or_default()
+    }
+
+    /// A handle that does not keep the messenger alive.
+    pub fn downgrade(&self) -> WeakMessenger {
+        WeakMessenger(Arc::downgrade(&self.inner))
+    }
+
     /// A readable listing of each bus's pipeline, the routes and the
     /// handlers.
     pub fn debug(&self) -> String {
@@ -445,6 +683,30 @@ impl Messenger {
             let _ = writeln!(out, "routes");
             for (message, transports) in send.routes().describe() {
                 let _ = writeln!(out, "  {message} -> {}", transports.join(", "));
+            }
+        }
+        if !self.inner.transports.is_empty() {
+            let _ = writeln!(out, "transports");
+            for (name, transport) in &self.inner.transports {
+                let c = transport.capabilities();
+                let mut notes = Vec::new();
+                if let Some(f) = self.failure_transport_for(name) {
+                    if f != name {
+                        notes.push(format!("failures -> {f}"));
+                    }
+                }
+                if self.failure_transports().contains(&name.as_str()) {
+                    notes.push("failure transport".into());
+                }
+                notes.push(
+                    if c.persistent {
+                        "persistent"
+                    } else {
+                        "in memory"
+                    }
+                    .into(),
+                );
+                let _ = writeln!(out, "  {name} ({})", notes.join(", "));
             }
         }
         let _ = writeln!(out, "handlers");

@@ -327,6 +327,9 @@ pub enum TransportError {
     /// The transport was closed.
     #[error("transport closed")]
     Closed,
+    /// The message could not be encoded for, or decoded from, the transport.
+    #[error(transparent)]
+    Serialization(#[from] SerializationError),
     /// The backend (database, broker) failed.
     #[error("{context}: {source}")]
     Backend {
@@ -382,6 +385,15 @@ pub enum SerializationError {
         size: usize,
         /// The limit.
         limit: usize,
+    },
+    /// A header has a value the serializer cannot use, or an envelope header
+    /// uses a name the serializer reserves.
+    #[error("invalid header `{header}`: {reason}")]
+    InvalidHeader {
+        /// The header name.
+        header: String,
+        /// What is wrong.
+        reason: String,
     },
     /// The message type was never registered for encoding.
     #[error("message `{0}` is not registered with the serializer")]

@@ -32,14 +32,19 @@ pub mod bus;
 pub mod envelope;
 pub mod error;
 pub mod handler;
+pub mod in_memory;
 pub mod message;
 pub mod middleware;
+pub mod serializer;
 pub mod stamp;
+pub mod sync_transport;
 pub mod testing;
 pub mod transport;
+pub mod transports;
 pub mod typed;
+pub mod worker;
 
-pub use builder::{BuildError, Messenger, MessengerBuilder};
+pub use builder::{BuildError, Messenger, MessengerBuilder, WeakMessenger};
 pub use bus::{MessageBus, MiddlewareId};
 pub use envelope::Envelope;
 pub use error::{

@@ -15,9 +15,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::builder::WeakMessenger;
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, TransportError};
 use crate::middleware::BoxFuture;
+use crate::serializer::Serializer;
 
 /// A message as a transport stores it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -168,6 +170,96 @@ pub trait Transport: Send + Sync + 'static {
 
     /// What the transport promises.
     fn capabilities(&self) -> Capabilities;
+
+    /// Resolves when messages may have become available, or after
+    /// `timeout`. A worker whose receivers all came back empty waits on it
+    /// before asking again. The default sleeps for `timeout`; a transport
+    /// that can tell when a message arrives resolves earlier.
+    fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(tokio::time::sleep(timeout))
+    }
+
+    /// The in-process side of the transport, for transports that live in
+    /// this process and can move envelopes without encoding them (the
+    /// in-memory and sync transports). `None` by default.
+    fn local(&self) -> Option<&dyn LocalTransport> {
+        None
+    }
+
+    /// Called by [`MessengerBuilder::build`](crate::MessengerBuilder::build)
+    /// for every transport registered with the messenger. Transports that
+    /// need the serializer or the messenger itself keep what they need from
+    /// `binding`. Does nothing by default.
+    fn bind(&self, binding: &TransportBinding) {
+        let _ = binding;
+    }
+}
+
+/// What a [`Messenger`](crate::Messenger) tells a transport registered with it;
+/// see [`Transport::bind`].
+#[derive(Debug, Clone)]
+pub struct TransportBinding {
+    pub(crate) name: Arc<str>,
+    pub(crate) serializer: Serializer,
+    pub(crate) messenger: WeakMessenger,
+}
+
+impl TransportBinding {
+    /// The name the transport is registered under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The messenger's serializer.
+    pub fn serializer(&self) -> &Serializer {
+        &self.serializer
+    }
+
+    /// A weak handle to the messenger (it does not keep it alive).
+    pub fn messenger(&self) -> &WeakMessenger {
+        &self.messenger
+    }
+}
+
+/// A message an in-process transport hands out: still encoded, or the
+/// envelope itself when it was sent without encoding.
+#[derive(Debug, Clone)]
+pub enum Payload {
+    /// An encoded message, to be decoded by the serializer.
+    Raw(RawMessage),
+    /// The envelope as it was sent (non-sendable stamps removed).
+    Envelope(Envelope),
+}
+
+/// A message handed out by [`LocalTransport::get_local`].
+#[derive(Debug, Clone)]
+pub struct LocalDelivery {
+    /// The transport's id for it, used with [`Transport::ack`] and friends.
+    pub id: String,
+    /// The message.
+    pub payload: Payload,
+}
+
+/// The in-process side of a transport that lives in this process: it moves
+/// envelopes without encoding them, which is what makes the in-memory
+/// transport fast. Acknowledging, rejecting and releasing go through
+/// [`Transport`] as for any transport.
+pub trait LocalTransport: Send + Sync {
+    /// Stores `envelope` (honouring its last
+    /// [`DelayStamp`](crate::stamp::DelayStamp)) and returns it with a
+    /// [`TransportMessageIdStamp`](crate::stamp::TransportMessageIdStamp);
+    /// or, for a transport that [handles on send](Self::handles_on_send),
+    /// handles it now and returns the result of that.
+    fn send_envelope(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>>;
+
+    /// Hands out up to `max` available messages, leasing them to the caller.
+    fn get_local(&self, max: usize) -> BoxFuture<'_, Result<Vec<LocalDelivery>, TransportError>>;
+
+    /// Whether sending handles the message at once (the sync transport), so
+    /// there is nothing to consume and no retry to schedule.
+    fn handles_on_send(&self) -> bool {
+        false
+    }
 }
 
 impl fmt::Debug for dyn Transport {
@@ -277,7 +369,11 @@ pub trait TransportFactory: Send + Sync + 'static {
 
     /// Creates the transport called `name` from `dsn`. Fails with
     /// [`TransportError::InvalidDsn`] for a DSN it cannot use.
-    fn create<'a>(&'a self, name: &'a str, dsn: &'a str) -> BoxFuture<'a, Result<Arc<dyn Transport>, TransportError>>;
+    fn create<'a>(
+        &'a self,
+        name: &'a str,
+        dsn: &'a str,
+    ) -> BoxFuture<'a, Result<Arc<dyn Transport>, TransportError>>;
 }
 
 /// Masks the password in a DSN (`scheme://user:secret@host` →
@@ -312,6 +408,9 @@ mod tests {
         );
         assert_eq!(mask_dsn("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
         assert_eq!(mask_dsn("sqlite://envoi.db"), "sqlite://envoi.db");
-        assert_eq!(mask_dsn("postgres://postgres@h/db"), "postgres://postgres@h/db");
+        assert_eq!(
+            mask_dsn("postgres://postgres@h/db"),
+            "postgres://postgres@h/db"
+        );
     }
 }

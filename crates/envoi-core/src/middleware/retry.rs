@@ -18,7 +18,7 @@
 //! [`Recoverable`](crate::Recoverable) is retried (within the budget) after
 //! its own delay if it names one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -126,6 +126,7 @@ pub struct RetryConfig {
     default_strategy: Arc<dyn RetryStrategy>,
     failure_transports: BTreeMap<String, String>,
     default_failure_transport: Option<String>,
+    without_retry: BTreeSet<String>,
     dispatcher: Arc<dyn SenderDispatcher>,
 }
 
@@ -148,8 +149,30 @@ impl RetryConfig {
             default_strategy: Arc::new(MultiplierRetryStrategy::default()),
             failure_transports: BTreeMap::new(),
             default_failure_transport: None,
+            without_retry: BTreeSet::new(),
             dispatcher,
         }
+    }
+
+    /// Never retries nor parks messages received from `transport`: their
+    /// failure goes straight back to the caller. Used for the sync
+    /// transport, which handles messages while they are sent.
+    pub fn without_retry(mut self, transport: impl Into<String>) -> Self {
+        self.without_retry.insert(transport.into());
+        self
+    }
+
+    /// The failure transports configured, without duplicates, sorted.
+    pub fn failure_transports(&self) -> Vec<&str> {
+        let mut all: Vec<&str> = self
+            .failure_transports
+            .values()
+            .chain(self.default_failure_transport.iter())
+            .map(String::as_str)
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        all
     }
 
     /// Uses `strategy` for messages received from `transport`.
@@ -303,6 +326,9 @@ impl Retry {
             return next(envelope).await;
         };
         let transport = received.transport.clone();
+        if !config.without_retry.is_empty() && config.without_retry.contains(&*transport) {
+            return next(envelope).await;
+        }
         match next(envelope).await {
             Err(BusError::HandlerFailed { envelope, errors }) => {
                 config.on_failure(&transport, *envelope, errors).await

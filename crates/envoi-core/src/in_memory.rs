@@ -1,0 +1,828 @@
+//! The in-memory transport: a queue inside the process, for tests and for
+//! work that may be lost when the process stops.
+//!
+//! * **Not persistent**: messages live as long as the transport does.
+//! * **Ordered**: available messages are handed out in the order they were
+//!   sent (a released or redelivered message takes its old place).
+//! * **Delays** are honoured (with tokio's clock, so paused-time tests work).
+//! * **Leases**: a message handed out by `get` is leased; if it is neither
+//!   acknowledged, rejected nor released within the lease timeout (30 s by
+//!   default, extended by `keepalive`), it is handed out again.
+//! * **No encoding by default**: messages sent through a messenger are
+//!   stored as envelopes (minus their non-sendable stamps, as a real
+//!   transport would drop them) and handed back as envelopes, which is what
+//!   makes it fast. With `serialize` set (`in-memory://?serialize=true`) every
+//!   message is encoded by the serializer on the way in and decoded on the way
+//!   out, to prove the messages survive a real transport.
+//!
+//! Raw messages sent through [`Transport::send`] are stored as they are.
+//! Raw reads ([`Transport::get`], [`list`](Transport::list),
+//! [`find`](Transport::find)) of a message stored as an envelope encode it
+//! with the serializer of the messenger the transport is registered with.
+//!
+//! ```
+//! use envoi_core::in_memory::InMemoryTransport;
+//! use envoi_core::transport::{RawMessage, Transport};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+//! let queue = InMemoryTransport::new();
+//! let id = queue.send(RawMessage::default(), None).await.unwrap();
+//! let got = queue.get(10).await.unwrap();
+//! assert_eq!(got[0].id, id);
+//! queue.ack(&id).await.unwrap();
+//! assert_eq!(queue.message_count().await.unwrap(), 0);
+//! assert_eq!(queue.acknowledged(), 1);
+//! # });
+//! ```
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::envelope::Envelope;
+use crate::error::{Result, TransportError};
+use crate::middleware::BoxFuture;
+use crate::serializer::Serializer;
+use crate::stamp::{DelayStamp, TransportMessageIdStamp};
+use crate::transport::{
+    mask_dsn, Capabilities, Delivery, LocalDelivery, LocalTransport, Payload, RawMessage,
+    Transport, TransportBinding,
+};
+
+/// How an [`InMemoryTransport`] behaves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InMemoryConfig {
+    /// Encode every message with the serializer (default `false`).
+    pub serialize: bool,
+    /// How long a handed-out message stays leased without a keepalive
+    /// (default 30 s).
+    pub lease_timeout: Duration,
+}
+
+impl Default for InMemoryConfig {
+    fn default() -> Self {
+        Self {
+            serialize: false,
+            lease_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl InMemoryConfig {
+    /// Reads `in-memory://[?serialize=true|false][&lease_timeout_ms=N]`.
+    /// Anything else is an [`InvalidDsn`](TransportError::InvalidDsn).
+    pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
+        let invalid = |reason: String| TransportError::InvalidDsn {
+            dsn: mask_dsn(dsn),
+            reason,
+        };
+        let Some(rest) = dsn.strip_prefix("in-memory://") else {
+            return Err(invalid("the scheme must be `in-memory://`".into()));
+        };
+        let (host, query) = rest.split_once('?').unwrap_or((rest, ""));
+        if !host.is_empty() {
+            return Err(invalid(format!(
+                "`in-memory://` takes no host or path, found `{host}`"
+            )));
+        }
+        let mut config = Self::default();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match key {
+                "serialize" => {
+                    config.serialize = match value {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        other => {
+                            return Err(invalid(format!(
+                                "`serialize` must be true or false, not `{other}`"
+                            )))
+                        }
+                    }
+                }
+                "lease_timeout_ms" => {
+                    let ms: u64 = value.parse().map_err(|_| {
+                        invalid(format!(
+                            "`lease_timeout_ms` must be a number of milliseconds, not `{value}`"
+                        ))
+                    })?;
+                    if ms == 0 {
+                        return Err(invalid("`lease_timeout_ms` must be above 0".into()));
+                    }
+                    config.lease_timeout = Duration::from_millis(ms);
+                }
+                other => return Err(invalid(format!("unknown option `{other}`"))),
+            }
+        }
+        Ok(config)
+    }
+}
+
+/// A multiplicative hasher for the sequential `u64` ids.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+struct Entry {
+    id: u64,
+    payload: Payload,
+}
+
+struct Delayed {
+    at: Instant,
+    entry: Entry,
+}
+
+impl PartialEq for Delayed {
+    fn eq(&self, other: &Self) -> bool {
+        self.at == other.at && self.entry.id == other.entry.id
+    }
+}
+impl Eq for Delayed {}
+impl PartialOrd for Delayed {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Delayed {
+    // Reversed, so the max-heap pops the earliest first.
+    fn cmp(&self, other: &Self) -> Ordering {
+        (other.at, other.entry.id).cmp(&(self.at, self.entry.id))
+    }
+}
+
+struct Lease {
+    entry: Entry,
+    expires: Instant,
+}
+
+#[derive(Default)]
+struct State {
+    /// Available now, sorted by id.
+    ready: VecDeque<Entry>,
+    delayed: BinaryHeap<Delayed>,
+    leased: HashMap<u64, Lease, BuildHasherDefault<IdHasher>>,
+    /// No lease expires before this (a lower bound; `None` when none is held).
+    earliest_expiry: Option<Instant>,
+    next_id: u64,
+    acknowledged: u64,
+    rejected: u64,
+}
+
+impl State {
+    fn insert_ready(&mut self, entry: Entry) {
+        match self.ready.back() {
+            Some(last) if last.id > entry.id => {
+                let at = self.ready.partition_point(|e| e.id < entry.id);
+                self.ready.insert(at, entry);
+            }
+            _ => self.ready.push_back(entry),
+        }
+    }
+
+    fn store(&mut self, payload: Payload, delay: Option<Duration>) -> u64 {
+        self.next_id += 1;
+        let entry = Entry {
+            id: self.next_id,
+            payload,
+        };
+        match delay.filter(|d| !d.is_zero()) {
+            Some(d) => self.delayed.push(Delayed {
+                at: Instant::now() + d,
+                entry,
+            }),
+            None => self.ready.push_back(entry),
+        }
+        self.next_id
+    }
+
+    /// Moves due delayed messages and expired leases to `ready`.
+    fn promote(&mut self, now: Instant) {
+        while self.delayed.peek().is_some_and(|d| d.at <= now) {
+            if let Some(d) = self.delayed.pop() {
+                self.insert_ready(d.entry);
+            }
+        }
+        if self.earliest_expiry.is_some_and(|t| t <= now) {
+            let expired: Vec<u64> = self
+                .leased
+                .iter()
+                .filter(|(_, l)| l.expires <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in expired {
+                if let Some(lease) = self.leased.remove(&id) {
+                    self.insert_ready(lease.entry);
+                }
+            }
+            self.earliest_expiry = self.leased.values().map(|l| l.expires).min();
+        }
+    }
+
+    /// Leases up to `max` ready messages, calling `out` with each id and a
+    /// clone of its payload.
+    fn take(&mut self, max: usize, lease: Duration, mut out: impl FnMut(u64, &Payload)) {
+        if self.ready.is_empty() && self.delayed.is_empty() && self.earliest_expiry.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        self.promote(now);
+        let expires = now + lease;
+        let n = max.min(self.ready.len());
+        if n == 0 {
+            return;
+        }
+        self.leased.reserve(n);
+        for entry in self.ready.drain(..n) {
+            out(entry.id, &entry.payload);
+            self.leased.insert(entry.id, Lease { entry, expires });
+        }
+        if self.earliest_expiry.is_none_or(|t| t > expires) {
+            self.earliest_expiry = Some(expires);
+        }
+    }
+
+    /// Removes a message for good, leased or not (a consumer whose lease
+    /// expired may still acknowledge the work it did).
+    fn remove(&mut self, id: u64) -> bool {
+        if self.leased.remove(&id).is_some() {
+            return true;
+        }
+        if let Some(pos) = self.ready.iter().position(|e| e.id == id) {
+            self.ready.remove(pos);
+            return true;
+        }
+        let before = self.delayed.len();
+        self.delayed.retain(|d| d.entry.id != id);
+        self.delayed.len() != before
+    }
+
+    /// Every stored message, in id order.
+    fn snapshot(&self) -> Vec<(u64, Payload)> {
+        let mut all: Vec<(u64, Payload)> = self
+            .ready
+            .iter()
+            .map(|e| (e.id, e.payload.clone()))
+            .chain(
+                self.delayed
+                    .iter()
+                    .map(|d| (d.entry.id, d.entry.payload.clone())),
+            )
+            .chain(
+                self.leased
+                    .values()
+                    .map(|l| (l.entry.id, l.entry.payload.clone())),
+            )
+            .collect();
+        all.sort_unstable_by_key(|(id, _)| *id);
+        all
+    }
+
+    fn count(&self) -> usize {
+        self.ready.len() + self.delayed.len() + self.leased.len()
+    }
+
+    /// How long until a delayed message is due or a lease expires.
+    fn next_change(&self, now: Instant) -> Option<Duration> {
+        let delayed = self.delayed.peek().map(|d| d.at);
+        let soonest = match (delayed, self.earliest_expiry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        soonest.map(|t| t.saturating_duration_since(now))
+    }
+}
+
+/// A queue in the process's memory; see the [module documentation](self).
+pub struct InMemoryTransport {
+    state: Mutex<State>,
+    notify: Notify,
+    config: InMemoryConfig,
+    serializer: OnceLock<Serializer>,
+}
+
+impl Default for InMemoryTransport {
+    fn default() -> Self {
+        Self::with_config(InMemoryConfig::default())
+    }
+}
+
+impl fmt::Debug for InMemoryTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InMemoryTransport")
+            .field("config", &self.config)
+            .field("stored", &self.lock().count())
+            .finish()
+    }
+}
+
+fn parse_id(id: &str) -> Result<u64, TransportError> {
+    id.parse()
+        .map_err(|_| TransportError::NotFound(id.to_string()))
+}
+
+impl InMemoryTransport {
+    /// An empty transport storing envelopes without encoding them.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An empty transport configured by `config`.
+    pub fn with_config(config: InMemoryConfig) -> Self {
+        Self {
+            state: Mutex::new(State::default()),
+            notify: Notify::new(),
+            config,
+            serializer: OnceLock::new(),
+        }
+    }
+
+    /// A transport configured by an `in-memory://` DSN; see
+    /// [`InMemoryConfig::from_dsn`].
+    pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
+        Ok(Self::with_config(InMemoryConfig::from_dsn(dsn)?))
+    }
+
+    /// Uses `serializer` for raw reads of messages stored as envelopes (and
+    /// for encoding with `serialize` set), instead of the one of the
+    /// messenger it is registered with.
+    #[must_use]
+    pub fn with_serializer(self, serializer: Serializer) -> Self {
+        let _ = self.serializer.set(serializer);
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &InMemoryConfig {
+        &self.config
+    }
+
+    /// How many messages were acknowledged so far.
+    pub fn acknowledged(&self) -> u64 {
+        self.lock().acknowledged
+    }
+
+    /// How many messages were rejected so far.
+    pub fn rejected(&self) -> u64 {
+        self.lock().rejected
+    }
+
+    /// Every stored message (waiting, delayed or leased), oldest first,
+    /// without leasing them.
+    pub fn stored(&self) -> Vec<LocalDelivery> {
+        self.lock()
+            .snapshot()
+            .into_iter()
+            .map(|(id, payload)| LocalDelivery {
+                id: id.to_string(),
+                payload,
+            })
+            .collect()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the state half-updated
+        // in a way that matters more than losing the queue; keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn raw(&self, id: u64, payload: Payload) -> Result<Delivery, TransportError> {
+        let raw =
+            match payload {
+                Payload::Raw(raw) => raw,
+                Payload::Envelope(envelope) => match self.serializer.get() {
+                    Some(s) => s.encode(&envelope)?,
+                    None => return Err(TransportError::backend(
+                        "reading an envelope as a raw message",
+                        "the transport is not registered with a messenger and has no serializer",
+                    )),
+                },
+            };
+        Ok(Delivery {
+            id: id.to_string(),
+            raw,
+        })
+    }
+
+    fn store(&self, payload: Payload, delay: Option<Duration>) -> u64 {
+        let id = self.lock().store(payload, delay);
+        self.notify.notify_one();
+        id
+    }
+}
+
+impl Transport for InMemoryTransport {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>> {
+        let id = self.store(Payload::Raw(message), delay);
+        Box::pin(async move { Ok(id.to_string()) })
+    }
+
+    fn send_batch(
+        &self,
+        messages: Vec<(RawMessage, Option<Duration>)>,
+    ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+        let ids: Vec<String> = {
+            let mut state = self.lock();
+            messages
+                .into_iter()
+                .map(|(m, d)| state.store(Payload::Raw(m), d).to_string())
+                .collect()
+        };
+        self.notify.notify_one();
+        Box::pin(async move { Ok(ids) })
+    }
+
+    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        let mut taken = Vec::new();
+        self.lock().take(max, self.config.lease_timeout, |id, p| {
+            taken.push((id, p.clone()))
+        });
+        let out = taken
+            .into_iter()
+            .map(|(id, p)| self.raw(id, p))
+            .collect::<Result<Vec<_>, _>>();
+        Box::pin(async move { out })
+    }
+
+    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        let out = parse_id(id).and_then(|n| {
+            let mut state = self.lock();
+            if state.remove(n) {
+                state.acknowledged += 1;
+                Ok(())
+            } else {
+                Err(TransportError::NotFound(id.to_string()))
+            }
+        });
+        Box::pin(async move { out })
+    }
+
+    fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+        let mut missing = None;
+        {
+            let mut state = self.lock();
+            for id in ids {
+                match parse_id(id) {
+                    Ok(n) if state.remove(n) => state.acknowledged += 1,
+                    _ => missing = Some(id.clone()),
+                }
+            }
+        }
+        Box::pin(async move {
+            match missing {
+                Some(id) => Err(TransportError::NotFound(id)),
+                None => Ok(()),
+            }
+        })
+    }
+
+    fn reject<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        let out = parse_id(id).and_then(|n| {
+            let mut state = self.lock();
+            if state.remove(n) {
+                state.rejected += 1;
+                Ok(())
+            } else {
+                Err(TransportError::NotFound(id.to_string()))
+            }
+        });
+        Box::pin(async move { out })
+    }
+
+    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        let out = parse_id(id).and_then(|n| {
+            let mut state = self.lock();
+            match state.leased.remove(&n) {
+                Some(lease) => {
+                    state.insert_ready(lease.entry);
+                    Ok(())
+                }
+                // Its lease expired and it is waiting again: nothing to do.
+                None if state.ready.iter().any(|e| e.id == n) => Ok(()),
+                None => Err(TransportError::NotFound(id.to_string())),
+            }
+        });
+        if out.is_ok() {
+            self.notify.notify_one();
+        }
+        Box::pin(async move { out })
+    }
+
+    fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        let out = parse_id(id).and_then(|n| {
+            let mut state = self.lock();
+            let expires = Instant::now() + self.config.lease_timeout;
+            match state.leased.get_mut(&n) {
+                Some(lease) => {
+                    lease.expires = expires;
+                    Ok(())
+                }
+                None => Err(TransportError::NotFound(id.to_string())),
+            }
+        });
+        Box::pin(async move { out })
+    }
+
+    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+        let n = self.lock().count() as u64;
+        Box::pin(async move { Ok(n) })
+    }
+
+    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        let out = self
+            .lock()
+            .snapshot()
+            .into_iter()
+            .take(limit)
+            .map(|(id, p)| self.raw(id, p))
+            .collect::<Result<Vec<_>, _>>();
+        Box::pin(async move { out })
+    }
+
+    fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
+        let out = match id.parse::<u64>() {
+            Err(_) => Ok(None),
+            Ok(n) => {
+                let found = self.lock().snapshot().into_iter().find(|(i, _)| *i == n);
+                found.map(|(i, p)| self.raw(i, p)).transpose()
+            }
+        };
+        Box::pin(async move { out })
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(false, true, true, true)
+    }
+
+    fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let notified = self.notify.notified();
+            let wait = {
+                let state = self.lock();
+                if !state.ready.is_empty() {
+                    return;
+                }
+                state
+                    .next_change(Instant::now())
+                    .map_or(timeout, |d| d.min(timeout))
+            };
+            let _ = tokio::time::timeout(wait, notified).await;
+        })
+    }
+
+    fn local(&self) -> Option<&dyn LocalTransport> {
+        if self.config.serialize {
+            None
+        } else {
+            Some(self)
+        }
+    }
+
+    fn bind(&self, binding: &TransportBinding) {
+        let _ = self.serializer.set(binding.serializer().clone());
+    }
+}
+
+impl LocalTransport for InMemoryTransport {
+    fn send_envelope(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
+        let delay = envelope
+            .last::<DelayStamp>()
+            .map(DelayStamp::duration)
+            .filter(|d| !d.is_zero());
+        let id = self.store(Payload::Envelope(envelope.clone().into_sendable()), delay);
+        Box::pin(async move { Ok(envelope.with(TransportMessageIdStamp::new(id.to_string()))) })
+    }
+
+    fn get_local(&self, max: usize) -> BoxFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
+        let mut out = Vec::new();
+        self.lock().take(max, self.config.lease_timeout, |id, p| {
+            out.push(LocalDelivery {
+                id: id.to_string(),
+                payload: p.clone(),
+            })
+        });
+        Box::pin(async move { Ok(out) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::Ping;
+
+    fn raw(n: u8) -> RawMessage {
+        RawMessage {
+            body: vec![n],
+            headers: Default::default(),
+        }
+    }
+
+    fn bodies(ds: &[Delivery]) -> Vec<u8> {
+        ds.iter().map(|d| d.raw.body[0]).collect()
+    }
+
+    fn short_lease() -> InMemoryTransport {
+        InMemoryTransport::with_config(InMemoryConfig {
+            lease_timeout: Duration::from_secs(10),
+            ..Default::default()
+        })
+    }
+
+    #[tokio::test]
+    async fn messages_come_out_in_the_order_they_went_in() {
+        let t = InMemoryTransport::new();
+        for n in 1..=5 {
+            t.send(raw(n), None).await.unwrap();
+        }
+        assert_eq!(bodies(&t.get(3).await.unwrap()), [1, 2, 3]);
+        assert_eq!(bodies(&t.get(10).await.unwrap()), [4, 5]);
+        assert!(t.get(10).await.unwrap().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_delayed_message_waits_for_its_time() {
+        let t = InMemoryTransport::new();
+        t.send(raw(1), Some(Duration::from_secs(5))).await.unwrap();
+        t.send(raw(2), None).await.unwrap();
+        assert_eq!(bodies(&t.get(10).await.unwrap()), [2]);
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert!(t.get(10).await.unwrap().is_empty());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(bodies(&t.get(10).await.unwrap()), [1]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unacknowledged_message_is_redelivered_after_its_lease() {
+        let t = short_lease();
+        t.send(raw(1), None).await.unwrap();
+        t.send(raw(2), None).await.unwrap();
+        let first = t.get(1).await.unwrap();
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert_eq!(bodies(&t.get(10).await.unwrap()), [2]);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let again = t.get(10).await.unwrap();
+        assert_eq!(again, first, "same id and body");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn keepalive_extends_the_lease() {
+        let t = short_lease();
+        let id = t.send(raw(1), None).await.unwrap();
+        t.get(1).await.unwrap();
+        tokio::time::advance(Duration::from_secs(8)).await;
+        t.keepalive(&id).await.unwrap();
+        tokio::time::advance(Duration::from_secs(8)).await;
+        assert!(t.get(10).await.unwrap().is_empty());
+        tokio::time::advance(Duration::from_secs(3)).await;
+        assert_eq!(bodies(&t.get(10).await.unwrap()), [1]);
+    }
+
+    #[tokio::test]
+    async fn a_released_message_is_handed_out_again_in_its_old_place() {
+        let t = InMemoryTransport::new();
+        for n in 1..=3 {
+            t.send(raw(n), None).await.unwrap();
+        }
+        let got = t.get(1).await.unwrap();
+        t.release(&got[0].id).await.unwrap();
+        assert_eq!(bodies(&t.get(10).await.unwrap()), [1, 2, 3]);
+    }
+
+    #[tokio::test]
+    async fn ack_and_reject_remove_for_good_and_are_counted() {
+        let t = InMemoryTransport::new();
+        let a = t.send(raw(1), None).await.unwrap();
+        let b = t.send(raw(2), None).await.unwrap();
+        let c = t.send(raw(3), None).await.unwrap();
+        t.get(10).await.unwrap();
+        t.ack_batch(&[a.clone(), b]).await.unwrap();
+        t.reject(&c).await.unwrap();
+        assert_eq!(t.message_count().await.unwrap(), 0);
+        assert_eq!((t.acknowledged(), t.rejected()), (2, 1));
+        assert!(matches!(t.ack(&a).await, Err(TransportError::NotFound(_))));
+        assert!(matches!(
+            t.ack("nope").await,
+            Err(TransportError::NotFound(_))
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn list_find_and_count_see_waiting_delayed_and_leased_messages() {
+        let t = InMemoryTransport::new();
+        let a = t.send(raw(1), None).await.unwrap();
+        t.send(raw(2), Some(Duration::from_secs(60))).await.unwrap();
+        t.send(raw(3), None).await.unwrap();
+        t.get(1).await.unwrap();
+        assert_eq!(t.message_count().await.unwrap(), 3);
+        assert_eq!(bodies(&t.list(10).await.unwrap()), [1, 2, 3]);
+        assert_eq!(bodies(&t.list(2).await.unwrap()), [1, 2]);
+        assert_eq!(t.find(&a).await.unwrap().unwrap().raw.body, [1]);
+        assert!(t.find("999").await.unwrap().is_none());
+        // Listing does not lease: message 3 is still available.
+        assert_eq!(bodies(&t.get(10).await.unwrap()), [3]);
+    }
+
+    #[tokio::test]
+    async fn envelopes_are_stored_without_their_non_sendable_stamps() {
+        let t = InMemoryTransport::new();
+        let sent = t
+            .send_envelope(
+                Envelope::new(Ping)
+                    .with(crate::stamp::ReceivedStamp::new("x"))
+                    .with(DelayStamp { ms: 0 }),
+            )
+            .await
+            .unwrap();
+        assert!(sent.has::<TransportMessageIdStamp>());
+        let got = t.get_local(10).await.unwrap();
+        let Payload::Envelope(e) = &got[0].payload else {
+            panic!("expected an envelope")
+        };
+        assert!(!e.has::<crate::stamp::ReceivedStamp>());
+        assert!(e.has::<DelayStamp>());
+        assert_eq!(
+            got[0].id,
+            sent.last::<TransportMessageIdStamp>().unwrap().id
+        );
+    }
+
+    #[tokio::test]
+    async fn raw_reads_of_envelopes_need_a_serializer() {
+        let t = InMemoryTransport::new();
+        t.send_envelope(Envelope::new(Ping)).await.unwrap();
+        assert!(matches!(
+            t.list(10).await,
+            Err(TransportError::Backend { .. })
+        ));
+        let t = InMemoryTransport::new()
+            .with_serializer(Serializer::builder().message::<Ping>().build().unwrap());
+        t.send_envelope(Envelope::new(Ping)).await.unwrap();
+        let listed = t.list(10).await.unwrap();
+        assert_eq!(listed[0].raw.header("type"), Some("Ping"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_returns_when_a_message_arrives() {
+        let t = std::sync::Arc::new(InMemoryTransport::new());
+        let sender = t.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            sender.send(raw(1), None).await.unwrap();
+        });
+        let start = Instant::now();
+        t.wait_for_messages(Duration::from_secs(60)).await;
+        assert!(start.elapsed() < Duration::from_secs(1));
+        assert_eq!(t.get(1).await.unwrap().len(), 1);
+    }
+
+    #[test]
+    fn dsn_options_are_read_and_bad_ones_refused() {
+        let c =
+            InMemoryConfig::from_dsn("in-memory://?serialize=true&lease_timeout_ms=250").unwrap();
+        assert!(c.serialize);
+        assert_eq!(c.lease_timeout, Duration::from_millis(250));
+        assert_eq!(
+            InMemoryConfig::from_dsn("in-memory://").unwrap(),
+            InMemoryConfig::default()
+        );
+        for bad in [
+            "in-memory://?serialize=maybe",
+            "in-memory://host",
+            "in-memory://?colour=red",
+            "in-memory://?lease_timeout_ms=0",
+            "memory://",
+        ] {
+            assert!(
+                matches!(
+                    InMemoryConfig::from_dsn(bad),
+                    Err(TransportError::InvalidDsn { .. })
+                ),
+                "{bad}"
+            );
+        }
+    }
+}

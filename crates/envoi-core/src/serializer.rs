@@ -1,0 +1,631 @@
+//! The [`Serializer`]: turns envelopes into [`RawMessage`]s for a transport
+//! and back.
+//!
+//! The format is JSON:
+//!
+//! * the **body** is the message, as `serde_json` writes it;
+//! * the `type` header holds the message's stable name ([`Message::NAME`]);
+//! * the `kind` header holds `command`, `query` or `event`;
+//! * one `X-Message-Stamp-<name>` header per stamp type holds a JSON array of
+//!   that type's stamps, oldest first. Stamps that are not
+//!   [sendable](crate::Stamp::SENDABLE) are dropped;
+//! * every [envelope header](Envelope::header) is written as a header of its
+//!   own. `type`, `kind` and the `X-Message-Stamp-` prefix are reserved.
+//!
+//! # Registries
+//!
+//! Only **registered** message names decode: a `type` the serializer does
+//! not know is an error ([`SerializationError::UnknownType`]), never a guess.
+//! [`MessengerBuilder::route`](crate::MessengerBuilder::route) registers the
+//! routed type; register types a process only receives with
+//! [`MessengerBuilder::message`](crate::MessengerBuilder::message) or
+//! [`SerializerBuilder::message`].
+//!
+//! Stamps decode through a registry as well. Every built-in sendable stamp is
+//! registered; register your own with
+//! [`MessengerBuilder::stamp`](crate::MessengerBuilder::stamp). A stamp
+//! header that names no registered stamp type is **kept verbatim** as an
+//! [`OpaqueStamp`] and written back unchanged when the envelope is sent
+//! again, so a process that does not know a stamp does not strip it from a
+//! message another process relies on.
+//!
+//! # Limits and errors
+//!
+//! A body larger than [`max_body_size`](SerializerBuilder::max_body_size)
+//! (16 MiB by default) fails with [`SerializationError::TooLarge`], both when
+//! encoding and when decoding. A body that does not decode as the named type
+//! fails with [`SerializationError::Malformed`], a bad stamp header with
+//! [`SerializationError::MalformedStamp`]. Decoding never panics; the worker
+//! moves what does not decode to the failure transport with the error.
+//!
+//! ```
+//! use envoi_core::serializer::Serializer;
+//! use envoi_core::stamp::DelayStamp;
+//! use envoi_core::{Envelope, Message};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+//! struct SendInvoice { id: u32 }
+//! impl Message for SendInvoice { const NAME: &'static str = "SendInvoice"; }
+//!
+//! let serializer = Serializer::builder().message::<SendInvoice>().build().unwrap();
+//! let raw = serializer
+//!     .encode(&Envelope::new(SendInvoice { id: 7 }).with(DelayStamp { ms: 500 }))
+//!     .unwrap();
+//! assert_eq!(raw.header("type"), Some("SendInvoice"));
+//! assert_eq!(raw.header("X-Message-Stamp-Delay"), Some(r#"[{"ms":500}]"#));
+//! assert_eq!(raw.body, br#"{"id":7}"#);
+//!
+//! let back = serializer.decode(&raw).unwrap();
+//! assert_eq!(back.message::<SendInvoice>(), Some(&SendInvoice { id: 7 }));
+//! assert_eq!(back.last::<DelayStamp>().unwrap().ms, 500);
+//! ```
+
+use std::any::TypeId;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::envelope::Envelope;
+use crate::error::SerializationError;
+use crate::handler::TypeMap;
+use crate::message::{Message, MessageKind};
+use crate::stamp::{
+    BusNameStamp, DelayStamp, ErasedStamp, ErrorDetailsStamp, HandledStamp, MessageIdStamp,
+    RedeliveryStamp, SentToFailureTransportStamp, Stamp,
+};
+use crate::transport::RawMessage;
+
+/// The header holding the message's stable name.
+pub const TYPE_HEADER: &str = "type";
+/// The header holding the message's kind (`command`, `query`, `event`).
+pub const KIND_HEADER: &str = "kind";
+/// The prefix of the headers holding stamps: `X-Message-Stamp-<name>`.
+pub const STAMP_HEADER_PREFIX: &str = "X-Message-Stamp-";
+/// The default limit of a body's size: 16 MiB.
+pub const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
+
+/// A stamp header that named no registered stamp type, kept verbatim.
+///
+/// The serializer writes it back as the header it came from, so a message
+/// passing through a process that does not know one of its stamps keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpaqueStamp {
+    /// The stamp's wire name (the header without `X-Message-Stamp-`).
+    pub name: String,
+    /// The header's value, unparsed.
+    pub value: String,
+}
+
+impl Stamp for OpaqueStamp {
+    const NAME: &'static str = "Opaque";
+}
+
+type EncodeFn = fn(&Envelope) -> Option<Result<Vec<u8>, serde_json::Error>>;
+type DecodeFn = fn(&[u8], MessageKind) -> Result<Envelope, serde_json::Error>;
+type StampDecodeFn = fn(Envelope, &str) -> Result<Envelope, serde_json::Error>;
+
+#[derive(Clone, Copy)]
+struct MessageCodec {
+    type_id: TypeId,
+    encode: EncodeFn,
+    decode: DecodeFn,
+}
+
+fn encode_message<M: Message + Serialize>(
+    envelope: &Envelope,
+) -> Option<Result<Vec<u8>, serde_json::Error>> {
+    envelope.message::<M>().map(serde_json::to_vec)
+}
+
+fn decode_message<M: Message + DeserializeOwned>(
+    body: &[u8],
+    kind: MessageKind,
+) -> Result<Envelope, serde_json::Error> {
+    let message: M = serde_json::from_slice(body)?;
+    Ok(Envelope::with_kind(message, kind))
+}
+
+fn decode_stamps<S: Stamp>(
+    mut envelope: Envelope,
+    json: &str,
+) -> Result<Envelope, serde_json::Error> {
+    let stamps: Vec<S> = serde_json::from_str(json)?;
+    for stamp in stamps {
+        envelope = envelope.with(stamp);
+    }
+    Ok(envelope)
+}
+
+/// Two types registered under one wire name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    /// Two message types share a [`Message::NAME`].
+    #[error("two message types are registered under the name `{0}`")]
+    DuplicateMessageName(&'static str),
+    /// Two stamp types share a [`Stamp::NAME`].
+    #[error("two stamp types are registered under the name `{0}`")]
+    DuplicateStampName(&'static str),
+}
+
+/// Configures a [`Serializer`]; see [`Serializer::builder`].
+#[must_use = "a builder does nothing until `build` is called"]
+#[derive(Clone)]
+pub struct SerializerBuilder {
+    messages: HashMap<&'static str, MessageCodec>,
+    stamps: HashMap<&'static str, (TypeId, StampDecodeFn)>,
+    errors: Vec<RegistryError>,
+    max_body_size: usize,
+}
+
+impl Default for SerializerBuilder {
+    fn default() -> Self {
+        let builder = Self {
+            messages: HashMap::new(),
+            stamps: HashMap::new(),
+            errors: Vec::new(),
+            max_body_size: DEFAULT_MAX_BODY_SIZE,
+        };
+        builder
+            .stamp::<BusNameStamp>()
+            .stamp::<HandledStamp>()
+            .stamp::<RedeliveryStamp>()
+            .stamp::<DelayStamp>()
+            .stamp::<ErrorDetailsStamp>()
+            .stamp::<SentToFailureTransportStamp>()
+            .stamp::<MessageIdStamp>()
+    }
+}
+
+impl fmt::Debug for SerializerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut messages: Vec<_> = self.messages.keys().collect();
+        messages.sort();
+        f.debug_struct("SerializerBuilder")
+            .field("messages", &messages)
+            .field("max_body_size", &self.max_body_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SerializerBuilder {
+    /// Registers message type `M` under [`Message::NAME`], for encoding and
+    /// decoding. Registering a type twice is harmless; two types with one
+    /// name make [`build`](Self::build) fail.
+    pub fn message<M>(mut self) -> Self
+    where
+        M: Message + Serialize + DeserializeOwned,
+    {
+        self.add_message::<M>();
+        self
+    }
+
+    pub(crate) fn add_message<M>(&mut self)
+    where
+        M: Message + Serialize + DeserializeOwned,
+    {
+        let codec = MessageCodec {
+            type_id: TypeId::of::<M>(),
+            encode: encode_message::<M>,
+            decode: decode_message::<M>,
+        };
+        match self.messages.get(M::NAME) {
+            Some(existing) if existing.type_id != codec.type_id => self
+                .errors
+                .push(RegistryError::DuplicateMessageName(M::NAME)),
+            Some(_) => {}
+            None => {
+                self.messages.insert(M::NAME, codec);
+            }
+        }
+    }
+
+    /// Registers stamp type `S` so its header decodes to `S` rather than to
+    /// an [`OpaqueStamp`]. The built-in sendable stamps are registered
+    /// already.
+    pub fn stamp<S: Stamp>(mut self) -> Self {
+        self.add_stamp::<S>();
+        self
+    }
+
+    pub(crate) fn add_stamp<S: Stamp>(&mut self) {
+        let id = TypeId::of::<S>();
+        match self.stamps.get(S::NAME) {
+            Some((existing, _)) if *existing != id => {
+                self.errors.push(RegistryError::DuplicateStampName(S::NAME))
+            }
+            Some(_) => {}
+            None => {
+                self.stamps.insert(S::NAME, (id, decode_stamps::<S>));
+            }
+        }
+    }
+
+    /// Limits the size of a body, in bytes (16 MiB by default).
+    pub fn max_body_size(mut self, bytes: usize) -> Self {
+        self.max_body_size = bytes;
+        self
+    }
+
+    pub(crate) fn set_max_body_size(&mut self, bytes: usize) {
+        self.max_body_size = bytes;
+    }
+
+    /// Builds the serializer; fails when two types share a wire name.
+    pub fn build(self) -> Result<Serializer, RegistryError> {
+        if let Some(e) = self.errors.into_iter().next() {
+            return Err(e);
+        }
+        let by_type = self
+            .messages
+            .iter()
+            .map(|(name, codec)| (codec.type_id, (*name, *codec)))
+            .collect();
+        Ok(Serializer {
+            inner: Arc::new(Inner {
+                by_name: self.messages,
+                by_type,
+                stamps: self
+                    .stamps
+                    .into_iter()
+                    .map(|(name, (_, decode))| (name, decode))
+                    .collect(),
+                max_body_size: self.max_body_size,
+            }),
+        })
+    }
+}
+
+struct Inner {
+    by_name: HashMap<&'static str, MessageCodec>,
+    by_type: TypeMap<(&'static str, MessageCodec)>,
+    stamps: HashMap<&'static str, StampDecodeFn>,
+    max_body_size: usize,
+}
+
+/// Encodes envelopes as JSON [`RawMessage`]s and decodes them back; see the
+/// [module documentation](self). Cheap to clone.
+#[derive(Clone)]
+pub struct Serializer {
+    inner: Arc<Inner>,
+}
+
+impl Default for Serializer {
+    /// A serializer with the built-in stamps and no message types.
+    fn default() -> Self {
+        SerializerBuilder::default()
+            .build()
+            .unwrap_or_else(|_| unreachable!("the built-in stamps have distinct names"))
+    }
+}
+
+impl fmt::Debug for Serializer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Serializer")
+            .field("messages", &self.message_names())
+            .field("max_body_size", &self.inner.max_body_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Serializer {
+    /// Starts a configuration with the built-in stamps registered.
+    pub fn builder() -> SerializerBuilder {
+        SerializerBuilder::default()
+    }
+
+    /// The registered message names, sorted.
+    pub fn message_names(&self) -> Vec<&'static str> {
+        let mut names: Vec<_> = self.inner.by_name.keys().copied().collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Whether a message named `name` decodes.
+    pub fn is_registered(&self, name: &str) -> bool {
+        self.inner.by_name.contains_key(name)
+    }
+
+    /// Whether messages of type `M` can be encoded.
+    pub fn can_encode<M: Message>(&self) -> bool {
+        self.inner.by_type.contains_key(&TypeId::of::<M>())
+    }
+
+    /// The body size limit in bytes.
+    pub fn max_body_size(&self) -> usize {
+        self.inner.max_body_size
+    }
+
+    /// Encodes `envelope`: the message as the body, its kind, type, sendable
+    /// stamps and headers as headers.
+    pub fn encode(&self, envelope: &Envelope) -> Result<RawMessage, SerializationError> {
+        let name = envelope.message_name();
+        let Some((_, codec)) = self.inner.by_type.get(&envelope.message_type_id()) else {
+            return Err(SerializationError::NotRegistered(name));
+        };
+        let body = match (codec.encode)(envelope) {
+            Some(Ok(body)) => body,
+            Some(Err(source)) => {
+                return Err(SerializationError::Encode {
+                    message: name,
+                    source,
+                })
+            }
+            None => return Err(SerializationError::NotRegistered(name)),
+        };
+        if body.len() > self.inner.max_body_size {
+            return Err(SerializationError::TooLarge {
+                size: body.len(),
+                limit: self.inner.max_body_size,
+            });
+        }
+        let mut headers = BTreeMap::new();
+        for (key, value) in envelope.headers() {
+            if is_reserved(key) {
+                return Err(SerializationError::InvalidHeader {
+                    header: key.to_string(),
+                    reason: "the name is reserved by the serializer".into(),
+                });
+            }
+            headers.insert(key.to_string(), value.to_string());
+        }
+        headers.insert(TYPE_HEADER.to_string(), name.to_string());
+        headers.insert(
+            KIND_HEADER.to_string(),
+            envelope.kind().as_str().to_string(),
+        );
+        encode_stamps(envelope, &mut headers)?;
+        Ok(RawMessage { body, headers })
+    }
+
+    /// Decodes `raw` back into an envelope. Fails, without panicking, when
+    /// the body is too large, the type is missing or unknown, the body does
+    /// not decode as that type, or a header is malformed.
+    pub fn decode(&self, raw: &RawMessage) -> Result<Envelope, SerializationError> {
+        if raw.body.len() > self.inner.max_body_size {
+            return Err(SerializationError::TooLarge {
+                size: raw.body.len(),
+                limit: self.inner.max_body_size,
+            });
+        }
+        let Some(name) = raw.header(TYPE_HEADER) else {
+            return Err(SerializationError::MissingHeader(TYPE_HEADER));
+        };
+        let Some(codec) = self.inner.by_name.get(name) else {
+            return Err(SerializationError::UnknownType(name.to_string()));
+        };
+        let kind = match raw.header(KIND_HEADER) {
+            None => MessageKind::Command,
+            Some(k) => MessageKind::parse(k).ok_or_else(|| SerializationError::InvalidHeader {
+                header: KIND_HEADER.into(),
+                reason: format!("`{k}` is not one of command, query, event"),
+            })?,
+        };
+        let mut envelope =
+            (codec.decode)(&raw.body, kind).map_err(|source| SerializationError::Malformed {
+                message: name.to_string(),
+                source,
+            })?;
+        for (key, value) in &raw.headers {
+            if key == TYPE_HEADER || key == KIND_HEADER {
+                continue;
+            }
+            let Some(stamp) = key.strip_prefix(STAMP_HEADER_PREFIX) else {
+                envelope = envelope.with_header(key.clone(), value.clone());
+                continue;
+            };
+            envelope = match self.inner.stamps.get(stamp) {
+                Some(decode) => {
+                    decode(envelope, value).map_err(|e| SerializationError::MalformedStamp {
+                        header: key.clone(),
+                        reason: e.to_string(),
+                    })?
+                }
+                None => envelope.with(OpaqueStamp {
+                    name: stamp.to_string(),
+                    value: value.clone(),
+                }),
+            };
+        }
+        Ok(envelope)
+    }
+}
+
+fn is_reserved(header: &str) -> bool {
+    header == TYPE_HEADER || header == KIND_HEADER || header.starts_with(STAMP_HEADER_PREFIX)
+}
+
+/// Groups the sendable stamps by name, keeping each type's order, and writes
+/// one JSON array header per name.
+fn encode_stamps(
+    envelope: &Envelope,
+    headers: &mut BTreeMap<String, String>,
+) -> Result<(), SerializationError> {
+    // (name, JSON values) in order of first appearance.
+    let mut groups: Vec<(&str, Vec<serde_json::Value>)> = Vec::new();
+    let mut opaque: Vec<&OpaqueStamp> = Vec::new();
+    for stamp in envelope.stamps() {
+        if !stamp.sendable() {
+            continue;
+        }
+        if let Some(o) = stamp.as_any().downcast_ref::<OpaqueStamp>() {
+            opaque.push(o);
+            continue;
+        }
+        let value = stamp_json(stamp)?;
+        let name = stamp.name();
+        match groups.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, values)) => values.push(value),
+            None => groups.push((name, vec![value])),
+        }
+    }
+    for (name, values) in groups {
+        let json = serde_json::to_string(&values).map_err(|e| SerializationError::Encode {
+            message: "stamp",
+            source: e,
+        })?;
+        headers.insert(format!("{STAMP_HEADER_PREFIX}{name}"), json);
+    }
+    for o in opaque {
+        let key = format!("{STAMP_HEADER_PREFIX}{}", o.name);
+        match headers.get_mut(&key) {
+            None => {
+                headers.insert(key, o.value.clone());
+            }
+            // The same name twice: merge the arrays when both are arrays,
+            // otherwise keep what is there and append the opaque value.
+            Some(existing) => *existing = merge_arrays(existing, &o.value),
+        }
+    }
+    Ok(())
+}
+
+fn stamp_json(stamp: &dyn ErasedStamp) -> Result<serde_json::Value, SerializationError> {
+    stamp
+        .to_json()
+        .ok_or_else(|| SerializationError::InvalidHeader {
+            header: format!("{STAMP_HEADER_PREFIX}{}", stamp.name()),
+            reason: "the stamp did not serialize to JSON".into(),
+        })
+}
+
+fn merge_arrays(first: &str, second: &str) -> String {
+    let a: Result<Vec<serde_json::Value>, _> = serde_json::from_str(first);
+    let b: Result<Vec<serde_json::Value>, _> = serde_json::from_str(second);
+    match (a, b) {
+        (Ok(mut a), Ok(b)) => {
+            a.extend(b);
+            serde_json::to_string(&a).unwrap_or_else(|_| first.to_string())
+        }
+        _ => format!("[{first},{second}]"),
+    }
+}
+
+impl SerializationError {
+    /// A short, stable classification for error-details stamps and metrics:
+    /// `unknown_type`, `missing_header`, `malformed`, `malformed_stamp`,
+    /// `invalid_header`, `too_large`, `not_registered` or `encode`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SerializationError::UnknownType(_) => "unknown_type",
+            SerializationError::MissingHeader(_) => "missing_header",
+            SerializationError::Malformed { .. } => "malformed",
+            SerializationError::MalformedStamp { .. } => "malformed_stamp",
+            SerializationError::InvalidHeader { .. } => "invalid_header",
+            SerializationError::TooLarge { .. } => "too_large",
+            SerializationError::NotRegistered(_) => "not_registered",
+            SerializationError::Encode { .. } => "encode",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stamp::{ReceivedStamp, SentStamp};
+
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    struct Order {
+        id: u32,
+        sku: String,
+    }
+    impl Message for Order {
+        const NAME: &'static str = "Order";
+    }
+
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    struct OtherOrder;
+    impl Message for OtherOrder {
+        const NAME: &'static str = "Order";
+    }
+
+    fn serializer() -> Serializer {
+        Serializer::builder().message::<Order>().build().unwrap()
+    }
+
+    fn order() -> Order {
+        Order {
+            id: 1,
+            sku: "A-1".into(),
+        }
+    }
+
+    #[test]
+    fn two_types_with_one_name_do_not_build() {
+        let e = Serializer::builder()
+            .message::<Order>()
+            .message::<OtherOrder>()
+            .build()
+            .unwrap_err();
+        assert_eq!(e, RegistryError::DuplicateMessageName("Order"));
+    }
+
+    #[test]
+    fn the_kind_travels_and_defaults_to_command() {
+        let s = serializer();
+        let raw = s.encode(&Envelope::event(order())).unwrap();
+        assert_eq!(raw.header(KIND_HEADER), Some("event"));
+        assert_eq!(s.decode(&raw).unwrap().kind(), MessageKind::Event);
+        let mut raw = raw;
+        raw.headers.remove(KIND_HEADER);
+        assert_eq!(s.decode(&raw).unwrap().kind(), MessageKind::Command);
+        raw.headers.insert(KIND_HEADER.into(), "rumour".into());
+        assert!(matches!(
+            s.decode(&raw),
+            Err(SerializationError::InvalidHeader { .. })
+        ));
+    }
+
+    #[test]
+    fn unregistered_messages_do_not_encode() {
+        let e = Serializer::default()
+            .encode(&Envelope::new(order()))
+            .unwrap_err();
+        assert!(matches!(e, SerializationError::NotRegistered("Order")));
+    }
+
+    #[test]
+    fn non_sendable_stamps_are_dropped() {
+        let raw = serializer()
+            .encode(
+                &Envelope::new(order())
+                    .with(ReceivedStamp::new("async"))
+                    .with(SentStamp::new("async")),
+            )
+            .unwrap();
+        assert!(raw
+            .headers
+            .keys()
+            .all(|k| !k.starts_with(STAMP_HEADER_PREFIX)));
+    }
+
+    #[test]
+    fn reserved_envelope_headers_are_refused() {
+        let e = serializer()
+            .encode(&Envelope::new(order()).with_header("type", "x"))
+            .unwrap_err();
+        assert_eq!(e.kind(), "invalid_header");
+    }
+
+    #[test]
+    fn a_missing_type_header_is_reported() {
+        let raw = RawMessage {
+            body: b"{}".to_vec(),
+            headers: BTreeMap::new(),
+        };
+        assert!(matches!(
+            serializer().decode(&raw),
+            Err(SerializationError::MissingHeader("type"))
+        ));
+    }
+
+    #[test]
+    fn opaque_stamps_merge_with_a_known_header_of_the_same_name() {
+        assert_eq!(merge_arrays("[1]", "[2,3]"), "[1,2,3]");
+        assert_eq!(merge_arrays("[1]", "x"), "[[1],x]");
+    }
+}

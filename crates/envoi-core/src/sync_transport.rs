@@ -1,0 +1,202 @@
+//! The sync transport (`sync://`): "sending" a message to it handles it at
+//! once, in the sender's task, on the bus named by its
+//! [`BusNameStamp`](crate::stamp::BusNameStamp) (the default bus
+//! otherwise), with a [`ReceivedStamp`] naming the transport.
+//!
+//! It lets a route be switched between asynchronous and synchronous handling
+//! by configuration alone. Because the message is handled during the send:
+//!
+//! * the caller gets the handlers' results (a query routed to `sync://` still
+//!   returns its answer) and their errors;
+//! * delays are ignored and nothing is retried (a failure goes straight
+//!   back to the caller); there is nothing to consume, so a worker refuses
+//!   it.
+//!
+//! The transport must be registered with the messenger that handles its
+//! messages ([`MessengerBuilder::transport`](crate::MessengerBuilder::transport)
+//! or [`transport_dsn`](crate::MessengerBuilder::transport_dsn)).
+//!
+//! ```
+//! use envoi_core::sync_transport::SyncTransport;
+//! use envoi_core::{Message, Messenger, Query};
+//! use serde::{Deserialize, Serialize};
+//! use std::convert::Infallible;
+//! use std::sync::Arc;
+//!
+//! #[derive(Debug, Clone, Serialize, Deserialize)]
+//! struct Add(u32, u32);
+//! impl Message for Add { const NAME: &'static str = "Add"; }
+//! impl Query for Add { type Output = u32; type Error = Infallible; }
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+//! let messenger = Messenger::builder()
+//!     .query_handler(|q: Add| async move { Ok::<_, Infallible>(q.0 + q.1) })
+//!     .transport("sync", Arc::new(SyncTransport::new()))
+//!     .route::<Add>("sync")
+//!     .build()
+//!     .unwrap();
+//! assert_eq!(messenger.dispatcher().ask(Add(2, 3)).await.unwrap(), 5);
+//! # });
+//! ```
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
+use std::time::Duration;
+
+use crate::builder::Messenger;
+use crate::envelope::Envelope;
+use crate::error::{BusError, Result, TransportError};
+use crate::middleware::BoxFuture;
+use crate::stamp::{BusNameStamp, ReceivedStamp, TransportMessageIdStamp};
+use crate::transport::{
+    mask_dsn, Capabilities, Delivery, LocalDelivery, LocalTransport, RawMessage, Transport,
+    TransportBinding,
+};
+
+/// Handles messages when they are sent; see the [module documentation](self).
+#[derive(Default)]
+pub struct SyncTransport {
+    binding: RwLock<Option<TransportBinding>>,
+    next_id: AtomicU64,
+}
+
+impl fmt::Debug for SyncTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SyncTransport")
+            .field("name", &self.binding().map(|b| b.name().to_string()))
+            .finish()
+    }
+}
+
+impl SyncTransport {
+    /// A sync transport, to be registered with a messenger.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A sync transport from a `sync://` DSN (which takes no options).
+    pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
+        match dsn.strip_prefix("sync://") {
+            Some("") => Ok(Self::new()),
+            Some(rest) => Err(TransportError::InvalidDsn {
+                dsn: mask_dsn(dsn),
+                reason: format!("`sync://` takes no host, path or options, found `{rest}`"),
+            }),
+            None => Err(TransportError::InvalidDsn {
+                dsn: mask_dsn(dsn),
+                reason: "the scheme must be `sync://`".into(),
+            }),
+        }
+    }
+
+    fn binding(&self) -> Option<TransportBinding> {
+        self.binding
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn target(&self) -> Result<(Messenger, TransportBinding), TransportError> {
+        let binding = self.binding().ok_or_else(|| {
+            TransportError::backend(
+                "handling on the sync transport",
+                "the transport is not registered with a messenger",
+            )
+        })?;
+        let messenger = binding
+            .messenger()
+            .upgrade()
+            .ok_or(TransportError::Closed)?;
+        Ok((messenger, binding))
+    }
+
+    async fn handle(&self, envelope: Envelope) -> Result<Envelope> {
+        let (messenger, binding) = match self.target() {
+            Ok(t) => t,
+            Err(source) => {
+                return Err(BusError::Transport {
+                    transport: "sync".into(),
+                    envelope: Some(Box::new(envelope)),
+                    source,
+                })
+            }
+        };
+        let bus = envelope
+            .last::<BusNameStamp>()
+            .and_then(|b| messenger.bus_named(&b.bus))
+            .unwrap_or_else(|| messenger.bus());
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let envelope = envelope.with(ReceivedStamp::new(binding.name.clone()));
+        let handled = Box::pin(bus.dispatch(envelope)).await?;
+        Ok(handled.with(TransportMessageIdStamp::new(id.to_string())))
+    }
+}
+
+impl Transport for SyncTransport {
+    /// Decodes `message` and handles it now; a failure to decode or to
+    /// handle is returned as an error. The delay is ignored.
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>> {
+        let _ = delay;
+        Box::pin(async move {
+            let (messenger, _) = self.target()?;
+            let envelope = messenger.serializer().decode(&message)?;
+            match self.handle(envelope).await {
+                Ok(out) => Ok(out
+                    .last::<TransportMessageIdStamp>()
+                    .map(|s| s.id.clone())
+                    .unwrap_or_default()),
+                Err(BusError::Transport { source, .. }) => Err(source),
+                Err(e) => Err(TransportError::backend("handling on the sync transport", e)),
+            }
+        })
+    }
+
+    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        let _ = max;
+        Box::pin(async { Err(TransportError::Unsupported("get")) })
+    }
+
+    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move { Err(TransportError::NotFound(id.to_string())) })
+    }
+
+    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move { Err(TransportError::NotFound(id.to_string())) })
+    }
+
+    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+        Box::pin(async { Ok(0) })
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(false, true, false, false)
+    }
+
+    fn local(&self) -> Option<&dyn LocalTransport> {
+        Some(self)
+    }
+
+    fn bind(&self, binding: &TransportBinding) {
+        *self.binding.write().unwrap_or_else(|p| p.into_inner()) = Some(binding.clone());
+    }
+}
+
+impl LocalTransport for SyncTransport {
+    fn send_envelope(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
+        Box::pin(self.handle(envelope))
+    }
+
+    fn get_local(&self, max: usize) -> BoxFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
+        let _ = max;
+        Box::pin(async { Err(TransportError::Unsupported("get")) })
+    }
+
+    fn handles_on_send(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,1659 @@
+//! The [`Worker`]: consumes transports and dispatches what it receives on
+//! the bus the message was sent from.
+//!
+//! ```
+//! use envoi_core::in_memory::InMemoryTransport;
+//! use envoi_core::worker::{StopReason, Worker};
+//! use envoi_core::{Command, Message, Messenger};
+//! use serde::{Deserialize, Serialize};
+//! use std::convert::Infallible;
+//! use std::sync::Arc;
+//!
+//! #[derive(Debug, Clone, Serialize, Deserialize)]
+//! struct SendInvoice { id: u32 }
+//! impl Message for SendInvoice { const NAME: &'static str = "SendInvoice"; }
+//! impl Command for SendInvoice { type Output = (); type Error = Infallible; }
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+//! let messenger = Messenger::builder()
+//!     .command_handler(|_: SendInvoice| async { Ok::<_, Infallible>(()) })
+//!     .transport("async", Arc::new(InMemoryTransport::new()))
+//!     .route::<SendInvoice>("async")
+//!     .build()
+//!     .unwrap();
+//! for id in 0..10 {
+//!     messenger.dispatcher().dispatch(SendInvoice { id }).await.unwrap();
+//! }
+//! let report = Worker::builder(&messenger)
+//!     .receiver("async")
+//!     .stop_when_empty()
+//!     .build()
+//!     .unwrap()
+//!     .run()
+//!     .await;
+//! assert_eq!(report.reason, StopReason::Empty);
+//! assert_eq!(report.stats.handled, 10);
+//! # });
+//! ```
+//!
+//! # What happens to a message
+//!
+//! The worker asks its receivers for messages **in priority order**: the
+//! first receiver is asked first, and after every batch it starts again from
+//! the first, so a lower-priority receiver is only read while those before it
+//! are empty. Each message is decoded (messages stored as envelopes by an
+//! in-process transport need no decoding), stamped with a
+//! [`ReceivedStamp`] naming the transport and a [`TransportMessageIdStamp`],
+//! and dispatched on the bus named by its [`BusNameStamp`] (the default bus
+//! when it has none or names a bus this messenger does not have). Then:
+//!
+//! | outcome of the dispatch | the worker | event |
+//! |---|---|---|
+//! | success | acknowledges it | [`Handled`](WorkerEvent::Handled) |
+//! | success, scheduled for a retry by the retry step | acknowledges it (the retry is a new message) | [`Retried`](WorkerEvent::Retried) |
+//! | handler failure, parked in the failure transport by the retry step | acknowledges it | [`Failed`](WorkerEvent::Failed) |
+//! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
+//! | transport failure (the retry could not be sent) | releases it, so it is delivered again | [`Failed`](WorkerEvent::Failed) |
+//! | any other error (no handler, a middleware's error, a panic) | parks it like the retry step would, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
+//! | it does not decode (unknown type, malformed, too large) | sends the raw message to the failure transport with an `ErrorDetails` stamp header saying why, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
+//!
+//! Parking keeps messages: only a message that cannot be parked because no
+//! failure transport is configured is rejected, and the event says so. A
+//! worker that consumes the failure transport itself moves a message that
+//! fails again to the back of that transport.
+//!
+//! Acknowledgements are sent in batches.
+//!
+//! # Stopping
+//!
+//! The worker stops when a [`StopHandle`] is used (for instance by
+//! [`StopHandle::stop_on_signals`] on SIGINT or SIGTERM), or when a limit is
+//! reached: messages, time, memory (resident set size, read from
+//! `/proc/self/status` on Linux and ignored elsewhere), failures, or — with
+//! [`stop_when_empty`](WorkerBuilder::stop_when_empty) — when every receiver
+//! is empty. Stopping is graceful: the worker stops fetching, releases the
+//! messages it fetched but did not start, lets the handlers in flight finish
+//! within the [grace period](WorkerBuilder::grace_period), then releases what
+//! did not finish so it is delivered again. Nothing is lost.
+//!
+//! # Concurrency, leases and rate limits
+//!
+//! Up to [`concurrency`](WorkerBuilder::concurrency) messages are handled at
+//! once, on the worker's own task (run several workers for several cores).
+//! While a message is held — fetched or being handled — the worker extends
+//! its lease with [`Transport::keepalive`] every
+//! [`keepalive_interval`](WorkerBuilder::keepalive_interval), so a slow but
+//! live handler is not redelivered to another worker. A
+//! [rate limit](WorkerBuilder::rate_limit) caps how many messages per period
+//! the worker takes from one transport.
+//!
+//! # Events
+//!
+//! [`WorkerEvent`]s go to [listeners](WorkerBuilder::listener) (called in
+//! line, so keep them quick) and to [`Worker::subscribe`]rs. Events are only
+//! built when someone listens. For counters only (a progress bar),
+//! [`Worker::progress`] is cheaper.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+use std::future::{poll_fn, Future};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use tokio::sync::{broadcast, watch};
+use tokio::time::Instant;
+
+use crate::builder::Messenger;
+use crate::bus::MessageBus;
+use crate::envelope::Envelope;
+use crate::error::{BusError, TransportError};
+use crate::middleware::BoxFuture;
+use crate::serializer::STAMP_HEADER_PREFIX;
+use crate::stamp::{
+    BusNameStamp, DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
+    SentToFailureTransportStamp, Stamp, TransportMessageIdStamp,
+};
+use crate::transport::{LocalDelivery, Payload, RawMessage, Transport};
+
+/// A configuration mistake found by [`WorkerBuilder::build`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    /// No receiver was given.
+    #[error("a worker needs at least one transport to consume")]
+    NoReceivers,
+    /// A receiver names no transport registered with the messenger.
+    #[error("unknown transport `{0}`")]
+    UnknownTransport(String),
+    /// The transport handles messages when they are sent (`sync://`), so
+    /// there is nothing to consume.
+    #[error("transport `{0}` handles messages when they are sent; there is nothing to consume")]
+    NotConsumable(String),
+    /// An option is out of range.
+    #[error("invalid worker option: {0}")]
+    InvalidOption(String),
+}
+
+/// Why a worker stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StopReason {
+    /// A [`StopHandle`] asked it to (a signal, for instance).
+    Stopped,
+    /// It handled as many messages as its message limit.
+    MessageLimit,
+    /// It ran for its time limit.
+    TimeLimit,
+    /// Its resident memory exceeded the memory limit.
+    MemoryLimit,
+    /// As many messages failed as its failure limit.
+    FailureLimit,
+    /// Every receiver was empty ([`WorkerBuilder::stop_when_empty`]).
+    Empty,
+}
+
+impl fmt::Display for StopReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StopReason::Stopped => "stopped",
+            StopReason::MessageLimit => "message limit reached",
+            StopReason::TimeLimit => "time limit reached",
+            StopReason::MemoryLimit => "memory limit exceeded",
+            StopReason::FailureLimit => "failure limit reached",
+            StopReason::Empty => "no more messages",
+        })
+    }
+}
+
+/// Counters of a worker's run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WorkerStats {
+    /// Messages taken from the receivers and started.
+    pub received: u64,
+    /// Messages handled successfully.
+    pub handled: u64,
+    /// Messages whose handling failed and that were scheduled for a retry.
+    pub retried: u64,
+    /// Messages that failed: parked, rejected, or released after a
+    /// transport failure.
+    pub failed: u64,
+    /// Messages given back to their transport at a graceful stop.
+    pub released: u64,
+}
+
+/// What [`Worker::run`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WorkerReport {
+    /// Why it stopped.
+    pub reason: StopReason,
+    /// Its counters.
+    pub stats: WorkerStats,
+    /// How long it ran.
+    pub elapsed: Duration,
+}
+
+/// Something that happened in a worker.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum WorkerEvent {
+    /// The worker started.
+    Started {
+        /// The transports it consumes, in priority order.
+        transports: Vec<String>,
+    },
+    /// A message was taken from a transport and is about to be dispatched.
+    Received {
+        /// The transport.
+        transport: Arc<str>,
+        /// The transport's id of the message.
+        id: String,
+        /// The message name.
+        message: &'static str,
+    },
+    /// A message was handled and acknowledged.
+    Handled {
+        /// The transport.
+        transport: Arc<str>,
+        /// The transport's id of the message.
+        id: String,
+        /// The envelope as the handlers returned it.
+        envelope: Envelope,
+        /// How long the dispatch took.
+        duration: Duration,
+    },
+    /// Handling failed and the retry step scheduled a retry.
+    Retried {
+        /// The transport.
+        transport: Arc<str>,
+        /// The transport's id of the message.
+        id: String,
+        /// The retry as it was sent.
+        envelope: Envelope,
+        /// Which retry it is (1 for the first).
+        retry_count: u32,
+        /// How long the dispatch took.
+        duration: Duration,
+    },
+    /// A message failed; see [`parked_in`](WorkerEvent::Failed::parked_in)
+    /// and [`released`](WorkerEvent::Failed::released) for where it went.
+    Failed {
+        /// The transport.
+        transport: Arc<str>,
+        /// The transport's id of the message.
+        id: String,
+        /// The message name (the `type` header for a message that did not
+        /// decode).
+        message: Cow<'static, str>,
+        /// A short classification of the error (`handler`, `decode:unknown_type`, …).
+        kind: Cow<'static, str>,
+        /// The error.
+        error: String,
+        /// The failure transport it was moved to; `None` when it was
+        /// rejected or released.
+        parked_in: Option<String>,
+        /// Whether it was released, to be delivered again.
+        released: bool,
+        /// The envelope, when it decoded.
+        envelope: Option<Envelope>,
+    },
+    /// A message was given back to its transport at a graceful stop.
+    Released {
+        /// The transport.
+        transport: Arc<str>,
+        /// The transport's id of the message.
+        id: String,
+    },
+    /// A transport operation failed; the worker goes on.
+    TransportFailed {
+        /// The transport.
+        transport: Arc<str>,
+        /// `get`, `ack`, `reject`, `release`, `keepalive`, `park` or `count`.
+        operation: &'static str,
+        /// The error.
+        error: String,
+    },
+    /// The worker stopped.
+    Stopped {
+        /// Why, and its counters.
+        report: WorkerReport,
+    },
+}
+
+/// Receives a worker's events, in line: keep it quick.
+pub trait WorkerListener: Send + Sync + 'static {
+    /// Called for every event.
+    fn on_event(&self, event: &WorkerEvent);
+}
+
+impl<F> WorkerListener for F
+where
+    F: Fn(&WorkerEvent) + Send + Sync + 'static,
+{
+    fn on_event(&self, event: &WorkerEvent) {
+        self(event)
+    }
+}
+
+/// Stops one or more workers; cheap to clone.
+///
+/// ```
+/// use envoi_core::worker::StopHandle;
+///
+/// let stop = StopHandle::new();
+/// let same = stop.clone();
+/// same.stop();
+/// assert!(stop.is_stopped());
+/// ```
+#[derive(Clone)]
+pub struct StopHandle {
+    tx: Arc<watch::Sender<bool>>,
+}
+
+impl Default for StopHandle {
+    fn default() -> Self {
+        Self {
+            tx: Arc::new(watch::channel(false).0),
+        }
+    }
+}
+
+impl fmt::Debug for StopHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StopHandle")
+            .field("stopped", &self.is_stopped())
+            .finish()
+    }
+}
+
+impl StopHandle {
+    /// A handle that has not been used.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks every worker using this handle to stop gracefully.
+    pub fn stop(&self) {
+        self.tx.send_replace(true);
+    }
+
+    /// Whether [`stop`](Self::stop) was called.
+    pub fn is_stopped(&self) -> bool {
+        *self.tx.borrow()
+    }
+
+    /// Resolves once [`stop`](Self::stop) is called.
+    pub async fn stopped(&self) {
+        let mut rx = self.tx.subscribe();
+        let _ = rx.wait_for(|stopped| *stopped).await;
+    }
+
+    /// Spawns a task that calls [`stop`](Self::stop) on SIGINT (Ctrl-C) or,
+    /// on Unix, SIGTERM. Must be called inside a tokio runtime; fails when
+    /// the signal handlers cannot be installed.
+    pub fn stop_on_signals(&self) -> std::io::Result<tokio::task::JoinHandle<()>> {
+        #[cfg(unix)]
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let handle = self.clone();
+        Ok(tokio::spawn(async move {
+            #[cfg(unix)]
+            tokio::select! {
+                r = tokio::signal::ctrl_c() => { if r.is_err() { term.recv().await; } }
+                _ = term.recv() => {}
+            }
+            #[cfg(not(unix))]
+            if tokio::signal::ctrl_c().await.is_err() {
+                return;
+            }
+            handle.stop();
+        }))
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    received: AtomicU64,
+    handled: AtomicU64,
+    retried: AtomicU64,
+    failed: AtomicU64,
+    released: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self) -> WorkerStats {
+        WorkerStats {
+            received: self.received.load(Ordering::Relaxed),
+            handled: self.handled.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            released: self.released.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Live counters of a worker, readable while it runs; see
+/// [`Worker::progress`].
+#[derive(Clone)]
+pub struct WorkerProgress(Arc<Counters>);
+
+impl WorkerProgress {
+    /// The counters now.
+    pub fn snapshot(&self) -> WorkerStats {
+        self.0.snapshot()
+    }
+}
+
+impl fmt::Debug for WorkerProgress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.snapshot(), f)
+    }
+}
+
+/// At most `messages` per `per` from one transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimit {
+    /// How many messages…
+    pub messages: u32,
+    /// …per how long.
+    pub per: Duration,
+}
+
+impl RateLimit {
+    /// `messages` per `per`.
+    pub fn new(messages: u32, per: Duration) -> Self {
+        Self { messages, per }
+    }
+
+    /// `messages` per second.
+    pub fn per_second(messages: u32) -> Self {
+        Self::new(messages, Duration::from_secs(1))
+    }
+}
+
+/// A token bucket holding up to `messages` tokens, refilled continuously.
+struct Bucket {
+    capacity: f64,
+    tokens: f64,
+    per_token: Duration,
+    last: Instant,
+}
+
+impl Bucket {
+    fn new(limit: RateLimit, now: Instant) -> Self {
+        let messages = limit.messages.max(1);
+        Self {
+            capacity: f64::from(messages),
+            tokens: f64::from(messages),
+            per_token: limit.per / messages,
+            last: now,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.last);
+        if !self.per_token.is_zero() {
+            let add = elapsed.as_secs_f64() / self.per_token.as_secs_f64();
+            self.tokens = (self.tokens + add).min(self.capacity);
+        } else {
+            self.tokens = self.capacity;
+        }
+        self.last = now;
+    }
+
+    fn available(&mut self, now: Instant) -> usize {
+        self.refill(now);
+        self.tokens.floor() as usize
+    }
+
+    fn take(&mut self, n: usize) {
+        self.tokens = (self.tokens - n as f64).max(0.0);
+    }
+
+    /// How long until one token is available.
+    fn wait(&self) -> Duration {
+        let missing = (1.0 - self.tokens).max(0.0);
+        self.per_token.mul_f64(missing)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Options {
+    concurrency: usize,
+    batch_size: usize,
+    message_limit: Option<u64>,
+    time_limit: Option<Duration>,
+    memory_limit: Option<u64>,
+    failure_limit: Option<u64>,
+    grace_period: Duration,
+    keepalive_interval: Option<Duration>,
+    idle_sleep: Duration,
+    stop_when_empty: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            concurrency: 1,
+            batch_size: 32,
+            message_limit: None,
+            time_limit: None,
+            memory_limit: None,
+            failure_limit: None,
+            grace_period: Duration::from_secs(10),
+            keepalive_interval: Some(Duration::from_secs(5)),
+            idle_sleep: Duration::from_millis(250),
+            stop_when_empty: false,
+        }
+    }
+}
+
+/// Configures a [`Worker`]; see [`Worker::builder`].
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct WorkerBuilder {
+    messenger: Messenger,
+    receivers: Vec<String>,
+    rate_limits: Vec<(String, RateLimit)>,
+    options: Options,
+    listeners: Vec<Arc<dyn WorkerListener>>,
+    stop: Option<StopHandle>,
+    event_capacity: usize,
+}
+
+impl fmt::Debug for WorkerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkerBuilder")
+            .field("receivers", &self.receivers)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerBuilder {
+    /// Consumes `transport`, after the receivers added before it (priority
+    /// order: first added, first read).
+    pub fn receiver(mut self, transport: impl Into<String>) -> Self {
+        self.receivers.push(transport.into());
+        self
+    }
+
+    /// Consumes each of `transports`, in priority order.
+    pub fn receivers<I, S>(mut self, transports: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.receivers
+            .extend(transports.into_iter().map(Into::into));
+        self
+    }
+
+    /// Handles up to `n` messages at once (default 1).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.options.concurrency = n;
+        self
+    }
+
+    /// Asks a transport for up to `n` messages at a time (default 32).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.options.batch_size = n;
+        self
+    }
+
+    /// Stops after `n` messages.
+    pub fn message_limit(mut self, n: u64) -> Self {
+        self.options.message_limit = Some(n);
+        self
+    }
+
+    /// Stops after running for `limit`.
+    pub fn time_limit(mut self, limit: Duration) -> Self {
+        self.options.time_limit = Some(limit);
+        self
+    }
+
+    /// Stops when the process's resident memory exceeds `bytes` (checked
+    /// about once a second; Linux only).
+    pub fn memory_limit(mut self, bytes: u64) -> Self {
+        self.options.memory_limit = Some(bytes);
+        self
+    }
+
+    /// Stops after `n` failed messages.
+    pub fn failure_limit(mut self, n: u64) -> Self {
+        self.options.failure_limit = Some(n);
+        self
+    }
+
+    /// How long handlers in flight may take to finish once the worker stops
+    /// (default 10 s); what has not finished then is released.
+    pub fn grace_period(mut self, grace: Duration) -> Self {
+        self.options.grace_period = grace;
+        self
+    }
+
+    /// Extends the lease of held messages this often (default 5 s); `None`
+    /// never does.
+    pub fn keepalive_interval(mut self, interval: Option<Duration>) -> Self {
+        self.options.keepalive_interval = interval;
+        self
+    }
+
+    /// The longest wait before asking empty receivers again (default
+    /// 250 ms). Transports that can tell when a message arrives wake the
+    /// worker earlier.
+    pub fn idle_sleep(mut self, sleep: Duration) -> Self {
+        self.options.idle_sleep = sleep;
+        self
+    }
+
+    /// Stops once every receiver is empty (no message waiting, delayed or
+    /// leased) and nothing is in flight.
+    pub fn stop_when_empty(mut self) -> Self {
+        self.options.stop_when_empty = true;
+        self
+    }
+
+    /// Takes at most `limit` messages from `transport`.
+    pub fn rate_limit(mut self, transport: impl Into<String>, limit: RateLimit) -> Self {
+        self.rate_limits.push((transport.into(), limit));
+        self
+    }
+
+    /// Adds a listener for the worker's events.
+    pub fn listener(mut self, listener: impl WorkerListener) -> Self {
+        self.listeners.push(Arc::new(listener));
+        self
+    }
+
+    /// Stops the worker with `handle` (a handle of its own is made
+    /// otherwise; see [`Worker::stop_handle`]).
+    pub fn stop_handle(mut self, handle: StopHandle) -> Self {
+        self.stop = Some(handle);
+        self
+    }
+
+    /// How many events a [`Worker::subscribe`]r may fall behind before it
+    /// misses some (default 1024).
+    pub fn event_capacity(mut self, n: usize) -> Self {
+        self.event_capacity = n.max(1);
+        self
+    }
+
+    /// Checks the configuration.
+    pub fn build(self) -> Result<Worker, WorkerError> {
+        if self.receivers.is_empty() {
+            return Err(WorkerError::NoReceivers);
+        }
+        if self.options.concurrency == 0 {
+            return Err(WorkerError::InvalidOption(
+                "concurrency must be at least 1".into(),
+            ));
+        }
+        if self.options.batch_size == 0 {
+            return Err(WorkerError::InvalidOption(
+                "batch size must be at least 1".into(),
+            ));
+        }
+        let mut limits: BTreeMap<String, RateLimit> = BTreeMap::new();
+        for (name, limit) in self.rate_limits {
+            if limit.messages == 0 {
+                return Err(WorkerError::InvalidOption(format!(
+                    "the rate limit of `{name}` must allow at least one message"
+                )));
+            }
+            limits.insert(name, limit);
+        }
+        let mut receivers = Vec::new();
+        for name in self.receivers {
+            if receivers.iter().any(|r: &Receiver| *r.name == *name) {
+                continue;
+            }
+            let transport = self
+                .messenger
+                .transport(&name)
+                .ok_or_else(|| WorkerError::UnknownTransport(name.clone()))?
+                .clone();
+            if transport.local().is_some_and(|l| l.handles_on_send()) {
+                return Err(WorkerError::NotConsumable(name));
+            }
+            receivers.push(Receiver {
+                rate: limits.remove(&name),
+                name: Arc::from(name.as_str()),
+                transport,
+            });
+        }
+        if let Some(name) = limits.into_keys().next() {
+            return Err(WorkerError::InvalidOption(format!(
+                "rate limit for `{name}`, which the worker does not consume"
+            )));
+        }
+        Ok(Worker {
+            messenger: self.messenger,
+            receivers,
+            options: self.options,
+            listeners: self.listeners,
+            events: broadcast::channel(self.event_capacity).0,
+            stop: self.stop.unwrap_or_default(),
+            counters: Arc::new(Counters::default()),
+        })
+    }
+}
+
+struct Receiver {
+    name: Arc<str>,
+    transport: Arc<dyn Transport>,
+    rate: Option<RateLimit>,
+}
+
+impl Receiver {
+    async fn get(&self, max: usize) -> Result<Vec<LocalDelivery>, TransportError> {
+        match self.transport.local() {
+            Some(local) => local.get_local(max).await,
+            None => Ok(self
+                .transport
+                .get(max)
+                .await?
+                .into_iter()
+                .map(|d| LocalDelivery {
+                    id: d.id,
+                    payload: Payload::Raw(d.raw),
+                })
+                .collect()),
+        }
+    }
+}
+
+/// Consumes transports; see the [module documentation](self).
+pub struct Worker {
+    messenger: Messenger,
+    receivers: Vec<Receiver>,
+    options: Options,
+    listeners: Vec<Arc<dyn WorkerListener>>,
+    events: broadcast::Sender<WorkerEvent>,
+    stop: StopHandle,
+    counters: Arc<Counters>,
+}
+
+impl fmt::Debug for Worker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Worker")
+            .field(
+                "receivers",
+                &self.receivers.iter().map(|r| &*r.name).collect::<Vec<_>>(),
+            )
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Worker {
+    /// Starts configuring a worker for `messenger`.
+    pub fn builder(messenger: &Messenger) -> WorkerBuilder {
+        WorkerBuilder {
+            messenger: messenger.clone(),
+            receivers: Vec::new(),
+            rate_limits: Vec::new(),
+            options: Options::default(),
+            listeners: Vec::new(),
+            stop: None,
+            event_capacity: 1024,
+        }
+    }
+
+    /// The handle that stops this worker.
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// A receiver of this worker's events. Subscribe before
+    /// [`run`](Self::run); a subscriber that falls more than the
+    /// [event capacity](WorkerBuilder::event_capacity) behind misses events
+    /// (it is told how many).
+    pub fn subscribe(&self) -> broadcast::Receiver<WorkerEvent> {
+        self.events.subscribe()
+    }
+
+    /// Live counters, readable while the worker runs.
+    pub fn progress(&self) -> WorkerProgress {
+        WorkerProgress(self.counters.clone())
+    }
+
+    /// Runs until a stop condition is met; see the
+    /// [module documentation](self).
+    pub async fn run(self) -> WorkerReport {
+        let subscribed = self.events.receiver_count() > 0;
+        let ctx = Ctx {
+            messenger: self.messenger,
+            events: Events {
+                listeners: self.listeners,
+                tx: subscribed.then_some(self.events),
+            },
+            counters: self.counters,
+            receivers: self.receivers,
+        };
+        Run::new(&ctx, self.options, self.stop).run().await
+    }
+}
+
+struct Events {
+    listeners: Vec<Arc<dyn WorkerListener>>,
+    tx: Option<broadcast::Sender<WorkerEvent>>,
+}
+
+impl Events {
+    #[inline]
+    fn emit(&self, make: impl FnOnce() -> WorkerEvent) {
+        if self.listeners.is_empty() && self.tx.is_none() {
+            return;
+        }
+        let event = make();
+        for l in &self.listeners {
+            l.on_event(&event);
+        }
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(event);
+        }
+    }
+}
+
+struct Ctx {
+    messenger: Messenger,
+    events: Events,
+    counters: Arc<Counters>,
+    receivers: Vec<Receiver>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Ack,
+    Reject,
+    Release,
+}
+
+struct Done {
+    receiver: usize,
+    id: String,
+    action: Action,
+}
+
+/// A message fetched and not started yet.
+struct Held {
+    receiver: usize,
+    id: String,
+    payload: Payload,
+    since: Instant,
+}
+
+struct Task<'a> {
+    future: BoxFuture<'a, Done>,
+    receiver: usize,
+    id: String,
+    since: Instant,
+    /// A copy of the envelope, to park it if its handler panics.
+    envelope: Option<Envelope>,
+}
+
+enum Finished {
+    Done(Done),
+    Panicked {
+        receiver: usize,
+        id: String,
+        envelope: Option<Envelope>,
+        message: String,
+    },
+}
+
+/// The messages being handled, polled on the worker's task.
+#[derive(Default)]
+struct InFlight<'a> {
+    tasks: Vec<Task<'a>>,
+}
+
+impl<'a> InFlight<'a> {
+    fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+
+    /// The next task to finish; pending forever when there is none.
+    fn next(&mut self) -> impl Future<Output = Finished> + use<'_, 'a> {
+        poll_fn(move |cx| {
+            for i in 0..self.tasks.len() {
+                let future = &mut self.tasks[i].future;
+                let polled =
+                    std::panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx)));
+                match polled {
+                    Ok(Poll::Pending) => {}
+                    Ok(Poll::Ready(done)) => {
+                        self.tasks.swap_remove(i);
+                        return Poll::Ready(Finished::Done(done));
+                    }
+                    Err(panic) => {
+                        let task = self.tasks.swap_remove(i);
+                        return Poll::Ready(Finished::Panicked {
+                            receiver: task.receiver,
+                            id: task.id,
+                            envelope: task.envelope,
+                            message: panic_message(&*panic),
+                        });
+                    }
+                }
+            }
+            Poll::Pending
+        })
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a handler panicked".to_string()
+    }
+}
+
+/// Resolves when any of `futures` does.
+async fn any(mut futures: Vec<BoxFuture<'_, ()>>) {
+    poll_fn(|cx| {
+        for f in &mut futures {
+            if f.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// The resident set size of this process, in bytes (Linux only).
+fn resident_memory() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line
+        .trim_start_matches("VmRSS:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// Where to park a message that failed outside the retry step.
+fn failure_target<'m>(
+    messenger: &'m Messenger,
+    source: &str,
+    envelope: Option<&Envelope>,
+) -> (String, Option<&'m str>) {
+    let origin = envelope
+        .and_then(|e| e.last::<SentToFailureTransportStamp>())
+        .map_or_else(|| source.to_string(), |s| s.original_transport.clone());
+    let failure = messenger.failure_transport_for(&origin);
+    (origin, failure)
+}
+
+impl Ctx {
+    fn bus_for(&self, envelope: &Envelope) -> &MessageBus {
+        envelope
+            .last::<BusNameStamp>()
+            .and_then(|b| self.messenger.bus_named(&b.bus))
+            .unwrap_or_else(|| self.messenger.bus())
+    }
+
+    fn start(&self, held: Held) -> Task<'_> {
+        let Held {
+            receiver,
+            id,
+            payload,
+            since,
+        } = held;
+        bump(&self.counters.received);
+        let envelope = match payload {
+            Payload::Envelope(e) => e,
+            Payload::Raw(raw) => match self.messenger.serializer().decode(&raw) {
+                Ok(e) => e,
+                Err(error) => {
+                    let task_id = id.clone();
+                    return Task {
+                        future: Box::pin(self.park_raw(receiver, task_id, raw, error)),
+                        receiver,
+                        id,
+                        since,
+                        envelope: None,
+                    };
+                }
+            },
+        };
+        Task {
+            envelope: Some(envelope.clone()),
+            future: Box::pin(self.handle(receiver, id.clone(), envelope)),
+            receiver,
+            id,
+            since,
+        }
+    }
+
+    async fn handle(&self, receiver: usize, id: String, envelope: Envelope) -> Done {
+        let transport = &self.receivers[receiver].name;
+        self.events.emit(|| WorkerEvent::Received {
+            transport: transport.clone(),
+            id: id.clone(),
+            message: envelope.message_name(),
+        });
+        let redeliveries = envelope.all::<RedeliveryStamp>().count();
+        let parked = envelope.all::<SentToFailureTransportStamp>().count();
+        let envelope = envelope
+            .with(ReceivedStamp {
+                transport: transport.clone(),
+            })
+            .with(TransportMessageIdStamp::new(id.clone()));
+        let started = Instant::now();
+        let result = self.bus_for(&envelope).dispatch(envelope.clone()).await;
+        let duration = started.elapsed();
+        let action = match result {
+            Ok(after) => {
+                if after.all::<RedeliveryStamp>().count() > redeliveries {
+                    bump(&self.counters.retried);
+                    self.events.emit(|| WorkerEvent::Retried {
+                        transport: transport.clone(),
+                        id: id.clone(),
+                        retry_count: after.last::<RedeliveryStamp>().map_or(0, |r| r.retry_count),
+                        envelope: after,
+                        duration,
+                    });
+                } else {
+                    bump(&self.counters.handled);
+                    self.events.emit(|| WorkerEvent::Handled {
+                        transport: transport.clone(),
+                        id: id.clone(),
+                        envelope: after,
+                        duration,
+                    });
+                }
+                Action::Ack
+            }
+            Err(BusError::HandlerFailed {
+                envelope: failed,
+                errors,
+            }) => {
+                bump(&self.counters.failed);
+                let parked_in = (failed.all::<SentToFailureTransportStamp>().count() > parked)
+                    .then(|| failed.last::<SentStamp>().map(|s| s.transport.clone()))
+                    .flatten();
+                let action = if parked_in.is_some() {
+                    Action::Ack
+                } else {
+                    Action::Reject
+                };
+                self.events.emit(|| WorkerEvent::Failed {
+                    transport: transport.clone(),
+                    id: id.clone(),
+                    message: Cow::Borrowed(failed.message_name()),
+                    kind: Cow::Borrowed("handler"),
+                    error: BusError::HandlerFailed {
+                        envelope: failed.clone(),
+                        errors,
+                    }
+                    .to_string(),
+                    parked_in,
+                    released: false,
+                    envelope: Some(*failed),
+                });
+                action
+            }
+            Err(error @ BusError::Transport { .. }) => {
+                bump(&self.counters.failed);
+                self.events.emit(|| WorkerEvent::Failed {
+                    transport: transport.clone(),
+                    id: id.clone(),
+                    message: Cow::Borrowed(envelope.message_name()),
+                    kind: Cow::Borrowed("transport"),
+                    error: error.to_string(),
+                    parked_in: None,
+                    released: true,
+                    envelope: Some(envelope.clone()),
+                });
+                Action::Release
+            }
+            Err(error) => {
+                let details = ErrorDetailsStamp::from_error(error.kind(), &error);
+                self.park(receiver, &id, envelope, details).await
+            }
+        };
+        Done {
+            receiver,
+            id,
+            action,
+        }
+    }
+
+    /// Parks `envelope` (which failed outside the retry step) in its failure
+    /// transport; rejects it when there is none; releases it when parking
+    /// fails.
+    async fn park(
+        &self,
+        receiver: usize,
+        id: &str,
+        envelope: Envelope,
+        details: ErrorDetailsStamp,
+    ) -> Action {
+        bump(&self.counters.failed);
+        let transport = &self.receivers[receiver].name;
+        let (origin, failure) = failure_target(&self.messenger, transport, Some(&envelope));
+        let mut parked_in = None;
+        let mut released = false;
+        let mut error = details.message.clone();
+        let action = match failure {
+            None => Action::Reject,
+            Some(failure) => {
+                let parked = envelope
+                    .clone()
+                    .with(details.clone())
+                    .with(SentToFailureTransportStamp::new(origin))
+                    .with(RedeliveryStamp::new(0))
+                    .with(DelayStamp { ms: 0 });
+                match self
+                    .messenger
+                    .sender_dispatcher()
+                    .send(failure, parked)
+                    .await
+                {
+                    Ok(_) => {
+                        parked_in = Some(failure.to_string());
+                        Action::Ack
+                    }
+                    Err(e) => {
+                        error = format!("{error}; parking in `{failure}` failed: {e}");
+                        released = true;
+                        Action::Release
+                    }
+                }
+            }
+        };
+        self.events.emit(|| WorkerEvent::Failed {
+            transport: transport.clone(),
+            id: id.to_string(),
+            message: Cow::Borrowed(envelope.message_name()),
+            kind: Cow::Owned(details.kind.clone()),
+            error,
+            parked_in,
+            released,
+            envelope: Some(envelope),
+        });
+        action
+    }
+
+    /// Moves a message that did not decode to the failure transport as it
+    /// is, with `ErrorDetails`, `SentToFailureTransport` and `Redelivery`
+    /// stamp headers added.
+    async fn park_raw(
+        &self,
+        receiver: usize,
+        id: String,
+        mut raw: RawMessage,
+        error: crate::error::SerializationError,
+    ) -> Done {
+        bump(&self.counters.failed);
+        let transport = &self.receivers[receiver].name;
+        let details = ErrorDetailsStamp::from_error(format!("decode:{}", error.kind()), &error);
+        let message = raw
+            .header(crate::serializer::TYPE_HEADER)
+            .unwrap_or("?")
+            .to_string();
+        let (origin, failure) = failure_target(&self.messenger, transport, None);
+        let target = failure.and_then(|f| self.messenger.transport(f).map(|t| (f, t)));
+        let mut parked_in = None;
+        let mut released = false;
+        let mut text = error.to_string();
+        let action = match target {
+            None => Action::Reject,
+            Some((name, failure)) => {
+                append_stamp_header(&mut raw, &details);
+                append_stamp_header(&mut raw, &SentToFailureTransportStamp::new(origin));
+                append_stamp_header(&mut raw, &RedeliveryStamp::new(0));
+                match failure.send(raw, None).await {
+                    Ok(_) => {
+                        parked_in = Some(name.to_string());
+                        Action::Ack
+                    }
+                    Err(e) => {
+                        text = format!("{text}; parking in `{name}` failed: {e}");
+                        released = true;
+                        Action::Release
+                    }
+                }
+            }
+        };
+        self.events.emit(|| WorkerEvent::Failed {
+            transport: transport.clone(),
+            id: id.clone(),
+            message: Cow::Owned(message),
+            kind: Cow::Owned(details.kind.clone()),
+            error: text,
+            parked_in,
+            released,
+            envelope: None,
+        });
+        Done {
+            receiver,
+            id,
+            action,
+        }
+    }
+
+    /// Parks the envelope of a handler that panicked.
+    async fn park_panicked(
+        &self,
+        receiver: usize,
+        id: String,
+        envelope: Option<Envelope>,
+        message: String,
+    ) -> Done {
+        let action = match envelope {
+            Some(envelope) => {
+                let details = ErrorDetailsStamp::new("panic", message);
+                self.park(receiver, &id, envelope, details).await
+            }
+            None => {
+                // Only a raw park can have no envelope; it does not run user
+                // code, so give the message back rather than lose it.
+                Action::Release
+            }
+        };
+        Done {
+            receiver,
+            id,
+            action,
+        }
+    }
+}
+
+/// Adds `stamp` to its `X-Message-Stamp-<name>` header's array. A header
+/// that is not a JSON array is kept under `X-Malformed-Stamp-<name>`.
+fn append_stamp_header<S: Stamp>(raw: &mut RawMessage, stamp: &S) {
+    let key = format!("{STAMP_HEADER_PREFIX}{}", S::NAME);
+    let Ok(value) = serde_json::to_value(stamp) else {
+        return;
+    };
+    let mut values = match raw.headers.remove(&key) {
+        None => Vec::new(),
+        Some(existing) => match serde_json::from_str::<Vec<serde_json::Value>>(&existing) {
+            Ok(values) => values,
+            Err(_) => {
+                raw.headers
+                    .insert(format!("X-Malformed-Stamp-{}", S::NAME), existing);
+                Vec::new()
+            }
+        },
+    };
+    values.push(value);
+    if let Ok(json) = serde_json::to_string(&values) {
+        raw.headers.insert(key, json);
+    }
+}
+
+/// The state of one [`Worker::run`].
+struct Run<'a> {
+    ctx: &'a Ctx,
+    options: Options,
+    stop: StopHandle,
+    buffer: VecDeque<Held>,
+    in_flight: InFlight<'a>,
+    acks: Vec<Vec<String>>,
+    rejects: Vec<(usize, String)>,
+    releases: Vec<(usize, String)>,
+    panicked: Vec<(usize, String, Option<Envelope>, String)>,
+    buckets: Vec<Option<Bucket>>,
+    processed: u64,
+    started: Instant,
+}
+
+impl<'a> Run<'a> {
+    fn new(ctx: &'a Ctx, options: Options, stop: StopHandle) -> Self {
+        let now = Instant::now();
+        Self {
+            ctx,
+            buckets: ctx
+                .receivers
+                .iter()
+                .map(|r| r.rate.map(|l| Bucket::new(l, now)))
+                .collect(),
+            acks: vec![Vec::new(); ctx.receivers.len()],
+            options,
+            stop,
+            buffer: VecDeque::new(),
+            in_flight: InFlight::default(),
+            rejects: Vec::new(),
+            releases: Vec::new(),
+            panicked: Vec::new(),
+            processed: 0,
+            started: now,
+        }
+    }
+
+    fn record(&mut self, finished: Finished) {
+        match finished {
+            Finished::Done(done) => {
+                self.processed += 1;
+                match done.action {
+                    Action::Ack => self.acks[done.receiver].push(done.id),
+                    Action::Reject => self.rejects.push((done.receiver, done.id)),
+                    Action::Release => self.releases.push((done.receiver, done.id)),
+                }
+            }
+            Finished::Panicked {
+                receiver,
+                id,
+                envelope,
+                message,
+            } => self.panicked.push((receiver, id, envelope, message)),
+        }
+    }
+
+    fn pending_acks(&self) -> usize {
+        self.acks.iter().map(Vec::len).sum()
+    }
+
+    fn transport_failed(&self, receiver: usize, operation: &'static str, error: &TransportError) {
+        self.ctx.events.emit(|| WorkerEvent::TransportFailed {
+            transport: self.ctx.receivers[receiver].name.clone(),
+            operation,
+            error: error.to_string(),
+        });
+    }
+
+    /// Parks panicked messages, then sends acknowledgements, rejections and
+    /// releases.
+    async fn flush(&mut self) {
+        for (receiver, id, envelope, message) in std::mem::take(&mut self.panicked) {
+            let done = self
+                .ctx
+                .park_panicked(receiver, id, envelope, message)
+                .await;
+            self.record(Finished::Done(done));
+        }
+        for receiver in 0..self.acks.len() {
+            if self.acks[receiver].is_empty() {
+                continue;
+            }
+            let ids = std::mem::take(&mut self.acks[receiver]);
+            let transport = &self.ctx.receivers[receiver].transport;
+            let result = if ids.len() == 1 {
+                transport.ack(&ids[0]).await
+            } else {
+                transport.ack_batch(&ids).await
+            };
+            if let Err(e) = result {
+                self.transport_failed(receiver, "ack", &e);
+            }
+            let mut ids = ids;
+            ids.clear();
+            self.acks[receiver] = ids;
+        }
+        for (receiver, id) in std::mem::take(&mut self.rejects) {
+            if let Err(e) = self.ctx.receivers[receiver].transport.reject(&id).await {
+                self.transport_failed(receiver, "reject", &e);
+            }
+        }
+        for (receiver, id) in std::mem::take(&mut self.releases) {
+            if let Err(e) = self.ctx.receivers[receiver].transport.release(&id).await {
+                self.transport_failed(receiver, "release", &e);
+            }
+        }
+    }
+
+    /// Gives back a message that will not be handled now.
+    fn give_back(&mut self, receiver: usize, id: String) {
+        bump(&self.ctx.counters.released);
+        self.ctx.events.emit(|| WorkerEvent::Released {
+            transport: self.ctx.receivers[receiver].name.clone(),
+            id: id.clone(),
+        });
+        self.releases.push((receiver, id));
+    }
+
+    /// Extends the leases of messages held longer than the interval.
+    async fn keepalive(&mut self, interval: Duration) {
+        let now = Instant::now();
+        let held: Vec<(usize, String)> = self
+            .buffer
+            .iter()
+            .map(|h| (h.receiver, &h.id, h.since))
+            .chain(
+                self.in_flight
+                    .tasks
+                    .iter()
+                    .map(|t| (t.receiver, &t.id, t.since)),
+            )
+            .filter(|(_, _, since)| now.saturating_duration_since(*since) >= interval)
+            .map(|(r, id, _)| (r, id.clone()))
+            .collect();
+        for (receiver, id) in held {
+            if let Err(e) = self.ctx.receivers[receiver].transport.keepalive(&id).await {
+                self.transport_failed(receiver, "keepalive", &e);
+            }
+        }
+    }
+
+    /// Asks the receivers, in priority order, for a batch; keeps the
+    /// messages in flight going meanwhile. Returns how many arrived, and
+    /// the shortest wait for a rate-limited receiver's next token.
+    async fn fetch(&mut self, budget: u64) -> (usize, Option<Duration>) {
+        let mut wait: Option<Duration> = None;
+        for receiver in 0..self.ctx.receivers.len() {
+            let mut want = self
+                .options
+                .batch_size
+                .min(budget.min(usize::MAX as u64) as usize);
+            if let Some(bucket) = &mut self.buckets[receiver] {
+                let tokens = bucket.available(Instant::now());
+                if tokens == 0 {
+                    let w = bucket.wait();
+                    wait = Some(wait.map_or(w, |x: Duration| x.min(w)));
+                    continue;
+                }
+                want = want.min(tokens);
+            }
+            if want == 0 {
+                break;
+            }
+            let ctx = self.ctx;
+            let get = ctx.receivers[receiver].get(want);
+            tokio::pin!(get);
+            let got = loop {
+                tokio::select! {
+                    biased;
+                    got = &mut get => break got,
+                    finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                        self.record(finished);
+                    }
+                }
+            };
+            match got {
+                Ok(batch) if !batch.is_empty() => {
+                    if let Some(bucket) = &mut self.buckets[receiver] {
+                        bucket.take(batch.len());
+                    }
+                    let n = batch.len();
+                    let since = Instant::now();
+                    self.buffer.extend(batch.into_iter().map(|d| Held {
+                        receiver,
+                        id: d.id,
+                        payload: d.payload,
+                        since,
+                    }));
+                    return (n, wait);
+                }
+                Ok(_) => {}
+                Err(e) => self.transport_failed(receiver, "get", &e),
+            }
+        }
+        (0, wait)
+    }
+
+    /// Whether every receiver is empty (a receiver that cannot count is
+    /// taken as empty once `get` returned nothing).
+    async fn all_empty(&self) -> bool {
+        for (i, r) in self.ctx.receivers.iter().enumerate() {
+            match r.transport.message_count().await {
+                Ok(0) | Err(TransportError::Unsupported(_)) => {}
+                Ok(_) => return false,
+                Err(e) => {
+                    self.transport_failed(i, "count", &e);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    fn limit_reached(&self, last_memory_check: &mut Option<Instant>) -> Option<StopReason> {
+        if self.stop.is_stopped() {
+            return Some(StopReason::Stopped);
+        }
+        let o = &self.options;
+        if o.message_limit.is_some_and(|n| self.processed >= n) {
+            return Some(StopReason::MessageLimit);
+        }
+        if o.failure_limit
+            .is_some_and(|n| self.ctx.counters.failed.load(Ordering::Relaxed) >= n)
+        {
+            return Some(StopReason::FailureLimit);
+        }
+        let now = Instant::now();
+        if o.time_limit
+            .is_some_and(|t| now.saturating_duration_since(self.started) >= t)
+        {
+            return Some(StopReason::TimeLimit);
+        }
+        if let Some(limit) = o.memory_limit {
+            if last_memory_check
+                .is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(1))
+            {
+                *last_memory_check = Some(now);
+                if resident_memory().is_some_and(|rss| rss > limit) {
+                    return Some(StopReason::MemoryLimit);
+                }
+            }
+        }
+        None
+    }
+
+    async fn run(mut self) -> WorkerReport {
+        let ctx = self.ctx;
+        ctx.events.emit(|| WorkerEvent::Started {
+            transports: ctx.receivers.iter().map(|r| r.name.to_string()).collect(),
+        });
+        let far = Duration::from_secs(86_400 * 365);
+        let mut stopped = self.stop.tx.subscribe();
+        let deadline =
+            tokio::time::sleep_until(self.started + self.options.time_limit.unwrap_or(far));
+        tokio::pin!(deadline);
+        let keepalive_every = self.options.keepalive_interval.filter(|d| !d.is_zero());
+        let mut ticker = tokio::time::interval_at(
+            self.started + keepalive_every.unwrap_or(far),
+            keepalive_every.unwrap_or(far),
+        );
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Checked at once, then about every second.
+        let mut memory_checked = None;
+        let reason = loop {
+            if let Some(reason) = self.limit_reached(&mut memory_checked) {
+                break reason;
+            }
+            // Start what the buffer holds, up to the concurrency.
+            while self.in_flight.len() < self.options.concurrency {
+                let Some(held) = self.buffer.pop_front() else {
+                    break;
+                };
+                self.in_flight.tasks.push(ctx.start(held));
+            }
+            // Harvest whatever finished without waiting.
+            loop {
+                tokio::select! {
+                    biased;
+                    finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
+                    _ = std::future::ready(()) => break,
+                }
+            }
+            if !self.panicked.is_empty()
+                || !self.rejects.is_empty()
+                || !self.releases.is_empty()
+                || self.pending_acks() >= self.options.batch_size
+                || (self.buffer.is_empty() && self.pending_acks() > 0)
+            {
+                self.flush().await;
+                continue;
+            }
+            let budget = self.options.message_limit.map_or(u64::MAX, |n| {
+                n.saturating_sub(
+                    self.processed + self.in_flight.len() as u64 + self.buffer.len() as u64,
+                )
+            });
+            if self.buffer.is_empty()
+                && self.in_flight.len() < self.options.concurrency
+                && budget > 0
+            {
+                let (n, token_wait) = self.fetch(budget).await;
+                if n > 0 {
+                    continue;
+                }
+                if self.in_flight.is_empty() && self.buffer.is_empty() {
+                    self.flush().await;
+                    if self.options.stop_when_empty
+                        && self.panicked.is_empty()
+                        && self.all_empty().await
+                    {
+                        break StopReason::Empty;
+                    }
+                }
+                let idle = token_wait.map_or(self.options.idle_sleep, |w| {
+                    w.max(Duration::from_millis(1)).min(self.options.idle_sleep)
+                });
+                let waits: Vec<BoxFuture<'_, ()>> = ctx
+                    .receivers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| {
+                        // A rate-limited receiver must not wake us before
+                        // its next token.
+                        if self.buckets[i].is_some() {
+                            Box::pin(tokio::time::sleep(idle)) as BoxFuture<'_, ()>
+                        } else {
+                            r.transport.wait_for_messages(idle)
+                        }
+                    })
+                    .collect();
+                tokio::select! {
+                    finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
+                    _ = stopped.changed() => {}
+                    _ = &mut deadline, if self.options.time_limit.is_some() => {}
+                    _ = ticker.tick(), if keepalive_every.is_some() => {
+                        if let Some(every) = keepalive_every { self.keepalive(every).await; }
+                    }
+                    _ = any(waits) => {}
+                }
+                continue;
+            }
+            // Full, or out of budget: wait for a message to finish.
+            tokio::select! {
+                finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
+                _ = stopped.changed() => {}
+                _ = &mut deadline, if self.options.time_limit.is_some() => {}
+                _ = ticker.tick(), if keepalive_every.is_some() => {
+                    if let Some(every) = keepalive_every { self.keepalive(every).await; }
+                }
+            }
+        };
+        self.shut_down(keepalive_every, &mut ticker).await;
+        let report = WorkerReport {
+            reason,
+            stats: ctx.counters.snapshot(),
+            elapsed: self.started.elapsed(),
+        };
+        ctx.events.emit(|| WorkerEvent::Stopped { report });
+        report
+    }
+
+    /// Releases what was not started, lets what is in flight finish within
+    /// the grace period, releases the rest, and flushes.
+    async fn shut_down(
+        &mut self,
+        keepalive_every: Option<Duration>,
+        ticker: &mut tokio::time::Interval,
+    ) {
+        for held in std::mem::take(&mut self.buffer) {
+            self.give_back(held.receiver, held.id);
+        }
+        let grace = tokio::time::sleep(self.options.grace_period);
+        tokio::pin!(grace);
+        while !self.in_flight.is_empty() {
+            tokio::select! {
+                finished = self.in_flight.next() => self.record(finished),
+                _ = &mut grace => break,
+                _ = ticker.tick(), if keepalive_every.is_some() => {
+                    if let Some(every) = keepalive_every { self.keepalive(every).await; }
+                }
+            }
+        }
+        for task in std::mem::take(&mut self.in_flight.tasks) {
+            drop(task.future);
+            self.give_back(task.receiver, task.id);
+        }
+        self.flush().await;
+    }
+}
