@@ -36,13 +36,21 @@
 //! # });
 //! ```
 
+use std::any::Any;
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
+
+use smallvec::SmallVec;
+use tracing::Instrument;
 
 use crate::bus::MessageBus;
 use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result};
 use crate::message::{Command, Event, MessageKind, Query};
+use crate::middleware::deadline::Deadline;
+use crate::middleware::metrics::{Metrics, MetricsGuard};
+use crate::middleware::span::{self, SpanAttributes};
 use crate::middleware::BoxFuture;
 use crate::stamp::{HandledStamp, HandlerResult, SentStamp};
 
@@ -192,41 +200,191 @@ fn run_layers<'a>(
     }
 }
 
+/// Which message kinds get a dispatch span.
+#[derive(Debug, Clone, Copy)]
+struct SpanKinds {
+    commands: bool,
+    queries: bool,
+    events: bool,
+}
+
+impl SpanKinds {
+    #[inline]
+    fn covers(self, side: MessageKind) -> bool {
+        match side {
+            MessageKind::Command => self.commands,
+            MessageKind::Query => self.queries,
+            MessageKind::Event => self.events,
+        }
+    }
+}
+
+/// A built-in layer, run inline without a box of its own.
+#[derive(Debug, Clone)]
+enum Builtin {
+    Metrics(Metrics),
+    Deadline(Deadline),
+}
+
+#[derive(Clone)]
+struct Options {
+    span: SpanKinds,
+    attributes: SpanAttributes,
+    /// The built-in layers given before any custom one, outermost first.
+    builtins: Vec<Builtin>,
+    /// Everything from the first custom layer on, outermost first.
+    layers: Arc<[Arc<dyn DispatchMiddleware>]>,
+}
+
 /// Dispatches typed messages on a [`MessageBus`] through seed-001
-/// middleware (applied in the order given, outermost first).
+/// middleware.
+///
+/// * The dispatch span ([`crate::middleware::span`]) is installed by
+///   default, outermost, for commands and queries; events opt in with
+///   [`span_events`](Self::span_events). Per-tag attributes come from
+///   [`span_attributes`](Self::span_attributes).
+/// * [`with`](Self::with) adds a [`DispatchMiddleware`]; middleware is
+///   applied in the order given, outermost first, inside the span.
+///   [`metrics()`](crate::middleware::metrics::metrics) and
+///   [`deadline(d)`](crate::middleware::deadline::deadline) are the
+///   built-in ones.
+///
+/// Configuring returns a new dispatcher and leaves the original as it was.
+///
+/// ```
+/// use envoi_core::middleware::{deadline::deadline, metrics::metrics, span::SpanAttributes};
+/// use envoi_core::{Command, Message, Messenger};
+/// use std::{convert::Infallible, time::Duration};
+///
+/// #[derive(Debug, Clone)]
+/// struct PlaceOrder { quantity: u32 }
+/// impl Message for PlaceOrder { const NAME: &'static str = "PlaceOrder"; }
+/// impl Command for PlaceOrder { type Output = (); type Error = Infallible; }
+///
+/// let messenger = Messenger::builder()
+///     .command_handler(|_: PlaceOrder| async { Ok::<_, Infallible>(()) })
+///     .build()
+///     .unwrap();
+/// let orders = messenger
+///     .dispatcher()
+///     .span_attributes(
+///         SpanAttributes::new().tag(|p: &PlaceOrder| [("order.quantity", p.quantity.into())]),
+///     )
+///     .with(metrics())
+///     .with(deadline(Duration::from_secs(5)));
+/// # let _ = orders;
+/// ```
 #[derive(Clone)]
 pub struct Dispatcher {
     bus: MessageBus,
-    layers: Arc<[Arc<dyn DispatchMiddleware>]>,
+    options: Arc<Options>,
 }
 
 impl fmt::Debug for Dispatcher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Dispatcher")
             .field("bus", &self.bus.name())
-            .field("layers", &self.layers.len())
+            .field("span", &self.options.span)
+            .field("builtins", &self.options.builtins)
+            .field("layers", &self.options.layers.len())
             .finish()
     }
 }
 
 impl Dispatcher {
-    /// A dispatcher on `bus` with no middleware of its own.
+    /// A dispatcher on `bus` with the default dispatch span (commands and
+    /// queries) and no middleware of its own.
     pub fn new(bus: MessageBus) -> Self {
         Self {
             bus,
-            layers: Arc::from(Vec::new()),
+            options: Arc::new(Options {
+                span: SpanKinds {
+                    commands: true,
+                    queries: true,
+                    events: false,
+                },
+                attributes: SpanAttributes::new(),
+                builtins: Vec::new(),
+                layers: Arc::from(Vec::new()),
+            }),
+        }
+    }
+
+    fn configure(&self, f: impl FnOnce(&mut Options)) -> Self {
+        let mut options = (*self.options).clone();
+        f(&mut options);
+        Self {
+            bus: self.bus.clone(),
+            options: Arc::new(options),
         }
     }
 
     /// A copy with `middleware` added after (inside) the existing ones.
-    #[must_use]
-    pub fn with(&self, middleware: impl DispatchMiddleware) -> Self {
-        let mut layers: Vec<_> = self.layers.to_vec();
-        layers.push(Arc::new(middleware));
-        Self {
-            bus: self.bus.clone(),
-            layers: layers.into(),
+    #[must_use = "`with` returns a new dispatcher"]
+    pub fn with<M: DispatchMiddleware>(&self, middleware: M) -> Self {
+        let mut slot = Some(middleware);
+        let any = &mut slot as &mut dyn Any;
+        if let Some(m) = any.downcast_mut::<Option<Metrics>>().and_then(Option::take) {
+            return self.push_builtin(Builtin::Metrics(m));
         }
+        if let Some(d) = any
+            .downcast_mut::<Option<Deadline>>()
+            .and_then(Option::take)
+        {
+            return self.push_builtin(Builtin::Deadline(d));
+        }
+        match slot {
+            Some(m) => self.with_arc(Arc::new(m)),
+            None => self.clone(),
+        }
+    }
+
+    /// A copy with a shared `middleware` added after (inside) the existing
+    /// ones.
+    #[must_use = "`with_arc` returns a new dispatcher"]
+    pub fn with_arc(&self, middleware: Arc<dyn DispatchMiddleware>) -> Self {
+        self.configure(|o| {
+            let mut layers = o.layers.to_vec();
+            layers.push(middleware);
+            o.layers = layers.into();
+        })
+    }
+
+    fn push_builtin(&self, builtin: Builtin) -> Self {
+        if !self.options.layers.is_empty() {
+            // Inside a custom layer: keep the order, run it as a layer.
+            return match builtin {
+                Builtin::Metrics(m) => self.with_arc(Arc::new(m)),
+                Builtin::Deadline(d) => self.with_arc(Arc::new(d)),
+            };
+        }
+        self.configure(|o| o.builtins.push(builtin))
+    }
+
+    /// A copy whose dispatch spans carry the attributes `attributes`
+    /// extracts (replacing any set before).
+    #[must_use = "`span_attributes` returns a new dispatcher"]
+    pub fn span_attributes(&self, attributes: SpanAttributes) -> Self {
+        self.configure(|o| o.attributes = attributes)
+    }
+
+    /// A copy that opens a dispatch span for events too (`true`) or not
+    /// (`false`, the default).
+    #[must_use = "`span_events` returns a new dispatcher"]
+    pub fn span_events(&self, enabled: bool) -> Self {
+        self.configure(|o| o.span.events = enabled)
+    }
+
+    /// A copy that opens no dispatch span at all.
+    #[must_use = "`without_span` returns a new dispatcher"]
+    pub fn without_span(&self) -> Self {
+        self.configure(|o| {
+            o.span = SpanKinds {
+                commands: false,
+                queries: false,
+                events: false,
+            }
+        })
     }
 
     /// The underlying bus.
@@ -234,16 +392,44 @@ impl Dispatcher {
         &self.bus
     }
 
-    /// Runs `envelope` through the layers and the bus.
+    /// Runs `envelope` through the span, the layers and the bus.
     pub async fn run(&self, envelope: Envelope) -> Result<Envelope> {
-        if self.layers.is_empty() {
-            return self.bus.dispatch(envelope).await;
-        }
         let ctx = DispatchContext {
             tag: envelope.message_name(),
             side: envelope.kind(),
         };
-        run_layers(&self.bus, &self.layers, ctx, &envelope).await
+        let span = if self.options.span.covers(ctx.side) {
+            span::open(ctx.side, ctx.tag, &envelope, &self.options.attributes)
+        } else {
+            None
+        };
+        match span {
+            None => self.run_layers(ctx, envelope).await,
+            Some(span) => {
+                let out = self
+                    .run_layers(ctx, envelope)
+                    .instrument(span.clone())
+                    .await;
+                span::close(&span, &out);
+                out
+            }
+        }
+    }
+
+    async fn run_layers(&self, ctx: DispatchContext, envelope: Envelope) -> Result<Envelope> {
+        if self.options.builtins.is_empty() {
+            self.run_custom(ctx, envelope).await
+        } else {
+            run_builtins(&self.options.builtins, ctx, self.run_custom(ctx, envelope)).await
+        }
+    }
+
+    async fn run_custom(&self, ctx: DispatchContext, envelope: Envelope) -> Result<Envelope> {
+        if self.options.layers.is_empty() {
+            self.bus.dispatch(envelope).await
+        } else {
+            run_layers(&self.bus, &self.options.layers, ctx, &envelope).await
+        }
     }
 
     /// Dispatches a command and returns its handler's output.
@@ -282,6 +468,52 @@ impl Dispatcher {
             Err(e) => Err(DispatchError::Infrastructure(e)),
         }
     }
+}
+
+/// Runs the built-in layers around `inner` in one future: metrics start
+/// their clocks outermost first and record innermost first; the earliest
+/// deadline (the outermost of equal ones) drops `inner` when it passes, and
+/// metrics inside it count the dispatch as cancelled, those outside as
+/// failed.
+async fn run_builtins<F>(builtins: &[Builtin], ctx: DispatchContext, inner: F) -> Result<Envelope>
+where
+    F: Future<Output = Result<Envelope>>,
+{
+    let mut guards: SmallVec<[(usize, MetricsGuard); 2]> = SmallVec::new();
+    let mut limit: Option<(usize, &Deadline)> = None;
+    for (i, builtin) in builtins.iter().enumerate() {
+        match builtin {
+            Builtin::Metrics(m) => {
+                if let Some(g) = m.start(ctx.tag, ctx.side) {
+                    guards.push((i, g));
+                }
+            }
+            Builtin::Deadline(d) => {
+                if limit.is_none_or(|(_, cur)| d.after() < cur.after()) {
+                    limit = Some((i, d));
+                }
+            }
+        }
+    }
+    let out = match limit {
+        None => inner.await,
+        Some((at, d)) => {
+            let timed = tokio::time::timeout(d.after(), inner).await;
+            match timed {
+                Ok(out) => out,
+                Err(_) => {
+                    for (_, g) in guards.iter_mut().filter(|(i, _)| *i > at) {
+                        g.cancel();
+                    }
+                    Err(d.exceeded(ctx.tag, ctx.side))
+                }
+            }
+        }
+    };
+    for (_, g) in guards.iter_mut().rev() {
+        g.finish(&out);
+    }
+    out
 }
 
 fn split_errors<E: std::error::Error + 'static>(

@@ -55,12 +55,15 @@
 //! ```
 
 pub mod add_bus_name;
+pub mod deadline;
 pub mod dispatch_after_current_bus;
 pub mod failed_message_processing;
 pub mod handle_message;
 pub mod hook;
+pub mod metrics;
 pub mod retry;
 pub mod send_message;
+pub mod span;
 pub mod stage;
 
 use std::borrow::Cow;
