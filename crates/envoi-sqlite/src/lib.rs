@@ -91,13 +91,24 @@
 //! for half the lease are given back, as are those held by a handle when it
 //! is dropped or [closed](SqliteTransport::close).
 //!
-//! A handle writes through one connection (SQLite has a single writer) and
-//! reads (`list`, `find`, `message_count`) through up to two more.
+//! ## Connections and group commit
+//!
+//! SQLite has a single writer, so each transport writes through one
+//! connection owned by a writer task (on the Tokio runtime it was opened
+//! in). Sends, claims, acks, releases and keepalives queue for it; what
+//! queued while it was busy is committed in one `BEGIN IMMEDIATE`
+//! transaction, so concurrent producers and consumers share commits instead
+//! of taking turns on the write lock (if any part fails, each operation is
+//! retried on its own, so one failure never fails the others). A lone
+//! operation runs on its own, as one statement. Reads (`list`, `find`,
+//! `message_count`) use up to two more connections.
 
 #![forbid(unsafe_code)]
 
 mod options;
+mod sql;
 mod transport;
+mod writer;
 
 use std::sync::Arc;
 
@@ -106,7 +117,8 @@ use envoi_core::transport::{Transport, TransportFactory};
 use envoi_core::TransportError;
 
 pub use options::SqliteOptions;
-pub use transport::{SqliteTransport, INVALID_HEADERS};
+pub use transport::SqliteTransport;
+pub use writer::INVALID_HEADERS;
 
 /// Creates [`SqliteTransport`]s from `sqlite://` DSNs.
 ///

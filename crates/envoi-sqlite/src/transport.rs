@@ -2,7 +2,6 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
-use std::path::Path;
 use std::pin::pin;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -11,39 +10,41 @@ use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
 use envoi_core::TransportError;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{AssertSqlSafe, Row};
-use tokio::sync::{Notify, OnceCell};
+use sqlx::{AssertSqlSafe, ConnectOptions};
+use tokio::sync::{mpsc, oneshot, Notify, OnceCell};
 
 use crate::options::{default_table, SqliteOptions, MAX_BATCH};
+use crate::sql::Statements;
+use crate::writer::{decode_row, NewRow, Op, Writer};
 
-/// Rows per multi-row `INSERT` in [`Transport::send_batch`]; the remainder
-/// goes through the single-row statement, so only two statements are ever
-/// prepared for inserting.
-const INSERT_CHUNK: usize = 64;
+/// Operations waiting for the writer before senders wait for room.
+const WRITER_QUEUE: usize = 1024;
 
 /// A transport storing its messages in a SQLite table.
 ///
 /// See the [crate docs](crate) for the schema, the DSN and what it
 /// guarantees. Cloning is cheap and gives another handle on the same
 /// connections.
+///
+/// Each transport runs a writer task on the Tokio runtime it was opened in;
+/// use it from that runtime.
 #[derive(Clone)]
 pub struct SqliteTransport {
     inner: Arc<Inner>,
 }
 
 struct Inner {
-    queue: String,
+    queue: Arc<str>,
     table: String,
     options: SqliteOptions,
-    /// One connection: SQLite has one writer, and queuing writers here is
-    /// cheaper than letting them wait on each other's locks.
-    writer: SqlitePool,
+    /// The writer task's queue: sends, claims, acks, releases, keepalives.
+    writer: mpsc::Sender<Op>,
     /// Listing and counting, which need not wait for writes.
     reader: SqlitePool,
-    sql: Statements,
+    sql: Arc<Statements>,
     /// Woken by sends and releases of every handle on the same queue in
     /// this process.
     notify: Arc<Notify>,
@@ -55,90 +56,6 @@ struct Inner {
 struct Buffered {
     delivery: Delivery,
     claimed_at: Instant,
-}
-
-struct Statements {
-    create_table: Arc<str>,
-    create_index: Arc<str>,
-    insert: Arc<str>,
-    insert_chunk: Arc<str>,
-    claim: Arc<str>,
-    ack: Arc<str>,
-    ack_many: Arc<str>,
-    release: Arc<str>,
-    release_many: Arc<str>,
-    keepalive: Arc<str>,
-    count: Arc<str>,
-    list: Arc<str>,
-    find: Arc<str>,
-}
-
-impl Statements {
-    fn new(table: &str) -> Self {
-        let t = format!("\"{table}\"");
-        let index = format!("\"{table}_claim\"");
-        let row = "(?, ?, ?, ?, ?)";
-        let rows = vec![row; INSERT_CHUNK].join(", ");
-        let s = |sql: String| Arc::<str>::from(sql);
-        Statements {
-            create_table: s(format!(
-                "CREATE TABLE IF NOT EXISTS {t} (
-                    id INTEGER PRIMARY KEY AUTOINCREMENT,
-                    queue_name TEXT NOT NULL,
-                    body BLOB NOT NULL,
-                    headers TEXT NOT NULL,
-                    created_at INTEGER NOT NULL,
-                    available_at INTEGER NOT NULL,
-                    delivered_at INTEGER,
-                    lease_until INTEGER
-                )"
-            )),
-            create_index: s(format!(
-                "CREATE INDEX IF NOT EXISTS {index} ON {t} (queue_name, available_at, id)"
-            )),
-            insert: s(format!(
-                "INSERT INTO {t} (queue_name, body, headers, created_at, available_at) VALUES {row}"
-            )),
-            insert_chunk: s(format!(
-                "INSERT INTO {t} (queue_name, body, headers, created_at, available_at) VALUES {rows} RETURNING id"
-            )),
-            // ?1 now, ?2 lease end, ?3 queue, ?4 how many.
-            claim: s(format!(
-                "UPDATE {t} SET delivered_at = ?1, lease_until = ?2, available_at = ?2
-                 WHERE id IN (
-                     SELECT id FROM {t}
-                     WHERE queue_name = ?3 AND available_at <= ?1
-                     ORDER BY available_at, id
-                     LIMIT ?4
-                 )
-                 RETURNING id, body, headers"
-            )),
-            ack: s(format!("DELETE FROM {t} WHERE id = ?1 AND queue_name = ?2")),
-            ack_many: s(format!(
-                "DELETE FROM {t} WHERE queue_name = ?2 AND id IN (SELECT value FROM json_each(?1))"
-            )),
-            release: s(format!(
-                "UPDATE {t} SET available_at = ?3, lease_until = NULL, delivered_at = NULL
-                 WHERE id = ?1 AND queue_name = ?2 AND lease_until IS NOT NULL"
-            )),
-            release_many: s(format!(
-                "UPDATE {t} SET available_at = ?3, lease_until = NULL, delivered_at = NULL
-                 WHERE queue_name = ?2 AND lease_until IS NOT NULL
-                   AND id IN (SELECT value FROM json_each(?1))"
-            )),
-            keepalive: s(format!(
-                "UPDATE {t} SET lease_until = ?3, available_at = ?3
-                 WHERE id = ?1 AND queue_name = ?2 AND lease_until IS NOT NULL"
-            )),
-            count: s(format!("SELECT COUNT(*) FROM {t} WHERE queue_name = ?1")),
-            list: s(format!(
-                "SELECT id, body, headers FROM {t} WHERE queue_name = ?1 ORDER BY id LIMIT ?2"
-            )),
-            find: s(format!(
-                "SELECT id, body, headers FROM {t} WHERE id = ?1 AND queue_name = ?2"
-            )),
-        }
-    }
 }
 
 fn q(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
@@ -154,7 +71,7 @@ fn db_error<'a>(
 
 /// Milliseconds since the Unix epoch: the clock every process sharing the
 /// database agrees on.
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
@@ -175,32 +92,6 @@ fn encode_headers(headers: &BTreeMap<String, String>) -> Result<String, Transpor
         return Ok("{}".to_string());
     }
     serde_json::to_string(headers).map_err(|e| TransportError::backend("encoding headers", e))
-}
-
-/// The header set on a delivery whose stored headers are not a JSON object
-/// of strings (the row was written by something else). The message is still
-/// handed out, so the worker can move it to the failure transport instead
-/// of the row blocking the queue.
-pub const INVALID_HEADERS: &str = "X-Envoi-Invalid-Headers";
-
-fn decode_row(row: &SqliteRow) -> Result<Delivery, sqlx::Error> {
-    let id: i64 = row.try_get(0)?;
-    let body: Vec<u8> = row.try_get(1)?;
-    let headers: &str = row.try_get(2)?;
-    let headers = if headers == "{}" {
-        BTreeMap::new()
-    } else {
-        serde_json::from_str(headers).unwrap_or_else(|e| {
-            BTreeMap::from([(
-                INVALID_HEADERS.to_string(),
-                format!("stored headers are not a JSON object of strings: {e}"),
-            )])
-        })
-    };
-    Ok(Delivery {
-        id: id.to_string(),
-        raw: RawMessage { body, headers },
-    })
 }
 
 /// One [`Notify`] per queue per process, so a send through one handle wakes
@@ -276,29 +167,34 @@ impl SqliteTransport {
                 e,
             )
         };
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .acquire_timeout(Duration::from_secs(60))
-            .connect_with(connect.clone())
-            .await
-            .map_err(opening)?;
+        let conn: SqliteConnection = connect.connect().await.map_err(opening)?;
         let reader = SqlitePoolOptions::new()
             .max_connections(2)
             .acquire_timeout(Duration::from_secs(60))
             .connect_lazy_with(connect);
-        let canonical = std::fs::canonicalize(&options.path)
-            .unwrap_or_else(|_| Path::new(&options.path).to_path_buf());
+        let canonical =
+            std::fs::canonicalize(&options.path).unwrap_or_else(|_| options.path.clone());
         let notify = shared_notify(format!("{}\0{table}\0{name}", canonical.display()));
+        let queue: Arc<str> = Arc::from(name);
+        let sql = Arc::new(Statements::new(&table));
+        let (tx, rx) = mpsc::channel(WRITER_QUEUE);
+        tokio::spawn(
+            Writer {
+                conn,
+                sql: Arc::clone(&sql),
+                queue: Arc::clone(&queue),
+                notify: Arc::clone(&notify),
+                rx,
+            }
+            .run(),
+        );
         Ok(SqliteTransport {
             inner: Arc::new(Inner {
-                queue: name.to_string(),
-                sql: Statements::new(&table),
+                queue,
+                sql,
                 table,
                 options,
-                writer,
+                writer: tx,
                 reader,
                 notify,
                 setup_done: OnceCell::new(),
@@ -322,17 +218,16 @@ impl SqliteTransport {
         &self.inner.options
     }
 
-    /// Closes the connections after releasing the messages claimed but not
-    /// yet handed out. Dropping the last handle does the same in the
-    /// background.
+    /// Gives back the messages claimed but not yet handed out, and closes
+    /// the read connections. Dropping the last handle gives them back too,
+    /// and stops the writer once its queue is empty.
     pub async fn close(&self) {
         let held = self.inner.drain_buffer();
         if !held.is_empty() {
-            if let Err(e) = self.inner.release_ids(&held).await {
+            if let Err(e) = self.inner.release_ids(held).await {
                 tracing::warn!(table = %self.inner.table, error = %e, "releasing prefetched messages failed");
             }
         }
-        self.inner.writer.close().await;
         self.inner.reader.close().await;
     }
 }
@@ -361,10 +256,27 @@ impl Inner {
             .collect()
     }
 
+    /// Queues `op` for the writer and waits for its outcome.
+    async fn write<T>(
+        &self,
+        context: &str,
+        op: impl FnOnce(oneshot::Sender<Result<T, sqlx::Error>>) -> Op,
+    ) -> Result<T, TransportError> {
+        let (reply, outcome) = oneshot::channel();
+        self.writer
+            .send(op(reply))
+            .await
+            .map_err(|_| TransportError::Closed)?;
+        outcome
+            .await
+            .map_err(|_| TransportError::Closed)?
+            .map_err(db_error(context, &self.table))
+    }
+
     async fn ensure_setup(&self) -> Result<(), TransportError> {
         if self.options.auto_setup {
             self.setup_done
-                .get_or_try_init(|| self.create())
+                .get_or_try_init(|| self.write("creating the table", Op::Setup))
                 .await
                 .map(|_| ())
         } else {
@@ -372,26 +284,7 @@ impl Inner {
         }
     }
 
-    async fn create(&self) -> Result<(), TransportError> {
-        let mut tx = self
-            .writer
-            .begin()
-            .await
-            .map_err(db_error("starting setup", &self.table))?;
-        sqlx::query(q(&self.sql.create_table))
-            .execute(&mut *tx)
-            .await
-            .map_err(db_error("creating the table", &self.table))?;
-        sqlx::query(q(&self.sql.create_index))
-            .execute(&mut *tx)
-            .await
-            .map_err(db_error("creating the claim index", &self.table))?;
-        tx.commit()
-            .await
-            .map_err(db_error("committing setup", &self.table))
-    }
-
-    /// Hands out up to `max` buffered deliveries, releasing those held so
+    /// Hands out up to `max` buffered deliveries, giving back those held so
     /// long that their lease may be running out.
     async fn take_buffered(&self, max: usize) -> Result<Vec<Delivery>, TransportError> {
         let (out, stale) = {
@@ -413,7 +306,7 @@ impl Inner {
             (out, stale)
         };
         if !stale.is_empty() {
-            self.release_ids(&stale).await?;
+            self.release_ids(stale).await?;
         }
         Ok(out)
     }
@@ -421,36 +314,17 @@ impl Inner {
     async fn claim(&self, max: usize) -> Result<Vec<Delivery>, TransportError> {
         let take = max.max(self.options.batch).min(MAX_BATCH);
         let now = now_ms();
-        let rows = sqlx::query(q(&self.sql.claim))
-            .bind(now)
-            .bind(now.saturating_add(ceil_ms(self.options.lease)))
-            .bind(&self.queue)
-            .bind(i64::try_from(take).unwrap_or(i64::MAX))
-            .fetch_all(&self.writer)
-            .await
-            .map_err(db_error("claiming messages", &self.table))?;
-        let claimed_at = Instant::now();
-        let mut deliveries = Vec::with_capacity(rows.len());
-        let mut ids = Vec::with_capacity(rows.len());
-        for row in &rows {
-            match decode_row(row) {
-                Ok(d) => deliveries.push(d),
-                Err(e) => {
-                    // A row that does not decode cannot be handed out; give it
-                    // back and report, instead of keeping it leased in silence.
-                    if let Ok(id) = row.try_get::<i64, _>(0) {
-                        ids.push(id);
-                    }
-                    tracing::error!(table = %self.table, error = %e, "a claimed row does not decode");
-                }
-            }
-        }
-        if !ids.is_empty() {
-            self.release_ids(&ids).await?;
-        }
-        // RETURNING gives no order: hand out oldest first.
-        deliveries.sort_by_key(|d| parse_id(&d.id).unwrap_or(i64::MAX));
+        let until = now.saturating_add(ceil_ms(self.options.lease));
+        let mut deliveries = self
+            .write("claiming messages", |reply| Op::Claim {
+                take,
+                now,
+                until,
+                reply,
+            })
+            .await?;
         if deliveries.len() > max {
+            let claimed_at = Instant::now();
             let rest = deliveries.split_off(max);
             self.lock_buffer()
                 .extend(rest.into_iter().map(|delivery| Buffered {
@@ -461,52 +335,28 @@ impl Inner {
         Ok(deliveries)
     }
 
-    async fn release_ids(&self, ids: &[i64]) -> Result<(), TransportError> {
-        let list =
-            serde_json::to_string(ids).map_err(|e| TransportError::backend("encoding ids", e))?;
-        sqlx::query(q(&self.sql.release_many))
-            .bind(list)
-            .bind(&self.queue)
-            .bind(now_ms())
-            .execute(&self.writer)
-            .await
-            .map_err(db_error("releasing messages", &self.table))?;
-        self.notify.notify_waiters();
-        Ok(())
+    async fn release_ids(&self, ids: Vec<i64>) -> Result<(), TransportError> {
+        let now = now_ms();
+        self.write("releasing messages", |reply| Op::Release {
+            ids,
+            now,
+            reply: Some(reply),
+        })
+        .await
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let held = self.drain_buffer();
-        if held.is_empty() {
-            return;
-        }
         // Give prefetched messages back at once rather than after the lease.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let (Ok(list), writer, sql, queue, notify) = (
-            serde_json::to_string(&held),
-            self.writer.clone(),
-            Arc::clone(&self.sql.release_many),
-            self.queue.clone(),
-            Arc::clone(&self.notify),
-        ) else {
-            return;
-        };
-        runtime.spawn(async move {
-            let released = sqlx::query(AssertSqlSafe(sql))
-                .bind(list)
-                .bind(queue)
-                .bind(now_ms())
-                .execute(&writer)
-                .await;
-            if released.is_ok() {
-                notify.notify_waiters();
-            }
-            writer.close().await;
-        });
+        let held = self.drain_buffer();
+        if !held.is_empty() {
+            let _ = self.writer.try_send(Op::Release {
+                ids: held,
+                now: now_ms(),
+                reply: None,
+            });
+        }
     }
 }
 
@@ -519,22 +369,19 @@ impl Transport for SqliteTransport {
         Box::pin(async move {
             let inner = &*self.inner;
             inner.ensure_setup().await?;
-            let headers = encode_headers(&message.headers)?;
             let now = now_ms();
-            let available = now.saturating_add(delay.map_or(0, ceil_ms));
-            let done = sqlx::query(q(&inner.sql.insert))
-                .bind(&inner.queue)
-                .bind(message.body)
-                .bind(headers)
-                .bind(now)
-                .bind(available)
-                .execute(&inner.writer)
-                .await
-                .map_err(db_error("inserting a message", &inner.table))?;
-            if available <= now {
-                inner.notify.notify_waiters();
-            }
-            Ok(done.last_insert_rowid().to_string())
+            let row = NewRow {
+                headers: encode_headers(&message.headers)?,
+                body: message.body,
+                created_at: now,
+                available_at: now.saturating_add(delay.map_or(0, ceil_ms)),
+            };
+            let ids = inner
+                .write("inserting a message", |reply| Op::Insert(vec![row], reply))
+                .await?;
+            ids.first()
+                .map(i64::to_string)
+                .ok_or_else(|| TransportError::backend("inserting a message", "no id returned"))
         })
     }
 
@@ -551,56 +398,23 @@ impl Transport for SqliteTransport {
             let now = now_ms();
             let mut rows = Vec::with_capacity(messages.len());
             for (message, delay) in messages {
-                let headers = encode_headers(&message.headers)?;
-                let available = now.saturating_add(delay.map_or(0, ceil_ms));
-                rows.push((message.body, headers, available));
+                rows.push(NewRow {
+                    headers: encode_headers(&message.headers)?,
+                    body: message.body,
+                    created_at: now,
+                    available_at: now.saturating_add(delay.map_or(0, ceil_ms)),
+                });
             }
-            let error = |what| db_error(what, &inner.table);
-            let mut tx = inner
-                .writer
-                .begin()
-                .await
-                .map_err(error("starting a batch"))?;
-            let mut ids: Vec<i64> = Vec::with_capacity(rows.len());
-            let mut rows = rows.into_iter().peekable();
-            let mut remaining = rows.len();
-            while remaining >= INSERT_CHUNK {
-                let mut query = sqlx::query(q(&inner.sql.insert_chunk));
-                for (body, headers, available) in rows.by_ref().take(INSERT_CHUNK) {
-                    query = query
-                        .bind(&inner.queue)
-                        .bind(body)
-                        .bind(headers)
-                        .bind(now)
-                        .bind(available);
-                }
-                let mut chunk: Vec<i64> = query
-                    .fetch_all(&mut *tx)
-                    .await
-                    .map_err(error("inserting a batch"))?
-                    .iter()
-                    .map(|r| r.try_get::<i64, _>(0))
-                    .collect::<Result<_, _>>()
-                    .map_err(error("reading the ids of a batch"))?;
-                // Ids grow in insertion order; RETURNING promises no order.
-                chunk.sort_unstable();
-                ids.extend(chunk);
-                remaining -= INSERT_CHUNK;
+            let n = rows.len();
+            let ids = inner
+                .write("inserting a batch", |reply| Op::Insert(rows, reply))
+                .await?;
+            if ids.len() != n {
+                return Err(TransportError::backend(
+                    "inserting a batch",
+                    format!("{} ids returned for {n} rows", ids.len()),
+                ));
             }
-            for (body, headers, available) in rows {
-                let done = sqlx::query(q(&inner.sql.insert))
-                    .bind(&inner.queue)
-                    .bind(body)
-                    .bind(headers)
-                    .bind(now)
-                    .bind(available)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(error("inserting a batch"))?;
-                ids.push(done.last_insert_rowid());
-            }
-            tx.commit().await.map_err(error("committing a batch"))?;
-            inner.notify.notify_waiters();
             Ok(ids.into_iter().map(|id| id.to_string()).collect())
         })
     }
@@ -634,13 +448,11 @@ impl Transport for SqliteTransport {
             let inner = &*self.inner;
             let row = parse_id(id).ok_or_else(|| TransportError::NotFound(id.to_string()))?;
             inner.ensure_setup().await?;
-            sqlx::query(q(&inner.sql.ack))
-                .bind(row)
-                .bind(&inner.queue)
-                .execute(&inner.writer)
+            inner
+                .write("acknowledging a message", |reply| {
+                    Op::Delete(vec![row], reply)
+                })
                 .await
-                .map_err(db_error("acknowledging a message", &inner.table))?;
-            Ok(())
         })
     }
 
@@ -657,14 +469,9 @@ impl Transport for SqliteTransport {
             }
             if !rows.is_empty() {
                 inner.ensure_setup().await?;
-                let list = serde_json::to_string(&rows)
-                    .map_err(|e| TransportError::backend("encoding ids", e))?;
-                sqlx::query(q(&inner.sql.ack_many))
-                    .bind(list)
-                    .bind(&inner.queue)
-                    .execute(&inner.writer)
-                    .await
-                    .map_err(db_error("acknowledging messages", &inner.table))?;
+                inner
+                    .write("acknowledging messages", |reply| Op::Delete(rows, reply))
+                    .await?;
             }
             match unknown {
                 Some(id) => Err(TransportError::NotFound(id.clone())),
@@ -678,15 +485,7 @@ impl Transport for SqliteTransport {
             let inner = &*self.inner;
             let row = parse_id(id).ok_or_else(|| TransportError::NotFound(id.to_string()))?;
             inner.ensure_setup().await?;
-            sqlx::query(q(&inner.sql.release))
-                .bind(row)
-                .bind(&inner.queue)
-                .bind(now_ms())
-                .execute(&inner.writer)
-                .await
-                .map_err(db_error("releasing a message", &inner.table))?;
-            inner.notify.notify_waiters();
-            Ok(())
+            inner.release_ids(vec![row]).await
         })
     }
 
@@ -695,21 +494,21 @@ impl Transport for SqliteTransport {
             let inner = &*self.inner;
             let row = parse_id(id).ok_or_else(|| TransportError::NotFound(id.to_string()))?;
             inner.ensure_setup().await?;
-            sqlx::query(q(&inner.sql.keepalive))
-                .bind(row)
-                .bind(&inner.queue)
-                .bind(now_ms().saturating_add(ceil_ms(inner.options.lease)))
-                .execute(&inner.writer)
+            let until = now_ms().saturating_add(ceil_ms(inner.options.lease));
+            inner
+                .write("extending a lease", |reply| Op::Keepalive {
+                    id: row,
+                    until,
+                    reply,
+                })
                 .await
-                .map_err(db_error("extending a lease", &inner.table))?;
-            Ok(())
         })
     }
 
     fn setup(&self) -> BoxFuture<'_, Result<(), TransportError>> {
         Box::pin(async move {
             let inner = &*self.inner;
-            inner.create().await?;
+            inner.write("creating the table", Op::Setup).await?;
             let _ = inner.setup_done.set(());
             Ok(())
         })

@@ -1,0 +1,90 @@
+//! The SQL, written once per table when a transport is opened.
+
+use std::sync::Arc;
+
+use crate::writer::INSERT_CHUNK;
+
+/// Every statement, written once per table.
+pub(crate) struct Statements {
+    pub(crate) create_table: Arc<str>,
+    pub(crate) create_index: Arc<str>,
+    pub(crate) insert: Arc<str>,
+    pub(crate) insert_chunk: Arc<str>,
+    pub(crate) claim: Arc<str>,
+    pub(crate) ack: Arc<str>,
+    pub(crate) ack_many: Arc<str>,
+    pub(crate) release: Arc<str>,
+    pub(crate) release_many: Arc<str>,
+    pub(crate) keepalive: Arc<str>,
+    pub(crate) count: Arc<str>,
+    pub(crate) list: Arc<str>,
+    pub(crate) find: Arc<str>,
+}
+
+impl Statements {
+    pub(crate) fn new(table: &str) -> Self {
+        let t = format!("\"{table}\"");
+        let index = format!("\"{table}_claim\"");
+        let row = "(?, ?, ?, ?, ?)";
+        let rows = vec![row; INSERT_CHUNK].join(", ");
+        let s = |sql: String| Arc::<str>::from(sql);
+        Statements {
+            create_table: s(format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    id INTEGER PRIMARY KEY AUTOINCREMENT,
+                    queue_name TEXT NOT NULL,
+                    body BLOB NOT NULL,
+                    headers TEXT NOT NULL,
+                    created_at INTEGER NOT NULL,
+                    available_at INTEGER NOT NULL,
+                    delivered_at INTEGER,
+                    lease_until INTEGER
+                )"
+            )),
+            create_index: s(format!(
+                "CREATE INDEX IF NOT EXISTS {index} ON {t} (queue_name, available_at, id)"
+            )),
+            insert: s(format!(
+                "INSERT INTO {t} (queue_name, body, headers, created_at, available_at) VALUES {row}"
+            )),
+            insert_chunk: s(format!(
+                "INSERT INTO {t} (queue_name, body, headers, created_at, available_at) VALUES {rows} RETURNING id"
+            )),
+            // ?1 now, ?2 lease end, ?3 queue, ?4 how many.
+            claim: s(format!(
+                "UPDATE {t} SET delivered_at = ?1, lease_until = ?2, available_at = ?2
+                 WHERE id IN (
+                     SELECT id FROM {t}
+                     WHERE queue_name = ?3 AND available_at <= ?1
+                     ORDER BY available_at, id
+                     LIMIT ?4
+                 )
+                 RETURNING id, body, headers"
+            )),
+            ack: s(format!("DELETE FROM {t} WHERE id = ?1 AND queue_name = ?2")),
+            ack_many: s(format!(
+                "DELETE FROM {t} WHERE queue_name = ?2 AND id IN (SELECT value FROM json_each(?1))"
+            )),
+            release: s(format!(
+                "UPDATE {t} SET available_at = ?3, lease_until = NULL, delivered_at = NULL
+                 WHERE id = ?1 AND queue_name = ?2 AND lease_until IS NOT NULL"
+            )),
+            release_many: s(format!(
+                "UPDATE {t} SET available_at = ?3, lease_until = NULL, delivered_at = NULL
+                 WHERE queue_name = ?2 AND lease_until IS NOT NULL
+                   AND id IN (SELECT value FROM json_each(?1))"
+            )),
+            keepalive: s(format!(
+                "UPDATE {t} SET lease_until = ?3, available_at = ?3
+                 WHERE id = ?1 AND queue_name = ?2 AND lease_until IS NOT NULL"
+            )),
+            count: s(format!("SELECT COUNT(*) FROM {t} WHERE queue_name = ?1")),
+            list: s(format!(
+                "SELECT id, body, headers FROM {t} WHERE queue_name = ?1 ORDER BY id LIMIT ?2"
+            )),
+            find: s(format!(
+                "SELECT id, body, headers FROM {t} WHERE id = ?1 AND queue_name = ?2"
+            )),
+        }
+    }
+}
