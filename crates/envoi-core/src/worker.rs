@@ -1467,7 +1467,7 @@ impl<'a> Run<'a> {
 
     /// Whether every receiver is empty (a receiver that cannot count is
     /// taken as empty once `get` returned nothing).
-    async fn all_empty(&self) -> bool {
+    async fn all_empty(&mut self) -> bool {
         for (i, r) in self.ctx.receivers.iter().enumerate() {
             match r.transport.message_count().await {
                 Ok(0) | Err(TransportError::Unsupported(_)) => {}
@@ -1557,6 +1557,10 @@ impl<'a> Run<'a> {
                 || (self.buffer.is_empty() && self.pending_acks() > 0)
             {
                 self.flush().await;
+                continue;
+            }
+            if !self.buffer.is_empty() && self.in_flight.len() < self.options.concurrency {
+                // Room freed up while harvesting: start more first.
                 continue;
             }
             let budget = self.options.message_limit.map_or(u64::MAX, |n| {
@@ -1655,5 +1659,65 @@ impl<'a> Run<'a> {
             self.give_back(task.receiver, task.id);
         }
         self.flush().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send<T: Send>(_: &T) {}
+
+    #[test]
+    fn run_is_a_send_future_so_a_worker_can_be_spawned() {
+        let messenger = Messenger::builder()
+            .transport(
+                "async",
+                Arc::new(crate::in_memory::InMemoryTransport::new()),
+            )
+            .build()
+            .unwrap();
+        let worker = Worker::builder(&messenger)
+            .receiver("async")
+            .build()
+            .unwrap();
+        let run = worker.run();
+        assert_send(&run);
+    }
+
+    #[test]
+    fn a_bucket_refills_one_token_per_period_share() {
+        let start = Instant::now();
+        let mut b = Bucket::new(RateLimit::new(4, Duration::from_secs(1)), start);
+        assert_eq!(b.available(start), 4);
+        b.take(4);
+        assert_eq!(b.available(start), 0);
+        assert_eq!(b.wait(), Duration::from_millis(250));
+        assert_eq!(b.available(start + Duration::from_millis(500)), 2);
+        assert_eq!(b.available(start + Duration::from_secs(10)), 4, "capped");
+    }
+
+    #[test]
+    fn appending_a_stamp_header_keeps_what_was_there() {
+        let mut raw = RawMessage::default();
+        raw.headers
+            .insert("X-Message-Stamp-Delay".into(), r#"[{"ms":1}]"#.into());
+        append_stamp_header(&mut raw, &DelayStamp { ms: 2 });
+        assert_eq!(
+            raw.header("X-Message-Stamp-Delay"),
+            Some(r#"[{"ms":1},{"ms":2}]"#)
+        );
+        raw.headers
+            .insert("X-Message-Stamp-Delay".into(), "garbage".into());
+        append_stamp_header(&mut raw, &DelayStamp { ms: 3 });
+        assert_eq!(raw.header("X-Message-Stamp-Delay"), Some(r#"[{"ms":3}]"#));
+        assert_eq!(raw.header("X-Malformed-Stamp-Delay"), Some("garbage"));
+    }
+
+    #[test]
+    fn resident_memory_is_read_on_linux() {
+        if cfg!(target_os = "linux") {
+            assert!(resident_memory().is_some_and(|b| b > 0));
+        }
     }
 }

@@ -1,0 +1,699 @@
+//! The worker: undecodable messages, limits, graceful stop, events,
+//! priorities, concurrency, rate limits, leases and panics.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use envoi_core::in_memory::{InMemoryConfig, InMemoryTransport};
+use envoi_core::stamp::{ErrorDetailsStamp, SentToFailureTransportStamp};
+use envoi_core::transport::{Payload, RawMessage, Transport};
+use envoi_core::worker::{
+    RateLimit, StopHandle, StopReason, Worker, WorkerError, WorkerEvent, WorkerReport,
+};
+use envoi_core::{Command, Envelope, Message, Messenger};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Job {
+    n: u32,
+}
+impl Message for Job {
+    const NAME: &'static str = "Job";
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("job failed")]
+struct JobFailed;
+
+impl Command for Job {
+    type Output = ();
+    type Error = JobFailed;
+}
+
+fn memory() -> Arc<InMemoryTransport> {
+    Arc::new(InMemoryTransport::new())
+}
+
+/// Records the jobs handled, in order.
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<Vec<u32>>>);
+
+impl Seen {
+    fn handler(&self, delay: Duration) -> impl Fn(Job) -> BoxedUnit + Send + Sync + 'static {
+        let seen = self.0.clone();
+        move |job: Job| {
+            let seen = seen.clone();
+            Box::pin(async move {
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                seen.lock().unwrap().push(job.n);
+                Ok(())
+            })
+        }
+    }
+
+    fn get(&self) -> Vec<u32> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+type BoxedUnit =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), JobFailed>> + Send + 'static>>;
+
+async fn send_jobs(messenger: &Messenger, range: std::ops::Range<u32>) {
+    for n in range {
+        messenger.dispatcher().dispatch(Job { n }).await.unwrap();
+    }
+}
+
+fn messenger_with(
+    seen: &Seen,
+    delay: Duration,
+    transports: &[(&str, Arc<InMemoryTransport>)],
+    failure: Option<&str>,
+) -> Messenger {
+    let mut b = Messenger::builder().command_handler(seen.handler(delay));
+    for (name, t) in transports {
+        b = b.transport(*name, t.clone());
+    }
+    b = b.route::<Job>(transports[0].0);
+    if let Some(f) = failure {
+        b = b.failure_transport(f);
+    }
+    b.build().unwrap()
+}
+
+fn raw(type_name: &str, body: &[u8]) -> RawMessage {
+    RawMessage {
+        body: body.to_vec(),
+        headers: [
+            ("type".to_string(), type_name.to_string()),
+            ("X-Message-Stamp-Trace".to_string(), "[1]".to_string()),
+        ]
+        .into(),
+    }
+}
+
+async fn drain(worker: envoi_core::worker::WorkerBuilder) -> WorkerReport {
+    worker
+        .stop_when_empty()
+        .idle_sleep(Duration::from_millis(5))
+        .build()
+        .unwrap()
+        .run()
+        .await
+}
+
+#[tokio::test]
+async fn undecodable_messages_are_parked_with_the_reason_and_the_worker_goes_on() {
+    let seen = Seen::default();
+    let queue = memory();
+    let failed = memory();
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(Duration::ZERO))
+        .transport("async", queue.clone())
+        .transport("failed", failed.clone())
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .max_body_size(64)
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..1).await;
+    queue.send(raw("Unknown", b"{}"), None).await.unwrap();
+    queue.send(raw("Job", b"{\"n\": oops"), None).await.unwrap();
+    queue.send(raw("Job", &[b' '; 100]), None).await.unwrap();
+    send_jobs(&messenger, 1..2).await;
+
+    let report = drain(Worker::builder(&messenger).receiver("async")).await;
+    assert_eq!(
+        seen.get(),
+        [0, 1],
+        "the good messages around them were handled"
+    );
+    assert_eq!((report.stats.handled, report.stats.failed), (2, 3));
+    assert_eq!(queue.message_count().await.unwrap(), 0);
+
+    let parked = failed.list(10).await.unwrap();
+    assert_eq!(parked.len(), 3, "nothing lost");
+    let kinds: Vec<String> = parked
+        .iter()
+        .map(|d| {
+            let details: Vec<ErrorDetailsStamp> =
+                serde_json::from_str(d.raw.header("X-Message-Stamp-ErrorDetails").unwrap())
+                    .unwrap();
+            details[0].kind.clone()
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "decode:unknown_type",
+            "decode:malformed",
+            "decode:too_large"
+        ]
+    );
+    // Kept as they were, plus the stamps saying where they came from.
+    assert_eq!(parked[0].raw.body, b"{}");
+    assert_eq!(parked[0].raw.header("X-Message-Stamp-Trace"), Some("[1]"));
+    let origin: Vec<SentToFailureTransportStamp> = serde_json::from_str(
+        parked[0]
+            .raw
+            .header("X-Message-Stamp-SentToFailureTransport")
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(origin[0].original_transport, "async");
+}
+
+#[tokio::test]
+async fn without_a_failure_transport_an_undecodable_message_is_rejected_with_an_event() {
+    let seen = Seen::default();
+    let queue = memory();
+    let messenger = messenger_with(&seen, Duration::ZERO, &[("async", queue.clone())], None);
+    queue.send(raw("Unknown", b"{}"), None).await.unwrap();
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let log = events.clone();
+    let report = drain(Worker::builder(&messenger).receiver("async").listener(
+        move |e: &WorkerEvent| {
+            if let WorkerEvent::Failed {
+                kind,
+                parked_in,
+                message,
+                ..
+            } = e
+            {
+                log.lock().unwrap().push((
+                    message.to_string(),
+                    kind.to_string(),
+                    parked_in.clone(),
+                ));
+            }
+        },
+    ))
+    .await;
+    assert_eq!(report.stats.failed, 1);
+    assert_eq!(queue.rejected(), 1);
+    assert_eq!(
+        *events.lock().unwrap(),
+        [(
+            "Unknown".to_string(),
+            "decode:unknown_type".to_string(),
+            None
+        )]
+    );
+}
+
+#[tokio::test]
+async fn the_message_limit_stops_the_worker_and_leaves_the_rest() {
+    let seen = Seen::default();
+    let queue = memory();
+    let messenger = messenger_with(&seen, Duration::ZERO, &[("async", queue.clone())], None);
+    send_jobs(&messenger, 0..10).await;
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .message_limit(3)
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::MessageLimit);
+    assert_eq!(seen.get(), [0, 1, 2]);
+    assert_eq!(queue.message_count().await.unwrap(), 7);
+    assert_eq!(queue.get(10).await.unwrap().len(), 7, "none left leased");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_time_limit_stops_an_idle_worker() {
+    let seen = Seen::default();
+    let messenger = messenger_with(&seen, Duration::ZERO, &[("async", memory())], None);
+    let start = Instant::now();
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .time_limit(Duration::from_secs(3))
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::TimeLimit);
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_secs(3) && took < Duration::from_secs(4),
+        "{took:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_failure_limit_stops_the_worker() {
+    let queue = memory();
+    let messenger = Messenger::builder()
+        .command_handler(|_: Job| async { Err::<(), _>(JobFailed) })
+        .transport("async", queue.clone())
+        .route::<Job>("async")
+        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+            max_retries: 0,
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..5).await;
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .failure_limit(2)
+        .batch_size(1)
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::FailureLimit);
+    assert_eq!(report.stats.failed, 2);
+    assert_eq!(queue.message_count().await.unwrap(), 3);
+}
+
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn the_memory_limit_stops_the_worker() {
+    let seen = Seen::default();
+    let messenger = messenger_with(&seen, Duration::ZERO, &[("async", memory())], None);
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .memory_limit(1024)
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::MemoryLimit);
+}
+
+#[tokio::test]
+async fn a_graceful_stop_lets_handlers_finish_and_releases_the_rest() {
+    let seen = Seen::default();
+    let queue = memory();
+    let messenger = messenger_with(
+        &seen,
+        Duration::from_millis(30),
+        &[("async", queue.clone())],
+        None,
+    );
+    send_jobs(&messenger, 0..40).await;
+    let stop = StopHandle::new();
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .concurrency(4)
+        .batch_size(8)
+        .stop_handle(stop.clone())
+        .grace_period(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let progress = worker.progress();
+    let running = tokio::spawn(worker.run());
+    while progress.snapshot().handled < 6 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stop.stop();
+    let report = running.await.unwrap();
+    assert_eq!(report.reason, StopReason::Stopped);
+    let first = seen.get();
+    assert_eq!(first.len() as u64, report.stats.handled);
+    assert!(report.stats.released > 0, "{report:?}");
+    assert_eq!(
+        queue.message_count().await.unwrap(),
+        40 - report.stats.handled,
+        "handled ones acknowledged, the rest waiting"
+    );
+    // Nothing is leased any more: a second worker gets every remaining one.
+    drain(Worker::builder(&messenger).receiver("async").concurrency(8)).await;
+    let mut all = seen.get();
+    all.sort_unstable();
+    assert_eq!(all, (0..40).collect::<Vec<_>>(), "each exactly once");
+}
+
+#[tokio::test]
+async fn handlers_still_running_after_the_grace_period_are_released_not_lost() {
+    let seen = Seen::default();
+    let queue = memory();
+    let messenger = messenger_with(
+        &seen,
+        Duration::from_secs(3600),
+        &[("async", queue.clone())],
+        None,
+    );
+    send_jobs(&messenger, 0..3).await;
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .concurrency(2)
+        .grace_period(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let mut events = worker.subscribe();
+    let running = tokio::spawn(worker.run());
+    // Wait until both handlers started.
+    let mut started = 0;
+    while started < 2 {
+        if let WorkerEvent::Received { .. } = events.recv().await.unwrap() {
+            started += 1;
+        }
+    }
+    stop.stop();
+    let report = running.await.unwrap();
+    assert_eq!(report.stats.handled, 0);
+    assert_eq!(report.stats.released, 3);
+    assert_eq!(queue.get(10).await.unwrap().len(), 3, "all available again");
+}
+
+#[tokio::test]
+async fn events_tell_the_whole_story() {
+    let queue = memory();
+    let failed = memory();
+    let calls = Arc::new(AtomicU32::new(0));
+    let counted = calls.clone();
+    let messenger = Messenger::builder()
+        .command_handler(move |job: Job| {
+            let n = counted.fetch_add(1, Ordering::SeqCst);
+            async move {
+                match job.n {
+                    // Fails once, then succeeds.
+                    1 if n < 2 => Err(JobFailed),
+                    // Always fails.
+                    2 => Err(JobFailed),
+                    _ => Ok(()),
+                }
+            }
+        })
+        .transport("async", queue.clone())
+        .transport("failed", failed.clone())
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+            max_retries: 1,
+            delay: Duration::from_millis(1),
+            jitter: 0.0,
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..3).await;
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .stop_when_empty()
+        .idle_sleep(Duration::from_millis(5))
+        .build()
+        .unwrap();
+    let mut rx = worker.subscribe();
+    let report = worker.run().await;
+    let mut names = Vec::new();
+    let mut per_job: BTreeMap<u32, Vec<&'static str>> = BTreeMap::new();
+    while let Ok(e) = rx.try_recv() {
+        let (name, envelope) = match &e {
+            WorkerEvent::Started { transports } => {
+                assert_eq!(transports, &["async"]);
+                ("started", None)
+            }
+            WorkerEvent::Received { .. } => ("received", None),
+            WorkerEvent::Handled { envelope, .. } => ("handled", Some(envelope.clone())),
+            WorkerEvent::Retried {
+                envelope,
+                retry_count,
+                ..
+            } => {
+                assert_eq!(*retry_count, 1);
+                ("retried", Some(envelope.clone()))
+            }
+            WorkerEvent::Failed {
+                envelope,
+                parked_in,
+                ..
+            } => {
+                assert_eq!(parked_in.as_deref(), Some("failed"));
+                ("failed", envelope.clone())
+            }
+            WorkerEvent::Stopped { report: r } => {
+                assert_eq!(r, &report);
+                ("stopped", None)
+            }
+            other => panic!("unexpected event {other:?}"),
+        };
+        names.push(name);
+        if let Some(e) = envelope {
+            per_job
+                .entry(e.message::<Job>().unwrap().n)
+                .or_default()
+                .push(name);
+        }
+    }
+    assert_eq!(names.first(), Some(&"started"));
+    assert_eq!(names.last(), Some(&"stopped"));
+    assert_eq!(names.iter().filter(|n| **n == "received").count(), 5);
+    assert_eq!(per_job[&0], ["handled"]);
+    assert_eq!(per_job[&1], ["retried", "handled"]);
+    assert_eq!(per_job[&2], ["retried", "failed"]);
+    assert_eq!(
+        (
+            report.stats.handled,
+            report.stats.retried,
+            report.stats.failed
+        ),
+        (2, 2, 1)
+    );
+}
+
+#[tokio::test]
+async fn receivers_are_read_in_priority_order() {
+    let seen = Seen::default();
+    let (high, low) = (memory(), memory());
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(Duration::ZERO))
+        .transport("high", high.clone())
+        .transport("low", low.clone())
+        .build()
+        .unwrap();
+    let sender = |t: &Arc<InMemoryTransport>, n: u32| {
+        let t = t.clone();
+        let e = Envelope::new(Job { n });
+        async move {
+            envoi_core::transport::LocalTransport::send_envelope(&*t, e)
+                .await
+                .unwrap();
+        }
+    };
+    for n in 0..5 {
+        sender(&low, 100 + n).await;
+        sender(&high, n).await;
+    }
+    drain(
+        Worker::builder(&messenger)
+            .receivers(["high", "low"])
+            .batch_size(2),
+    )
+    .await;
+    assert_eq!(seen.get(), [0, 1, 2, 3, 4, 100, 101, 102, 103, 104]);
+}
+
+#[tokio::test]
+async fn no_more_handlers_run_at_once_than_the_concurrency() {
+    let current = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let (c, p) = (current.clone(), peak.clone());
+    let messenger = Messenger::builder()
+        .command_handler(move |_: Job| {
+            let (c, p) = (c.clone(), p.clone());
+            async move {
+                let now = c.fetch_add(1, Ordering::SeqCst) + 1;
+                p.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                c.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .transport("async", memory())
+        .route::<Job>("async")
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..24).await;
+    let report = drain(Worker::builder(&messenger).receiver("async").concurrency(3)).await;
+    assert_eq!(report.stats.handled, 24);
+    assert_eq!(peak.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rate_limit_spreads_the_messages_over_time() {
+    let seen = Seen::default();
+    let messenger = messenger_with(&seen, Duration::ZERO, &[("async", memory())], None);
+    send_jobs(&messenger, 0..15).await;
+    let start = Instant::now();
+    let report = drain(
+        Worker::builder(&messenger)
+            .receiver("async")
+            .rate_limit("async", RateLimit::per_second(5)),
+    )
+    .await;
+    let took = start.elapsed();
+    assert_eq!(report.stats.handled, 15);
+    // Five at once, then one every 200 ms.
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_millis(2600),
+        "{took:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_message_held_by_a_worker_that_died_is_redelivered_after_its_lease() {
+    let queue = Arc::new(InMemoryTransport::with_config({
+        let mut c = InMemoryConfig::default();
+        c.lease_timeout = Duration::from_millis(1000);
+        c
+    }));
+    let stuck = Arc::new(AtomicBool::new(true));
+    let seen = Seen::default();
+    let (s, record) = (stuck.clone(), seen.0.clone());
+    let messenger = Messenger::builder()
+        .command_handler(move |job: Job| {
+            let (s, record) = (s.clone(), record.clone());
+            async move {
+                if s.load(Ordering::SeqCst) {
+                    std::future::pending::<()>().await;
+                }
+                record.lock().unwrap().push(job.n);
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .transport("async", queue.clone())
+        .route::<Job>("async")
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..3).await;
+    // A worker that takes everything and then dies without a word.
+    let dying = Worker::builder(&messenger)
+        .receiver("async")
+        .concurrency(3)
+        .keepalive_interval(None)
+        .build()
+        .unwrap();
+    let progress = dying.progress();
+    tokio::select! {
+        _ = dying.run() => panic!("the stuck worker cannot finish"),
+        _ = async {
+            while progress.snapshot().received < 3 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        } => {}
+    }
+    assert!(queue.get(10).await.unwrap().is_empty(), "still leased");
+    stuck.store(false, Ordering::SeqCst);
+    drain(Worker::builder(&messenger).receiver("async")).await;
+    let mut got = seen.get();
+    got.sort_unstable();
+    assert_eq!(got, [0, 1, 2]);
+}
+
+#[tokio::test]
+async fn keepalive_stops_a_slow_handler_s_message_from_being_redelivered() {
+    let queue = Arc::new(InMemoryTransport::with_config({
+        let mut c = InMemoryConfig::default();
+        c.lease_timeout = Duration::from_millis(500);
+        c
+    }));
+    let seen = Seen::default();
+    let messenger = messenger_with(
+        &seen,
+        Duration::from_millis(1500),
+        &[("async", queue.clone())],
+        None,
+    );
+    send_jobs(&messenger, 0..1).await;
+    let worker = |name: &str| {
+        let _ = name;
+        Worker::builder(&messenger)
+            .receiver("async")
+            .keepalive_interval(Some(Duration::from_millis(25)))
+            .time_limit(Duration::from_millis(2200))
+            .idle_sleep(Duration::from_millis(10))
+            .build()
+            .unwrap()
+            .run()
+    };
+    let (a, b) = tokio::join!(worker("a"), worker("b"));
+    assert_eq!(a.stats.received + b.stats.received, 1);
+    assert_eq!(seen.get(), [0]);
+    assert_eq!(queue.message_count().await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn a_panicking_handler_is_parked_and_the_worker_goes_on() {
+    let failed = memory();
+    let messenger = Messenger::builder()
+        .command_handler(|job: Job| async move {
+            if job.n == 1 {
+                panic!("handler bug on job 1");
+            }
+            Ok::<_, JobFailed>(())
+        })
+        .transport("async", memory())
+        .transport("failed", failed.clone())
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..3).await;
+    let report = drain(Worker::builder(&messenger).receiver("async")).await;
+    assert_eq!((report.stats.handled, report.stats.failed), (2, 1));
+    let parked = failed.stored();
+    let Payload::Envelope(e) = &parked[0].payload else {
+        panic!("expected an envelope")
+    };
+    assert_eq!(e.message::<Job>(), Some(&Job { n: 1 }));
+    let details = e.last::<ErrorDetailsStamp>().unwrap();
+    assert_eq!(details.kind, "panic");
+    assert_eq!(details.message, "handler bug on job 1");
+}
+
+#[tokio::test]
+async fn building_a_worker_checks_its_configuration() {
+    let seen = Seen::default();
+    let messenger = messenger_with(&seen, Duration::ZERO, &[("async", memory())], None);
+    let err = |b: envoi_core::worker::WorkerBuilder| b.build().unwrap_err();
+    assert_eq!(err(Worker::builder(&messenger)), WorkerError::NoReceivers);
+    assert_eq!(
+        err(Worker::builder(&messenger).receiver("nope")),
+        WorkerError::UnknownTransport("nope".into())
+    );
+    assert!(matches!(
+        err(Worker::builder(&messenger).receiver("async").concurrency(0)),
+        WorkerError::InvalidOption(_)
+    ));
+    assert!(matches!(
+        err(Worker::builder(&messenger)
+            .receiver("async")
+            .rate_limit("other", RateLimit::per_second(1))),
+        WorkerError::InvalidOption(_)
+    ));
+}
+
+#[tokio::test]
+async fn one_stop_handle_stops_several_workers() {
+    let seen = Seen::default();
+    let messenger = messenger_with(&seen, Duration::ZERO, &[("async", memory())], None);
+    let stop = StopHandle::new();
+    let worker = || {
+        Worker::builder(&messenger)
+            .receiver("async")
+            .stop_handle(stop.clone())
+            .build()
+            .unwrap()
+            .run()
+    };
+    let stopper = stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        stopper.stop();
+    });
+    let (a, b) = tokio::join!(worker(), worker());
+    assert_eq!(
+        (a.reason, b.reason),
+        (StopReason::Stopped, StopReason::Stopped)
+    );
+}
