@@ -27,11 +27,11 @@
 //! | `send` | `XADD <stream> [MAXLEN ~ n] * body <bytes> h:<header> <value> ...` |
 //! | `send` with a delay | script: `HSET <stream>:delayed:<id>` + `ZADD <stream>:delayed <due ms> <id>` |
 //! | `get` | `XAUTOCLAIM` (expired leases), script moving due delayed messages, `XREADGROUP ... BLOCK` on a dedicated connection |
-//! | `ack` / `reject` | script: `XACK` then `XDEL` of each entry that was pending |
-//! | `release` | script: `XADD` a copy at the end, `XACK` + `XDEL` the old entry |
+//! | `ack` / `reject` | `XACK`; every second `get` trims what every group acknowledged (`XTRIM MINID`) |
+//! | `release` | script: `XADD` a copy at the end, `XACK` the old entry |
 //! | `keepalive` | script: `XCLAIM <id> JUSTID` to the same consumer (resets the idle time) |
-//! | `message_count` | `XLEN` + `ZCARD` |
-//! | `list` / `find` | `XRANGE`, then the delay set |
+//! | `message_count` | script: pending + `lag` of the group, + `ZCARD` of the delay set |
+//! | `list` / `find` | script: pending entries, then those not yet delivered; then the delay set |
 //!
 //! The crate's README describes the DSN options, the guarantees and how to
 //! run the tests.
@@ -39,10 +39,11 @@
 //! ## Performance notes
 //!
 //! * `send_batch` writes up to 500 messages per pipeline (one round trip).
-//! * `ack_batch` settles a whole batch with one script call.
+//! * `ack_batch` is a single `XACK`; acknowledged entries leave the stream in
+//!   bulk through the periodic trim, not one `XDEL` each.
 //! * `get(max)` fetches up to `max` entries with one `XREADGROUP`; lease
-//!   recovery (`XAUTOCLAIM`) runs at most every quarter lease and the delay
-//!   mover at most every 250 ms, not on every call.
+//!   recovery (`XAUTOCLAIM`) runs at most every quarter lease, the delay
+//!   mover at most every 250 ms and the trim every second, not on every call.
 //! * Sends, acks and scripts share one multiplexed connection per handle;
 //!   only the blocking read has a connection of its own.
 

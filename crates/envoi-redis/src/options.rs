@@ -50,7 +50,7 @@ pub struct RedisOptions {
     /// Cap the stream at about this many entries (`XADD ... MAXLEN ~ n`).
     /// Entries beyond the cap are dropped by Redis even if no consumer has
     /// handled them, so leave it unset unless losing the oldest messages is
-    /// acceptable. Default: none (acknowledged entries are deleted instead).
+    /// acceptable. Default: none (acknowledged entries are trimmed anyway).
     pub trim: Option<usize>,
 }
 

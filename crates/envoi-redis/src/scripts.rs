@@ -59,29 +59,10 @@ return {#due, wait}
     )
 });
 
-/// Acknowledges and deletes entries, but only those that are pending in the
-/// group: an id that was never handed out is left alone. Returns how many
-/// were acknowledged.
-///
-/// KEYS: stream. ARGV: group, id, id, ...
-pub(crate) static ACK: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local n = 0
-for i = 2, #ARGV do
-  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
-    redis.call('XDEL', KEYS[1], ARGV[i])
-    n = n + 1
-  end
-end
-return n
-",
-    )
-});
-
 /// Gives a pending entry back: re-adds its fields at the end of the stream
-/// and acknowledges and deletes the old entry, atomically. Returns the new
-/// id, or nil when the entry is not pending (already settled).
+/// and acknowledges the old entry, atomically (the old entry is then
+/// trimmed with the other acknowledged ones). Returns the new id, or nil
+/// when the entry is not pending (already settled).
 ///
 /// KEYS: stream. ARGV: group, id, trim (`''` for none).
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
@@ -93,7 +74,6 @@ if #pending == 0 then
 end
 local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
 if #entry == 0 then
   return false
 end
@@ -151,6 +131,162 @@ for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
   end
 end
 return removed
+",
+    )
+});
+
+/// A Lua function, `group_fields(stream, group)`: the group's `XINFO GROUPS`
+/// fields as a table (`pending`, `last-delivered-id`, `lag`, ...), or nil
+/// when the stream or the group does not exist.
+macro_rules! group_fields {
+    () => {
+        r"
+local function group_fields(stream, group)
+  if redis.call('EXISTS', stream) == 0 then
+    return nil
+  end
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local f = {}
+    for i = 1, #g, 2 do
+      f[g[i]] = g[i + 1]
+    end
+    if f['name'] == group then
+      return f
+    end
+  end
+  return nil
+end
+"
+    };
+}
+
+/// Counts waiting messages: the group's pending entries, the entries after
+/// its last delivered id (`lag`, counted by hand when Redis cannot tell),
+/// and the delayed ones. Without a group, every entry waits.
+///
+/// KEYS: stream, delay set. ARGV: group.
+pub(crate) static COUNT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        group_fields!(),
+        r"
+local count = redis.call('ZCARD', KEYS[2])
+local g = group_fields(KEYS[1], ARGV[1])
+if g == nil then
+  return count + redis.call('XLEN', KEYS[1])
+end
+local lag = g['lag']
+if not lag then
+  lag = #redis.call('XRANGE', KEYS[1], '(' .. g['last-delivered-id'], '+')
+end
+return count + g['pending'] + lag
+"
+    ))
+});
+
+/// Lists waiting entries, oldest first: the group's pending entries, then
+/// those after its last delivered id. Acknowledged entries that are not
+/// trimmed yet are left out. Returns entries as `XRANGE` does.
+///
+/// KEYS: stream. ARGV: group, limit.
+pub(crate) static LIST: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        group_fields!(),
+        r"
+local limit = tonumber(ARGV[2])
+local g = group_fields(KEYS[1], ARGV[1])
+if g == nil then
+  return redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', limit)
+end
+local out = {}
+if g['pending'] > 0 then
+  for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', limit)) do
+    local e = redis.call('XRANGE', KEYS[1], p[1], p[1])
+    if #e > 0 then
+      out[#out + 1] = e[1]
+    end
+  end
+end
+if #out < limit then
+  local rest = redis.call('XRANGE', KEYS[1], '(' .. g['last-delivered-id'], '+', 'COUNT', limit - #out)
+  for _, e in ipairs(rest) do
+    out[#out + 1] = e
+  end
+end
+return out
+"
+    ))
+});
+
+/// The entry with this id if it is still waiting (pending, or after the
+/// group's last delivered id), as a one-entry `XRANGE` reply; else empty.
+///
+/// KEYS: stream. ARGV: group, id.
+pub(crate) static FIND: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        group_fields!(),
+        r"
+local e = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+if #e == 0 then
+  return e
+end
+local g = group_fields(KEYS[1], ARGV[1])
+if g == nil then
+  return e
+end
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) > 0 then
+  return e
+end
+if #redis.call('XRANGE', KEYS[1], '(' .. g['last-delivered-id'], ARGV[2], 'COUNT', 1) > 0 then
+  return e
+end
+return {}
+"
+    ))
+});
+
+/// Deletes the entries every group on the stream has acknowledged from the
+/// head of the stream (`XTRIM MINID`): everything older than the oldest
+/// entry some group still needs (its oldest pending entry, or the one after
+/// its last delivered id). Returns how many entries were deleted.
+///
+/// KEYS: stream.
+pub(crate) static TRIM_ACKED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local floor, floor_ms, floor_seq
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local f = {}
+  for i = 1, #g, 2 do
+    f[g[i]] = g[i + 1]
+  end
+  local keep
+  if f['pending'] > 0 then
+    keep = redis.call('XPENDING', KEYS[1], f['name'], '-', '+', 1)[1][1]
+  else
+    local last = f['last-delivered-id']
+    local ms, seq = string.match(last, '^(%d+)-(%d+)$')
+    if tonumber(seq) < 9007199254740991 then
+      keep = ms .. '-' .. string.format('%.0f', tonumber(seq) + 1)
+    else
+      keep = last
+    end
+  end
+  local ms, seq = parse(keep)
+  if floor == nil or ms < floor_ms or (ms == floor_ms and seq < floor_seq) then
+    floor, floor_ms, floor_seq = keep, ms, seq
+  end
+end
+if floor == nil then
+  return 0
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', floor)
 ",
     )
 });

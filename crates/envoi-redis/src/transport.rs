@@ -26,6 +26,8 @@ const SEND_CHUNK: usize = 500;
 const MAX_DELAY_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
 /// How long a command on the shared connection may take.
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often acknowledged entries are trimmed from the head of the stream.
+const TRIM_EVERY: Duration = Duration::from_secs(1);
 /// How often a handle prunes idle consumers of its group.
 const PRUNE_EVERY: Duration = Duration::from_secs(600);
 /// Consumers idle at least this long with nothing pending are pruned (or ten
@@ -41,10 +43,11 @@ const PRUNE_IDLE: Duration = Duration::from_secs(3600);
 ///   lease (`XAUTOCLAIM`), moves due delayed messages, then reads new entries
 ///   with `XREADGROUP ... BLOCK` on a connection of its own, so blocking
 ///   never holds up sends and acks on the shared one.
-/// * `ack` / `reject` are `XACK` + `XDEL` in one script (acknowledged entries
-///   do not pile up); `release` re-adds the entry at the end of the stream and
-///   deletes the old one atomically; `keepalive` resets the entry's idle time
-///   with `XCLAIM ... JUSTID` to its own consumer.
+/// * `ack` / `reject` are `XACK`; every second, `get` trims the entries every
+///   group has acknowledged from the head of the stream (`XTRIM MINID`), so
+///   they do not pile up. `release` re-adds the entry at the end of the
+///   stream and acknowledges the old one atomically; `keepalive` resets the
+///   entry's idle time with `XCLAIM ... JUSTID` to its own consumer.
 ///
 /// Every handle is a consumer of its own (the configured prefix plus a
 /// random suffix), so two handles on one stream share the work.
@@ -84,6 +87,7 @@ struct State {
     next_reclaim: Instant,
     claim_cursor: String,
     next_delay_check: Instant,
+    next_trim: Instant,
     /// The earliest due time of a delayed message this handle knows of.
     known_due: Option<Instant>,
     next_prune: Instant,
@@ -122,6 +126,7 @@ impl RedisTransport {
                 next_reclaim: now,
                 claim_cursor: "0-0".to_string(),
                 next_delay_check: now,
+                next_trim: now,
                 known_due: None,
                 next_prune: now,
             }),
@@ -174,6 +179,23 @@ impl RedisTransport {
             })
             .await?;
         Ok(u64::try_from(removed).unwrap_or(0))
+    }
+
+    /// Deletes the entries every consumer group of the stream has
+    /// acknowledged from the head of the stream (`XTRIM MINID` up to the
+    /// oldest entry some group still needs); returns how many. `get` runs
+    /// this every second.
+    pub async fn trim_acknowledged(&self) -> Result<u64, TransportError> {
+        let mut invocation = scripts::TRIM_ACKED.prepare_invoke();
+        invocation.key(&self.options.stream);
+        let trimmed: i64 = self
+            .shared
+            .run("trimming acknowledged entries", |mut c| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut c).await }
+            })
+            .await?;
+        Ok(u64::try_from(trimmed).unwrap_or(0))
     }
 
     /// Deletes everything this transport stores: the stream with its consumer
@@ -481,6 +503,8 @@ impl RedisTransport {
             self.maybe_prune(now).await;
         }
 
+        self.maybe_trim(now).await;
+
         let move_due = {
             let mut state = self.state();
             (now >= state.next_delay_check).then(|| state.next_delay_check = now + DELAY_POLL)
@@ -514,6 +538,18 @@ impl RedisTransport {
         self.read_new(max, block).await
     }
 
+    async fn maybe_trim(&self, now: Instant) {
+        let due = {
+            let mut state = self.state();
+            (now >= state.next_trim).then(|| state.next_trim = now + TRIM_EVERY)
+        };
+        if due.is_some() {
+            if let Err(e) = self.trim_acknowledged().await {
+                tracing::warn!(stream = %self.options.stream, error = %e, "trimming acknowledged entries failed");
+            }
+        }
+    }
+
     async fn maybe_prune(&self, now: Instant) {
         let due = {
             let mut state = self.state();
@@ -527,7 +563,8 @@ impl RedisTransport {
         }
     }
 
-    /// Acknowledges and deletes the pending entries among `ids`.
+    /// Acknowledges the entries among `ids` (ids that are not pending are
+    /// ignored by Redis; ids that are not stream ids are skipped).
     async fn settle(&self, ids: &[String]) -> Result<(), TransportError> {
         let valid: Vec<&str> = ids
             .iter()
@@ -537,18 +574,15 @@ impl RedisTransport {
         if valid.is_empty() {
             return Ok(());
         }
-        let mut invocation = scripts::ACK.prepare_invoke();
-        invocation
-            .key(&self.options.stream)
-            .arg(&self.options.group);
-        for id in &valid {
-            invocation.arg(*id);
-        }
+        let mut cmd = redis::cmd("XACK");
+        cmd.arg(&self.options.stream)
+            .arg(&self.options.group)
+            .arg(&valid);
         let _acked: i64 = self
             .shared
             .run("XACK", |mut c| {
-                let invocation = &invocation;
-                async move { invocation.invoke_async(&mut c).await }
+                let cmd = &cmd;
+                async move { cmd.query_async(&mut c).await }
             })
             .await?;
         Ok(())
@@ -605,19 +639,19 @@ impl RedisTransport {
     }
 
     async fn count(&self) -> Result<u64, TransportError> {
-        let (stream, delayed): (u64, u64) = self
+        let mut invocation = scripts::COUNT.prepare_invoke();
+        invocation
+            .key(&self.options.stream)
+            .key(&self.delayed_key)
+            .arg(&self.options.group);
+        let n: i64 = self
             .shared
-            .run("counting messages", |mut c| async move {
-                redis::pipe()
-                    .cmd("XLEN")
-                    .arg(&self.options.stream)
-                    .cmd("ZCARD")
-                    .arg(&self.delayed_key)
-                    .query_async(&mut c)
-                    .await
+            .run("counting messages", |mut c| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut c).await }
             })
             .await?;
-        Ok(stream + delayed)
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     async fn delayed_payloads(&self, ids: Vec<String>) -> Result<Vec<Delivery>, TransportError> {
@@ -663,21 +697,20 @@ impl RedisTransport {
         if limit == 0 {
             return Ok(Vec::new());
         }
+        let mut invocation = scripts::LIST.prepare_invoke();
+        invocation
+            .key(&self.options.stream)
+            .arg(&self.options.group)
+            .arg(limit);
         let reply: Value = self
             .shared
-            .run("XRANGE", |mut c| async move {
-                redis::cmd("XRANGE")
-                    .arg(&self.options.stream)
-                    .arg("-")
-                    .arg("+")
-                    .arg("COUNT")
-                    .arg(limit)
-                    .query_async(&mut c)
-                    .await
+            .run("listing messages", |mut c| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut c).await }
             })
             .await?;
-        let mut out = codec::decode_entries(reply, "XRANGE")
-            .map_err(|e| TransportError::backend("XRANGE", e))?
+        let mut out = codec::decode_entries(reply, "listing messages")
+            .map_err(|e| TransportError::backend("listing messages", e))?
             .deliveries;
         if out.len() < limit {
             let room = limit - out.len();
@@ -699,19 +732,20 @@ impl RedisTransport {
 
     async fn find_one(&self, id: &str) -> Result<Option<Delivery>, TransportError> {
         if codec::is_stream_id(id) {
+            let mut invocation = scripts::FIND.prepare_invoke();
+            invocation
+                .key(&self.options.stream)
+                .arg(&self.options.group)
+                .arg(id);
             let reply: Value = self
                 .shared
-                .run("XRANGE", |mut c| async move {
-                    redis::cmd("XRANGE")
-                        .arg(&self.options.stream)
-                        .arg(id)
-                        .arg(id)
-                        .query_async(&mut c)
-                        .await
+                .run("finding a message", |mut c| {
+                    let invocation = &invocation;
+                    async move { invocation.invoke_async(&mut c).await }
                 })
                 .await?;
-            let entries = codec::decode_entries(reply, "XRANGE")
-                .map_err(|e| TransportError::backend("XRANGE", e))?;
+            let entries = codec::decode_entries(reply, "finding a message")
+                .map_err(|e| TransportError::backend("finding a message", e))?;
             Ok(entries.deliveries.into_iter().find(|d| d.id == id))
         } else if Uuid::parse_str(id).is_ok() {
             Ok(self.delayed_payloads(vec![id.to_string()]).await?.pop())

@@ -98,8 +98,9 @@ async fn consumers(c: &mut MultiplexedConnection, t: &RedisTransport) -> Vec<Str
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acked_entries_are_deleted_from_the_stream_and_the_pending_list() {
-    let Some(url) = common::url("acked_entries_are_deleted_from_the_stream_and_the_pending_list")
+async fn acked_entries_leave_the_pending_list_and_are_trimmed_from_the_stream() {
+    let Some(url) =
+        common::url("acked_entries_leave_the_pending_list_and_are_trimmed_from_the_stream")
     else {
         return;
     };
@@ -120,12 +121,18 @@ async fn acked_entries_are_deleted_from_the_stream_and_the_pending_list() {
     t.ack_batch(&ids[..3]).await.unwrap();
     t.reject(&ids[3]).await.unwrap();
     t.ack(&ids[4]).await.unwrap();
+    assert_eq!(pending(&mut c, &t).await, 0, "settled entries stay pending");
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    assert!(
+        t.list(10).await.unwrap().is_empty(),
+        "settled entries are listed"
+    );
+    assert_eq!(t.trim_acknowledged().await.unwrap(), 5);
     assert_eq!(
         xlen(&mut c, &t.options().stream).await,
         0,
         "settled entries stay in the stream"
     );
-    assert_eq!(pending(&mut c, &t).await, 0, "settled entries stay pending");
     t.destroy().await.unwrap();
 }
 
@@ -286,7 +293,7 @@ async fn release_readds_the_entry_and_settles_the_old_one_atomically() {
     let first = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
     t.release(&first.id).await.unwrap();
     assert_eq!(
-        xlen(&mut c, &t.options().stream).await,
+        t.message_count().await.unwrap(),
         1,
         "release must replace, not add"
     );
@@ -297,7 +304,13 @@ async fn release_readds_the_entry_and_settles_the_old_one_atomically() {
     );
     assert!(
         t.find(&first.id).await.unwrap().is_none(),
-        "the old entry is still stored"
+        "the old entry is still findable"
+    );
+    t.trim_acknowledged().await.unwrap();
+    assert_eq!(
+        xlen(&mut c, &t.options().stream).await,
+        1,
+        "the old entry was not trimmed"
     );
     let second = receive(&t, 1, Duration::from_secs(5)).await.remove(0);
     assert_ne!(second.id, first.id);
@@ -310,6 +323,8 @@ async fn release_readds_the_entry_and_settles_the_old_one_atomically() {
         ),
         "releasing a settled message must not bring it back"
     );
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    t.trim_acknowledged().await.unwrap();
     assert_eq!(xlen(&mut c, &t.options().stream).await, 0);
     t.destroy().await.unwrap();
 }
@@ -610,4 +625,86 @@ async fn pruning_deletes_idle_consumers_but_never_one_with_pending_entries() {
     );
     holder.ack(&held.id).await.unwrap();
     holder.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn count_list_and_find_skip_acked_entries_behind_a_pending_one() {
+    let Some(url) = common::url("count_list_and_find_skip_acked_entries_behind_a_pending_one")
+    else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("holes"), "lease=30s");
+    t.setup().await.unwrap();
+    let mut c = common::raw(&url).await;
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        ids.push(t.send(text(&format!("h{i}")), None).await.unwrap());
+    }
+    let got = receive(&t, 4, Duration::from_secs(10)).await;
+    assert_eq!(
+        got.iter().map(|d| d.id.clone()).collect::<Vec<_>>(),
+        ids[..4]
+    );
+    // Acked: 0, 2, 3. Pending: 1. Never handed out: 4, 5.
+    t.ack_batch(&[ids[0].clone(), ids[2].clone(), ids[3].clone()])
+        .await
+        .unwrap();
+    assert_eq!(t.message_count().await.unwrap(), 3);
+    let listed: Vec<String> = t
+        .list(10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.id)
+        .collect();
+    assert_eq!(listed, [ids[1].clone(), ids[4].clone(), ids[5].clone()]);
+    assert!(
+        t.find(&ids[2]).await.unwrap().is_none(),
+        "an acked entry is findable"
+    );
+    assert!(
+        t.find(&ids[1]).await.unwrap().is_some(),
+        "a pending entry is not findable"
+    );
+    assert!(
+        t.find(&ids[5]).await.unwrap().is_some(),
+        "a waiting entry is not findable"
+    );
+    // Only what precedes the oldest pending entry can go.
+    assert_eq!(t.trim_acknowledged().await.unwrap(), 1);
+    assert_eq!(xlen(&mut c, &t.options().stream).await, 5);
+    t.ack(&ids[1]).await.unwrap();
+    assert_eq!(t.trim_acknowledged().await.unwrap(), 3);
+    assert_eq!(t.message_count().await.unwrap(), 2);
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trimming_keeps_what_another_group_has_not_read() {
+    let Some(url) = common::url("trimming_keeps_what_another_group_has_not_read") else {
+        return;
+    };
+    let name = common::unique("fanout");
+    let billing = common::transport(&url, &name, "group=billing");
+    let audit = common::transport(&url, &name, "group=audit");
+    billing.setup().await.unwrap();
+    audit.setup().await.unwrap();
+    for i in 0..3 {
+        billing.send(text(&format!("f{i}")), None).await.unwrap();
+    }
+    let got = receive(&billing, 3, Duration::from_secs(10)).await;
+    let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+    billing.ack_batch(&ids).await.unwrap();
+    assert_eq!(
+        billing.trim_acknowledged().await.unwrap(),
+        0,
+        "trimmed entries `audit` still needs"
+    );
+    assert_eq!(billing.message_count().await.unwrap(), 0);
+    assert_eq!(audit.message_count().await.unwrap(), 3);
+    let seen = receive(&audit, 3, Duration::from_secs(10)).await;
+    assert_eq!(seen.iter().map(|d| d.id.clone()).collect::<Vec<_>>(), ids);
+    audit.ack_batch(&ids).await.unwrap();
+    assert_eq!(audit.trim_acknowledged().await.unwrap(), 3);
+    billing.destroy().await.unwrap();
 }
