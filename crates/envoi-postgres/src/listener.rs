@@ -10,8 +10,11 @@
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use sqlx::postgres::{PgListener, PgPool};
-use tokio::sync::watch;
+use sqlx::AssertSqlSafe;
+use tokio::sync::{watch, Notify};
 
 /// The generation counter consumers wait on.
 #[derive(Debug)]
@@ -48,7 +51,7 @@ pub(crate) struct ListenerTask {
     pub(crate) channel: String,
     /// Notifications whose payload is this queue name wake consumers.
     pub(crate) queue: String,
-    pub(crate) wake: std::sync::Arc<Wake>,
+    pub(crate) wake: Arc<Wake>,
 }
 
 impl ListenerTask {
@@ -101,6 +104,48 @@ impl ListenerTask {
                         std::io::ErrorKind::ConnectionAborted,
                         "listener connection closed",
                     )))
+                }
+            }
+        }
+    }
+}
+
+/// Sends the `NOTIFY`s of one transport, coalesced: however many sends
+/// complete while a notification is on its way, one more follows it. Each
+/// notification leaves after the commits it announces, so a consumer it
+/// wakes finds their rows.
+pub(crate) struct NotifierTask {
+    /// The transport's query pool.
+    pub(crate) pool: PgPool,
+    /// `SELECT pg_notify(channel, $1)`.
+    pub(crate) sql: Arc<str>,
+    /// The payload: the queue name.
+    pub(crate) queue: String,
+    /// Signalled after each commit that made messages available.
+    pub(crate) signal: Arc<Notify>,
+}
+
+impl NotifierTask {
+    /// Notifies once per signal (signals that arrive meanwhile collapse
+    /// into one) until aborted.
+    pub(crate) async fn run(self) {
+        loop {
+            self.signal.notified().await;
+            for _ in 0..3 {
+                let result = sqlx::query(AssertSqlSafe(self.sql.clone()))
+                    .bind(self.queue.as_str())
+                    .execute(&self.pool)
+                    .await;
+                match result {
+                    Ok(_) => break,
+                    // Consumers elsewhere poll: a lost notification only
+                    // delays them.
+                    Err(error) => {
+                        tracing::debug!(%error, queue = %self.queue, "postgres: NOTIFY failed");
+                        if !crate::transport::is_connection_error(&error) {
+                            break;
+                        }
+                    }
                 }
             }
         }

@@ -19,20 +19,21 @@ pub(crate) struct Statements {
     pub(crate) setup_lock: Arc<str>,
     /// One row; `$1` queue, `$2` body, `$3` headers JSON, `$4` delay in seconds.
     pub(crate) insert: Arc<str>,
-    /// [`Self::insert`] plus a `NOTIFY` to wake consumers.
-    pub(crate) insert_notify: Arc<str>,
     /// Many rows through `UNNEST`; `$1` queue, `$2` bodies, `$3` headers
     /// JSON, `$4` delays in seconds. Returns the ids in input order.
     pub(crate) insert_batch: Arc<str>,
-    /// [`Self::insert_batch`] plus a `NOTIFY`.
-    pub(crate) insert_batch_notify: Arc<str>,
+    /// Notifies the listeners of queue `$1`. A statement of its own: a
+    /// transaction that notifies holds a global lock from its commit until
+    /// the commit is flushed, so notifying in the `INSERT`'s transaction
+    /// would serialize every sender behind one WAL flush at a time.
+    pub(crate) notify: Arc<str>,
     /// Leases up to `$2` available rows of queue `$1` for `$3` seconds.
     pub(crate) claim: Arc<str>,
     /// Deletes row `$1` of queue `$2`.
     pub(crate) delete: Arc<str>,
     /// Deletes rows `$1` (an array) of queue `$2`.
     pub(crate) delete_batch: Arc<str>,
-    /// Ends the lease of row `$1` of queue `$2` and notifies.
+    /// Ends the lease of row `$1` of queue `$2`.
     pub(crate) release: Arc<str>,
     /// Renews the lease of row `$1` of queue `$2` for `$3` seconds.
     pub(crate) keepalive: Arc<str>,
@@ -52,23 +53,6 @@ impl Statements {
     pub(crate) fn new(table: &str) -> Self {
         let t = format!("\"{table}\"");
         let channel = format!("'{table}'");
-        let insert = format!(
-            "WITH ins AS (\
-                INSERT INTO {t} (queue_name, body, headers, available_at) \
-                VALUES ($1, $2, $3::jsonb, now() + make_interval(secs => $4)) \
-                RETURNING id) \
-             SELECT ins.id"
-        );
-        let insert_batch = format!(
-            "WITH ins AS (\
-                INSERT INTO {t} (queue_name, body, headers, available_at) \
-                SELECT $1, u.body, u.headers::jsonb, now() + make_interval(secs => u.delay) \
-                FROM UNNEST($2::bytea[], $3::text[], $4::float8[]) \
-                    WITH ORDINALITY AS u(body, headers, delay, ord) \
-                ORDER BY u.ord \
-                RETURNING id) \
-             SELECT ins.id"
-        );
         Self {
             create_table: format!(
                 "CREATE TABLE IF NOT EXISTS {t} (\
@@ -89,30 +73,47 @@ impl Statements {
             .into(),
             setup_lock: "SELECT pg_advisory_xact_lock(hashtext('envoi-postgres setup ' || $1))"
                 .into(),
-            insert_notify: format!("{insert}, pg_notify({channel}, $1) FROM ins").into(),
-            insert: format!("{insert} FROM ins").into(),
-            insert_batch_notify: format!(
-                "{insert_batch}, pg_notify({channel}, $1) FROM ins ORDER BY ins.id"
+            insert: format!(
+                "INSERT INTO {t} (queue_name, body, headers, available_at) \
+                 VALUES ($1, $2, $3::jsonb, now() + make_interval(secs => $4)) \
+                 RETURNING id"
             )
             .into(),
-            insert_batch: format!("{insert_batch} FROM ins ORDER BY ins.id").into(),
+            // Identity values are drawn in row order (`ORDER BY u.ord`), so
+            // sorting the returned ids restores the input order.
+            insert_batch: format!(
+                "WITH ins AS (\
+                    INSERT INTO {t} (queue_name, body, headers, available_at) \
+                    SELECT $1, u.body, u.headers::jsonb, now() + make_interval(secs => u.delay) \
+                    FROM UNNEST($2::bytea[], $3::text[], $4::float8[]) \
+                        WITH ORDINALITY AS u(body, headers, delay, ord) \
+                    ORDER BY u.ord \
+                    RETURNING id) \
+                 SELECT id FROM ins ORDER BY id"
+            )
+            .into(),
+            notify: format!("SELECT pg_notify({channel}, $1)").into(),
             // The ids are picked with SKIP LOCKED in an uncorrelated
             // sub-select, so concurrent consumers never wait on each other
             // nor claim the same row; `FOR UPDATE` re-checks the condition on
             // the newest row version, so a row claimed (or deleted) meanwhile
-            // is skipped.
+            // is skipped. `id = ANY(ARRAY(sub-select))` rather than
+            // `id IN (sub-select)`: the sub-select becomes an init plan run
+            // once and the update an index scan on the primary key, even in
+            // the generic plan of the prepared statement, where `IN` may
+            // turn into a hash semi-join over a sequential scan of the table.
             claim: format!(
                 "UPDATE {t} SET \
                     leased_until = now() + make_interval(secs => $3), \
                     delivery_count = delivery_count + 1 \
-                 WHERE id IN (\
+                 WHERE id = ANY(ARRAY(\
                     SELECT id FROM {t} \
                     WHERE queue_name = $1 \
                       AND available_at <= now() \
                       AND (leased_until IS NULL OR leased_until <= now()) \
                     ORDER BY available_at, id \
                     LIMIT $2 \
-                    FOR UPDATE SKIP LOCKED) \
+                    FOR UPDATE SKIP LOCKED)) \
                  RETURNING id, body, headers::text, \
                     (extract(epoch FROM available_at) * 1000000)::int8"
             )
@@ -120,8 +121,7 @@ impl Statements {
             delete: format!("DELETE FROM {t} WHERE id = $1 AND queue_name = $2").into(),
             delete_batch: format!("DELETE FROM {t} WHERE id = ANY($1) AND queue_name = $2").into(),
             release: format!(
-                "UPDATE {t} SET leased_until = NULL WHERE id = $1 AND queue_name = $2 \
-                 RETURNING id, pg_notify({channel}, queue_name)"
+                "UPDATE {t} SET leased_until = NULL WHERE id = $1 AND queue_name = $2"
             )
             .into(),
             keepalive: format!(

@@ -15,7 +15,7 @@ use sqlx::{AssertSqlSafe, Row};
 use tokio::task::JoinHandle;
 
 use crate::config::{validate_table, ConfigError, PostgresConfig};
-use crate::listener::{ListenerTask, Wake};
+use crate::listener::{ListenerTask, NotifierTask, Wake};
 use crate::sql::Statements;
 
 /// The header a delivery gets, holding the stored text, when the stored
@@ -56,8 +56,9 @@ pub enum MessageError {
 /// # Waking consumers
 ///
 /// An empty `get` waits up to the poll interval (`poll=`, 500 ms) for a
-/// wake-up. Sends run `NOTIFY` in the same statement as the `INSERT`; one
-/// listener connection per transport value (shared by all its consumers and
+/// wake-up. After a send commits, a background task of the transport runs
+/// `NOTIFY` (coalesced: one notification however many sends completed while
+/// the previous one was on its way); one listener connection per transport value (shared by all its consumers and
 /// clones, opened by the first `get`) turns notifications for this queue into
 /// wake-ups. Notifications missed while the listener reconnects, delays that
 /// come due and leases that expire are caught by polling.
@@ -82,6 +83,9 @@ struct Inner {
     sql: Statements,
     wake: Arc<Wake>,
     listener: OnceLock<AbortOnDrop>,
+    /// Signals the notifier task that messages became available.
+    notify_signal: Arc<tokio::sync::Notify>,
+    notifier: OnceLock<AbortOnDrop>,
     /// The wake generation when the latest claim started.
     claimed_generation: AtomicU64,
     lease_secs: f64,
@@ -179,6 +183,8 @@ impl PostgresTransport {
                 listener_pool,
                 wake: Arc::new(Wake::new()),
                 listener: OnceLock::new(),
+                notify_signal: Arc::new(tokio::sync::Notify::new()),
+                notifier: OnceLock::new(),
                 claimed_generation: AtomicU64::new(0),
                 max_retries,
             }),
@@ -218,8 +224,11 @@ impl PostgresTransport {
     /// finish. Every handle on this transport fails with
     /// [`TransportError::Closed`] afterwards.
     pub async fn close(&self) {
-        if let Some(listener) = self.inner.listener.get() {
-            listener.0.abort();
+        for task in [self.inner.listener.get(), self.inner.notifier.get()]
+            .into_iter()
+            .flatten()
+        {
+            task.0.abort();
         }
         self.inner.pool.close().await;
         if let Some(pool) = &self.inner.listener_pool {
@@ -236,7 +245,7 @@ fn require_runtime() -> Result<(), TransportError> {
 
 /// Whether `error` means the connection is gone (so a retry on another
 /// connection may succeed), as opposed to a problem with the statement.
-fn is_connection_error(error: &sqlx::Error) -> bool {
+pub(crate) fn is_connection_error(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
         // Class 08: connection exception; 57P01-57P05: the server is
@@ -345,6 +354,22 @@ impl Inner {
         });
     }
 
+    /// Wakes this transport's consumers at once and, through the notifier
+    /// task, everyone listening for this queue.
+    fn notify_consumers(&self) {
+        self.wake.wake();
+        self.notifier.get_or_init(|| {
+            let task = NotifierTask {
+                pool: self.pool.clone(),
+                sql: Arc::clone(&self.sql.notify),
+                queue: self.name.clone(),
+                signal: Arc::clone(&self.notify_signal),
+            };
+            AbortOnDrop(tokio::spawn(task.run()))
+        });
+        self.notify_signal.notify_one();
+    }
+
     fn encode_headers(&self, headers: &BTreeMap<String, String>) -> Result<String, TransportError> {
         if let Some((key, _)) = headers
             .iter()
@@ -382,15 +407,9 @@ impl Inner {
         self.check_size(&message)?;
         let headers = self.encode_headers(&message.headers)?;
         let delay = delay_secs(delay);
-        let immediate = delay <= 0.0;
-        let sql = if immediate {
-            &self.sql.insert_notify
-        } else {
-            &self.sql.insert
-        };
         let id: i64 = self
             .retrying("sending a message", || {
-                sqlx::query_scalar(AssertSqlSafe(sql.clone()))
+                sqlx::query_scalar(AssertSqlSafe(self.sql.insert.clone()))
                     .bind(self.name.as_str())
                     .bind(message.body.as_slice())
                     .bind(headers.as_str())
@@ -398,8 +417,8 @@ impl Inner {
                     .fetch_one(&self.pool)
             })
             .await?;
-        if immediate {
-            self.wake.wake();
+        if delay <= 0.0 {
+            self.notify_consumers();
         }
         Ok(id.to_string())
     }
@@ -420,15 +439,9 @@ impl Inner {
             bodies.push(message.body);
             delays.push(delay_secs(delay));
         }
-        let immediate = delays.iter().any(|d| *d <= 0.0);
-        let sql = if immediate {
-            &self.sql.insert_batch_notify
-        } else {
-            &self.sql.insert_batch
-        };
         let ids: Vec<i64> = self
             .retrying("sending a batch", || {
-                sqlx::query_scalar(AssertSqlSafe(sql.clone()))
+                sqlx::query_scalar(AssertSqlSafe(self.sql.insert_batch.clone()))
                     .bind(self.name.as_str())
                     .bind(&bodies)
                     .bind(&headers)
@@ -442,8 +455,8 @@ impl Inner {
                 format!("stored {} rows for {} messages", ids.len(), bodies.len()),
             ));
         }
-        if immediate {
-            self.wake.wake();
+        if delays.iter().any(|d| *d <= 0.0) {
+            self.notify_consumers();
         }
         Ok(ids.into_iter().map(|id| id.to_string()).collect())
     }
@@ -556,18 +569,18 @@ impl Inner {
         let Some(key) = parse_id(id) else {
             return Err(TransportError::NotFound(id.to_string()));
         };
-        let row = self
+        let result = self
             .retrying("releasing a message", || {
                 sqlx::query(AssertSqlSafe(self.sql.release.clone()))
                     .bind(key)
                     .bind(self.name.as_str())
-                    .fetch_optional(&self.pool)
+                    .execute(&self.pool)
             })
             .await?;
-        if row.is_none() {
+        if result.rows_affected() == 0 {
             return Err(TransportError::NotFound(id.to_string()));
         }
-        self.wake.wake();
+        self.notify_consumers();
         Ok(())
     }
 
@@ -666,8 +679,8 @@ impl Transport for PostgresTransport {
         Box::pin(self.inner.send(message, delay))
     }
 
-    /// One multi-row `INSERT … SELECT … FROM UNNEST(…)` and one `NOTIFY`,
-    /// in one round trip.
+    /// One multi-row `INSERT … SELECT … FROM UNNEST(…)`, then one
+    /// (coalesced) `NOTIFY`.
     fn send_batch(
         &self,
         messages: Vec<(RawMessage, Option<Duration>)>,

@@ -1,0 +1,110 @@
+//! Helpers shared by the integration tests.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::{Duration, Instant};
+
+use envoi_core::transport::{Delivery, RawMessage, Transport};
+use envoi_postgres::sqlx::postgres::PgPool;
+use envoi_postgres::PostgresTransport;
+
+/// The server URL, or `None` after printing why `test` is skipped.
+pub fn url(test: &str) -> Option<String> {
+    match std::env::var("ENVOI_POSTGRES_URL") {
+        Ok(url) => Some(url),
+        Err(_) => {
+            eprintln!("skipped {test}: ENVOI_POSTGRES_URL is not set");
+            None
+        }
+    }
+}
+
+/// `url` with envoi options appended to its query string.
+pub fn dsn(url: &str, options: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}{options}")
+}
+
+/// A name unique to this run, usable as a table, queue or application name.
+pub fn unique(tag: &str) -> String {
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    format!("{tag}_{}", &suffix[..12])
+}
+
+/// A transport on `url` with `options`, set up.
+pub async fn open(name: &str, url: &str, options: &str) -> PostgresTransport {
+    let transport = PostgresTransport::from_dsn(name, &dsn(url, options))
+        .unwrap_or_else(|e| panic!("opening `{name}` failed: {e}"));
+    transport
+        .setup()
+        .await
+        .unwrap_or_else(|e| panic!("setup of `{name}` failed: {e}"));
+    transport
+}
+
+/// A plain pool for looking at the server from outside the transport.
+pub async fn admin(url: &str) -> PgPool {
+    envoi_postgres::sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to {url} failed: {e}"))
+}
+
+/// A message with a text body and no headers.
+pub fn text(body: &str) -> RawMessage {
+    RawMessage {
+        body: body.as_bytes().to_vec(),
+        headers: Default::default(),
+    }
+}
+
+/// The delivery's body as text.
+pub fn body(delivery: &Delivery) -> String {
+    String::from_utf8_lossy(&delivery.raw.body).into_owned()
+}
+
+/// Gets until `n` deliveries arrived; panics after `timeout`.
+pub async fn receive(transport: &dyn Transport, n: usize, timeout: Duration) -> Vec<Delivery> {
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "received {} of {n} messages within {timeout:?}",
+            out.len()
+        );
+        out.extend(
+            transport
+                .get(n - out.len())
+                .await
+                .unwrap_or_else(|e| panic!("get failed: {e}")),
+        );
+    }
+    out
+}
+
+/// Connections of the server whose `application_name` is `app`, and how
+/// many of them are listening (their last statement was `LISTEN`).
+pub async fn connections(admin: &PgPool, app: &str) -> (i64, i64) {
+    envoi_postgres::sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE query ILIKE 'LISTEN%') \
+         FROM pg_stat_activity WHERE application_name = $1",
+    )
+    .bind(app)
+    .fetch_one(admin)
+    .await
+    .unwrap_or_else(|e| panic!("reading pg_stat_activity failed: {e}"))
+}
+
+/// Waits up to `timeout` for `app` to have exactly one listening connection.
+pub async fn wait_for_listener(admin: &PgPool, app: &str, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if connections(admin, app).await.1 == 1 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}

@@ -1,0 +1,623 @@
+//! Behaviour specific to the PostgreSQL transport, against the server in
+//! `ENVOI_POSTGRES_URL`.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{admin, body, connections, open, receive, text, unique, url, wait_for_listener};
+use envoi_core::transport::{Capabilities, RawMessage, Transport, TransportFactory};
+use envoi_core::TransportError;
+use envoi_postgres::sqlx;
+use envoi_postgres::{PostgresTransport, PostgresTransportFactory, INVALID_HEADERS_HEADER};
+
+const TABLE: &str = "envoi_test_messages";
+
+fn options(extra: &str) -> String {
+    format!("table={TABLE}&lease=2s&poll=200ms&max_connections=4&{extra}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_creates_the_table_and_claim_index_idempotently() {
+    let Some(url) = url("setup_creates_the_table_and_claim_index_idempotently") else {
+        return;
+    };
+    let table = unique("envoi_setup");
+    let a =
+        PostgresTransport::from_dsn("a", &common::dsn(&url, &format!("table={table}"))).unwrap();
+    let b =
+        PostgresTransport::from_dsn("b", &common::dsn(&url, &format!("table={table}"))).unwrap();
+    let (ra, rb, rc) = tokio::join!(a.setup(), b.setup(), a.setup());
+    for r in [ra, rb, rc] {
+        r.unwrap_or_else(|e| panic!("concurrent setup failed: {e}"));
+    }
+    a.setup().await.expect("a repeated setup failed");
+
+    let admin = admin(&url).await;
+    let columns: Vec<(String,)> = sqlx::query_as(
+        "SELECT column_name::text FROM information_schema.columns \
+         WHERE table_name = $1 ORDER BY ordinal_position",
+    )
+    .bind(&table)
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    let columns: Vec<String> = columns.into_iter().map(|(c,)| c).collect();
+    assert_eq!(
+        columns,
+        [
+            "id",
+            "queue_name",
+            "body",
+            "headers",
+            "created_at",
+            "available_at",
+            "leased_until",
+            "delivery_count"
+        ]
+    );
+    let indexes: Vec<(String, String)> =
+        sqlx::query_as("SELECT indexname::text, indexdef FROM pg_indexes WHERE tablename = $1")
+            .bind(&table)
+            .fetch_all(&admin)
+            .await
+            .unwrap();
+    let claim_index = format!("{table}_queue_available_idx");
+    let (_, definition) = indexes
+        .iter()
+        .find(|(name, _)| *name == claim_index)
+        .unwrap_or_else(|| panic!("no claim index among {indexes:?}"));
+    assert!(
+        definition.ends_with("(queue_name, available_at, id)"),
+        "{definition}"
+    );
+    assert_eq!(
+        indexes.len(),
+        2,
+        "expected the primary key and the claim index: {indexes:?}"
+    );
+
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE \"{table}\"")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_skip_rows_locked_elsewhere_instead_of_waiting() {
+    let Some(url) = url("claims_skip_rows_locked_elsewhere_instead_of_waiting") else {
+        return;
+    };
+    let name = unique("skip_locked");
+    let t = open(&name, &url, &options("")).await;
+    let mut ids = Vec::new();
+    for b in ["first", "second", "third"] {
+        ids.push(t.send(text(b), None).await.unwrap());
+    }
+    let admin = admin(&url).await;
+    let mut lock = admin.begin().await.unwrap();
+    let first: i64 = ids[0].parse().unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT id FROM {TABLE} WHERE id = $1 FOR UPDATE"
+    )))
+    .bind(first)
+    .execute(&mut *lock)
+    .await
+    .unwrap();
+
+    // Without SKIP LOCKED the claim would wait for the other transaction.
+    let got = tokio::time::timeout(Duration::from_secs(10), t.get(10))
+        .await
+        .expect("get waited for a row locked by another transaction")
+        .unwrap();
+    let got: Vec<String> = got.iter().map(body).collect();
+    assert_eq!(got, ["second", "third"]);
+
+    lock.rollback().await.unwrap();
+    let again = receive(&t, 1, Duration::from_secs(10)).await;
+    assert_eq!(body(&again[0]), "first");
+    assert_eq!(t.purge().await.unwrap(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_listener_connection_serves_every_consumer() {
+    let Some(url) = url("one_listener_connection_serves_every_consumer") else {
+        return;
+    };
+    let app = unique("envoi_one_listener");
+    let t = open(
+        &unique("one_listener"),
+        &url,
+        &options(&format!("application_name={app}")),
+    )
+    .await;
+    let until = Instant::now() + Duration::from_millis(1500);
+    let consumers: Vec<_> = (0..8)
+        .map(|_| {
+            let t = t.clone();
+            tokio::spawn(async move {
+                while Instant::now() < until {
+                    t.get(1).await.expect("get failed");
+                }
+            })
+        })
+        .collect();
+    let admin = admin(&url).await;
+    assert!(
+        wait_for_listener(&admin, &app, Duration::from_secs(10)).await,
+        "no listener connection appeared"
+    );
+    let (total, listening) = connections(&admin, &app).await;
+    for c in consumers {
+        c.await.unwrap();
+    }
+    assert_eq!(
+        listening, 1,
+        "8 consumers should share one LISTEN connection"
+    );
+    // The query pool (4) plus the listener.
+    assert!(total <= 5, "{total} connections for 8 consumers");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_wakes_a_waiting_consumer_long_before_the_poll_interval() {
+    let Some(url) = url("notify_wakes_a_waiting_consumer_long_before_the_poll_interval") else {
+        return;
+    };
+    let name = unique("notify");
+    let app = unique("envoi_notify");
+    // Polling alone would take up to 20 s.
+    let consumer = open(
+        &name,
+        &url,
+        &format!("table={TABLE}&poll=20s&application_name={app}"),
+    )
+    .await;
+    let producer = open(&name, &url, &options("")).await;
+    let waiting = {
+        let consumer = consumer.clone();
+        tokio::spawn(async move {
+            loop {
+                let got = consumer.get(1).await.expect("get failed");
+                if let Some(d) = got.into_iter().next() {
+                    return (d, Instant::now());
+                }
+            }
+        })
+    };
+    let admin = admin(&url).await;
+    assert!(
+        wait_for_listener(&admin, &app, Duration::from_secs(10)).await,
+        "no listener connection appeared"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let sent_at = Instant::now();
+    producer.send(text("wake up"), None).await.unwrap();
+    let (delivery, received_at) = tokio::time::timeout(Duration::from_secs(15), waiting)
+        .await
+        .expect("the waiting consumer was not woken")
+        .unwrap();
+    let latency = received_at - sent_at;
+    assert_eq!(body(&delivery), "wake up");
+    assert!(
+        latency < Duration::from_secs(10),
+        "woken after {latency:?}: the notification was not used"
+    );
+    consumer.ack(&delivery.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_messages_returns_when_a_message_is_notified() {
+    let Some(url) = url("wait_for_messages_returns_when_a_message_is_notified") else {
+        return;
+    };
+    let name = unique("wait");
+    let app = unique("envoi_wait");
+    let consumer = open(
+        &name,
+        &url,
+        &format!("table={TABLE}&poll=20s&application_name={app}"),
+    )
+    .await;
+    let producer = open(&name, &url, &options("")).await;
+    let admin = admin(&url).await;
+    // The first wait starts the listener; it returns after the listener's
+    // first wake-up, which follows LISTEN.
+    consumer.wait_for_messages(Duration::from_secs(15)).await;
+    assert!(wait_for_listener(&admin, &app, Duration::from_secs(10)).await);
+    // An empty claim; its wait for a wake-up (up to 20 s) is cut short.
+    let claim = tokio::time::timeout(Duration::from_millis(500), consumer.get(1)).await;
+    assert!(claim.map_or(true, |got| got.unwrap().is_empty()));
+    let send = {
+        let producer = producer.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            producer.send(text("arrived"), None).await.unwrap();
+        })
+    };
+    let started = Instant::now();
+    consumer.wait_for_messages(Duration::from_secs(15)).await;
+    let waited = started.elapsed();
+    send.await.unwrap();
+    assert!(
+        waited < Duration::from_secs(10),
+        "wait_for_messages ignored the notification ({waited:?})"
+    );
+    let got = receive(&consumer, 1, Duration::from_secs(10)).await;
+    assert_eq!(body(&got[0]), "arrived");
+    consumer.ack(&got[0].id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_delivers_when_listen_is_disabled() {
+    let Some(url) = url("polling_delivers_when_listen_is_disabled") else {
+        return;
+    };
+    let name = unique("polling");
+    let app = unique("envoi_polling");
+    let consumer = open(
+        &name,
+        &url,
+        &options(&format!("listen=false&application_name={app}")),
+    )
+    .await;
+    let producer = open(&name, &url, &options("")).await;
+    assert!(consumer.get(1).await.unwrap().is_empty());
+    producer.send(text("polled"), None).await.unwrap();
+    let got = receive(&consumer, 1, Duration::from_secs(10)).await;
+    assert_eq!(body(&got[0]), "polled");
+    consumer.ack(&got[0].id).await.unwrap();
+    let admin = admin(&url).await;
+    assert_eq!(
+        connections(&admin, &app).await.1,
+        0,
+        "listen=false still opened a LISTEN connection"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_batch_stores_one_row_each_with_ids_in_order_and_delays_in_available_at() {
+    let Some(url) =
+        url("send_batch_stores_one_row_each_with_ids_in_order_and_delays_in_available_at")
+    else {
+        return;
+    };
+    let name = unique("batch");
+    let t = open(&name, &url, &options("")).await;
+    let batch: Vec<(RawMessage, Option<Duration>)> = (0..100)
+        .map(|i| {
+            let delay = (i % 10 == 9).then_some(Duration::from_secs(60));
+            (text(&format!("m{i}")), delay)
+        })
+        .collect();
+    let ids = t.send_batch(batch).await.unwrap();
+    let numeric: Vec<i64> = ids.iter().map(|id| id.parse().unwrap()).collect();
+    assert!(
+        numeric.windows(2).all(|w| w[0] < w[1]),
+        "ids are not in send order: {ids:?}"
+    );
+    let listed = t.list(1000).await.unwrap();
+    assert_eq!(
+        listed.iter().map(|d| d.id.clone()).collect::<Vec<_>>(),
+        ids,
+        "list is not in send order"
+    );
+    for (i, d) in listed.iter().enumerate() {
+        assert_eq!(body(d), format!("m{i}"));
+    }
+
+    let admin = admin(&url).await;
+    let (delayed,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {TABLE} WHERE queue_name = $1 \
+         AND available_at > now() + interval '50 seconds'"
+    )))
+    .bind(&name)
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(delayed, 10, "delayed messages must wait in available_at");
+
+    let got = receive(&t, 90, Duration::from_secs(10)).await;
+    assert!(
+        got.iter().all(|d| !body(d).ends_with('9')),
+        "a delayed message was handed out"
+    );
+    let got_ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+    t.ack_batch(&got_ids).await.unwrap();
+    assert_eq!(t.message_count().await.unwrap(), 10);
+    assert_eq!(t.purge().await.unwrap(), 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_message_keeps_its_place_in_line() {
+    let Some(url) = url("a_released_message_keeps_its_place_in_line") else {
+        return;
+    };
+    let t = open(&unique("place"), &url, &options("")).await;
+    for b in ["a", "b", "c"] {
+        t.send(text(b), None).await.unwrap();
+    }
+    let first = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
+    assert_eq!(body(&first), "a");
+    t.release(&first.id).await.unwrap();
+    let all = receive(&t, 3, Duration::from_secs(10)).await;
+    assert_eq!(all.iter().map(body).collect::<Vec<_>>(), ["a", "b", "c"]);
+    assert_eq!(all[0].id, first.id);
+    assert_eq!(t.purge().await.unwrap(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_moves_the_lease_forward_and_fails_for_a_gone_message() {
+    let Some(url) = url("keepalive_moves_the_lease_forward_and_fails_for_a_gone_message") else {
+        return;
+    };
+    let name = unique("keepalive");
+    let t = open(&name, &url, &options("")).await;
+    let id = t.send(text("slow"), None).await.unwrap();
+    let held = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
+    assert_eq!(held.id, id);
+    let admin = admin(&url).await;
+    let lease_left = || async {
+        let (ms,): (f64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT (extract(epoch FROM leased_until - now()) * 1000)::float8 \
+             FROM {TABLE} WHERE id = $1"
+        )))
+        .bind(id.parse::<i64>().unwrap())
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        ms
+    };
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let before = lease_left().await;
+    t.keepalive(&id).await.unwrap();
+    let after = lease_left().await;
+    assert!(
+        after > before + 500.0,
+        "keepalive did not extend the lease ({before} ms left before, {after} ms after)"
+    );
+    t.ack(&id).await.unwrap();
+    assert!(matches!(
+        t.keepalive(&id).await,
+        Err(TransportError::NotFound(_))
+    ));
+    assert!(matches!(
+        t.release(&id).await,
+        Err(TransportError::NotFound(_))
+    ));
+    // Acking again is harmless: a late consumer may ack after another one.
+    t.ack(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_lease_redelivers_and_counts_the_delivery() {
+    let Some(url) = url("expired_lease_redelivers_and_counts_the_delivery") else {
+        return;
+    };
+    let t = open(&unique("expired"), &url, &options("lease=300ms")).await;
+    let id = t.send(text("again"), None).await.unwrap();
+    let first = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
+    assert!(
+        t.get(1).await.unwrap().is_empty(),
+        "a leased message was handed out"
+    );
+    let second = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
+    assert_eq!(
+        (first.id.as_str(), second.id.as_str()),
+        (id.as_str(), id.as_str())
+    );
+    let admin = admin(&url).await;
+    let (count,): (i32,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT delivery_count FROM {TABLE} WHERE id = $1"
+    )))
+    .bind(id.parse::<i64>().unwrap())
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(count, 2);
+    t.ack(&id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_claims_at_most_the_batch_option() {
+    let Some(url) = url("get_claims_at_most_the_batch_option") else {
+        return;
+    };
+    let t = open(&unique("batch_cap"), &url, &options("batch=3")).await;
+    t.send_batch((0..10).map(|i| (text(&i.to_string()), None)).collect())
+        .await
+        .unwrap();
+    let got = t.get(100).await.unwrap();
+    assert_eq!(got.len(), 3);
+    assert_eq!(t.purge().await.unwrap(), 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_postgres_cannot_store_are_refused_with_a_clear_error() {
+    let Some(url) = url("messages_postgres_cannot_store_are_refused_with_a_clear_error") else {
+        return;
+    };
+    let t = open(&unique("refused"), &url, &options("max_body=16")).await;
+    let nul = RawMessage {
+        body: b"{}".to_vec(),
+        headers: [("trace\0id".to_string(), "x".to_string())].into(),
+    };
+    let err = t.send(nul.clone(), None).await.unwrap_err();
+    let chain = format!(
+        "{err}: {}",
+        std::error::Error::source(&err)
+            .map(ToString::to_string)
+            .unwrap_or_default()
+    );
+    assert!(chain.contains("NUL"), "{chain}");
+    assert!(t
+        .send_batch(vec![(text("ok"), None), (nul, None)])
+        .await
+        .is_err());
+    match t.send(text(&"x".repeat(17)), None).await {
+        Err(TransportError::TooLarge {
+            size: 17,
+            limit: 16,
+        }) => {}
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert_eq!(
+        t.message_count().await.unwrap(),
+        0,
+        "a refused message was stored"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_with_odd_headers_written_by_hand_are_still_delivered() {
+    let Some(url) = url("rows_with_odd_headers_written_by_hand_are_still_delivered") else {
+        return;
+    };
+    let name = unique("odd_headers");
+    let t = open(&name, &url, &options("")).await;
+    let admin = admin(&url).await;
+    for headers in [r#"{"n": 1, "type": "Odd"}"#, "[1, 2]"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {TABLE} (queue_name, body, headers) VALUES ($1, $2, $3::jsonb)"
+        )))
+        .bind(&name)
+        .bind(headers.as_bytes())
+        .bind(headers)
+        .execute(&admin)
+        .await
+        .unwrap();
+    }
+    let got = receive(&t, 2, Duration::from_secs(10)).await;
+    assert_eq!(got[0].raw.header("n"), Some("1"));
+    assert_eq!(got[0].raw.header("type"), Some("Odd"));
+    assert_eq!(got[1].raw.header(INVALID_HEADERS_HEADER), Some("[1, 2]"));
+    assert_eq!(t.purge().await.unwrap(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_deletes_only_its_own_queue() {
+    let Some(url) = url("purge_deletes_only_its_own_queue") else {
+        return;
+    };
+    let a = open(&unique("purge_a"), &url, &options("")).await;
+    let b = open(&unique("purge_b"), &url, &options("")).await;
+    a.send_batch(vec![(text("a1"), None), (text("a2"), None)])
+        .await
+        .unwrap();
+    b.send(text("b1"), None).await.unwrap();
+    assert_eq!(a.purge().await.unwrap(), 2);
+    assert_eq!(a.message_count().await.unwrap(), 0);
+    assert_eq!(b.message_count().await.unwrap(), 1);
+    assert_eq!(b.purge().await.unwrap(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_transport_fails_with_closed() {
+    let Some(url) = url("a_closed_transport_fails_with_closed") else {
+        return;
+    };
+    let t = open(&unique("closed"), &url, &options("")).await;
+    t.close().await;
+    assert!(matches!(
+        t.send(text("late"), None).await,
+        Err(TransportError::Closed)
+    ));
+    assert!(matches!(t.get(1).await, Err(TransportError::Closed)));
+}
+
+#[tokio::test]
+async fn factory_accepts_postgres_dsns_and_masks_passwords_in_errors() {
+    let factory = PostgresTransportFactory;
+    assert!(factory.supports("postgres://u@h/db"));
+    assert!(factory.supports("postgresql://u@h/db"));
+    assert!(!factory.supports("sqlite://envoi.db"));
+    assert!(!factory.supports("postgres"));
+
+    // Connecting is lazy: a transport is created without a server.
+    let t: Arc<dyn Transport> = factory
+        .create(
+            "orders",
+            "postgresql://u:secret@127.0.0.1:1/db?table=orders_q&lease=5s",
+        )
+        .await
+        .unwrap();
+    assert_eq!(t.capabilities(), Capabilities::ALL);
+
+    match factory
+        .create("orders", "postgres://u:secret@h/db?table=Bad-Name")
+        .await
+    {
+        Err(TransportError::InvalidDsn { dsn, reason }) => {
+            assert_eq!(dsn, "postgres://u:***@h/db?table=Bad-Name");
+            assert!(reason.contains("table name"), "{reason}");
+        }
+        other => panic!("expected InvalidDsn, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn transport_names_must_be_usable_as_queue_names() {
+    for bad in ["", "a\0b"] {
+        let err = PostgresTransport::from_dsn(bad, "postgres://u@h/db").unwrap_err();
+        assert!(
+            err.to_string().contains("invalid postgres transport"),
+            "{err}"
+        );
+    }
+    let ok = PostgresTransport::from_dsn("any name — even ünïcode", "postgres://u@h/db");
+    assert!(ok.is_ok());
+}
+
+#[test]
+fn creating_a_transport_outside_a_runtime_is_an_error_not_a_panic() {
+    let err = PostgresTransport::from_dsn("q", "postgres://u@h/db").unwrap_err();
+    assert!(err.to_string().contains("Tokio runtime"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_consumers_on_separate_handles_share_the_work_without_duplicates() {
+    let Some(url) =
+        url("concurrent_consumers_on_separate_handles_share_the_work_without_duplicates")
+    else {
+        return;
+    };
+    let name = unique("share");
+    let producer = open(&name, &url, &options("")).await;
+    let n = 400;
+    producer
+        .send_batch((0..n).map(|i| (text(&i.to_string()), None)).collect())
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let t = open(&name, &url, &options("batch=7")).await;
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                let got = t.get(50).await.expect("get failed");
+                if got.is_empty() {
+                    break;
+                }
+                let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+                seen.extend(got.iter().map(body));
+                t.ack_batch(&ids).await.expect("ack_batch failed");
+            }
+            seen
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await.unwrap());
+    }
+    let unique_bodies: BTreeSet<_> = all.iter().cloned().collect();
+    assert_eq!(
+        unique_bodies.len(),
+        all.len(),
+        "a message was handed out twice"
+    );
+    assert_eq!(all.len(), n);
+    assert_eq!(producer.message_count().await.unwrap(), 0);
+}
