@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -45,9 +46,11 @@ struct Inner {
     /// Listing and counting, which need not wait for writes.
     reader: SqlitePool,
     sql: Arc<Statements>,
-    /// Woken by sends and releases of every handle on the same queue in
+    /// Raised by sends and releases of every handle on the same queue in
     /// this process.
-    notify: Arc<Notify>,
+    signal: Arc<Signal>,
+    /// The signal's generation when a claim last came back empty.
+    empty_at: AtomicU64,
     setup_done: OnceCell<()>,
     /// Rows claimed beyond what `get` asked for, leased to this handle.
     buffer: Mutex<VecDeque<Buffered>>,
@@ -94,21 +97,41 @@ fn encode_headers(headers: &BTreeMap<String, String>) -> Result<String, Transpor
     serde_json::to_string(headers).map_err(|e| TransportError::backend("encoding headers", e))
 }
 
-/// One [`Notify`] per queue per process, so a send through one handle wakes
+/// Raised when messages may have become available: a [`Notify`] for
+/// waiters and a generation counter, so a wait that starts after the raise
+/// (but after an empty claim) still sees it.
+#[derive(Default)]
+pub(crate) struct Signal {
+    notify: Notify,
+    generation: AtomicU64,
+}
+
+impl Signal {
+    pub(crate) fn wake(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+}
+
+/// One [`Signal`] per queue per process, so a send through one handle wakes
 /// consumers waiting on another.
-fn shared_notify(key: String) -> Arc<Notify> {
-    static NOTIFIES: OnceLock<Mutex<HashMap<String, Weak<Notify>>>> = OnceLock::new();
-    let mut map = NOTIFIES
+fn shared_signal(key: String) -> Arc<Signal> {
+    static SIGNALS: OnceLock<Mutex<HashMap<String, Weak<Signal>>>> = OnceLock::new();
+    let mut map = SIGNALS
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(n) = map.get(&key).and_then(Weak::upgrade) {
-        return n;
+    if let Some(s) = map.get(&key).and_then(Weak::upgrade) {
+        return s;
     }
     map.retain(|_, w| w.strong_count() > 0);
-    let n = Arc::new(Notify::new());
-    map.insert(key, Arc::downgrade(&n));
-    n
+    let s = Arc::new(Signal::default());
+    map.insert(key, Arc::downgrade(&s));
+    s
 }
 
 impl SqliteTransport {
@@ -174,7 +197,7 @@ impl SqliteTransport {
             .connect_lazy_with(connect);
         let canonical =
             std::fs::canonicalize(&options.path).unwrap_or_else(|_| options.path.clone());
-        let notify = shared_notify(format!("{}\0{table}\0{name}", canonical.display()));
+        let signal = shared_signal(format!("{}\0{table}\0{name}", canonical.display()));
         let queue: Arc<str> = Arc::from(name);
         let sql = Arc::new(Statements::new(&table));
         let (tx, rx) = mpsc::channel(WRITER_QUEUE);
@@ -183,7 +206,7 @@ impl SqliteTransport {
                 conn,
                 sql: Arc::clone(&sql),
                 queue: Arc::clone(&queue),
-                notify: Arc::clone(&notify),
+                signal: Arc::clone(&signal),
                 rx,
             }
             .run(),
@@ -196,7 +219,8 @@ impl SqliteTransport {
                 options,
                 writer: tx,
                 reader,
-                notify,
+                empty_at: AtomicU64::new(signal.generation()),
+                signal,
                 setup_done: OnceCell::new(),
                 buffer: Mutex::new(VecDeque::new()),
             }),
@@ -432,14 +456,26 @@ impl Transport for SqliteTransport {
             }
             // Listen before looking, so a send between the claim and the
             // wait still wakes us.
-            let mut notified = pin!(inner.notify.notified());
+            let mut notified = pin!(inner.signal.notify.notified());
             notified.as_mut().enable();
+            // A claim that comes back empty records the generation it saw,
+            // so `wait_for_messages` knows whether anything came since.
+            let generation = inner.signal.generation();
             let claimed = inner.claim(max).await?;
-            if !claimed.is_empty() || inner.options.poll.is_zero() {
+            if !claimed.is_empty() {
+                return Ok(claimed);
+            }
+            if inner.options.poll.is_zero() {
+                inner.empty_at.store(generation, Ordering::SeqCst);
                 return Ok(claimed);
             }
             let _ = tokio::time::timeout(inner.options.poll, notified).await;
-            inner.claim(max).await
+            let generation = inner.signal.generation();
+            let claimed = inner.claim(max).await?;
+            if claimed.is_empty() {
+                inner.empty_at.store(generation, Ordering::SeqCst);
+            }
+            Ok(claimed)
         })
     }
 
@@ -567,5 +603,23 @@ impl Transport for SqliteTransport {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities::ALL
+    }
+
+    /// Resolves at once when messages were sent or released in this process
+    /// since `get` last came back empty (or are prefetched), otherwise on the
+    /// next such send or release, or after `timeout` (sends from other
+    /// processes are seen by polling).
+    fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let inner = &*self.inner;
+            let mut notified = pin!(inner.signal.notify.notified());
+            notified.as_mut().enable();
+            if !inner.lock_buffer().is_empty()
+                || inner.signal.generation() != inner.empty_at.load(Ordering::SeqCst)
+            {
+                return;
+            }
+            let _ = tokio::time::timeout(timeout, notified).await;
+        })
     }
 }

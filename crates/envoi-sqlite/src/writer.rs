@@ -10,9 +10,10 @@ use std::sync::Arc;
 use envoi_core::transport::{Delivery, RawMessage};
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
 use sqlx::{AssertSqlSafe, Connection, Row};
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::sql::Statements;
+use crate::transport::Signal;
 
 /// The header set on a delivery whose stored headers are not a JSON object
 /// of strings (the row was written by something else). The message is still
@@ -70,7 +71,7 @@ pub(crate) struct Writer {
     pub(crate) conn: SqliteConnection,
     pub(crate) sql: Arc<Statements>,
     pub(crate) queue: Arc<str>,
-    pub(crate) notify: Arc<Notify>,
+    pub(crate) signal: Arc<Signal>,
     pub(crate) rx: mpsc::Receiver<Op>,
 }
 
@@ -140,7 +141,7 @@ impl Writer {
                 self.commit_group(&mut group).await;
             }
             if wake {
-                self.notify.notify_waiters();
+                self.signal.wake();
             }
         }
         let _ = self.conn.close().await;
@@ -192,7 +193,7 @@ impl Writer {
                         reply: None,
                     };
                     let _ = apply(&mut self.conn, &self.sql, &self.queue, &release).await;
-                    self.notify.notify_waiters();
+                    self.signal.wake();
                 }
             }
             (Op::Insert(_, reply), Ok(Outcome::Ids(ids))) => {

@@ -389,3 +389,51 @@ async fn transports_sharing_a_table_and_handles_sharing_a_connection_stay_apart(
     assert_eq!(orders.message_count().await.expect("count"), 0);
     assert_eq!(mails.message_count().await.expect("count"), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_messages_returns_when_a_message_is_sent_and_times_out_otherwise() {
+    let path = db_path("wait");
+    let consumer = open(&path, "poll=0s").await;
+    let producer = open(&path, "poll=0s").await;
+    assert!(consumer.get(10).await.expect("get").is_empty());
+
+    // Nothing sent: the wait lasts its timeout.
+    let started = Instant::now();
+    consumer.wait_for_messages(Duration::from_millis(300)).await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "returned after {:?} with nothing sent",
+        started.elapsed()
+    );
+
+    // A send after the empty get but before the wait: returns at once.
+    producer.send(text("early"), None).await.expect("send");
+    let started = Instant::now();
+    consumer.wait_for_messages(Duration::from_secs(20)).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "missed a send made before the wait"
+    );
+    let got = consumer.get(10).await.expect("get");
+    assert_eq!(got.len(), 1);
+    consumer.ack(&got[0].id).await.expect("ack");
+    assert!(consumer.get(10).await.expect("get").is_empty());
+
+    // A send during the wait wakes it.
+    let waiter = {
+        let consumer = consumer.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            consumer.wait_for_messages(Duration::from_secs(20)).await;
+            started.elapsed()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    producer.send(text("late"), None).await.expect("send");
+    let waited = waiter.await.expect("waiter");
+    assert!(
+        waited < Duration::from_secs(10),
+        "the wait was not woken by the send ({waited:?})"
+    );
+    assert_eq!(consumer.get(10).await.expect("get").len(), 1);
+}
