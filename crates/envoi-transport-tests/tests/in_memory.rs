@@ -9,8 +9,11 @@ use std::time::Duration;
 use envoi_core::in_memory::InMemoryTransport;
 use envoi_core::transport::Transport;
 
+/// Transports by DSN and name.
+type Queues = HashMap<(String, String), Arc<dyn Transport>>;
+
 fn shared(dsn: &str, name: String) -> Arc<dyn Transport> {
-    static QUEUES: OnceLock<Mutex<HashMap<(String, String), Arc<dyn Transport>>>> = OnceLock::new();
+    static QUEUES: OnceLock<Mutex<Queues>> = OnceLock::new();
     let mut queues = QUEUES
         .get_or_init(Default::default)
         .lock()
