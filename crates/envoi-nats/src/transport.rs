@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use async_nats::connection::State;
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::stream::{
@@ -26,7 +27,7 @@ use crate::headers;
 const SEND_ATTEMPTS: usize = 3;
 /// Extra time a fetch gets beyond its expiry before it is considered
 /// stalled and abandoned.
-const FETCH_GRACE: Duration = Duration::from_secs(2);
+const FETCH_GRACE: Duration = Duration::from_secs(1);
 /// After this long without a single message, `get` checks the consumer.
 const IDLE_CHECK: Duration = Duration::from_secs(5);
 /// Leases not touched for this long (and at least three lease periods) are
@@ -45,6 +46,17 @@ fn now_ms() -> u128 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis())
         .unwrap_or(0)
+}
+
+/// The pause before connection attempt number `attempts` (the first
+/// connection is attempt 1): none for the first two, then 100 ms doubling up
+/// to 2 s, so a server that comes back is used again within two seconds.
+fn reconnect_delay(attempts: usize) -> Duration {
+    if attempts <= 1 {
+        return Duration::ZERO;
+    }
+    let exp = u32::try_from((attempts - 2).min(5)).unwrap_or(5);
+    Duration::from_millis(100 * 2u64.pow(exp)).min(Duration::from_secs(2))
 }
 
 fn parse_id(id: &str) -> Option<u64> {
@@ -76,6 +88,42 @@ struct Inner {
     leases: Mutex<Leases>,
     /// Since when fetches have returned nothing (stall detection).
     idle_since: Mutex<Option<Instant>>,
+    /// The ack subject of the latest unconfirmed (plain publish) ack, for
+    /// `ack_barrier`.
+    unconfirmed_ack: Mutex<Option<Subject>>,
+}
+
+impl Drop for Inner {
+    /// Acks are plain publishes queued on the connection, and a client
+    /// dropped with writes still queued loses them. The last handle going
+    /// away therefore keeps the connection open (on the current runtime)
+    /// until the server has confirmed its latest ack, or at least until
+    /// everything queued is written.
+    fn drop(&mut self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let client = self.client.clone();
+        let reply = lock(&self.unconfirmed_ack).take();
+        runtime.spawn(async move {
+            let settle = async {
+                match reply {
+                    Some(reply) => client
+                        .request(reply, AckKind::Ack.into())
+                        .await
+                        .map(drop)
+                        .is_ok(),
+                    None => client.flush().await.is_ok(),
+                }
+            };
+            if !matches!(
+                tokio::time::timeout(Duration::from_secs(5), settle).await,
+                Ok(true)
+            ) {
+                tracing::debug!("queued acks may not have reached the server before closing");
+            }
+        });
+    }
 }
 
 /// A transport on a NATS JetStream stream.
@@ -111,6 +159,16 @@ pub struct NatsTransport {
     inner: Arc<Inner>,
 }
 
+/// How a pull request ended.
+enum FetchEnd {
+    /// The server ended it (batch complete, expired, no messages).
+    Done,
+    /// No end came within the expiry plus [`FETCH_GRACE`].
+    Stalled,
+    /// The request or a message failed.
+    Failed(TransportError),
+}
+
 /// A message ready to publish; kept so that a failed publish can be retried
 /// with the same de-duplication id.
 struct Prepared {
@@ -126,12 +184,7 @@ impl NatsTransport {
         let options = ConnectOptions::new()
             .name("envoi")
             .require_tls(config.tls)
-            .reconnect_delay_callback(|attempts| {
-                // 100 ms, 200 ms, 400 ms ... capped at 2 s: a broker that
-                // comes back is used again within two seconds.
-                let exp = u32::try_from(attempts.min(5)).unwrap_or(5);
-                Duration::from_millis(100 * 2u64.pow(exp)).min(Duration::from_secs(2))
-            })
+            .reconnect_delay_callback(reconnect_delay)
             .event_callback(|event| async move {
                 tracing::debug!(%event, "nats connection event");
             });
@@ -152,6 +205,7 @@ impl NatsTransport {
                     last_pruned: Instant::now(),
                 }),
                 idle_since: Mutex::new(None),
+                unconfirmed_ack: Mutex::new(None),
             }),
         })
     }
@@ -248,12 +302,36 @@ impl NatsTransport {
                 "existing stream is not a work queue: acknowledged messages stay in it and `list` shows them"
             );
         }
-        let consumer = stream
-            .create_consumer(self.consumer_config())
-            .await
-            .map_err(|e| backend(format!("creating consumer `{}`", config.consumer), e))?;
+        let consumer = self.bind_consumer(&stream).await?;
         *lock(&self.inner.consumer) = Some(Arc::new(consumer));
         Ok(())
+    }
+
+    /// Binds to the durable consumer, creating it, or updating it when its
+    /// settings differ from the configuration. A consumer that already has
+    /// the right settings is left untouched (no write on the server).
+    async fn bind_consumer<I>(
+        &self,
+        stream: &jetstream::stream::Stream<I>,
+    ) -> Result<PullConsumer, TransportError> {
+        let wanted = self.consumer_config();
+        let name = &self.inner.config.consumer;
+        if let Ok(existing) = stream.get_consumer::<pull::Config>(name).await {
+            let current = &existing.cached_info().config;
+            let same = current.ack_wait == wanted.ack_wait
+                && current.max_deliver == wanted.max_deliver
+                && current.max_ack_pending == wanted.max_ack_pending
+                && current.filter_subject == wanted.filter_subject
+                && current.ack_policy == wanted.ack_policy
+                && current.deliver_policy == wanted.deliver_policy;
+            if same {
+                return Ok(existing);
+            }
+        }
+        stream
+            .create_consumer(wanted)
+            .await
+            .map_err(|e| backend(format!("creating consumer `{name}`"), e))
     }
 
     async fn ensure_setup(&self) -> Result<(), TransportError> {
@@ -280,13 +358,8 @@ impl NatsTransport {
             .get_stream_no_info(&config.stream)
             .await
             .map_err(|e| backend(format!("opening stream `{}`", config.stream), e))?;
-        // Create-or-update: binds to the durable consumer, and brings it
-        // back if it was deleted behind our back.
-        let consumer = stream
-            .create_consumer(self.consumer_config())
-            .await
-            .map_err(|e| backend(format!("binding consumer `{}`", config.consumer), e))?;
-        let consumer = Arc::new(consumer);
+        // Brings the consumer back if it was deleted behind our back.
+        let consumer = Arc::new(self.bind_consumer(&stream).await?);
         *lock(&self.inner.consumer) = Some(consumer.clone());
         Ok(consumer)
     }
@@ -382,13 +455,13 @@ impl NatsTransport {
     }
 
     /// One pull request for up to `want` messages, waiting up to `expires`.
-    /// Returns what arrived, and the error that ended it early, if any.
+    /// Returns what arrived and how the request ended.
     async fn fetch_once(
         &self,
         consumer: &PullConsumer,
         want: usize,
         expires: Duration,
-    ) -> (Vec<jetstream::Message>, Option<TransportError>) {
+    ) -> (Vec<jetstream::Message>, FetchEnd) {
         let hard_deadline = tokio::time::Instant::now() + expires + FETCH_GRACE;
         let request = consumer
             .fetch()
@@ -397,26 +470,25 @@ impl NatsTransport {
             .messages();
         let mut batch = match tokio::time::timeout_at(hard_deadline, request).await {
             Ok(Ok(batch)) => batch,
-            Ok(Err(e)) => return (Vec::new(), Some(backend("requesting a batch", e))),
-            Err(_) => return (Vec::new(), Some(backend("requesting a batch", "timed out"))),
+            Ok(Err(e)) => {
+                return (
+                    Vec::new(),
+                    FetchEnd::Failed(backend("requesting a batch", e)),
+                )
+            }
+            Err(_) => return (Vec::new(), FetchEnd::Stalled),
         };
         let mut messages = Vec::new();
         loop {
             match tokio::time::timeout_at(hard_deadline, batch.next()).await {
                 Ok(Some(Ok(message))) => messages.push(message),
-                Ok(Some(Err(e))) => return (messages, Some(backend("fetching messages", e))),
-                Ok(None) => return (messages, None),
-                Err(_) => {
-                    // The server's end-of-batch never came: a stalled pull
-                    // (lost connection, lost subscription).
-                    return (
-                        messages,
-                        Some(backend(
-                            "fetching messages",
-                            format!("no end of batch within {:?}", expires + FETCH_GRACE),
-                        )),
-                    );
+                Ok(Some(Err(e))) => {
+                    return (messages, FetchEnd::Failed(backend("fetching messages", e)))
                 }
+                Ok(None) => return (messages, FetchEnd::Done),
+                // The server's end-of-batch never came: a stalled pull (a
+                // lost connection or subscription, a consumer gone missing).
+                Err(_) => return (messages, FetchEnd::Stalled),
             }
         }
     }
@@ -547,11 +619,31 @@ impl NatsTransport {
             }
             Ok(())
         } else {
+            if matches!(kind, AckKind::Ack) {
+                *lock(&self.inner.unconfirmed_ack) = Some(reply.clone());
+            }
             self.inner
                 .client
                 .publish(reply, kind.into())
                 .await
                 .map_err(|e| backend("acknowledging", e))
+        }
+    }
+
+    /// Read-your-acks for `list`, `find` and `message_count`: plain acks are
+    /// processed by the server after they are sent, so the latest one is
+    /// sent again as a confirmed ack. The consumer handles acks from one
+    /// connection in order, so once that one is confirmed, every earlier ack
+    /// from this handle has been applied. Acking twice is harmless.
+    async fn ack_barrier(&self) {
+        let Some(reply) = lock(&self.inner.unconfirmed_ack).take() else {
+            return;
+        };
+        let confirmation = self.inner.client.request(reply, AckKind::Ack.into());
+        match tokio::time::timeout(Duration::from_secs(5), confirmation).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::debug!(%error, "ack barrier not confirmed"),
+            Err(_) => tracing::debug!("ack barrier timed out"),
         }
     }
 
@@ -657,16 +749,36 @@ impl Transport for NatsTransport {
                 let remaining = deadline.saturating_duration_since(Instant::now());
                 let expires = remaining.max(Duration::from_millis(10));
                 let started = Instant::now();
-                let (messages, error) = self.fetch_once(&consumer, want - out.len(), expires).await;
+                let (messages, end) = self.fetch_once(&consumer, want - out.len(), expires).await;
                 let fetched = messages.len();
                 self.accept(messages, &mut out).await;
-                if let Some(error) = error {
-                    tracing::warn!(%error, "pull request failed; the consumer will be re-bound");
-                    self.forget_consumer();
-                    if out.is_empty() {
-                        return Err(error);
+                match end {
+                    FetchEnd::Done => {}
+                    FetchEnd::Stalled => {
+                        self.forget_consumer();
+                        if self.inner.client.connection_state() != State::Connected {
+                            if out.is_empty() {
+                                return Err(backend(
+                                    "fetching messages",
+                                    "the connection to the server is down (reconnecting)",
+                                ));
+                            }
+                        } else {
+                            tracing::warn!(
+                                consumer = %self.inner.config.consumer,
+                                "pull request got no answer; the consumer will be re-bound"
+                            );
+                        }
+                        break;
                     }
-                    break;
+                    FetchEnd::Failed(error) => {
+                        tracing::warn!(%error, "pull request failed; the consumer will be re-bound");
+                        self.forget_consumer();
+                        if out.is_empty() {
+                            return Err(error);
+                        }
+                        break;
+                    }
                 }
                 if !out.is_empty() || Instant::now() >= deadline {
                     break;
@@ -766,6 +878,7 @@ impl Transport for NatsTransport {
     fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
         Box::pin(async move {
             self.ensure_setup().await?;
+            self.ack_barrier().await;
             let config = &self.inner.config;
             let stream = self
                 .inner
@@ -784,6 +897,7 @@ impl Transport for NatsTransport {
     fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         Box::pin(async move {
             self.ensure_setup().await?;
+            self.ack_barrier().await;
             let config = &self.inner.config;
             let stream = self
                 .inner
@@ -818,6 +932,7 @@ impl Transport for NatsTransport {
                 return Ok(None);
             };
             self.ensure_setup().await?;
+            self.ack_barrier().await;
             let config = &self.inner.config;
             let stream = self
                 .inner
@@ -843,7 +958,19 @@ impl Transport for NatsTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_id;
+    use super::{parse_id, reconnect_delay};
+    use std::time::Duration;
+
+    #[test]
+    fn reconnects_start_at_once_then_back_off_to_two_seconds() {
+        assert_eq!(reconnect_delay(0), Duration::ZERO);
+        assert_eq!(reconnect_delay(1), Duration::ZERO);
+        assert_eq!(reconnect_delay(2), Duration::from_millis(100));
+        assert_eq!(reconnect_delay(3), Duration::from_millis(200));
+        assert_eq!(reconnect_delay(6), Duration::from_millis(1600));
+        assert_eq!(reconnect_delay(7), Duration::from_secs(2));
+        assert_eq!(reconnect_delay(1000), Duration::from_secs(2));
+    }
 
     #[test]
     fn ids_are_positive_stream_sequences() {
