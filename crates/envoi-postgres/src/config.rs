@@ -25,7 +25,8 @@
 //! | `table` | `envoi_messages` | table holding the messages (`[a-z_][a-z0-9_]*`, at most 48 characters); also the `LISTEN/NOTIFY` channel |
 //! | `lease` | `300s` | how long a handed-out message stays invisible before it is redelivered; `keepalive` renews it |
 //! | `batch` | `256` | most messages one `get` claims, whatever it is asked for (1–10000) |
-//! | `poll` | `500ms` | longest wait of an empty `get`, hence the polling period when a notification is missed or the listener is down |
+//! | `wait` | `250ms` | longest wait of an empty `get` for a notification; `0` returns at once (a worker with several receivers then waits in `wait_for_messages` instead) |
+//! | `poll` | `500ms` | longest wait of `wait_for_messages`, hence the polling period of an idle worker when a notification is missed, the listener is down, a delay comes due or a lease expires |
 //! | `listen` | `true` | `false` disables `LISTEN/NOTIFY` (for poolers in transaction mode): pure polling |
 //! | `max_connections` | `10` | size of the connection pool (the listener has one connection of its own) |
 //! | `acquire_timeout` | `10s` | longest wait for a pooled connection |
@@ -94,8 +95,12 @@ pub struct PostgresConfig {
     pub lease: Duration,
     /// The most messages one [`get`](envoi_core::transport::Transport::get) claims.
     pub batch: usize,
-    /// The longest wait of an empty `get`; the polling period when
-    /// notifications are missed or disabled.
+    /// The longest an empty [`get`](envoi_core::transport::Transport::get)
+    /// waits for a notification; zero returns at once.
+    pub wait: Duration,
+    /// The longest wait of
+    /// [`wait_for_messages`](envoi_core::transport::Transport::wait_for_messages):
+    /// the polling period of an idle consumer.
     pub poll_interval: Duration,
     /// Whether to wake consumers with `LISTEN/NOTIFY` (otherwise: polling only).
     pub listen: bool,
@@ -114,6 +119,7 @@ impl Default for PostgresConfig {
             table: DEFAULT_TABLE.to_string(),
             lease: Duration::from_secs(300),
             batch: 256,
+            wait: Duration::from_millis(250),
             poll_interval: Duration::from_millis(500),
             listen: true,
             max_connections: 10,
@@ -135,6 +141,7 @@ impl fmt::Debug for PostgresConfig {
             .field("table", &self.table)
             .field("lease", &self.lease)
             .field("batch", &self.batch)
+            .field("wait", &self.wait)
             .field("poll_interval", &self.poll_interval)
             .field("listen", &self.listen)
             .field("max_connections", &self.max_connections)
@@ -173,6 +180,7 @@ impl PostgresConfig {
                 "table" => config.table = value,
                 "lease" => config.lease = parse_duration(&key, &value).map_err(invalid)?,
                 "poll" => config.poll_interval = parse_duration(&key, &value).map_err(invalid)?,
+                "wait" => config.wait = parse_duration(&key, &value).map_err(invalid)?,
                 "acquire_timeout" => {
                     config.acquire_timeout = parse_duration(&key, &value).map_err(invalid)?
                 }
@@ -206,7 +214,8 @@ impl PostgresConfig {
     }
 
     /// Checks the values: a valid table name, a lease of at least one
-    /// millisecond, a batch of 1–10000, a poll interval of 10 ms–1 h,
+    /// millisecond, a batch of 1–10000, a wait of at most 1 h, a poll
+    /// interval of 10 ms–1 h,
     /// 1–1000 connections.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_table(&self.table)?;
@@ -228,6 +237,7 @@ impl PostgresConfig {
             "batch",
             "between 1 and 10000",
         )?;
+        check(self.wait <= Duration::from_secs(3600), "wait", "at most 1h")?;
         check(
             self.poll_interval >= Duration::from_millis(10)
                 && self.poll_interval <= Duration::from_secs(3600),
@@ -344,6 +354,7 @@ mod tests {
         assert_eq!(config.table, DEFAULT_TABLE);
         assert_eq!(config.lease, Duration::from_secs(300));
         assert_eq!(config.batch, 256);
+        assert_eq!(config.wait, Duration::from_millis(250));
         assert_eq!(config.poll_interval, Duration::from_millis(500));
         assert!(config.listen);
         assert_eq!(config.connect.get_host(), "127.0.0.1");
@@ -356,7 +367,7 @@ mod tests {
     #[test]
     fn envoi_options_are_read_and_driver_options_passed_on() {
         let config = PostgresConfig::from_dsn(
-            "postgresql://u:p%40ss@db:6543/app?table=jobs_2&lease=1500ms&batch=50&poll=2s\
+            "postgresql://u:p%40ss@db:6543/app?table=jobs_2&lease=1500ms&batch=50&poll=2s&wait=0\
              &listen=false&max_connections=3&max_body=1024&acquire_timeout=1m\
              &application_name=billing&sslmode=disable",
         )
@@ -365,6 +376,7 @@ mod tests {
         assert_eq!(config.lease, Duration::from_millis(1500));
         assert_eq!(config.batch, 50);
         assert_eq!(config.poll_interval, Duration::from_secs(2));
+        assert_eq!(config.wait, Duration::ZERO);
         assert!(!config.listen);
         assert_eq!(config.max_connections, 3);
         assert_eq!(config.max_body, 1024);
@@ -402,6 +414,7 @@ mod tests {
         assert!(reason("postgres://h/db?lease=later").contains("`lease`"));
         assert!(reason("postgres://h/db?listen=maybe").contains("`listen`"));
         assert!(reason("postgres://h/db?poll=1ms").contains("`poll`"));
+        assert!(reason("postgres://h/db?wait=2h").contains("`wait`"));
         assert!(reason("postgres://h/db?sslmode=sometimes").contains("driver"));
     }
 

@@ -55,13 +55,15 @@ pub enum MessageError {
 ///
 /// # Waking consumers
 ///
-/// An empty `get` waits up to the poll interval (`poll=`, 500 ms) for a
-/// wake-up. After a send commits, a background task of the transport runs
-/// `NOTIFY` (coalesced: one notification however many sends completed while
-/// the previous one was on its way); one listener connection per transport value (shared by all its consumers and
-/// clones, opened by the first `get`) turns notifications for this queue into
-/// wake-ups. Notifications missed while the listener reconnects, delays that
-/// come due and leases that expire are caught by polling.
+/// After a send commits, a background task of the transport runs `NOTIFY`
+/// (coalesced: one notification however many sends completed while the
+/// previous one was on its way). One listener connection per transport value
+/// (shared by all its consumers and clones, opened by the first `get`) turns
+/// notifications for this queue into wake-ups. An empty `get` waits up to
+/// `wait=` (250 ms; `0` returns at once) for one;
+/// [`wait_for_messages`](Transport::wait_for_messages) waits up to `poll=`
+/// (500 ms). Notifications missed while the listener reconnects, delays that
+/// come due and leases that expire are caught by that polling.
 ///
 /// # Connection loss
 ///
@@ -497,7 +499,7 @@ impl Inner {
         }
         let limit = i64::try_from(max.min(self.config.batch)).unwrap_or(i64::MAX);
         self.ensure_listener();
-        let deadline = Instant::now() + self.config.poll_interval;
+        let deadline = Instant::now() + self.config.wait;
         loop {
             // Subscribe before claiming: a wake that arrives while the claim
             // runs makes the wait below return at once.

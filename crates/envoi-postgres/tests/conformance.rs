@@ -14,7 +14,7 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
     let separator = if url.contains('?') { '&' } else { '?' };
     // The suite's default lease is 2 s; a short poll keeps its waits brief.
     let dsn = format!(
-        "{url}{separator}table=envoi_conformance&lease=2s&poll=200ms&max_connections=4\
+        "{url}{separator}table=envoi_conformance&lease=2s&wait=200ms&poll=200ms&max_connections=4\
          &application_name=envoi_conformance"
     );
     let transport = PostgresTransport::from_dsn(name, &dsn)

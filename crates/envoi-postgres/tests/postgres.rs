@@ -16,7 +16,7 @@ use envoi_postgres::{PostgresTransport, PostgresTransportFactory, INVALID_HEADER
 const TABLE: &str = "envoi_test_messages";
 
 fn options(extra: &str) -> String {
-    format!("table={TABLE}&lease=2s&poll=200ms&max_connections=4&{extra}")
+    format!("table={TABLE}&lease=2s&wait=200ms&poll=200ms&max_connections=4&{extra}")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -172,7 +172,7 @@ async fn notify_wakes_a_waiting_consumer_long_before_the_poll_interval() {
     let consumer = open(
         &name,
         &url,
-        &format!("table={TABLE}&poll=20s&application_name={app}"),
+        &format!("table={TABLE}&wait=20s&poll=20s&application_name={app}"),
     )
     .await;
     let producer = open(&name, &url, &options("")).await;
@@ -620,4 +620,30 @@ async fn concurrent_consumers_on_separate_handles_share_the_work_without_duplica
     );
     assert_eq!(all.len(), n);
     assert_eq!(producer.message_count().await.unwrap(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_get_waits_up_to_the_wait_option_and_not_at_all_with_zero() {
+    let Some(url) = url("an_empty_get_waits_up_to_the_wait_option_and_not_at_all_with_zero") else {
+        return;
+    };
+    let name = unique("wait_option");
+    let patient = open(&name, &url, &format!("table={TABLE}&wait=3s")).await;
+    let eager = open(&name, &url, &format!("table={TABLE}&wait=0")).await;
+
+    let started = Instant::now();
+    assert!(patient.get(1).await.unwrap().is_empty());
+    let patient_took = started.elapsed();
+    let started = Instant::now();
+    assert!(eager.get(1).await.unwrap().is_empty());
+    let eager_took = started.elapsed();
+
+    assert!(
+        patient_took >= Duration::from_millis(2900),
+        "wait=3s returned after {patient_took:?}"
+    );
+    assert!(
+        eager_took < Duration::from_secs(2),
+        "wait=0 returned after {eager_took:?}"
+    );
 }

@@ -41,7 +41,7 @@ async fn every_message_is_handled_when_the_server_kills_the_connections_mid_run(
     let name = unique("reconnect");
     let app = unique("envoi_reconnect");
     let options = format!(
-        "table=envoi_test_messages&lease=2s&poll=200ms&max_connections=4&application_name={app}"
+        "table=envoi_test_messages&lease=2s&wait=200ms&poll=200ms&max_connections=4&application_name={app}"
     );
     let producer = open(&name, &url, &options).await;
     let consumer = open(&name, &url, &options).await;
