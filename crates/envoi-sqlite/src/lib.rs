@@ -60,7 +60,7 @@
 //!   statement takes SQLite's write lock before it reads):
 //!   `UPDATE … SET delivered_at = ?now, lease_until = ?now + lease,
 //!   available_at = ?now + lease WHERE id IN (SELECT id … WHERE queue_name = ?
-//!   AND available_at <= ?now ORDER BY available_at, id LIMIT ?batch)
+//!   AND available_at <= ?now ORDER BY available_at, id LIMIT ?max)
 //!   RETURNING id, body, headers`. Moving `available_at` to the end of the
 //!   lease is what makes a claimed row invisible to other consumers and
 //!   visible again when the lease expires, with one index range scan.
@@ -86,10 +86,13 @@
 //! * `list`, `find` and `message_count` cover waiting, delayed and leased
 //!   messages.
 //!
-//! Rows are claimed `batch` (16) at a time: `get(1)` claims up to 16 rows
-//! and keeps the others, leased to this handle, for the next calls. Rows kept
-//! for half the lease are given back, as are those held by a handle when it
-//! is dropped or [closed](SqliteTransport::close).
+//! `get(max)` claims `max` rows in one statement. Consumers that ask for one
+//! message at a time can set `batch=N` to claim `N` and keep the others,
+//! leased to this handle, for the next calls; rows kept for half the lease
+//! are given back, as are those held by a handle when it is dropped or
+//! [closed](SqliteTransport::close). The worker fetches in batches itself,
+//! so it needs no prefetching (and a graceful stop then leaves nothing
+//! leased).
 //!
 //! ## Connections and group commit
 //!

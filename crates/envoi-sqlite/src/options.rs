@@ -14,7 +14,7 @@ use envoi_core::TransportError;
 /// | `table` | `envoi_<name>` | the table; several transports may share one (rows carry their `queue_name`) |
 /// | `lease` | `60s` | how long a handed-out message stays leased before it is handed out again |
 /// | `poll` | `50ms` | how long `get` waits for a message when none is available |
-/// | `batch` | `16` | rows claimed per round trip; extra rows are kept for the next `get` |
+/// | `batch` | `1` | rows claimed at least per round trip; rows beyond what `get` asked for are kept, leased, for the next `get` |
 /// | `busy_timeout` | `5s` | how long a statement waits for another connection's write lock |
 /// | `auto_setup` | `true` | create the table on first use |
 ///
@@ -31,7 +31,8 @@ pub struct SqliteOptions {
     pub lease: Duration,
     /// How long `get` waits when nothing is available.
     pub poll: Duration,
-    /// Rows claimed per round trip.
+    /// The fewest rows a claim takes (prefetching for consumers that ask
+    /// for fewer).
     pub batch: usize,
     /// How long a statement waits for a lock held by another connection.
     pub busy_timeout: Duration,
@@ -47,7 +48,7 @@ impl SqliteOptions {
             table: None,
             lease: Duration::from_secs(60),
             poll: Duration::from_millis(50),
-            batch: 16,
+            batch: 1,
             busy_timeout: Duration::from_secs(5),
             auto_setup: true,
         }

@@ -1,5 +1,5 @@
 //! The shared conformance suite against SQLite with every transport in one
-//! table (rows told apart by `queue_name`) and no prefetching (`batch=1`).
+//! table (rows told apart by `queue_name`) claiming 16 rows at a time (`batch=16`).
 
 use std::sync::Arc;
 
@@ -10,7 +10,7 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
     let dir = std::env::temp_dir().join("envoi-sqlite-tests");
     let path = dir.join(format!("shared-table-{}.db", std::process::id()));
     let dsn = format!(
-        "sqlite://{}?table=messages&batch=1&lease=2s&poll=50ms&busy_timeout=30s",
+        "sqlite://{}?table=messages&batch=16&lease=2s&poll=50ms&busy_timeout=30s",
         path.display()
     );
     match SqliteTransport::connect(&name, &dsn).await {

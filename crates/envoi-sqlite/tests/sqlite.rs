@@ -143,7 +143,7 @@ async fn messages_of_a_killed_worker_process_come_back_and_acked_ones_do_not() {
     }
 
     let path = db_path("killed");
-    let options = "lease=1s&poll=20ms";
+    let options = "lease=1s&poll=20ms&batch=16";
     let parent = open(&path, options).await;
     for i in 0..20 {
         parent
@@ -177,8 +177,8 @@ async fn messages_of_a_killed_worker_process_come_back_and_acked_ones_do_not() {
     child.kill().expect("SIGKILL the child"); // SIGKILL on Unix
     child.wait().expect("reap the child");
 
-    // The child prefetched 16 rows (batch 16), handed 5 to itself, acked 2:
-    // 18 are left, 14 of them leased to a dead process.
+    // The child claimed 16 rows (batch=16), took 5 of them and acked 2: 18
+    // are left, 14 of them leased to a dead process.
     let got = bodies_within(&parent, 18, Duration::from_secs(30)).await;
     assert_eq!(got.len(), 18, "lost messages: got {got:?}");
     let expected: Vec<String> = (2..20).map(|i| format!("job-{i:02}")).collect();
@@ -436,4 +436,22 @@ async fn wait_for_messages_returns_when_a_message_is_sent_and_times_out_otherwis
         "the wait was not woken by the send ({waited:?})"
     );
     assert_eq!(consumer.get(10).await.expect("get").len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_get_claims_only_what_it_asks_for() {
+    let path = db_path("no-prefetch");
+    let a = open(&path, "lease=60s").await;
+    let b = open(&path, "lease=60s&poll=20ms").await;
+    for i in 0..3 {
+        a.send(text(&format!("n{i}")), None).await.expect("send");
+    }
+    let first = a.get(1).await.expect("get");
+    assert_eq!(first.len(), 1);
+    let others = bodies_within(&b, 2, Duration::from_secs(5)).await;
+    assert_eq!(
+        others,
+        ["n1", "n2"],
+        "rows beyond the one asked for were held back"
+    );
 }
