@@ -79,6 +79,8 @@ pub struct RedisTransport {
     read_lock: tokio::sync::Mutex<()>,
     state: Mutex<State>,
     ready: AtomicBool,
+    /// Whether the last `get` failed (then `wait_for_messages` really waits).
+    get_failed: AtomicBool,
 }
 
 /// When the periodic chores of `get` are next due.
@@ -131,6 +133,7 @@ impl RedisTransport {
                 next_prune: now,
             }),
             ready: AtomicBool::new(false),
+            get_failed: AtomicBool::new(false),
             options,
         })
     }
@@ -776,14 +779,16 @@ impl Transport for RedisTransport {
             if max == 0 {
                 return Ok(Vec::new());
             }
-            match self.get_once(max).await {
+            let got = match self.get_once(max).await {
                 Err(e) if redis_code(&e) == Some("NOGROUP") => {
                     // The stream or group was deleted under us: recreate it.
                     self.ready.store(false, Ordering::SeqCst);
                     self.get_once(max).await
                 }
                 other => other,
-            }
+            };
+            self.get_failed.store(got.is_err(), Ordering::SeqCst);
+            got
         })
     }
 
@@ -825,6 +830,20 @@ impl Transport for RedisTransport {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities::ALL
+    }
+
+    /// Returns at once: `get` itself already waited on the server (up to
+    /// `block`) and wakes as soon as an entry is added, so sleeping here
+    /// would only delay the next message. After a failed `get` (server
+    /// unreachable, for instance) it sleeps the whole `timeout`, so callers
+    /// do not retry in a tight loop.
+    fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        let failed = self.get_failed.load(Ordering::SeqCst);
+        Box::pin(async move {
+            if failed {
+                tokio::time::sleep(timeout).await;
+            }
+        })
     }
 }
 

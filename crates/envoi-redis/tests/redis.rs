@@ -708,3 +708,35 @@ async fn trimming_keeps_what_another_group_has_not_read() {
     assert_eq!(audit.trim_acknowledged().await.unwrap(), 3);
     billing.destroy().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_messages_returns_at_once_after_a_blocking_get() {
+    let Some(url) = common::url("wait_for_messages_returns_at_once_after_a_blocking_get") else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("wait"), "block=50ms");
+    t.setup().await.unwrap();
+    assert!(t.get(1).await.unwrap().is_empty());
+    let started = Instant::now();
+    t.wait_for_messages(Duration::from_secs(20)).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "waited {:?} although get already blocked",
+        started.elapsed()
+    );
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_messages_sleeps_after_a_failed_get() {
+    // Nothing listens on port 1: every get fails at once.
+    let t = RedisTransport::from_dsn("unreachable", "redis://127.0.0.1:1").unwrap();
+    assert!(t.get(1).await.is_err(), "get from a closed port succeeded");
+    let started = Instant::now();
+    t.wait_for_messages(Duration::from_millis(300)).await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "returned after {:?}: callers would retry in a tight loop",
+        started.elapsed()
+    );
+}
