@@ -53,7 +53,7 @@ async fn commands_sent_to_sqlite_are_handled_retried_and_parked_by_a_worker() {
                     *n += 1;
                     *n
                 };
-                if c.order == 7 || (c.order % 50 == 0 && n == 1) {
+                if c.order == 7 || (c.order.is_multiple_of(50) && n == 1) {
                     return Err(GatewayDown);
                 }
                 done.fetch_add(1, Ordering::SeqCst);
