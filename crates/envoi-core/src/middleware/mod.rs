@@ -55,16 +55,21 @@
 //! ```
 
 pub mod add_bus_name;
+pub mod circuit_breaker;
+pub mod correlation;
 pub mod deadline;
+pub mod dedup;
 pub mod dispatch_after_current_bus;
 pub mod failed_message_processing;
 pub mod handle_message;
 pub mod hook;
+pub mod logging;
 pub mod metrics;
 pub mod retry;
 pub mod send_message;
 pub mod span;
 pub mod stage;
+pub mod validation;
 
 use std::borrow::Cow;
 use std::fmt;

@@ -1,0 +1,323 @@
+//! A circuit breaker: after a run of handler failures, fail fast for a
+//! while instead of hammering what is failing.
+//!
+//! [`CircuitBreaker`] keeps one circuit per message type:
+//!
+//! * **closed** — messages go through; each handler failure counts, each
+//!   success resets the count. At `failure_threshold` consecutive failures
+//!   the circuit opens.
+//! * **open** — for `cool_down`, messages fail at once with
+//!   [`BusError::CircuitOpen`] (naming the time left) without reaching the
+//!   handler.
+//! * **half-open** — after the cool-down, one trial message goes through
+//!   (others still fail fast). Its success closes the circuit; its failure
+//!   opens it for another cool-down.
+//!
+//! Only handler failures count ([`BusError::HandlerFailed`], or a failure
+//! the retry step scheduled for a retry); cancellations, validation errors
+//! and the like say nothing about the handler's health. Where the bus sends
+//! a message to a transport, the breaker lets it through: it protects
+//! handlers.
+//!
+//! ```
+//! use envoi_core::middleware::circuit_breaker::CircuitBreaker;
+//! use std::time::Duration;
+//!
+//! let breaker = CircuitBreaker::new(5, Duration::from_secs(30));
+//! # let _ = breaker;
+//! ```
+
+use std::any::TypeId;
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::retry::was_retried;
+use super::{BoxFuture, Middleware, Next};
+use crate::envelope::Envelope;
+use crate::error::{BusError, Result};
+
+/// The state of one circuit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CircuitState {
+    /// Messages go through; `failures` consecutive handler failures so far.
+    Closed {
+        /// Consecutive failures.
+        failures: u32,
+    },
+    /// Failing fast until `until`.
+    Open {
+        /// End of the cool-down.
+        until: Instant,
+    },
+    /// A trial message is running.
+    HalfOpen,
+}
+
+#[derive(Debug)]
+struct Inner {
+    threshold: u32,
+    cool_down: Duration,
+    circuits: Mutex<HashMap<TypeId, CircuitState>>,
+}
+
+/// The circuit breaker middleware; see the [module docs](self). Clones
+/// share their circuits.
+#[derive(Debug, Clone)]
+pub struct CircuitBreaker {
+    inner: Arc<Inner>,
+}
+
+/// What happened to one message, for the circuit.
+enum Outcome {
+    Success,
+    HandlerFailure,
+    /// Says nothing about the handler.
+    Neutral,
+}
+
+/// Held while a message runs; settles the circuit when told the outcome or,
+/// if dropped unfinished, lets the next message be a trial.
+struct Admission<'a> {
+    breaker: &'a Inner,
+    key: TypeId,
+    trial: bool,
+    settled: bool,
+}
+
+impl Admission<'_> {
+    fn settle(mut self, outcome: Outcome) {
+        self.settled = true;
+        let mut circuits = self.breaker.lock();
+        let state = circuits
+            .entry(self.key)
+            .or_insert(CircuitState::Closed { failures: 0 });
+        let open = CircuitState::Open {
+            until: Instant::now() + self.breaker.cool_down,
+        };
+        *state = match (outcome, *state) {
+            (Outcome::Success, _) => CircuitState::Closed { failures: 0 },
+            (Outcome::HandlerFailure, _) if self.trial => open,
+            (Outcome::HandlerFailure, CircuitState::Closed { failures }) => {
+                let failures = failures.saturating_add(1);
+                if failures >= self.breaker.threshold {
+                    open
+                } else {
+                    CircuitState::Closed { failures }
+                }
+            }
+            (Outcome::HandlerFailure, other) => other,
+            (Outcome::Neutral, _) if self.trial => CircuitState::Open {
+                until: Instant::now(),
+            },
+            (Outcome::Neutral, other) => other,
+        };
+    }
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        if !self.settled && self.trial {
+            // The trial was abandoned: the next message may try again.
+            self.breaker.lock().insert(
+                self.key,
+                CircuitState::Open {
+                    until: Instant::now(),
+                },
+            );
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<TypeId, CircuitState>> {
+        self.circuits.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn admit(&self, envelope: &Envelope) -> Result<Admission<'_>> {
+        let key = envelope.message_type_id();
+        let mut circuits = self.lock();
+        let state = circuits
+            .entry(key)
+            .or_insert(CircuitState::Closed { failures: 0 });
+        let trial = match *state {
+            CircuitState::Closed { .. } => false,
+            CircuitState::Open { until } => {
+                let now = Instant::now();
+                if now < until {
+                    return Err(BusError::CircuitOpen {
+                        message: envelope.message_name(),
+                        retry_in: until - now,
+                    });
+                }
+                *state = CircuitState::HalfOpen;
+                true
+            }
+            CircuitState::HalfOpen => {
+                return Err(BusError::CircuitOpen {
+                    message: envelope.message_name(),
+                    retry_in: Duration::ZERO,
+                })
+            }
+        };
+        Ok(Admission {
+            breaker: self,
+            key,
+            trial,
+            settled: false,
+        })
+    }
+}
+
+impl CircuitBreaker {
+    /// Opens a circuit after `failure_threshold` consecutive handler
+    /// failures (at least 1) and keeps it open for `cool_down`.
+    pub fn new(failure_threshold: u32, cool_down: Duration) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                threshold: failure_threshold.max(1),
+                cool_down,
+                circuits: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// The state of the circuit of message type `M`.
+    pub fn state<M: 'static>(&self) -> CircuitState {
+        self.inner
+            .lock()
+            .get(&TypeId::of::<M>())
+            .copied()
+            .unwrap_or(CircuitState::Closed { failures: 0 })
+    }
+}
+
+impl Middleware for CircuitBreaker {
+    fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
+        if next.sends(&envelope) {
+            return next.run(envelope).boxed();
+        }
+        let admission = match self.inner.admit(&envelope) {
+            Ok(a) => a,
+            Err(e) => return Box::pin(std::future::ready(Err(e))),
+        };
+        Box::pin(async move {
+            let before = envelope.clone();
+            let out = next.run(envelope).await;
+            admission.settle(match &out {
+                Ok(after) if was_retried(&before, after) => Outcome::HandlerFailure,
+                Ok(_) => Outcome::Success,
+                Err(BusError::HandlerFailed { .. }) => Outcome::HandlerFailure,
+                Err(_) => Outcome::Neutral,
+            });
+            out
+        })
+    }
+
+    fn name(&self) -> Cow<'static, str> {
+        Cow::Borrowed("CircuitBreaker")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{FailingEndpoint, Ping, RecordingEndpoint};
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_after_n_consecutive_failures_fails_fast_then_lets_one_trial_through() {
+        let cb = CircuitBreaker::new(3, Duration::from_secs(10));
+        let bad = FailingEndpoint::plain();
+        for _ in 0..3 {
+            let err = cb
+                .handle(Envelope::new(Ping), bad.next())
+                .await
+                .unwrap_err();
+            assert_eq!(err.kind(), "handler");
+        }
+        assert!(matches!(cb.state::<Ping>(), CircuitState::Open { .. }));
+
+        let end = RecordingEndpoint::new();
+        tokio::time::advance(Duration::from_secs(4)).await;
+        match cb
+            .handle(Envelope::new(Ping), end.next())
+            .await
+            .unwrap_err()
+        {
+            BusError::CircuitOpen { message, retry_in } => {
+                assert_eq!(message, "Ping");
+                assert_eq!(retry_in, Duration::from_secs(6));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(end.calls().is_empty(), "fails fast without the handler");
+
+        tokio::time::advance(Duration::from_secs(6)).await;
+        cb.handle(Envelope::new(Ping), end.next()).await.unwrap();
+        assert_eq!(end.calls().len(), 1, "the trial goes through");
+        assert_eq!(cb.state::<Ping>(), CircuitState::Closed { failures: 0 });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_trial_opens_the_circuit_again() {
+        let cb = CircuitBreaker::new(1, Duration::from_secs(5));
+        let bad = FailingEndpoint::plain();
+        cb.handle(Envelope::new(Ping), bad.next())
+            .await
+            .unwrap_err();
+        tokio::time::advance(Duration::from_secs(5)).await;
+        cb.handle(Envelope::new(Ping), bad.next())
+            .await
+            .unwrap_err();
+        let end = RecordingEndpoint::new();
+        let err = cb
+            .handle(Envelope::new(Ping), end.next())
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), "circuit_open");
+        assert!(end.calls().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_success_resets_the_count() {
+        let cb = CircuitBreaker::new(2, Duration::from_secs(5));
+        let (bad, good) = (FailingEndpoint::plain(), RecordingEndpoint::new());
+        cb.handle(Envelope::new(Ping), bad.next())
+            .await
+            .unwrap_err();
+        cb.handle(Envelope::new(Ping), good.next()).await.unwrap();
+        cb.handle(Envelope::new(Ping), bad.next())
+            .await
+            .unwrap_err();
+        assert_eq!(cb.state::<Ping>(), CircuitState::Closed { failures: 1 });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_one_trial_runs_at_a_time() {
+        let cb = CircuitBreaker::new(1, Duration::from_secs(1));
+        let bad = FailingEndpoint::plain();
+        cb.handle(Envelope::new(Ping), bad.next())
+            .await
+            .unwrap_err();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let admission = cb.inner.admit(&Envelope::new(Ping)).unwrap();
+        assert!(admission.trial);
+        let end = RecordingEndpoint::new();
+        let err = cb
+            .handle(Envelope::new(Ping), end.next())
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), "circuit_open");
+        drop(admission);
+        cb.handle(Envelope::new(Ping), end.next()).await.unwrap();
+        assert_eq!(
+            end.calls().len(),
+            1,
+            "an abandoned trial lets the next one try"
+        );
+    }
+}

@@ -1,0 +1,323 @@
+//! Deduplication: a second message with the same key inside a time window
+//! is acknowledged without running the handler.
+//!
+//! Delivery through a transport is at least once, and producers retry
+//! sends; [`Deduplicate`] makes handling idempotent for the message types
+//! it is given a key for. The key comes from the message (an order number,
+//! a payment reference) through a function registered per type with
+//! [`Deduplicate::key`]. The first message with a key runs as usual; another
+//! one with the same key while the key is remembered returns successfully
+//! without calling the rest of the pipeline, stamped with
+//! [`DeduplicatedStamp`], so a worker acknowledges it.
+//!
+//! A key is forgotten when its message fails (or is scheduled for a retry),
+//! so the redelivery is handled; otherwise it is remembered for the window.
+//! Where the bus sends a message to a transport, the middleware lets it
+//! through: duplicates are caught where messages are handled.
+//!
+//! Keys live in a [`DedupStore`]; the default [`InMemoryDedupStore`] is
+//! per process. Workers in several processes need a shared store (a table
+//! or a key-value server) implementing the trait.
+//!
+//! A typed `dispatch` of a command that is dropped as a duplicate has no
+//! result and reports [`BusError::NoResult`].
+//!
+//! ```
+//! use envoi_core::middleware::dedup::Deduplicate;
+//! use envoi_core::Message;
+//! use std::time::Duration;
+//!
+//! #[derive(Debug, Clone)]
+//! struct CapturePayment { reference: String }
+//! impl Message for CapturePayment { const NAME: &'static str = "CapturePayment"; }
+//!
+//! let dedup = Deduplicate::new(Duration::from_secs(3600))
+//!     .key(|p: &CapturePayment| p.reference.clone());
+//! # let _ = dedup;
+//! ```
+
+use std::any::TypeId;
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use super::retry::was_retried;
+use super::{BoxFuture, Middleware, Next};
+use crate::envelope::Envelope;
+use crate::error::{BoxError, BusError, Result};
+use crate::message::Message;
+use crate::stamp::Stamp;
+
+/// Marks an envelope that was recognised as a duplicate and not handled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeduplicatedStamp {
+    /// The key it shared with an earlier message.
+    pub key: String,
+}
+
+impl Stamp for DeduplicatedStamp {
+    const NAME: &'static str = "Deduplicated";
+    const SENDABLE: bool = false;
+}
+
+/// Where the keys seen recently are kept.
+pub trait DedupStore: Send + Sync + 'static {
+    /// Remembers `key` for `window` unless it is remembered already.
+    /// Returns `true` when the key is new (the message is to be handled).
+    fn insert<'a>(
+        &'a self,
+        key: &'a str,
+        window: Duration,
+    ) -> BoxFuture<'a, Result<bool, BoxError>>;
+
+    /// Forgets `key`, so a message with it is handled again.
+    fn remove<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<(), BoxError>>;
+}
+
+/// A [`DedupStore`] in this process's memory; expired keys are pruned as
+/// new ones arrive.
+#[derive(Debug, Default)]
+pub struct InMemoryDedupStore {
+    keys: Mutex<HashMap<String, Instant>>,
+}
+
+impl InMemoryDedupStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many keys are remembered (expired ones included until pruned).
+    pub fn len(&self) -> usize {
+        self.keys.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether no key is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl DedupStore for InMemoryDedupStore {
+    fn insert<'a>(
+        &'a self,
+        key: &'a str,
+        window: Duration,
+    ) -> BoxFuture<'a, Result<bool, BoxError>> {
+        let now = Instant::now();
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if keys.len() >= 1024 && keys.len().is_power_of_two() {
+            keys.retain(|_, until| *until > now);
+        }
+        let fresh = match keys.get(key) {
+            Some(until) if *until > now => false,
+            _ => {
+                keys.insert(key.to_owned(), now + window);
+                true
+            }
+        };
+        Box::pin(std::future::ready(Ok(fresh)))
+    }
+
+    fn remove<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
+        self.keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+        Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+type KeyFn = dyn Fn(&Envelope) -> Option<String> + Send + Sync;
+
+/// The deduplication middleware; see the [module docs](self).
+#[derive(Clone)]
+pub struct Deduplicate {
+    window: Duration,
+    store: Arc<dyn DedupStore>,
+    keys: HashMap<TypeId, Arc<KeyFn>>,
+}
+
+impl fmt::Debug for Deduplicate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Deduplicate")
+            .field("window", &self.window)
+            .field("types", &self.keys.len())
+            .finish()
+    }
+}
+
+impl Deduplicate {
+    /// Remembers keys for `window`, in an [`InMemoryDedupStore`].
+    pub fn new(window: Duration) -> Self {
+        Self {
+            window,
+            store: Arc::new(InMemoryDedupStore::new()),
+            keys: HashMap::new(),
+        }
+    }
+
+    /// Deduplicates messages of type `M` by the key `key` returns.
+    #[must_use = "`key` returns the middleware with the type added"]
+    pub fn key<M: Message>(mut self, key: impl Fn(&M) -> String + Send + Sync + 'static) -> Self {
+        let f = move |e: &Envelope| e.message::<M>().map(|m| format!("{}:{}", M::NAME, key(m)));
+        self.keys.insert(TypeId::of::<M>(), Arc::new(f));
+        self
+    }
+
+    /// Keeps keys in `store` instead of in memory.
+    #[must_use = "`store` returns the configured middleware"]
+    pub fn store(mut self, store: impl DedupStore) -> Self {
+        self.store = Arc::new(store);
+        self
+    }
+
+    /// Keeps keys in a shared `store`.
+    #[must_use = "`store_arc` returns the configured middleware"]
+    pub fn store_arc(mut self, store: Arc<dyn DedupStore>) -> Self {
+        self.store = store;
+        self
+    }
+
+    fn store_error(source: BoxError) -> BusError {
+        BusError::Middleware {
+            middleware: "Deduplicate".into(),
+            source,
+        }
+    }
+}
+
+impl Middleware for Deduplicate {
+    fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
+        let key = match self.keys.get(&envelope.message_type_id()) {
+            Some(f) if !next.sends(&envelope) => f(&envelope),
+            _ => None,
+        };
+        let Some(key) = key else {
+            return next.run(envelope).boxed();
+        };
+        Box::pin(async move {
+            let fresh = self
+                .store
+                .insert(&key, self.window)
+                .await
+                .map_err(Self::store_error)?;
+            if !fresh {
+                return Ok(envelope.with(DeduplicatedStamp { key }));
+            }
+            let before = envelope.clone();
+            let out = next.run(envelope).await;
+            let handled = matches!(&out, Ok(after) if !was_retried(&before, after));
+            if !handled {
+                // Let the redelivery (or a new attempt) through.
+                self.store.remove(&key).await.map_err(Self::store_error)?;
+            }
+            out
+        })
+    }
+
+    fn name(&self) -> Cow<'static, str> {
+        Cow::Borrowed("Deduplicate")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stamp::RedeliveryStamp;
+    use crate::testing::{FailingEndpoint, FnEndpoint, Ping, RecordingEndpoint};
+
+    #[derive(Debug)]
+    struct Pay(&'static str);
+    impl Message for Pay {
+        const NAME: &'static str = "Pay";
+    }
+
+    fn dedup() -> Deduplicate {
+        Deduplicate::new(Duration::from_secs(60)).key(|p: &Pay| p.0.to_string())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_second_message_with_the_same_key_is_acked_without_the_handler() {
+        let d = dedup();
+        let end = RecordingEndpoint::new();
+        d.handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        let dup = d
+            .handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        assert_eq!(end.calls().len(), 1);
+        assert_eq!(dup.last::<DeduplicatedStamp>().unwrap().key, "Pay:r-1");
+        d.handle(Envelope::new(Pay("r-2")), end.next())
+            .await
+            .unwrap();
+        d.handle(Envelope::new(Ping), end.next()).await.unwrap();
+        d.handle(Envelope::new(Ping), end.next()).await.unwrap();
+        assert_eq!(end.calls().len(), 4, "other keys and unkeyed types pass");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_key_is_forgotten_after_the_window() {
+        let d = dedup();
+        let end = RecordingEndpoint::new();
+        d.handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        tokio::time::advance(Duration::from_secs(61)).await;
+        d.handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        assert_eq!(end.calls().len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_or_retried_message_is_handled_when_it_comes_again() {
+        let d = dedup();
+        let bad = FailingEndpoint::plain();
+        d.handle(Envelope::new(Pay("r-1")), bad.next())
+            .await
+            .unwrap_err();
+        let retried =
+            FnEndpoint::new(|e| Box::pin(async move { Ok(e.with(RedeliveryStamp::new(1))) }));
+        d.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&retried))
+            .await
+            .unwrap();
+        let end = RecordingEndpoint::new();
+        d.handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        assert_eq!(end.calls().len(), 1);
+    }
+
+    struct BrokenStore;
+    impl DedupStore for BrokenStore {
+        fn insert<'a>(&'a self, _: &'a str, _: Duration) -> BoxFuture<'a, Result<bool, BoxError>> {
+            Box::pin(async { Err("store down".into()) })
+        }
+        fn remove<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_store_failure_is_an_error_not_a_silent_drop() {
+        let d = dedup().store(BrokenStore);
+        let end = RecordingEndpoint::new();
+        let err = d
+            .handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap_err();
+        assert!(end.calls().is_empty());
+        assert_eq!(
+            err.to_string(),
+            "middleware `Deduplicate` failed: store down"
+        );
+    }
+}
