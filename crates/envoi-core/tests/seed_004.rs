@@ -297,3 +297,71 @@ async fn a_before_consuming_stop_on_the_receiver_ends_processing_without_error_s
     );
     assert_eq!(entries(&log), ["tenant filter"]);
 }
+
+async fn drain(messenger: &Messenger, transport: &str) -> envoi_core::worker::WorkerReport {
+    envoi_core::worker::Worker::builder(messenger)
+        .receiver(transport)
+        .stop_when_empty()
+        .idle_sleep(Duration::from_millis(5))
+        .build()
+        .unwrap()
+        .run()
+        .await
+}
+
+#[tokio::test]
+async fn through_a_real_transport_and_worker_outgoing_runs_when_sending_and_the_consuming_stages_when_consuming(
+) {
+    let log = Log::default();
+    let m = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .transport_dsn("async", "in-memory://?serialize=true")
+        .route::<Invoice>("async")
+        .middleware(four_stages(&log))
+        .build_async()
+        .await
+        .unwrap();
+    m.dispatcher()
+        .dispatch(Invoice { amount: 2 })
+        .await
+        .unwrap();
+    assert_eq!(entries(&log), ["outgoing"]);
+    log.lock().unwrap().clear();
+    drain(&m, "async").await;
+    assert_eq!(
+        entries(&log),
+        [
+            "before_consuming",
+            "handler",
+            "after_consuming",
+            "on_consumed_successfully"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_consumed_message_stopped_before_consuming_is_acked_not_failed() {
+    let (metrics, log) = (Metrics::default(), Log::default());
+    let m = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .transport_dsn("async", "in-memory://?serialize=true")
+        .transport_dsn("failed", "in-memory://")
+        .failure_transport("failed")
+        .route::<Invoice>("async")
+        .middleware(seed_example(&metrics, &log))
+        .build_async()
+        .await
+        .unwrap();
+    // No tenant header: the receiver's filter stops it.
+    m.dispatcher()
+        .dispatch(Invoice { amount: 2 })
+        .await
+        .unwrap();
+    drain(&m, "async").await;
+    assert_eq!(entries(&log), ["tenant filter"], "no handler, no timing");
+    assert_eq!(metrics.count(), 0);
+    let queue = m.transport("async").unwrap();
+    let failed = m.transport("failed").unwrap();
+    assert_eq!(queue.message_count().await.unwrap(), 0, "acknowledged");
+    assert_eq!(failed.message_count().await.unwrap(), 0, "not failed");
+}
