@@ -27,7 +27,12 @@
 //!
 //! Ids are stream sequence numbers, the same for every delivery of a message.
 //! `ack` and `reject` of an id this handle did not hand out (one from `list`,
-//! say) delete that message from the stream.
+//! say) delete that message from the stream. `list`, `find` and
+//! `message_count` first confirm this handle's latest ack, so they never
+//! show a message the same handle acknowledged.
+//!
+//! See the crate's `README.md` for options, guarantees and how to run the
+//! tests.
 //!
 //! ## Delays
 //!
@@ -44,14 +49,15 @@
 //!
 //! ## Stalls and reconnects
 //!
-//! The client reconnects on its own (100 ms backoff doubling up to 2 s).
-//! Every `get` is a fresh pull request with its own inbox, bounded by
-//! `wait` plus a two-second grace period: a request lost with a connection
-//! ends at that bound instead of hanging. After a failed or stalled fetch the
-//! consumer is re-bound (created again if it went missing). After five seconds
-//! (or four `wait`s) without a message, `get` asks the server about the
-//! consumer; if it reports pending messages that fetches do not return, or
-//! cannot be read, the binding is re-created.
+//! The client reconnects on its own (at once, then 100 ms doubling up to
+//! 2 s). Every `get` is a fresh pull request with its own inbox, bounded by
+//! `wait` plus one second: a request lost with a connection ends at that
+//! bound instead of hanging, and the consumer is then re-bound (created again
+//! if it went missing). After five seconds (or four `wait`s) without a
+//! message, `get` asks the server about the consumer; if it reports pending
+//! messages that fetches do not return, or cannot be read, the binding is
+//! re-created. Acks still queued when the last handle is dropped are flushed
+//! and confirmed before the connection closes.
 //!
 //! ## What an acknowledged send survives
 //!
@@ -68,7 +74,9 @@
 //!
 //! * `send_batch` publishes every message before waiting for any ack, so a
 //!   batch costs about one round trip.
-//! * `get` fetches up to `min(max, batch)` messages with one pull request.
+//! * `get` fetches up to `min(max, batch)` messages with one pull request;
+//!   `wait_for_messages` returns at once after an empty `get`, which has
+//!   already waited on the server.
 //! * Acks, naks and keepalives are plain publishes on the shared connection,
 //!   written out together; `ack_batch` queues them all without waiting. With
 //!   `double_ack=true` each is confirmed, concurrently within a batch.

@@ -1,6 +1,7 @@
 //! [`NatsTransport`]: a JetStream stream and a durable pull consumer.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -91,6 +92,8 @@ struct Inner {
     /// The ack subject of the latest unconfirmed (plain publish) ack, for
     /// `ack_barrier`.
     unconfirmed_ack: Mutex<Option<Subject>>,
+    /// Whether the latest `get` failed (then `wait_for_messages` waits).
+    get_failed: AtomicBool,
 }
 
 impl Drop for Inner {
@@ -206,6 +209,7 @@ impl NatsTransport {
                 }),
                 idle_since: Mutex::new(None),
                 unconfirmed_ack: Mutex::new(None),
+                get_failed: AtomicBool::new(false),
             }),
         })
     }
@@ -681,6 +685,67 @@ impl NatsTransport {
         }
     }
 
+    async fn get_now(&self, max: usize) -> Result<Vec<Delivery>, TransportError> {
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        self.ensure_setup().await?;
+        self.prune_leases();
+        let consumer = self.consumer().await?;
+        let wait = self.inner.config.wait;
+        let want = max.min(self.inner.config.batch);
+        let deadline = Instant::now() + wait;
+        let mut out = Vec::new();
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let expires = remaining.max(Duration::from_millis(10));
+            let started = Instant::now();
+            let (messages, end) = self.fetch_once(&consumer, want - out.len(), expires).await;
+            let fetched = messages.len();
+            self.accept(messages, &mut out).await;
+            match end {
+                FetchEnd::Done => {}
+                FetchEnd::Stalled => {
+                    self.forget_consumer();
+                    if self.inner.client.connection_state() != State::Connected {
+                        if out.is_empty() {
+                            return Err(backend(
+                                "fetching messages",
+                                "the connection to the server is down (reconnecting)",
+                            ));
+                        }
+                    } else {
+                        tracing::warn!(
+                            consumer = %self.inner.config.consumer,
+                            "pull request got no answer; the consumer will be re-bound"
+                        );
+                    }
+                    break;
+                }
+                FetchEnd::Failed(error) => {
+                    tracing::warn!(%error, "pull request failed; the consumer will be re-bound");
+                    self.forget_consumer();
+                    if out.is_empty() {
+                        return Err(error);
+                    }
+                    break;
+                }
+            }
+            if !out.is_empty() || Instant::now() >= deadline {
+                break;
+            }
+            if fetched == 0 && started.elapsed() < expires / 2 {
+                // The server answered at once (e.g. other requests are
+                // waiting for the few pending messages): do not spin.
+                let pause = Duration::from_millis(20)
+                    .min(deadline.saturating_duration_since(Instant::now()));
+                tokio::time::sleep(pause).await;
+            }
+        }
+        self.check_idle(!out.is_empty()).await;
+        Ok(out)
+    }
+
     fn stream_message_to_delivery(message: jetstream::message::StreamMessage) -> Delivery {
         Delivery {
             id: message.sequence.to_string(),
@@ -735,64 +800,11 @@ impl Transport for NatsTransport {
 
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         Box::pin(async move {
-            if max == 0 {
-                return Ok(Vec::new());
-            }
-            self.ensure_setup().await?;
-            self.prune_leases();
-            let consumer = self.consumer().await?;
-            let wait = self.inner.config.wait;
-            let want = max.min(self.inner.config.batch);
-            let deadline = Instant::now() + wait;
-            let mut out = Vec::new();
-            loop {
-                let remaining = deadline.saturating_duration_since(Instant::now());
-                let expires = remaining.max(Duration::from_millis(10));
-                let started = Instant::now();
-                let (messages, end) = self.fetch_once(&consumer, want - out.len(), expires).await;
-                let fetched = messages.len();
-                self.accept(messages, &mut out).await;
-                match end {
-                    FetchEnd::Done => {}
-                    FetchEnd::Stalled => {
-                        self.forget_consumer();
-                        if self.inner.client.connection_state() != State::Connected {
-                            if out.is_empty() {
-                                return Err(backend(
-                                    "fetching messages",
-                                    "the connection to the server is down (reconnecting)",
-                                ));
-                            }
-                        } else {
-                            tracing::warn!(
-                                consumer = %self.inner.config.consumer,
-                                "pull request got no answer; the consumer will be re-bound"
-                            );
-                        }
-                        break;
-                    }
-                    FetchEnd::Failed(error) => {
-                        tracing::warn!(%error, "pull request failed; the consumer will be re-bound");
-                        self.forget_consumer();
-                        if out.is_empty() {
-                            return Err(error);
-                        }
-                        break;
-                    }
-                }
-                if !out.is_empty() || Instant::now() >= deadline {
-                    break;
-                }
-                if fetched == 0 && started.elapsed() < expires / 2 {
-                    // The server answered at once (e.g. other requests are
-                    // waiting for the few pending messages): do not spin.
-                    let pause = Duration::from_millis(20)
-                        .min(deadline.saturating_duration_since(Instant::now()));
-                    tokio::time::sleep(pause).await;
-                }
-            }
-            self.check_idle(!out.is_empty()).await;
-            Ok(out)
+            let result = self.get_now(max).await;
+            self.inner
+                .get_failed
+                .store(result.is_err(), Ordering::Relaxed);
+            result
         })
     }
 
@@ -947,6 +959,20 @@ impl Transport for NatsTransport {
                 Ok(_) => Ok(None),
                 Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
                 Err(e) => Err(backend(format!("reading message {sequence}"), e)),
+            }
+        })
+    }
+
+    /// Returns at once: an empty `get` has already waited on the server (up
+    /// to `wait`) and returns as soon as a message comes, so sleeping here
+    /// would only delay the next message. After a failed `get` (the server
+    /// unreachable, say) it sleeps the whole `timeout`, so callers do not
+    /// retry in a tight loop.
+    fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        let failed = self.inner.get_failed.load(Ordering::Relaxed);
+        Box::pin(async move {
+            if failed {
+                tokio::time::sleep(timeout).await;
             }
         })
     }

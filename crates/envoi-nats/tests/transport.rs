@@ -398,3 +398,20 @@ async fn double_ack_waits_for_the_server_and_removes_the_message() {
     assert_eq!(t.message_count().await.unwrap(), 0);
     t.delete_stream().await.unwrap();
 }
+
+#[tokio::test]
+async fn wait_for_messages_returns_at_once_after_an_empty_get_that_waited() {
+    let Some(url) = nats_url("wait_for_messages_returns_at_once_after_an_empty_get_that_waited")
+    else {
+        return;
+    };
+    let t = transport(&url, &unique_name("idle"), "wait=100ms").await;
+    assert!(t.get(1).await.unwrap().is_empty());
+    let started = Instant::now();
+    t.wait_for_messages(Duration::from_secs(10)).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "slept although get already waited"
+    );
+    t.delete_stream().await.unwrap();
+}
