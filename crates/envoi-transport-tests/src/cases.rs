@@ -606,6 +606,8 @@ pub async fn transport_names_isolate_messages(make: &impl MakeTransport, options
         .map(body)
         .collect();
     expect_nothing(&*a, Duration::from_millis(300), "`a` was drained").await;
+    expect_count(&*a, 0, "on `a` once drained").await;
+    expect_count(&*b, 5, "on `b` while only `a` was drained").await;
     let got_b: Vec<String> = receive_and_ack(&*b, 5, 10, options.timeout)
         .await
         .iter()
@@ -970,4 +972,39 @@ pub async fn claimed_message_survives_consumer_crash(make: &impl MakeTransport, 
     assert_eq!(again.raw, sent, "the redelivered message differs");
     ack(&*b, &again.id).await;
     expect_nothing(&*b, settle_wait(options), "the redelivery was acked").await;
+}
+
+/// `get` on an empty transport comes back empty within a few seconds (it
+/// may wait briefly for a message, never indefinitely), and so does a `get`
+/// while the only message is leased to someone else.
+pub async fn get_on_an_empty_transport_returns(make: &impl MakeTransport, options: &Options) {
+    const BOUND: Duration = Duration::from_secs(5);
+    let name = unique_name("empty");
+    let Some(t) = open(make, &name).await else {
+        return;
+    };
+    for _ in 0..3 {
+        let started = Instant::now();
+        let got = get(&*t, 10).await;
+        assert!(got.is_empty(), "an empty transport handed out a message");
+        assert!(
+            started.elapsed() < BOUND,
+            "get on an empty transport took {:?}",
+            started.elapsed()
+        );
+    }
+    send(&*t, text("only one")).await;
+    let held = receive(&*t, 1, 1, options.timeout).await.remove(0);
+    let started = Instant::now();
+    let got = get(&*t, 10).await;
+    assert!(
+        got.is_empty(),
+        "a leased message was handed out again at once"
+    );
+    assert!(
+        started.elapsed() < BOUND,
+        "get with every message leased took {:?}",
+        started.elapsed()
+    );
+    ack(&*t, &held.id).await;
 }

@@ -76,6 +76,8 @@
 //! * **At least once**: a message handed out and neither acknowledged nor
 //!   rejected comes back (after [`Transport::release`] at once, after the
 //!   lease otherwise); an acknowledged or rejected message never comes back.
+//! * **`get`** may wait briefly for a message but comes back (empty) within
+//!   a few seconds when none is available.
 //! * **Unknown ids**: `ack`, `reject`, `release` and `keepalive` of an id the
 //!   transport does not know must not panic nor disturb other messages.
 //!
@@ -149,6 +151,7 @@ pub const CASES: &[&str] = &[
     "setup_is_idempotent",
     "send_batch_and_ack_batch",
     "get_never_exceeds_max",
+    "get_on_an_empty_transport_returns",
     "unknown_ids_do_not_disturb_other_messages",
     "messages_survive_reopening",
     "claimed_message_survives_consumer_crash",
@@ -192,6 +195,7 @@ macro_rules! conformance {
             setup_is_idempotent,
             send_batch_and_ack_batch,
             get_never_exceeds_max,
+            get_on_an_empty_transport_returns,
             unknown_ids_do_not_disturb_other_messages,
             messages_survive_reopening,
             claimed_message_survives_consumer_crash
