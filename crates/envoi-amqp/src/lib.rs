@@ -64,7 +64,31 @@
 //! * `list` and `find` are not supported (AMQP cannot read a queue without
 //!   taking messages out of it); [`Capabilities::listable`] is `false`.
 //!
+//!
+//! ## Performance notes
+//!
+//! * `send_batch` pipelines every publish of the batch on the confirm
+//!   channel and then awaits all their confirms together: one round trip per
+//!   batch. Concurrent `send`s on one handle pipeline the same way.
+//! * Consuming is push-based: the broker keeps up to `prefetch` messages in
+//!   the handle's buffer, and `get(max)` takes up to `max` of them without a
+//!   round trip. [`wait_for_messages`] wakes as soon as one arrives.
+//! * `ack_batch` (and the lease and idle give-backs) send all their frames at
+//!   once and await them together.
+//! * Raise `prefetch` for fast handlers; lower it (and `consumer_idle`) when
+//!   handlers are slow and several workers share a queue.
+//!
+//! ## Reconnection
+//!
+//! When the connection or one of its channels breaks, the next operation
+//! reconnects (with backoff, for up to `reconnect_timeout`), declares the
+//! topology again and, on the next `get`, consumes again. Unconfirmed
+//! publishes are published again. Deliveries handed out before the break are
+//! void: the broker requeued them, and settling them fails with
+//! [`AmqpError::StaleDelivery`].
+//!
 //! [`Capabilities::listable`]: envoi_core::transport::Capabilities::listable
+//! [`wait_for_messages`]: envoi_core::transport::Transport::wait_for_messages
 
 #![forbid(unsafe_code)]
 

@@ -1007,6 +1007,34 @@ impl Shared {
         }
     }
 
+    /// Resolves when a delivery is buffered (or the consumer stopped), or
+    /// after `timeout`. Waiting counts as activity: it keeps the consumer.
+    async fn wait_for_messages(self: &Arc<Self>, timeout: Duration) {
+        let wait = async {
+            let ready = match self.link().await {
+                Ok(link) => self.ensure_consuming(&link).await.map(|()| link),
+                Err(e) => Err(e),
+            };
+            let Ok(link) = ready else {
+                // Do not spin while the broker is away.
+                std::future::pending::<()>().await;
+                return;
+            };
+            let arrived = self.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
+            {
+                let mut state = lock(&self.consume);
+                state.last_get = Some(Instant::now());
+                if state.epoch != link.epoch || !state.buffer.is_empty() || state.active.is_none() {
+                    return;
+                }
+            }
+            arrived.await;
+        };
+        let _ = tokio::time::timeout(timeout, wait).await;
+    }
+
     /// Removes `ids` from the leases; returns the tags to settle on `link`
     /// and the first id that could not be settled, with why.
     fn take_leases(&self, link: &Link, ids: &[String]) -> (Vec<u64>, Option<TransportError>) {
@@ -1335,6 +1363,10 @@ impl Transport for AmqpTransport {
 
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         Box::pin(self.shared.get(max))
+    }
+
+    fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(self.shared.wait_for_messages(timeout))
     }
 
     fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {

@@ -1,0 +1,153 @@
+//! The envoi worker consuming a RabbitMQ transport created from a DSN, end
+//! to end: dispatch, send, receive, handle, acknowledge.
+
+use std::collections::BTreeSet;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use envoi_amqp::{AmqpTransport, AmqpTransportFactory};
+use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::worker::{StopReason, Worker};
+use envoi_core::{Command, Message, Messenger};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ShipOrder {
+    id: u32,
+}
+
+impl Message for ShipOrder {
+    const NAME: &'static str = "ShipOrder";
+}
+
+impl Command for ShipOrder {
+    type Output = ();
+    type Error = Infallible;
+}
+
+fn url(test: &str) -> Option<String> {
+    match std::env::var("ENVOI_AMQP_URL") {
+        Ok(url) => Some(url),
+        Err(_) => {
+            eprintln!("skipped {test}: ENVOI_AMQP_URL is not set");
+            None
+        }
+    }
+}
+
+fn dsn(url: &str, options: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}expires=60s&{options}")
+}
+
+fn unique(tag: &str) -> String {
+    format!("{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_handles_every_message_sent_through_an_amqp_dsn() {
+    const N: u32 = 200;
+    let Some(url) = url("the_worker_handles_every_message_sent_through_an_amqp_dsn") else {
+        return;
+    };
+    let queue = unique("amqp_worker");
+    let seen = Arc::new(Mutex::new(Vec::<u32>::new()));
+    let handler_seen = Arc::clone(&seen);
+    let messenger = Messenger::builder()
+        .command_handler(move |order: ShipOrder| {
+            let seen = Arc::clone(&handler_seen);
+            async move {
+                seen.lock().unwrap().push(order.id);
+                Ok::<_, Infallible>(())
+            }
+        })
+        .transport_factory(AmqpTransportFactory)
+        .transport_dsn("orders", dsn(&url, &format!("queue={queue}&lease=5s")))
+        .route::<ShipOrder>("orders")
+        .build_async()
+        .await
+        .expect("the messenger builds from an amqp DSN");
+    let transport = Arc::clone(messenger.transport("orders").expect("registered"));
+    transport.setup().await.expect("setup");
+
+    for id in 0..N {
+        messenger
+            .dispatcher()
+            .dispatch(ShipOrder { id })
+            .await
+            .expect("dispatch sends to RabbitMQ");
+    }
+    assert_eq!(transport.message_count().await.unwrap(), u64::from(N));
+
+    let report = Worker::builder(&messenger)
+        .receiver("orders")
+        .stop_when_empty()
+        .build()
+        .expect("worker")
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::Empty);
+    assert_eq!(report.stats.handled, u64::from(N));
+    let seen = seen.lock().unwrap().clone();
+    let distinct: BTreeSet<u32> = seen.iter().copied().collect();
+    assert_eq!(seen.len(), N as usize, "some orders were handled twice");
+    assert_eq!(distinct, (0..N).collect(), "some orders were never handled");
+    assert_eq!(transport.message_count().await.unwrap(), 0);
+    drop(messenger);
+    AmqpTransport::connect(&queue, &dsn(&url, ""))
+        .await
+        .expect("connect")
+        .delete()
+        .await
+        .expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_messages_wakes_when_a_message_arrives_and_times_out_otherwise() {
+    let Some(url) = url("wait_for_messages_wakes_when_a_message_arrives_and_times_out_otherwise")
+    else {
+        return;
+    };
+    let name = unique("amqp_wait");
+    let waiter = Arc::new(
+        AmqpTransport::connect(&name, &dsn(&url, ""))
+            .await
+            .expect("connect waiter"),
+    );
+    let sender = AmqpTransport::connect(&name, &dsn(&url, ""))
+        .await
+        .expect("connect sender");
+
+    let started = Instant::now();
+    waiter.wait_for_messages(Duration::from_millis(300)).await;
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_secs(5),
+        "an empty queue was waited on for {waited:?}"
+    );
+
+    let waiting = {
+        let waiter = Arc::clone(&waiter);
+        tokio::spawn(async move {
+            let started = Instant::now();
+            waiter.wait_for_messages(Duration::from_secs(20)).await;
+            started.elapsed()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let raw = RawMessage {
+        body: b"wake up".to_vec(),
+        ..RawMessage::default()
+    };
+    sender.send(raw, None).await.expect("send");
+    let waited = waiting.await.expect("the waiter panicked");
+    assert!(
+        waited < Duration::from_secs(10),
+        "the waiter slept {waited:?} with a message available"
+    );
+    let got = waiter.get(1).await.expect("get");
+    assert_eq!(got.len(), 1, "the message was not there after the wake-up");
+    waiter.ack(&got[0].id).await.expect("ack");
+    sender.delete().await.expect("delete");
+}
