@@ -38,6 +38,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::bus::MessageBus;
+use crate::error::TransportError;
 use crate::handler::{Handler, HandlerRegistry, IntoHandler};
 use crate::message::{Command, Event, Message, MessageKind, Query};
 use crate::middleware::handle_message::HandleMessage;
@@ -661,6 +662,16 @@ impl Messenger {
             .as_ref()
             .map(|r| r.failure_transports())
             .unwrap_or_default()
+    }
+
+    /// Calls [`Transport::setup`] on every registered transport, in name
+    /// order, and returns each one's result.
+    pub async fn setup_transports(&self) -> Vec<(String, Result<(), TransportError>)> {
+        let mut out = Vec::with_capacity(self.inner.transports.len());
+        for (name, transport) in &self.inner.transports {
+            out.push((name.clone(), transport.setup().await));
+        }
+        out
     }
 
     /// A handle that does not keep the messenger alive.

@@ -336,6 +336,21 @@ impl fmt::Debug for InMemoryTransport {
     }
 }
 
+/// Formats an id without the formatting machinery (this runs per message).
+fn id_string(mut n: u64) -> String {
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    buf[i..].iter().map(|b| char::from(*b)).collect()
+}
+
 fn parse_id(id: &str) -> Result<u64, TransportError> {
     id.parse()
         .map_err(|_| TransportError::NotFound(id.to_string()))
@@ -614,14 +629,14 @@ impl LocalTransport for InMemoryTransport {
             .map(DelayStamp::duration)
             .filter(|d| !d.is_zero());
         let id = self.store(Payload::Envelope(envelope.clone().into_sendable()), delay);
-        Box::pin(async move { Ok(envelope.with(TransportMessageIdStamp::new(id.to_string()))) })
+        Box::pin(async move { Ok(envelope.with(TransportMessageIdStamp::new(id_string(id)))) })
     }
 
     fn get_local(&self, max: usize) -> BoxFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
         let mut out = Vec::new();
         self.lock().take(max, self.config.lease_timeout, |id, p| {
             out.push(LocalDelivery {
-                id: id.to_string(),
+                id: id_string(id),
                 payload: p.clone(),
             })
         });
@@ -797,6 +812,13 @@ mod tests {
         t.wait_for_messages(Duration::from_secs(60)).await;
         assert!(start.elapsed() < Duration::from_secs(1));
         assert_eq!(t.get(1).await.unwrap().len(), 1);
+    }
+
+    #[test]
+    fn ids_are_formatted_in_decimal() {
+        for n in [0, 7, 10, 12345, u64::MAX] {
+            assert_eq!(id_string(n), n.to_string());
+        }
     }
 
     #[test]

@@ -9,6 +9,20 @@
 //!
 //! A [`Sender`] is the envelope-level view the send step uses; [`SenderDispatcher`]
 //! decides how a send happens (now, or after a database transaction commits).
+//!
+//! Register transports with
+//! [`MessengerBuilder::transport`](crate::MessengerBuilder::transport) (or by
+//! DSN with [`transport_dsn`](crate::MessengerBuilder::transport_dsn) and a
+//! [`TransportFactory`]); the messenger then sends to them through
+//! [`TransportSender`](crate::transports::TransportSender)s, hands them out
+//! by name ([`Messenger::transport`](crate::Messenger::transport)) and calls
+//! [`Transport::bind`] on each. A [`Worker`](crate::worker::Worker) consumes
+//! them.
+//!
+//! Transports that live in the process (in-memory, sync) also implement
+//! [`LocalTransport`], which moves envelopes without encoding them; every
+//! other transport only needs [`Transport`], whose optional methods have
+//! defaults.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -811,8 +811,13 @@ struct Events {
 
 impl Events {
     #[inline]
+    fn enabled(&self) -> bool {
+        !self.listeners.is_empty() || self.tx.is_some()
+    }
+
+    #[inline]
     fn emit(&self, make: impl FnOnce() -> WorkerEvent) {
-        if self.listeners.is_empty() && self.tx.is_none() {
+        if !self.enabled() {
             return;
         }
         let event = make();
@@ -1016,14 +1021,19 @@ impl Ctx {
         });
         let redeliveries = envelope.all::<RedeliveryStamp>().count();
         let parked = envelope.all::<SentToFailureTransportStamp>().count();
-        let envelope = envelope
+        // Keep the envelope as received (it is shared with the transport
+        // anyway) and dispatch a stamped copy nobody else holds, so the
+        // pipeline adds its stamps in place.
+        let original = envelope.clone();
+        let stamped = envelope
             .with(ReceivedStamp {
                 transport: transport.clone(),
             })
             .with(TransportMessageIdStamp::new(id.clone()));
-        let started = Instant::now();
-        let result = self.bus_for(&envelope).dispatch(envelope.clone()).await;
-        let duration = started.elapsed();
+        let started = self.events.enabled().then(Instant::now);
+        let result = self.bus_for(&stamped).dispatch(stamped).await;
+        let duration = started.map(|s| s.elapsed()).unwrap_or_default();
+        let envelope = original;
         let action = match result {
             Ok(after) => {
                 if after.all::<RedeliveryStamp>().count() > redeliveries {
@@ -1091,6 +1101,7 @@ impl Ctx {
             }
             Err(error) => {
                 let details = ErrorDetailsStamp::from_error(error.kind(), &error);
+                let envelope = error.envelope().cloned().unwrap_or(envelope);
                 self.park(receiver, &id, envelope, details).await
             }
         };

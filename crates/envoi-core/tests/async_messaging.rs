@@ -343,6 +343,20 @@ async fn the_messenger_exposes_its_transports_serializer_and_failure_transports(
     assert_eq!(messenger.failure_transport_for("audit"), Some("async"));
     assert_eq!(messenger.failure_transports(), ["async", "failed"]);
     assert!(messenger.serializer().is_registered("Charge"));
+    let setup: Vec<(String, bool)> = messenger
+        .setup_transports()
+        .await
+        .into_iter()
+        .map(|(name, result)| (name, result.is_ok()))
+        .collect();
+    assert_eq!(
+        setup,
+        [
+            ("async".to_string(), true),
+            ("audit".to_string(), true),
+            ("failed".to_string(), true)
+        ]
+    );
     let debug = messenger.debug();
     assert!(debug.contains("transports"), "{debug}");
     assert!(
