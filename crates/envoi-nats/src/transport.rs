@@ -29,6 +29,8 @@ const SEND_ATTEMPTS: usize = 3;
 /// Extra time a fetch gets beyond its expiry before it is considered
 /// stalled and abandoned.
 const FETCH_GRACE: Duration = Duration::from_secs(1);
+/// The longest a delayed message is deferred at a time.
+const MAX_DEFER: Duration = Duration::from_secs(24 * 3600);
 /// After this long without a single message, `get` checks the consumer.
 const IDLE_CHECK: Duration = Duration::from_secs(5);
 /// Leases not touched for this long (and at least three lease periods) are
@@ -514,7 +516,10 @@ impl NatsTransport {
             };
             if let Some(due) = headers::not_before_ms(message.message.headers.as_ref()) {
                 if due > now {
-                    let wait = Duration::from_millis(u64::try_from(due - now).unwrap_or(u64::MAX));
+                    // Capped so the nanosecond delay fits the server's int64;
+                    // a message due later is simply deferred again.
+                    let wait = Duration::from_millis(u64::try_from(due - now).unwrap_or(u64::MAX))
+                        .min(MAX_DEFER);
                     if let Err(error) = self
                         .inner
                         .client
