@@ -1,0 +1,33 @@
+//! The shared conformance suite on classic queues, run against the RabbitMQ at
+//! `ENVOI_AMQP_URL`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoi_amqp::AmqpTransport;
+use envoi_core::transport::Transport;
+
+const LEASE: Duration = Duration::from_secs(2);
+
+async fn make(name: String) -> Option<Arc<dyn Transport>> {
+    let Ok(url) = std::env::var("ENVOI_AMQP_URL") else {
+        eprintln!("skipped conformance: ENVOI_AMQP_URL is not set");
+        return None;
+    };
+    let separator = if url.contains('?') { '&' } else { '?' };
+    // Short lease for the redelivery cases; the queues of a run delete
+    // themselves a minute after its last use.
+    let dsn = format!("{url}{separator}queue_type=classic&lease=2s&expires=60s");
+    let transport = AmqpTransport::connect(&name, &dsn)
+        .await
+        .unwrap_or_else(|e| panic!("connecting `{name}` failed: {e}"));
+    Some(Arc::new(transport))
+}
+
+envoi_transport_tests::conformance!(
+    make,
+    envoi_transport_tests::Options {
+        lease: LEASE,
+        ..envoi_transport_tests::Options::default()
+    }
+);
