@@ -8,6 +8,7 @@
 
 mod alloc;
 mod dispatch;
+mod e2e;
 mod report;
 
 use std::process::ExitCode;
@@ -24,6 +25,16 @@ const SCENARIOS: &[Scenario] = &[
         name: "dispatch_canonical",
         about: "canonical 7-step pipeline vs tower with 7 boxed layers, no-op command handler",
         run: dispatch::canonical,
+    },
+    Scenario {
+        name: "memory_e2e",
+        about: "in-memory transport, send then consume N messages, vs a tokio mpsc loop",
+        run: e2e::memory,
+    },
+    Scenario {
+        name: "sqlite_e2e",
+        about: "SQLite transport, send then consume N messages, vs plain sqlx on the same schema",
+        run: e2e::sqlite,
     },
     Scenario {
         name: "profile_envoi",
