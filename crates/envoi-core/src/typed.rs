@@ -49,7 +49,7 @@ use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result};
 use crate::message::{Command, Event, MessageKind, Query};
 use crate::middleware::deadline::Deadline;
-use crate::middleware::metrics::{Metrics, MetricsGuard};
+use crate::middleware::metrics::{self, Metrics, MetricsGuard};
 use crate::middleware::span::{self, SpanAttributes};
 use crate::middleware::BoxFuture;
 use crate::stamp::{HandledStamp, HandlerResult, SentStamp};
@@ -226,6 +226,18 @@ enum Builtin {
     Deadline(Deadline),
 }
 
+impl Builtin {
+    /// Whether the layer has anything to do for a dispatch now: a deadline
+    /// always, metrics only while a recorder records.
+    #[inline]
+    fn active(&self) -> bool {
+        match self {
+            Builtin::Metrics(_) => metrics::recording(),
+            Builtin::Deadline(_) => true,
+        }
+    }
+}
+
 #[derive(Clone)]
 struct Options {
     span: SpanKinds,
@@ -394,33 +406,42 @@ impl Dispatcher {
 
     /// Runs `envelope` through the span, the layers and the bus.
     pub async fn run(&self, envelope: Envelope) -> Result<Envelope> {
-        let ctx = DispatchContext {
-            tag: envelope.message_name(),
-            side: envelope.kind(),
-        };
-        let span = if self.options.span.covers(ctx.side) {
-            span::open(ctx.side, ctx.tag, &envelope, &self.options.attributes)
+        let o = &*self.options;
+        let (tag, side) = (envelope.message_name(), envelope.kind());
+        let span = if o.span.covers(side) {
+            span::open(side, tag, &envelope, &o.attributes)
         } else {
             None
         };
+        // Nobody listening and nothing to run around the bus: dispatch
+        // straight away, without the observed path's future (and its box).
+        if span.is_none() && o.layers.is_empty() && !o.builtins.iter().any(Builtin::active) {
+            return self.bus.dispatch(envelope).await;
+        }
+        Box::pin(self.run_observed(DispatchContext { tag, side }, span, envelope)).await
+    }
+
+    async fn run_observed(
+        &self,
+        ctx: DispatchContext,
+        span: Option<tracing::Span>,
+        envelope: Envelope,
+    ) -> Result<Envelope> {
+        let builtins = &self.options.builtins;
+        let inner = async move {
+            if builtins.is_empty() {
+                self.run_custom(ctx, envelope).await
+            } else {
+                run_builtins(builtins, ctx, self.run_custom(ctx, envelope)).await
+            }
+        };
         match span {
-            None => self.run_layers(ctx, envelope).await,
+            None => inner.await,
             Some(span) => {
-                let out = self
-                    .run_layers(ctx, envelope)
-                    .instrument(span.clone())
-                    .await;
+                let out = inner.instrument(span.clone()).await;
                 span::close(&span, &out);
                 out
             }
-        }
-    }
-
-    async fn run_layers(&self, ctx: DispatchContext, envelope: Envelope) -> Result<Envelope> {
-        if self.options.builtins.is_empty() {
-            self.run_custom(ctx, envelope).await
-        } else {
-            run_builtins(&self.options.builtins, ctx, self.run_custom(ctx, envelope)).await
         }
     }
 

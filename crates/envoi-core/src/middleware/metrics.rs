@@ -122,7 +122,7 @@ type KeyCache = HashMap<(MessageKind, &'static str), Arc<TagKeys>>;
 /// Whether a recorder that records is installed for this thread (see the
 /// [module docs](self)).
 #[inline]
-fn recording() -> bool {
+pub(crate) fn recording() -> bool {
     metrics::with_recorder(|r| std::mem::size_of_val(r) != 0)
 }
 
