@@ -53,6 +53,7 @@ pub use error::{
 };
 pub use handler::{Handler, IntoHandler};
 pub use message::{Command, Event, Message, MessageKind, Query};
+pub use middleware::span::{SpanAttributeValue, SpanAttributes};
 pub use middleware::{Middleware, MiddlewareStack, Next};
 pub use stamp::Stamp;
-pub use typed::{DispatchError, Dispatcher};
+pub use typed::{DispatchContext, DispatchError, DispatchMiddleware, DispatchNext, Dispatcher};

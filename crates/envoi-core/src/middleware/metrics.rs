@@ -1,5 +1,5 @@
 //! `metrics()` (seed 001): counts and times every dispatch through the
-//! [`metrics`] facade, tagged by message and outcome.
+//! [`metrics` crate](::metrics)'s facade, tagged by message and outcome.
 //!
 //! | metric | type | labels |
 //! |---|---|---|
