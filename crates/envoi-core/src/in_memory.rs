@@ -51,8 +51,8 @@ use crate::middleware::BoxFuture;
 use crate::serializer::Serializer;
 use crate::stamp::{DelayStamp, TransportMessageIdStamp};
 use crate::transport::{
-    mask_dsn, Capabilities, Delivery, LocalDelivery, LocalTransport, Payload, RawMessage,
-    Transport, TransportBinding,
+    mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalTransport, Payload,
+    RawMessage, Transport, TransportBinding,
 };
 
 /// How an [`InMemoryTransport`] behaves.
@@ -623,16 +623,18 @@ impl Transport for InMemoryTransport {
 }
 
 impl LocalTransport for InMemoryTransport {
-    fn send_envelope(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
+    fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>> {
         let delay = envelope
             .last::<DelayStamp>()
             .map(DelayStamp::duration)
             .filter(|d| !d.is_zero());
         let id = self.store(Payload::Envelope(envelope.clone().into_sendable()), delay);
-        Box::pin(async move { Ok(envelope.with(TransportMessageIdStamp::new(id_string(id)))) })
+        LocalFuture::ready(Ok(
+            envelope.with(TransportMessageIdStamp::new(id_string(id)))
+        ))
     }
 
-    fn get_local(&self, max: usize) -> BoxFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
+    fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
         let mut out = Vec::new();
         self.lock().take(max, self.config.lease_timeout, |id, p| {
             out.push(LocalDelivery {
@@ -640,7 +642,7 @@ impl LocalTransport for InMemoryTransport {
                 payload: p.clone(),
             })
         });
-        Box::pin(async move { Ok(out) })
+        LocalFuture::ready(Ok(out))
     }
 }
 

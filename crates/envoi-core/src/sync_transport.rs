@@ -50,8 +50,8 @@ use crate::error::{BusError, Result, TransportError};
 use crate::middleware::BoxFuture;
 use crate::stamp::{BusNameStamp, ReceivedStamp, TransportMessageIdStamp};
 use crate::transport::{
-    mask_dsn, Capabilities, Delivery, LocalDelivery, LocalTransport, RawMessage, Transport,
-    TransportBinding,
+    mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalTransport, RawMessage,
+    Transport, TransportBinding,
 };
 
 /// Handles messages when they are sent; see the [module documentation](self).
@@ -187,13 +187,13 @@ impl Transport for SyncTransport {
 }
 
 impl LocalTransport for SyncTransport {
-    fn send_envelope(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
-        Box::pin(self.handle(envelope))
+    fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>> {
+        LocalFuture::pending(self.handle(envelope))
     }
 
-    fn get_local(&self, max: usize) -> BoxFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
+    fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
         let _ = max;
-        Box::pin(async { Err(TransportError::Unsupported("get")) })
+        LocalFuture::ready(Err(TransportError::Unsupported("get")))
     }
 
     fn handles_on_send(&self) -> bool {

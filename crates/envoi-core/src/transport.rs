@@ -254,6 +254,55 @@ pub struct LocalDelivery {
     pub payload: Payload,
 }
 
+/// The future of a [`LocalTransport`] method: already complete (what an
+/// in-memory queue returns, without allocating) or still running.
+#[must_use = "futures do nothing unless awaited"]
+pub enum LocalFuture<'a, T> {
+    /// The result, taken by the first poll.
+    Ready(Option<T>),
+    /// Work still to do.
+    Pending(BoxFuture<'a, T>),
+}
+
+impl<'a, T> LocalFuture<'a, T> {
+    /// A future that is already complete.
+    pub fn ready(value: T) -> Self {
+        LocalFuture::Ready(Some(value))
+    }
+
+    /// A future still to run.
+    pub fn pending(future: impl std::future::Future<Output = T> + Send + 'a) -> Self {
+        LocalFuture::Pending(Box::pin(future))
+    }
+}
+
+// The value is never pinned (only moved out of its `Option`), and the boxed
+// future is pinned by its box.
+impl<T> Unpin for LocalFuture<'_, T> {}
+
+impl<T> std::future::Future for LocalFuture<'_, T> {
+    type Output = T;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<T> {
+        match self.get_mut() {
+            LocalFuture::Ready(value) => match value.take() {
+                Some(v) => std::task::Poll::Ready(v),
+                None => std::task::Poll::Pending,
+            },
+            LocalFuture::Pending(future) => future.as_mut().poll(cx),
+        }
+    }
+}
+
+impl<T> fmt::Debug for LocalFuture<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LocalFuture::Ready(_) => "LocalFuture::Ready",
+            LocalFuture::Pending(_) => "LocalFuture::Pending",
+        })
+    }
+}
+
 /// The in-process side of a transport that lives in this process: it moves
 /// envelopes without encoding them, which is what makes the in-memory
 /// transport fast. Acknowledging, rejecting and releasing go through
@@ -264,10 +313,10 @@ pub trait LocalTransport: Send + Sync {
     /// [`TransportMessageIdStamp`](crate::stamp::TransportMessageIdStamp);
     /// or, for a transport that [handles on send](Self::handles_on_send),
     /// handles it now and returns the result of that.
-    fn send_envelope(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>>;
+    fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>>;
 
     /// Hands out up to `max` available messages, leasing them to the caller.
-    fn get_local(&self, max: usize) -> BoxFuture<'_, Result<Vec<LocalDelivery>, TransportError>>;
+    fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>>;
 
     /// Whether sending handles the message at once (the sync transport), so
     /// there is nothing to consume and no retry to schedule.

@@ -846,7 +846,6 @@ enum Action {
 
 struct Done {
     receiver: usize,
-    id: String,
     action: Action,
 }
 
@@ -868,7 +867,7 @@ struct Task<'a> {
 }
 
 enum Finished {
-    Done(Done),
+    Done(Done, String),
     Panicked {
         receiver: usize,
         id: String,
@@ -902,8 +901,8 @@ impl<'a> InFlight<'a> {
                 match polled {
                     Ok(Poll::Pending) => {}
                     Ok(Poll::Ready(done)) => {
-                        self.tasks.swap_remove(i);
-                        return Poll::Ready(Finished::Done(done));
+                        let task = self.tasks.swap_remove(i);
+                        return Poll::Ready(Finished::Done(done, task.id));
                     }
                     Err(panic) => {
                         let task = self.tasks.swap_remove(i);
@@ -992,9 +991,8 @@ impl Ctx {
             Payload::Raw(raw) => match self.messenger.serializer().decode(&raw) {
                 Ok(e) => e,
                 Err(error) => {
-                    let task_id = id.clone();
                     return Task {
-                        future: Box::pin(self.park_raw(receiver, task_id, raw, error)),
+                        future: Box::pin(self.park_raw(receiver, id.clone(), raw, error)),
                         receiver,
                         id,
                         since,
@@ -1012,8 +1010,15 @@ impl Ctx {
         }
     }
 
-    async fn handle(&self, receiver: usize, id: String, envelope: Envelope) -> Done {
+    async fn handle(&self, receiver: usize, transport_id: String, envelope: Envelope) -> Done {
         let transport = &self.receivers[receiver].name;
+        // The id goes into the envelope's stamp; events get a copy of their
+        // own, made only when someone listens.
+        let id = if self.events.enabled() {
+            transport_id.clone()
+        } else {
+            String::new()
+        };
         self.events.emit(|| WorkerEvent::Received {
             transport: transport.clone(),
             id: id.clone(),
@@ -1029,7 +1034,7 @@ impl Ctx {
             .with(ReceivedStamp {
                 transport: transport.clone(),
             })
-            .with(TransportMessageIdStamp::new(id.clone()));
+            .with(TransportMessageIdStamp::new(transport_id));
         let started = self.events.enabled().then(Instant::now);
         let result = self.bus_for(&stamped).dispatch(stamped).await;
         let duration = started.map(|s| s.elapsed()).unwrap_or_default();
@@ -1105,11 +1110,7 @@ impl Ctx {
                 self.park(receiver, &id, envelope, details).await
             }
         };
-        Done {
-            receiver,
-            id,
-            action,
-        }
+        Done { receiver, action }
     }
 
     /// Parks `envelope` (which failed outside the retry step) in its failure
@@ -1219,25 +1220,21 @@ impl Ctx {
             released,
             envelope: None,
         });
-        Done {
-            receiver,
-            id,
-            action,
-        }
+        Done { receiver, action }
     }
 
     /// Parks the envelope of a handler that panicked.
     async fn park_panicked(
         &self,
         receiver: usize,
-        id: String,
+        id: &str,
         envelope: Option<Envelope>,
         message: String,
     ) -> Done {
         let action = match envelope {
             Some(envelope) => {
                 let details = ErrorDetailsStamp::new("panic", message);
-                self.park(receiver, &id, envelope, details).await
+                self.park(receiver, id, envelope, details).await
             }
             None => {
                 // Only a raw park can have no envelope; it does not run user
@@ -1245,11 +1242,7 @@ impl Ctx {
                 Action::Release
             }
         };
-        Done {
-            receiver,
-            id,
-            action,
-        }
+        Done { receiver, action }
     }
 }
 
@@ -1318,12 +1311,12 @@ impl<'a> Run<'a> {
 
     fn record(&mut self, finished: Finished) {
         match finished {
-            Finished::Done(done) => {
+            Finished::Done(done, id) => {
                 self.processed += 1;
                 match done.action {
-                    Action::Ack => self.acks[done.receiver].push(done.id),
-                    Action::Reject => self.rejects.push((done.receiver, done.id)),
-                    Action::Release => self.releases.push((done.receiver, done.id)),
+                    Action::Ack => self.acks[done.receiver].push(id),
+                    Action::Reject => self.rejects.push((done.receiver, id)),
+                    Action::Release => self.releases.push((done.receiver, id)),
                 }
             }
             Finished::Panicked {
@@ -1353,9 +1346,9 @@ impl<'a> Run<'a> {
         for (receiver, id, envelope, message) in std::mem::take(&mut self.panicked) {
             let done = self
                 .ctx
-                .park_panicked(receiver, id, envelope, message)
+                .park_panicked(receiver, &id, envelope, message)
                 .await;
-            self.record(Finished::Done(done));
+            self.record(Finished::Done(done, id));
         }
         for receiver in 0..self.acks.len() {
             if self.acks[receiver].is_empty() {
