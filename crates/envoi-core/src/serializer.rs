@@ -73,6 +73,7 @@ use crate::envelope::Envelope;
 use crate::error::SerializationError;
 use crate::handler::TypeMap;
 use crate::message::{Message, MessageKind};
+use crate::middleware::correlation::{CausationIdStamp, CorrelationIdStamp};
 use crate::stamp::{
     BusNameStamp, DelayStamp, ErasedStamp, ErrorDetailsStamp, HandledStamp, MessageIdStamp,
     RedeliveryStamp, SentToFailureTransportStamp, Stamp,
@@ -178,6 +179,8 @@ impl Default for SerializerBuilder {
             .stamp::<ErrorDetailsStamp>()
             .stamp::<SentToFailureTransportStamp>()
             .stamp::<MessageIdStamp>()
+            .stamp::<CorrelationIdStamp>()
+            .stamp::<CausationIdStamp>()
     }
 }
 

@@ -215,8 +215,6 @@ async fn a_message_dispatched_by_a_handler_carries_its_correlation_and_causation
         .command_handler(|_: Charge| async { Ok::<_, GatewayDown>(()) })
         .transport_dsn("async", "in-memory://?serialize=true")
         .route::<Charge>("async")
-        .stamp::<CorrelationIdStamp>()
-        .stamp::<CausationIdStamp>()
         .middleware(Correlation)
         .middleware(recorder(&seen))
         .build_async()

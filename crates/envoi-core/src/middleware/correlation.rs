@@ -20,11 +20,9 @@
 //! the current one ([`DispatchAfterCurrentBusStamp`](crate::stamp::DispatchAfterCurrentBusStamp)),
 //! which run after the handler has returned: stamp them with [`stamp`].
 //!
-//! Both stamps cross transports. A receiving process decodes them as these
-//! types once they are registered with its serializer
-//! (`.stamp::<CorrelationIdStamp>().stamp::<CausationIdStamp>()` on the
-//! builder, unless the serializer registers them already); otherwise the
-//! message is treated as the start of a new conversation.
+//! Both stamps cross transports: the serializer knows them by default, so
+//! a worker in another process decodes them and carries the conversation
+//! on.
 //!
 //! ```
 //! use envoi_core::middleware::correlation::{Correlation, CorrelationIdStamp};
