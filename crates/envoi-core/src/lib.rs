@@ -24,6 +24,18 @@
 //! assert_eq!(messenger.dispatcher().ask(Add(2, 3)).await.unwrap(), 5);
 //! # });
 //! ```
+//!
+//! # Async messaging
+//!
+//! Register transports on the builder ([`MessengerBuilder::transport`], or
+//! [`transport_dsn`](MessengerBuilder::transport_dsn) with
+//! [`build_async`](MessengerBuilder::build_async)), route message types to
+//! them ([`MessengerBuilder::route`]), and a dispatch sends instead of
+//! handling. A [`worker::Worker`] consumes the transports and handles what it
+//! receives on the same buses, retrying failures and parking what keeps
+//! failing in the failure transport. The [`serializer`] encodes messages for
+//! transports; [`in_memory`] and [`sync_transport`] are the transports core
+//! ships; [`transports`] creates transports from DSNs.
 
 #![forbid(unsafe_code)]
 

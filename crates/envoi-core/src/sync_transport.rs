@@ -1,6 +1,6 @@
 //! The sync transport (`sync://`): "sending" a message to it handles it at
 //! once, in the sender's task, on the bus named by its
-//! [`BusNameStamp`](crate::stamp::BusNameStamp) (the default bus
+//! [`BusNameStamp`] (the default bus
 //! otherwise), with a [`ReceivedStamp`] naming the transport.
 //!
 //! It lets a route be switched between asynchronous and synchronous handling

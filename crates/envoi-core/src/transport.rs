@@ -1,7 +1,7 @@
 //! Transport traits: how messages leave a process and come back.
 //!
 //! A [`Transport`] stores and hands out [`RawMessage`]s (a body and string
-//! headers); the [`Serializer`](crate::serializer::Serializer) turns
+//! headers); the [`Serializer`] turns
 //! envelopes into raw messages and back. Keeping transports byte-level means a
 //! message that cannot be decoded (unknown type, malformed body) is still a
 //! [`Delivery`] the worker can move to the failure transport with the reason,
