@@ -136,6 +136,14 @@ pub enum WorkerError {
     /// An option is out of range.
     #[error("invalid worker option: {0}")]
     InvalidOption(String),
+    /// A transport operation failed.
+    #[error("transport `{transport}` failed: {error}")]
+    Transport {
+        /// The transport.
+        transport: String,
+        /// The error.
+        error: String,
+    },
 }
 
 /// Why a worker stopped.
@@ -802,6 +810,116 @@ impl Worker {
         };
         Run::new(&ctx, self.options, self.stop).run().await
     }
+}
+
+/// What became of a message handled by [`consume_one`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// It was handled and acknowledged.
+    Handled,
+    /// It failed and the retry step scheduled a retry; it was acknowledged.
+    Retried {
+        /// Which retry it is.
+        retry_count: u32,
+    },
+    /// It failed: parked (and acknowledged), rejected, or released to be
+    /// delivered again.
+    Failed {
+        /// Why.
+        error: String,
+        /// The failure transport it went to, if any.
+        parked_in: Option<String>,
+        /// Whether it was released rather than removed.
+        released: bool,
+    },
+}
+
+/// Handles one message of `transport` exactly as a worker would — decode,
+/// dispatch with a [`ReceivedStamp`], then acknowledge, reject, release or
+/// park it — and says what became of it. This is how a command line retries
+/// one message from a failure transport: [`find`](Transport::find) it, then
+/// hand it here.
+///
+/// Fails with [`WorkerError::UnknownTransport`] for a transport the
+/// messenger does not have, and with [`WorkerError::Transport`] when
+/// acknowledging, rejecting or releasing it fails.
+pub async fn consume_one(
+    messenger: &Messenger,
+    transport: &str,
+    delivery: crate::transport::Delivery,
+) -> Result<Outcome, WorkerError> {
+    let t = messenger
+        .transport(transport)
+        .ok_or_else(|| WorkerError::UnknownTransport(transport.to_string()))?
+        .clone();
+    let last = Arc::new(std::sync::Mutex::new(None::<WorkerEvent>));
+    let record = last.clone();
+    let ctx = Ctx {
+        messenger: messenger.clone(),
+        events: Events {
+            listeners: vec![Arc::new(move |e: &WorkerEvent| {
+                if matches!(
+                    e,
+                    WorkerEvent::Handled { .. }
+                        | WorkerEvent::Retried { .. }
+                        | WorkerEvent::Failed { .. }
+                ) {
+                    *record.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
+                }
+            })],
+            tx: None,
+        },
+        counters: Arc::new(Counters::default()),
+        receivers: vec![Receiver {
+            name: Arc::from(transport),
+            transport: t.clone(),
+            rate: None,
+        }],
+    };
+    let mut in_flight = InFlight::default();
+    in_flight.tasks.push(ctx.start(Held {
+        receiver: 0,
+        id: delivery.id,
+        payload: Payload::Raw(delivery.raw),
+        since: Instant::now(),
+    }));
+    let (done, id) = match in_flight.next().await {
+        Finished::Done(done, id) => (done, id),
+        Finished::Panicked {
+            receiver,
+            id,
+            envelope,
+            message,
+        } => (
+            ctx.park_panicked(receiver, &id, envelope, message).await,
+            id,
+        ),
+    };
+    let result = match done.action {
+        Action::Ack => t.ack(&id).await,
+        Action::Reject => t.reject(&id).await,
+        Action::Release => t.release(&id).await,
+    };
+    result.map_err(|e| WorkerError::Transport {
+        transport: transport.to_string(),
+        error: e.to_string(),
+    })?;
+    let event = last.lock().unwrap_or_else(|p| p.into_inner()).take();
+    Ok(match event {
+        Some(WorkerEvent::Retried { retry_count, .. }) => Outcome::Retried { retry_count },
+        Some(WorkerEvent::Failed {
+            error,
+            parked_in,
+            released,
+            ..
+        }) => Outcome::Failed {
+            error,
+            parked_in,
+            released,
+        },
+        _ => Outcome::Handled,
+    })
 }
 
 struct Events {

@@ -697,3 +697,56 @@ async fn one_stop_handle_stops_several_workers() {
         (StopReason::Stopped, StopReason::Stopped)
     );
 }
+
+#[tokio::test]
+async fn consume_one_retries_a_parked_message_as_a_worker_would() {
+    let broken = Arc::new(AtomicBool::new(true));
+    let b = broken.clone();
+    let queue = memory();
+    let failed = memory();
+    let messenger = Messenger::builder()
+        .command_handler(move |_: Job| {
+            let fail = b.load(Ordering::SeqCst);
+            async move {
+                if fail {
+                    Err(JobFailed)
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .transport("async", queue.clone())
+        .transport("failed", failed.clone())
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+            max_retries: 0,
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..2).await;
+    drain(Worker::builder(&messenger).receiver("async")).await;
+    let parked = failed.list(10).await.unwrap();
+    assert_eq!(parked.len(), 2);
+
+    // Still broken: it goes back to its origin for a fresh round of retries.
+    let outcome = envoi_core::worker::consume_one(&messenger, "failed", parked[0].clone())
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcome, envoi_core::worker::Outcome::Failed { parked_in: Some(ref f), .. } if f == "failed"),
+        "{outcome:?}"
+    );
+    // Fixed: handled and removed from the failure transport.
+    broken.store(false, Ordering::SeqCst);
+    let outcome = envoi_core::worker::consume_one(&messenger, "failed", parked[1].clone())
+        .await
+        .unwrap();
+    assert!(matches!(outcome, envoi_core::worker::Outcome::Handled));
+    assert_eq!(failed.message_count().await.unwrap(), 1);
+    assert!(matches!(
+        envoi_core::worker::consume_one(&messenger, "nope", parked[1].clone()).await,
+        Err(WorkerError::UnknownTransport(_))
+    ));
+}
