@@ -1075,15 +1075,15 @@ fn resident_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Where to park a message that failed outside the retry step.
+/// Where to park a message that failed outside the retry step: the failure
+/// transport of the transport it originally came from (`origin`, when it
+/// was parked before) or else of `source`.
 fn failure_target<'m>(
     messenger: &'m Messenger,
     source: &str,
-    envelope: Option<&Envelope>,
+    origin: Option<String>,
 ) -> (String, Option<&'m str>) {
-    let origin = envelope
-        .and_then(|e| e.last::<SentToFailureTransportStamp>())
-        .map_or_else(|| source.to_string(), |s| s.original_transport.clone());
+    let origin = origin.unwrap_or_else(|| source.to_string());
     let failure = messenger.failure_transport_for(&origin);
     (origin, failure)
 }
@@ -1243,7 +1243,10 @@ impl Ctx {
     ) -> Action {
         bump(&self.counters.failed);
         let transport = &self.receivers[receiver].name;
-        let (origin, failure) = failure_target(&self.messenger, transport, Some(&envelope));
+        let origin = envelope
+            .last::<SentToFailureTransportStamp>()
+            .map(|s| s.original_transport.clone());
+        let (origin, failure) = failure_target(&self.messenger, transport, origin);
         let mut parked_in = None;
         let mut released = false;
         let mut error = details.message.clone();
@@ -1304,7 +1307,14 @@ impl Ctx {
             .header(crate::serializer::TYPE_HEADER)
             .unwrap_or("?")
             .to_string();
-        let (origin, failure) = failure_target(&self.messenger, transport, None);
+        let origin = raw
+            .header(&format!(
+                "{STAMP_HEADER_PREFIX}{}",
+                SentToFailureTransportStamp::NAME
+            ))
+            .and_then(|v| serde_json::from_str::<Vec<SentToFailureTransportStamp>>(v).ok())
+            .and_then(|v| v.last().map(|s| s.original_transport.clone()));
+        let (origin, failure) = failure_target(&self.messenger, transport, origin);
         let target = failure.and_then(|f| self.messenger.transport(f).map(|t| (f, t)));
         let mut parked_in = None;
         let mut released = false;

@@ -750,3 +750,40 @@ async fn consume_one_retries_a_parked_message_as_a_worker_would() {
         Err(WorkerError::UnknownTransport(_))
     ));
 }
+
+#[tokio::test]
+async fn an_undecodable_message_retried_from_the_failure_transport_keeps_its_origin() {
+    let seen = Seen::default();
+    let failed = memory();
+    let messenger = messenger_with(
+        &seen,
+        Duration::ZERO,
+        &[("async", memory()), ("failed", failed.clone())],
+        Some("failed"),
+    );
+    let mut message = raw("Unknown", b"{}");
+    message.headers.insert(
+        "X-Message-Stamp-SentToFailureTransport".into(),
+        r#"[{"original_transport":"async"}]"#.into(),
+    );
+    failed.send(message, None).await.unwrap();
+    let report = Worker::builder(&messenger)
+        .receiver("failed")
+        .message_limit(1)
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.stats.failed, 1);
+    let parked = failed.list(10).await.unwrap();
+    assert_eq!(parked.len(), 1, "moved to the back, not lost");
+    let origins: Vec<SentToFailureTransportStamp> = serde_json::from_str(
+        parked[0]
+            .raw
+            .header("X-Message-Stamp-SentToFailureTransport")
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(origins.len(), 2);
+    assert!(origins.iter().all(|o| o.original_transport == "async"));
+}
