@@ -21,6 +21,9 @@ pub(crate) struct Statements {
     pub(crate) find: Arc<str>,
 }
 
+// `+queue_name` keeps SQLite from scanning the claim index for a queue's
+// rows when the rows are known by id (or wanted in id order): lookups by
+// rowid, with the queue as a filter.
 impl Statements {
     pub(crate) fn new(table: &str) -> Self {
         let t = format!("\"{table}\"");
@@ -63,7 +66,7 @@ impl Statements {
             )),
             ack: s(format!("DELETE FROM {t} WHERE id = ?1 AND queue_name = ?2")),
             ack_many: s(format!(
-                "DELETE FROM {t} WHERE queue_name = ?2 AND id IN (SELECT value FROM json_each(?1))"
+                "DELETE FROM {t} WHERE +queue_name = ?2 AND id IN (SELECT value FROM json_each(?1))"
             )),
             release: s(format!(
                 "UPDATE {t} SET available_at = ?3, lease_until = NULL, delivered_at = NULL
@@ -71,7 +74,7 @@ impl Statements {
             )),
             release_many: s(format!(
                 "UPDATE {t} SET available_at = ?3, lease_until = NULL, delivered_at = NULL
-                 WHERE queue_name = ?2 AND lease_until IS NOT NULL
+                 WHERE +queue_name = ?2 AND lease_until IS NOT NULL
                    AND id IN (SELECT value FROM json_each(?1))"
             )),
             keepalive: s(format!(
@@ -80,7 +83,7 @@ impl Statements {
             )),
             count: s(format!("SELECT COUNT(*) FROM {t} WHERE queue_name = ?1")),
             list: s(format!(
-                "SELECT id, body, headers FROM {t} WHERE queue_name = ?1 ORDER BY id LIMIT ?2"
+                "SELECT id, body, headers FROM {t} WHERE +queue_name = ?1 ORDER BY id LIMIT ?2"
             )),
             find: s(format!(
                 "SELECT id, body, headers FROM {t} WHERE id = ?1 AND queue_name = ?2"
