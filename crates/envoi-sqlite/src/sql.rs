@@ -91,3 +91,66 @@ impl Statements {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sqlx::{AssertSqlSafe, Connection, Row};
+
+    /// What SQLite plans to do for `sql` (bound to placeholder values).
+    async fn plan(conn: &mut sqlx::SqliteConnection, sql: &str, binds: usize) -> String {
+        let explain = format!("EXPLAIN QUERY PLAN {sql}");
+        let mut query = sqlx::query(AssertSqlSafe(explain));
+        for i in 0..binds {
+            query = if i == 0 && sql.contains("json_each(?1)") {
+                query.bind("[1,2]")
+            } else if i == 1 || (i == 2 && sql.contains("?3 AND")) {
+                query.bind("q")
+            } else {
+                query.bind(1_i64)
+            };
+        }
+        query
+            .fetch_all(&mut *conn)
+            .await
+            .expect("explain")
+            .iter()
+            .map(|r| r.get::<String, _>(3))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    #[tokio::test]
+    async fn statements_by_id_use_the_primary_key_and_the_claim_uses_its_index() {
+        let mut conn = sqlx::SqliteConnection::connect("sqlite::memory:")
+            .await
+            .expect("memory db");
+        let sql = Statements::new("jobs");
+        for ddl in [&sql.create_table, &sql.create_index] {
+            sqlx::query(AssertSqlSafe(ddl.to_string()))
+                .execute(&mut conn)
+                .await
+                .expect("ddl");
+        }
+        for (name, stmt, binds) in [
+            ("ack", &sql.ack, 2),
+            ("ack_many", &sql.ack_many, 2),
+            ("release", &sql.release, 3),
+            ("release_many", &sql.release_many, 3),
+            ("keepalive", &sql.keepalive, 3),
+            ("find", &sql.find, 2),
+        ] {
+            let p = plan(&mut conn, stmt, binds).await;
+            assert!(
+                p.contains("INTEGER PRIMARY KEY") && !p.contains("jobs_claim"),
+                "{name} should look rows up by id: {p}"
+            );
+        }
+        let p = plan(&mut conn, &sql.claim, 4).await;
+        assert!(
+            p.contains("jobs_claim (queue_name=? AND available_at<?)")
+                && !p.contains("TEMP B-TREE"),
+            "the claim should range-scan its index in order: {p}"
+        );
+    }
+}
