@@ -85,6 +85,10 @@
 //!   power failure, as `NORMAL` trades that for speed).
 //! * `list`, `find` and `message_count` cover waiting, delayed and leased
 //!   messages.
+//! * Ids come from an `AUTOINCREMENT` key and are never reused, so a late
+//!   ack from a consumer whose lease ran out can only remove the message it
+//!   handled (then handled by two consumers, as at-least-once allows), never
+//!   a newer one.
 //!
 //! `get(max)` claims `max` rows in one statement. Consumers that ask for one
 //! message at a time can set `batch=N` to claim `N` and keep the others,
