@@ -1,0 +1,347 @@
+//! `consume`: a worker with a progress bar, a live rate and a summary.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use envoi_core::transport::Transport;
+use envoi_core::worker::{Worker, WorkerEvent, WorkerListener, WorkerReport, WorkerStats};
+use envoi_core::Messenger;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::parse::{parse_duration, parse_positive, parse_size};
+use crate::{unknown_transport, CliError, Console};
+
+/// Arguments of `consume`.
+#[derive(Debug, Args)]
+#[non_exhaustive]
+pub struct ConsumeArgs {
+    /// The transports to consume, in priority order (first given, first read).
+    #[arg(required = true, value_name = "TRANSPORT")]
+    pub transports: Vec<String>,
+    /// Stop after this many messages.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub limit: Option<u64>,
+    /// Stop after running this long (500ms, 30s, 5m, 1h30m).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub time_limit: Option<Duration>,
+    /// Stop when the process uses more memory than this (128MB, 1G; Linux).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub memory_limit: Option<u64>,
+    /// Stop after this many failed messages.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub failure_limit: Option<u64>,
+    /// Handle up to this many messages at once.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_positive)]
+    pub concurrency: usize,
+    /// Ask a transport for up to this many messages at a time.
+    #[arg(long, value_name = "N", value_parser = parse_positive)]
+    pub batch_size: Option<usize>,
+    /// Stop once every transport is empty and nothing is in flight.
+    #[arg(long)]
+    pub stop_when_empty: bool,
+    /// How long handlers in flight may take to finish after a stop (default 10s).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub grace_period: Option<Duration>,
+    /// Do not print a line per failed message.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// The most failure lines printed by one run.
+const MAX_LINES: usize = 200;
+
+/// Lines for failed messages and transport errors, written out by the
+/// progress loop (listeners are called in line and must be quick).
+#[derive(Default)]
+struct FailureLog {
+    lines: Mutex<Vec<String>>,
+    total: AtomicU64,
+}
+
+impl FailureLog {
+    fn push(&self, line: String) {
+        let n = self.total.fetch_add(1, Ordering::Relaxed) as usize;
+        let mut lines = self
+            .lines
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if n < MAX_LINES {
+            lines.push(line);
+        } else if n == MAX_LINES {
+            lines.push("… more failures are not shown".to_string());
+        }
+    }
+
+    fn take(&self) -> Vec<String> {
+        std::mem::take(
+            &mut *self
+                .lines
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+}
+
+struct LogListener(Arc<FailureLog>);
+
+impl WorkerListener for LogListener {
+    fn on_event(&self, event: &WorkerEvent) {
+        match event {
+            WorkerEvent::Failed {
+                transport,
+                id,
+                message,
+                kind,
+                error,
+                parked_in,
+                released,
+                ..
+            } => {
+                let fate = match (parked_in, released) {
+                    (Some(f), _) => format!("parked in `{f}`"),
+                    (None, true) => "released, to be delivered again".to_string(),
+                    (None, false) => "rejected (no failure transport)".to_string(),
+                };
+                self.0.push(format!(
+                    "failed: {message} {transport}#{id} ({kind}): {error} -> {fate}"
+                ));
+            }
+            WorkerEvent::TransportFailed {
+                transport,
+                operation,
+                error,
+            } => self.0.push(format!(
+                "transport `{transport}`: {operation} failed: {error}"
+            )),
+            _ => {}
+        }
+    }
+}
+
+/// Messages per second over the last few seconds.
+struct Rate {
+    samples: VecDeque<(Instant, u64)>,
+}
+
+impl Rate {
+    const WINDOW: Duration = Duration::from_secs(3);
+
+    fn new() -> Self {
+        Rate {
+            samples: VecDeque::new(),
+        }
+    }
+
+    fn record(&mut self, now: Instant, processed: u64) -> f64 {
+        self.samples.push_back((now, processed));
+        while self
+            .samples
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > Self::WINDOW)
+            && self.samples.len() > 2
+        {
+            self.samples.pop_front();
+        }
+        match (self.samples.front(), self.samples.back()) {
+            (Some((t0, n0)), Some((t1, n1))) if t1 > t0 => {
+                (n1 - n0) as f64 / t1.duration_since(*t0).as_secs_f64()
+            }
+            _ => 0.0,
+        }
+    }
+}
+
+fn processed(s: &WorkerStats) -> u64 {
+    s.handled + s.retried + s.failed
+}
+
+async fn waiting(transports: &[Arc<dyn Transport>]) -> u64 {
+    let mut total = 0;
+    for t in transports {
+        total += t.message_count().await.unwrap_or(0);
+    }
+    total
+}
+
+fn flush(console: &mut Console<'_>, bar: Option<&ProgressBar>, log: &FailureLog) {
+    let lines = log.take();
+    if lines.is_empty() {
+        return;
+    }
+    let mut write = || {
+        for line in &lines {
+            let _ = writeln!(console.out, "{line}");
+        }
+        let _ = console.out.flush();
+    };
+    match bar {
+        Some(bar) => bar.suspend(write),
+        None => write(),
+    }
+}
+
+pub(crate) async fn run(
+    messenger: &Messenger,
+    args: ConsumeArgs,
+    console: &mut Console<'_>,
+) -> Result<(), CliError> {
+    let mut transports = Vec::with_capacity(args.transports.len());
+    for name in &args.transports {
+        let t = messenger
+            .transport(name)
+            .ok_or_else(|| unknown_transport(messenger, name))?;
+        transports.push(t.clone());
+    }
+    let log = Arc::new(FailureLog::default());
+    let stop = console.stop.clone().unwrap_or_default();
+    let mut builder = Worker::builder(messenger)
+        .receivers(args.transports.iter().cloned())
+        .concurrency(args.concurrency)
+        .stop_handle(stop.clone());
+    if let Some(n) = args.limit {
+        builder = builder.message_limit(n);
+    }
+    if let Some(t) = args.time_limit {
+        builder = builder.time_limit(t);
+    }
+    if let Some(bytes) = args.memory_limit {
+        builder = builder.memory_limit(bytes);
+    }
+    if let Some(n) = args.failure_limit {
+        builder = builder.failure_limit(n);
+    }
+    if let Some(n) = args.batch_size {
+        builder = builder.batch_size(n);
+    }
+    if let Some(g) = args.grace_period {
+        builder = builder.grace_period(g);
+    }
+    if args.stop_when_empty {
+        builder = builder.stop_when_empty();
+    }
+    if !args.quiet {
+        builder = builder.listener(LogListener(log.clone()));
+    }
+    let worker = builder.build()?;
+    let progress = worker.progress();
+    writeln!(
+        console.out,
+        "Consuming {} (concurrency {}). Stop with Ctrl-C.",
+        args.transports.join(", "),
+        args.concurrency
+    )?;
+    console.out.flush()?;
+
+    let bar = if console.progress {
+        let initial = waiting(&transports).await;
+        let bar = ProgressBar::with_draw_target(
+            Some(args.limit.unwrap_or(initial)),
+            ProgressDrawTarget::stderr(),
+        );
+        if let Ok(style) = ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] [{bar:30}] {pos}/{len} {msg}",
+        ) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        Some(bar)
+    } else {
+        None
+    };
+    // The number of messages waiting, refreshed in the background for the
+    // bar's length (counting must not hold up the worker).
+    let waiting_now = Arc::new(AtomicU64::new(0));
+    let counter = (bar.is_some() && args.limit.is_none()).then(|| {
+        let waiting_now = waiting_now.clone();
+        let transports = transports.clone();
+        tokio::spawn(async move {
+            loop {
+                waiting_now.store(waiting(&transports).await, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        })
+    });
+    let signals = stop.stop_on_signals().ok();
+
+    let mut rate = Rate::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let run = worker.run();
+    tokio::pin!(run);
+    let report: WorkerReport = loop {
+        tokio::select! {
+            report = &mut run => break report,
+            _ = tick.tick() => {
+                let stats = progress.snapshot();
+                let done = processed(&stats);
+                let per_sec = rate.record(Instant::now(), done);
+                if let Some(bar) = &bar {
+                    if args.limit.is_none() {
+                        bar.set_length(done + waiting_now.load(Ordering::Relaxed));
+                    }
+                    bar.set_position(done);
+                    bar.set_message(format!(
+                        "{per_sec:.0} msg/s | handled {} | retried {} | failed {}",
+                        stats.handled, stats.retried, stats.failed
+                    ));
+                }
+                flush(console, bar.as_ref(), &log);
+            }
+        }
+    };
+    if let Some(task) = counter {
+        task.abort();
+    }
+    if let Some(task) = signals {
+        task.abort();
+    }
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    flush(console, None, &log);
+    let s = report.stats;
+    let secs = report.elapsed.as_secs_f64();
+    let avg = if secs > 0.0 {
+        processed(&s) as f64 / secs
+    } else {
+        0.0
+    };
+    writeln!(
+        console.out,
+        "Stopped ({}) after {secs:.1}s: handled {}, retried {}, failed {}, released {} ({avg:.0} msg/s).",
+        report.reason, s.handled, s.retried, s.failed, s.released
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rate_is_measured_over_the_recent_window() {
+        let mut r = Rate::new();
+        let t0 = Instant::now();
+        assert_eq!(r.record(t0, 0), 0.0);
+        assert_eq!(r.record(t0 + Duration::from_secs(1), 100), 100.0);
+        assert_eq!(r.record(t0 + Duration::from_secs(2), 300), 150.0);
+        // Ten seconds later only the recent samples count.
+        let rate = r.record(t0 + Duration::from_secs(12), 1300);
+        assert_eq!(rate, 100.0);
+    }
+
+    #[test]
+    fn the_failure_log_stops_after_its_limit_and_says_so() {
+        let log = FailureLog::default();
+        for i in 0..MAX_LINES + 10 {
+            log.push(format!("line {i}"));
+        }
+        let lines = log.take();
+        assert_eq!(lines.len(), MAX_LINES + 1);
+        assert_eq!(lines.last().unwrap(), "… more failures are not shown");
+        assert!(log.take().is_empty());
+    }
+}

@@ -1,0 +1,444 @@
+//! `failed show`, `failed retry` and `failed remove`.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use clap::{Args, Subcommand};
+use envoi_core::stamp::{
+    BusNameStamp, ReceivedStamp, RedeliveryStamp, SentStamp, SentToFailureTransportStamp,
+    TransportMessageIdStamp,
+};
+use envoi_core::transport::{Delivery, Transport};
+use envoi_core::{BusError, Envelope, Messenger};
+
+use crate::inspect::{inspect, Inspected};
+use crate::table::{truncate, Table};
+use crate::{unknown_transport, CliError, Console, Format};
+
+/// `failed show`, `failed retry` or `failed remove`.
+#[derive(Debug, Subcommand)]
+#[non_exhaustive]
+pub enum FailedCommand {
+    /// List the failed messages, or show one in detail.
+    Show(ShowArgs),
+    /// Handle failed messages again; those handled or sent for another try leave the failure transport.
+    Retry(RetryArgs),
+    /// Delete failed messages for good.
+    Remove(RemoveArgs),
+}
+
+/// Arguments of `failed show`.
+#[derive(Debug, Args)]
+#[non_exhaustive]
+pub struct ShowArgs {
+    /// Show this message in detail (error chain, stamps, headers, body).
+    pub id: Option<String>,
+    /// List at most this many messages, oldest first.
+    #[arg(long, default_value_t = 50, value_parser = crate::parse::parse_positive)]
+    pub max: usize,
+    /// The failure transport (needed when there are several).
+    #[arg(long, value_name = "NAME")]
+    pub transport: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+/// Arguments of `failed retry`.
+#[derive(Debug, Args)]
+#[non_exhaustive]
+pub struct RetryArgs {
+    /// The ids of the messages to retry.
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub ids: Vec<String>,
+    /// Retry every message in the failure transport.
+    #[arg(long)]
+    pub all: bool,
+    /// The failure transport (needed when there are several).
+    #[arg(long, value_name = "NAME")]
+    pub transport: Option<String>,
+}
+
+/// Arguments of `failed remove`.
+#[derive(Debug, Args)]
+#[non_exhaustive]
+pub struct RemoveArgs {
+    /// The ids of the messages to remove.
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub ids: Vec<String>,
+    /// Remove every message in the failure transport.
+    #[arg(long)]
+    pub all: bool,
+    /// The failure transport (needed when there are several).
+    #[arg(long, value_name = "NAME")]
+    pub transport: Option<String>,
+}
+
+/// How many messages `--all` reads when the transport cannot count them.
+const ALL_WITHOUT_COUNT: usize = 10_000;
+
+pub(crate) async fn run(
+    messenger: &Messenger,
+    command: FailedCommand,
+    console: &mut Console<'_>,
+) -> Result<(), CliError> {
+    match command {
+        FailedCommand::Show(args) => show(messenger, args, console).await,
+        FailedCommand::Retry(args) => retry(messenger, args, console).await,
+        FailedCommand::Remove(args) => remove(messenger, args, console).await,
+    }
+}
+
+/// The failure transport to work on: `--transport`, or the only one
+/// configured.
+fn failure_transport<'m>(
+    messenger: &'m Messenger,
+    chosen: Option<&str>,
+) -> Result<crate::Named<'m>, CliError> {
+    let name = match chosen {
+        Some(name) => name,
+        None => match messenger.failure_transports().as_slice() {
+            [] => return Err(CliError::NoFailureTransport),
+            [one] => *one,
+            many => return Err(CliError::AmbiguousFailureTransport(many.join(", "))),
+        },
+    };
+    messenger
+        .transports()
+        .find(|(n, _)| *n == name)
+        .ok_or_else(|| unknown_transport(messenger, name))
+}
+
+async fn find(name: &str, transport: &Arc<dyn Transport>, id: &str) -> Result<Delivery, CliError> {
+    transport
+        .find(id)
+        .await
+        .map_err(CliError::transport(name))?
+        .ok_or_else(|| CliError::MessageNotFound {
+            transport: name.to_string(),
+            id: id.to_string(),
+        })
+}
+
+/// The messages `ids` name (all found, or an error before anything is
+/// done), or every message with `all`.
+async fn select(
+    name: &str,
+    transport: &Arc<dyn Transport>,
+    ids: &[String],
+    all: bool,
+) -> Result<Vec<Delivery>, CliError> {
+    if all {
+        let limit = match transport.message_count().await {
+            Ok(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            Err(_) => ALL_WITHOUT_COUNT,
+        };
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        return transport
+            .list(limit)
+            .await
+            .map_err(CliError::transport(name));
+    }
+    let mut found = Vec::with_capacity(ids.len());
+    for id in ids {
+        if found.iter().any(|d: &Delivery| d.id == *id) {
+            continue;
+        }
+        found.push(find(name, transport, id).await?);
+    }
+    Ok(found)
+}
+
+async fn show(
+    messenger: &Messenger,
+    args: ShowArgs,
+    console: &mut Console<'_>,
+) -> Result<(), CliError> {
+    let (name, transport) = failure_transport(messenger, args.transport.as_deref())?;
+    let out = &mut console.out;
+    if let Some(id) = &args.id {
+        let info = inspect(&find(name, transport, id).await?);
+        match args.format {
+            Format::Json => {
+                serde_json::to_writer_pretty(&mut *out, &info.detail_json(name))
+                    .map_err(std::io::Error::from)?;
+                writeln!(out)?;
+            }
+            Format::Text => write_detail(out, name, &info)?,
+        }
+        return Ok(());
+    }
+    let total = transport.message_count().await.ok();
+    let listed: Vec<Inspected> = transport
+        .list(args.max)
+        .await
+        .map_err(CliError::transport(name))?
+        .iter()
+        .map(inspect)
+        .collect();
+    if args.format == Format::Json {
+        let doc = serde_json::json!({
+            "transport": name,
+            "total": total,
+            "messages": listed.iter().map(Inspected::summary_json).collect::<Vec<_>>(),
+        });
+        serde_json::to_writer_pretty(&mut *out, &doc).map_err(std::io::Error::from)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    if listed.is_empty() {
+        writeln!(out, "No failed messages in `{name}`.")?;
+        return Ok(());
+    }
+    let mut table = Table::new(&["ID", "MESSAGE", "ERROR", "RETRIES", "FAILED AT"]);
+    for info in &listed {
+        table.row(vec![
+            info.id.clone(),
+            info.message.clone(),
+            truncate(&info.error_line(), 80),
+            info.retries.to_string(),
+            info.failed_at_text(),
+        ]);
+    }
+    write!(out, "{}", table.render())?;
+    let total = total.unwrap_or(listed.len() as u64);
+    if total > listed.len() as u64 {
+        writeln!(
+            out,
+            "{} of {total} messages in `{name}` shown (oldest first); raise --max to see more.",
+            listed.len()
+        )?;
+    } else {
+        writeln!(out, "{total} message(s) in `{name}`.")?;
+    }
+    writeln!(
+        out,
+        "Show one with `failed show <id>`, retry with `failed retry <id>`."
+    )?;
+    Ok(())
+}
+
+fn write_detail(out: &mut dyn Write, transport: &str, info: &Inspected) -> std::io::Result<()> {
+    let field =
+        |out: &mut dyn Write, label: &str, value: &str| writeln!(out, "{label:<12} {value}");
+    field(out, "Id", &info.id)?;
+    let message = match &info.kind {
+        Some(kind) => format!("{} ({kind})", info.message),
+        None => info.message.clone(),
+    };
+    field(out, "Message", &message)?;
+    let origin = match &info.original_transport {
+        Some(o) => format!("{transport} (failed in {o})"),
+        None => transport.to_string(),
+    };
+    field(out, "Transport", &origin)?;
+    field(out, "Failed at", &info.failed_at_text())?;
+    field(out, "Retries", &info.retries.to_string())?;
+    match &info.error {
+        Some(e) => {
+            field(out, "Error", &e.message)?;
+            field(out, "Error kind", &e.kind)?;
+            if !e.chain.is_empty() {
+                writeln!(out, "Caused by")?;
+                for (i, cause) in e.chain.iter().enumerate() {
+                    writeln!(out, "  {}. {cause}", i + 1)?;
+                }
+            }
+        }
+        None => field(out, "Error", "(no error details)")?,
+    }
+    if !info.stamps.is_empty() {
+        writeln!(out, "Stamps")?;
+        for (name, value) in &info.stamps {
+            writeln!(out, "  {name}: {value}")?;
+        }
+    }
+    if !info.headers.is_empty() {
+        writeln!(out, "Headers")?;
+        for (key, value) in &info.headers {
+            writeln!(out, "  {key}: {value}")?;
+        }
+    }
+    let body = serde_json::to_string_pretty(&info.body).unwrap_or_default();
+    writeln!(out, "Body")?;
+    for line in body.lines() {
+        writeln!(out, "  {line}")?;
+    }
+    Ok(())
+}
+
+/// What became of one retried message.
+enum Outcome {
+    /// Handled; removed from the failure transport.
+    Handled,
+    /// Failed with retries left; sent back to `transport` for another try.
+    Rescheduled { transport: String },
+    /// Failed again and parked (again) under `new_id`.
+    FailedAgain { new_id: String, error: String },
+    /// Not retried; stays in the failure transport.
+    Kept { reason: String },
+}
+
+async fn retry_one(messenger: &Messenger, failure: &str, delivery: &Delivery) -> Outcome {
+    let envelope = match messenger.serializer().decode(&delivery.raw) {
+        Ok(e) => e,
+        Err(e) => {
+            return Outcome::Kept {
+                reason: format!("does not decode: {e}"),
+            }
+        }
+    };
+    let redeliveries = envelope.all::<RedeliveryStamp>().count();
+    let parked = envelope.all::<SentToFailureTransportStamp>().count();
+    let bus = envelope
+        .last::<BusNameStamp>()
+        .and_then(|b| messenger.bus_named(&b.bus))
+        .unwrap_or_else(|| messenger.bus())
+        .clone();
+    let envelope: Envelope = envelope
+        .with(ReceivedStamp::new(failure))
+        .with(TransportMessageIdStamp::new(delivery.id.clone()));
+    // On a task of its own, so a handler that panics is reported, not fatal.
+    let joined = tokio::spawn(async move { bus.dispatch(envelope).await }).await;
+    match joined {
+        Err(join) => Outcome::Kept {
+            reason: if join.is_panic() {
+                "a handler panicked".to_string()
+            } else {
+                "the dispatch was cancelled".to_string()
+            },
+        },
+        Ok(Ok(after)) if after.all::<RedeliveryStamp>().count() > redeliveries => {
+            Outcome::Rescheduled {
+                transport: after
+                    .last::<SentStamp>()
+                    .map_or_else(|| "?".to_string(), |s| s.transport.clone()),
+            }
+        }
+        Ok(Ok(_)) => Outcome::Handled,
+        Ok(Err(BusError::HandlerFailed { envelope, errors }))
+            if envelope.all::<SentToFailureTransportStamp>().count() > parked =>
+        {
+            let error = BusError::HandlerFailed {
+                envelope: envelope.clone(),
+                errors,
+            }
+            .to_string();
+            Outcome::FailedAgain {
+                new_id: envelope
+                    .last::<TransportMessageIdStamp>()
+                    .map_or_else(|| "?".to_string(), |s| s.id.clone()),
+                error,
+            }
+        }
+        Ok(Err(e)) => Outcome::Kept {
+            reason: e.to_string(),
+        },
+    }
+}
+
+async fn retry(
+    messenger: &Messenger,
+    args: RetryArgs,
+    console: &mut Console<'_>,
+) -> Result<(), CliError> {
+    let (name, transport) = failure_transport(messenger, args.transport.as_deref())?;
+    let selected = select(name, transport, &args.ids, args.all).await?;
+    let out = &mut console.out;
+    if selected.is_empty() {
+        writeln!(out, "No failed messages in `{name}`.")?;
+        return Ok(());
+    }
+    let mut table = Table::new(&["ID", "MESSAGE", "OUTCOME"]);
+    let (mut handled, mut rescheduled, mut failed_again, mut kept) = (0, 0, 0, 0);
+    let mut destinations: Vec<String> = Vec::new();
+    for delivery in &selected {
+        let outcome = retry_one(messenger, name, delivery).await;
+        let remove = !matches!(outcome, Outcome::Kept { .. });
+        let mut text = match outcome {
+            Outcome::Handled => {
+                handled += 1;
+                "handled".to_string()
+            }
+            Outcome::Rescheduled { transport } => {
+                rescheduled += 1;
+                let text = format!("failed; sent to `{transport}` for another try");
+                if !destinations.contains(&transport) {
+                    destinations.push(transport);
+                }
+                text
+            }
+            Outcome::FailedAgain { new_id, error } => {
+                failed_again += 1;
+                format!("failed again, back in `{name}` as {new_id}: {error}")
+            }
+            Outcome::Kept { reason } => {
+                kept += 1;
+                format!("kept: {reason}")
+            }
+        };
+        if remove {
+            if let Err(e) = transport.ack(&delivery.id).await {
+                text = format!("{text}; removing the old copy failed: {e}");
+            }
+        }
+        table.row(vec![
+            delivery.id.clone(),
+            inspect(delivery).message,
+            truncate(&text, 100),
+        ]);
+    }
+    write!(out, "{}", table.render())?;
+    writeln!(
+        out,
+        "Retried {} message(s) from `{name}`: {handled} handled, {rescheduled} sent for another try, {failed_again} failed again, {kept} kept.",
+        selected.len()
+    )?;
+    if !destinations.is_empty() {
+        writeln!(
+            out,
+            "Run `consume {}` to handle the messages sent for another try.",
+            destinations.join(" ")
+        )?;
+    }
+    if kept > 0 {
+        return Err(CliError::RetryIncomplete {
+            kept,
+            transport: name.to_string(),
+        });
+    }
+    Ok(())
+}
+
+async fn remove(
+    messenger: &Messenger,
+    args: RemoveArgs,
+    console: &mut Console<'_>,
+) -> Result<(), CliError> {
+    let (name, transport) = failure_transport(messenger, args.transport.as_deref())?;
+    let selected = select(name, transport, &args.ids, args.all).await?;
+    let out = &mut console.out;
+    if selected.is_empty() {
+        writeln!(out, "No failed messages in `{name}`.")?;
+        return Ok(());
+    }
+    let mut table = Table::new(&["ID", "MESSAGE", "ERROR"]);
+    for delivery in &selected {
+        let info = inspect(delivery);
+        table.row(vec![
+            info.id.clone(),
+            info.message.clone(),
+            truncate(&info.error_line(), 80),
+        ]);
+    }
+    let ids: Vec<String> = selected.iter().map(|d| d.id.clone()).collect();
+    transport
+        .ack_batch(&ids)
+        .await
+        .map_err(CliError::transport(name))?;
+    write!(out, "{}", table.render())?;
+    writeln!(out, "Removed {} message(s) from `{name}`.", ids.len())?;
+    Ok(())
+}

@@ -1,0 +1,413 @@
+//! # envoi-cli
+//!
+//! Command-line tools for [envoi](envoi_core) that an application embeds in
+//! its own binary, because the handlers a worker runs live there. Build the
+//! application's [`Messenger`] as usual, then hand it the arguments:
+//!
+//! ```no_run
+//! use envoi_core::Messenger;
+//! use std::process::ExitCode;
+//!
+//! # fn configure() -> Messenger { Messenger::builder().build().unwrap() }
+//! #[tokio::main]
+//! async fn main() -> ExitCode {
+//!     let messenger = configure(); // handlers, transports, routes
+//!     envoi_cli::run(&messenger, std::env::args_os()).await
+//! }
+//! ```
+//!
+//! ## Commands
+//!
+//! | command | what it does |
+//! |---|---|
+//! | `consume <transports…>` | runs a [`Worker`](envoi_core::worker::Worker) on the transports, in priority order, with a progress bar and a live rate; `--limit N`, `--time-limit 30s`, `--memory-limit 128MB`, `--failure-limit N`, `--concurrency N`, `--stop-when-empty`; stops gracefully on SIGINT / SIGTERM |
+//! | `failed show [id]` | a table of the messages in the failure transport (id, message, error, retries, failed at), or one message in detail with its error chain and stamps; `--max N`, `--transport NAME`, `--format text\|json` |
+//! | `failed retry <ids…>` / `--all` | handles failed messages again (see below) |
+//! | `failed remove <ids…>` / `--all` | deletes failed messages |
+//! | `stats [transports…]` | messages waiting per transport; `--format text\|json` |
+//! | `setup-transports [transports…]` | creates tables, queues and streams |
+//! | `debug` | each bus's pipeline, the routes, transports and handlers |
+//!
+//! Errors — an unknown transport, a missing id, a bad duration, a transport
+//! that cannot be reached — print one line to standard error and exit with
+//! status 1; a command line clap cannot parse exits with status 2.
+//!
+//! ## Retrying failed messages
+//!
+//! `failed retry` takes each message from the failure transport and
+//! dispatches it as a message received from there, with a
+//! [`ReceivedStamp`](envoi_core::stamp::ReceivedStamp) naming the failure
+//! transport. The pipeline's `FailedMessageProcessing` step then treats it
+//! like its original delivery, with a fresh retry budget:
+//!
+//! * handled — it is removed from the failure transport;
+//! * failed with retries left — the retry step sends it back to its original
+//!   transport with a delay (a worker consuming that transport handles it),
+//!   and it is removed from the failure transport;
+//! * failed for good — the retry step parks it in the failure transport
+//!   again (under a new id) and the old copy is removed;
+//! * anything else (it does not decode, no handler, a transport error, a
+//!   panic) — it stays where it is and the command exits with status 1.
+//!
+//! ## Embedding the commands in a larger command line
+//!
+//! [`Command`] is a clap subcommand enum, so an application can flatten it
+//! into its own, then run one with [`execute`]:
+//!
+//! ```no_run
+//! use clap::Parser;
+//! use envoi_cli::{Console, execute};
+//!
+//! #[derive(Parser)]
+//! enum App {
+//!     /// Serves the HTTP API.
+//!     Serve,
+//!     #[command(flatten)]
+//!     Envoi(envoi_cli::Command),
+//! }
+//!
+//! # async fn main_(messenger: envoi_core::Messenger) {
+//! match App::parse() {
+//!     App::Serve => { /* … */ }
+//!     App::Envoi(command) => {
+//!         if let Err(e) = execute(&messenger, command, &mut Console::stdout()).await {
+//!             eprintln!("error: {e}");
+//!             std::process::exit(1);
+//!         }
+//!     }
+//! }
+//! # }
+//! ```
+
+#![forbid(unsafe_code)]
+
+mod consume;
+mod failed;
+mod inspect;
+mod parse;
+mod stats;
+mod table;
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use envoi_core::worker::{StopHandle, WorkerError};
+use envoi_core::{Messenger, TransportError};
+
+pub use consume::ConsumeArgs;
+pub use failed::{FailedCommand, RemoveArgs, RetryArgs, ShowArgs};
+pub use parse::{parse_duration, parse_size};
+pub use stats::{SetupArgs, StatsArgs};
+
+/// The command line: one of the [`Command`]s.
+#[derive(Debug, Parser)]
+#[command(
+    about = "Operate an envoi application's transports: consume messages, inspect and retry failures, count what is waiting.",
+    disable_help_subcommand = true
+)]
+pub struct Cli {
+    /// The command to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The commands; see the [crate documentation](crate).
+#[derive(Debug, Subcommand)]
+#[non_exhaustive]
+pub enum Command {
+    /// Consume messages from transports, in priority order (first given, first read).
+    Consume(ConsumeArgs),
+    /// Inspect, retry or remove messages in a failure transport.
+    Failed(FailedArgs),
+    /// Show how many messages wait in each transport.
+    Stats(StatsArgs),
+    /// Create what the transports need (tables, queues, streams).
+    SetupTransports(SetupArgs),
+    /// Show each bus's pipeline, the routes, transports and handlers.
+    Debug,
+}
+
+/// `failed` and its subcommand.
+#[derive(Debug, Args)]
+pub struct FailedArgs {
+    /// What to do with the failed messages.
+    #[command(subcommand)]
+    pub command: FailedCommand,
+}
+
+/// The output format of `stats` and `failed show`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Tables and text for people.
+    #[default]
+    Text,
+    /// One JSON document for scripts.
+    Json,
+}
+
+/// What a command can fail with. Each prints as one line.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CliError {
+    /// A transport name the messenger does not know.
+    #[error("unknown transport `{name}` (configured: {known})")]
+    UnknownTransport {
+        /// The name given.
+        name: String,
+        /// The configured transports, comma-separated.
+        known: String,
+    },
+    /// A `failed` command without a failure transport to work on.
+    #[error("no failure transport is configured; name a transport with --transport")]
+    NoFailureTransport,
+    /// Several failure transports and no `--transport`.
+    #[error("several failure transports are configured ({0}); choose one with --transport")]
+    AmbiguousFailureTransport(String),
+    /// No message has this id.
+    #[error("no message with id `{id}` in `{transport}`")]
+    MessageNotFound {
+        /// The transport searched.
+        transport: String,
+        /// The id.
+        id: String,
+    },
+    /// A transport operation failed.
+    #[error("transport `{transport}`: {source}")]
+    Transport {
+        /// The transport.
+        transport: String,
+        /// What it failed with.
+        #[source]
+        source: TransportError,
+    },
+    /// The worker could not be configured.
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    /// Some transports could not be set up or counted (each is reported
+    /// above the error).
+    #[error("{failed} of {total} transport(s) failed; see above")]
+    TransportsFailed {
+        /// How many failed.
+        failed: usize,
+        /// How many were tried.
+        total: usize,
+    },
+    /// Some messages could not be retried and stay where they were.
+    #[error("{kept} message(s) could not be retried and stay in `{transport}`; see above")]
+    RetryIncomplete {
+        /// How many stay.
+        kept: usize,
+        /// The failure transport.
+        transport: String,
+    },
+    /// Writing the output failed.
+    #[error("writing the output failed: {0}")]
+    Output(#[from] std::io::Error),
+}
+
+impl CliError {
+    pub(crate) fn transport(transport: &str) -> impl FnOnce(TransportError) -> CliError + '_ {
+        move |source| CliError::Transport {
+            transport: transport.to_string(),
+            source,
+        }
+    }
+}
+
+/// Where a command writes, and whether it draws progress bars.
+///
+/// Results (tables, summaries, JSON) go to the writer; progress bars are
+/// drawn on standard error, only when enabled.
+pub struct Console<'a> {
+    pub(crate) out: Box<dyn Write + Send + 'a>,
+    pub(crate) progress: bool,
+    pub(crate) stop: Option<StopHandle>,
+}
+
+impl fmt::Debug for Console<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Console")
+            .field("progress", &self.progress)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Console<'static> {
+    /// Standard output, with progress bars when standard error is a
+    /// terminal.
+    pub fn stdout() -> Self {
+        Console {
+            out: Box::new(std::io::stdout()),
+            progress: std::io::stderr().is_terminal(),
+            stop: None,
+        }
+    }
+}
+
+impl<'a> Console<'a> {
+    /// Writes to `out`, without progress bars.
+    pub fn new(out: impl Write + Send + 'a) -> Self {
+        Console {
+            out: Box::new(out),
+            progress: false,
+            stop: None,
+        }
+    }
+
+    /// Draws progress bars on standard error (or not).
+    #[must_use]
+    pub fn with_progress(mut self, progress: bool) -> Self {
+        self.progress = progress;
+        self
+    }
+
+    /// Lets `consume` also be stopped with `stop`, besides SIGINT and
+    /// SIGTERM.
+    #[must_use]
+    pub fn with_stop_handle(mut self, stop: StopHandle) -> Self {
+        self.stop = Some(stop);
+        self
+    }
+}
+
+/// Parses `args` (the first is the program name) and runs the command on
+/// standard output. Prints errors as one line on standard error; returns
+/// the exit status: 0 on success, 1 when the command failed, 2 for a command
+/// line that does not parse.
+pub async fn run<I, T>(messenger: &Messenger, args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let code = match Cli::try_parse_from(args) {
+        Ok(cli) => match execute(messenger, cli.command, &mut Console::stdout()).await {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
+        Err(e) => {
+            let _ = e.print();
+            exit_status(&e)
+        }
+    };
+    ExitCode::from(code)
+}
+
+/// Like [`run`], writing results to `out` and errors to `err` (no progress
+/// bars); returns the exit status. For tests and for applications that
+/// capture the output.
+pub async fn run_with<I, T>(
+    messenger: &Messenger,
+    args: I,
+    out: &mut (dyn Write + Send),
+    err: &mut (dyn Write + Send),
+) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    match Cli::try_parse_from(args) {
+        Ok(cli) => match execute(messenger, cli.command, &mut Console::new(out)).await {
+            Ok(()) => 0,
+            Err(e) => {
+                let _ = writeln!(err, "error: {e}");
+                1
+            }
+        },
+        Err(e) => {
+            let code = exit_status(&e);
+            let text = e.render().to_string();
+            let _ = if code == 0 {
+                write!(out, "{text}")
+            } else {
+                write!(err, "{text}")
+            };
+            code
+        }
+    }
+}
+
+fn exit_status(e: &clap::Error) -> u8 {
+    if e.use_stderr() {
+        2
+    } else {
+        0
+    }
+}
+
+/// Runs one command.
+///
+/// # Errors
+///
+/// See [`CliError`]; everything the command managed to do before failing
+/// is written to the console first.
+pub async fn execute(
+    messenger: &Messenger,
+    command: Command,
+    console: &mut Console<'_>,
+) -> Result<(), CliError> {
+    match command {
+        Command::Consume(args) => consume::run(messenger, args, console).await,
+        Command::Failed(FailedArgs { command }) => failed::run(messenger, command, console).await,
+        Command::Stats(args) => stats::stats(messenger, args, console).await,
+        Command::SetupTransports(args) => stats::setup(messenger, args, console).await,
+        Command::Debug => {
+            write!(console.out, "{}", messenger.debug())?;
+            Ok(())
+        }
+    }
+}
+
+/// A transport with its name.
+pub(crate) type Named<'m> = (
+    &'m str,
+    &'m std::sync::Arc<dyn envoi_core::transport::Transport>,
+);
+
+/// The transports called `names`, or every transport when `names` is
+/// empty; an unknown name is an error listing the configured ones.
+pub(crate) fn resolve_transports<'m>(
+    messenger: &'m Messenger,
+    names: &[String],
+) -> Result<Vec<Named<'m>>, CliError> {
+    if names.is_empty() {
+        return Ok(messenger.transports().collect());
+    }
+    names
+        .iter()
+        .map(|name| {
+            messenger
+                .transports()
+                .find(|(n, _)| *n == name.as_str())
+                .ok_or_else(|| unknown_transport(messenger, name))
+        })
+        .collect()
+}
+
+pub(crate) fn unknown_transport(messenger: &Messenger, name: &str) -> CliError {
+    let known = messenger.transport_names();
+    CliError::UnknownTransport {
+        name: name.to_string(),
+        known: if known.is_empty() {
+            "none".to_string()
+        } else {
+            known.join(", ")
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,168 @@
+//! Durations and sizes on the command line.
+
+use std::time::Duration;
+
+/// Parses a duration: one or more numbers with a unit — `ms`, `s`, `m`,
+/// `h` or `d` — such as `500ms`, `30s`, `1.5m` or `1h30m`. A bare number is
+/// seconds.
+///
+/// ```
+/// use envoi_cli::parse_duration;
+/// use std::time::Duration;
+///
+/// assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+/// assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+/// assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+/// assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
+/// assert!(parse_duration("soon").unwrap_err().contains("such as"));
+/// ```
+///
+/// # Errors
+///
+/// A message saying what a duration looks like.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let bad = || {
+        format!(
+            "invalid duration `{text}`: use a number with a unit, such as 500ms, 30s, 5m or 1h30m"
+        )
+    };
+    let text_trimmed = text.trim();
+    if text_trimmed.is_empty() {
+        return Err(bad());
+    }
+    if let Ok(secs) = text_trimmed.parse::<f64>() {
+        return seconds(secs).ok_or_else(bad);
+    }
+    let mut total = 0.0f64;
+    let mut rest = text_trimmed;
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        if number_len == 0 {
+            return Err(bad());
+        }
+        let number: f64 = rest[..number_len].parse().map_err(|_| bad())?;
+        rest = &rest[number_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ms" => 0.001,
+            "s" | "sec" | "secs" => 1.0,
+            "m" | "min" | "mins" => 60.0,
+            "h" => 3600.0,
+            "d" => 86_400.0,
+            _ => return Err(bad()),
+        };
+        rest = &rest[unit_len..];
+        total += number * scale;
+    }
+    seconds(total).ok_or_else(bad)
+}
+
+fn seconds(secs: f64) -> Option<Duration> {
+    if secs.is_finite() && secs >= 0.0 {
+        Duration::try_from_secs_f64(secs).ok()
+    } else {
+        None
+    }
+}
+
+/// Parses a size in bytes: a number with an optional unit — `B`, `K`/`KB`/
+/// `KiB`, `M`/`MB`/`MiB`, `G`/`GB`/`GiB` (multiples of 1024, as memory
+/// limits usually are; case-insensitive).
+///
+/// ```
+/// use envoi_cli::parse_size;
+///
+/// assert_eq!(parse_size("128MB"), Ok(128 * 1024 * 1024));
+/// assert_eq!(parse_size("1.5g"), Ok(1536 * 1024 * 1024));
+/// assert_eq!(parse_size("4096"), Ok(4096));
+/// assert!(parse_size("lots").unwrap_err().contains("such as"));
+/// ```
+///
+/// # Errors
+///
+/// A message saying what a size looks like.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let bad =
+        || format!("invalid size `{text}`: use a number with a unit, such as 512K, 128MB or 2G");
+    let trimmed = text.trim();
+    let number_len = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
+    if number_len == 0 {
+        return Err(bad());
+    }
+    let number: f64 = trimmed[..number_len].parse().map_err(|_| bad())?;
+    let scale: u64 = match trimmed[number_len..].trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return Err(bad()),
+    };
+    let bytes = number * scale as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(bytes.round() as u64)
+}
+
+/// Parses a whole number of at least 1.
+pub(crate) fn parse_positive(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("`{text}` is not a whole number of at least 1")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_combine_units_and_accept_fractions() {
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2d"), Ok(Duration::from_secs(172_800)));
+        assert_eq!(parse_duration(" 10s "), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+    }
+
+    #[test]
+    fn bad_durations_are_refused_with_an_example() {
+        for bad in ["", "s", "10x", "-5s", "1..2s", "ms10", "1e400", "inf"] {
+            let e = parse_duration(bad).unwrap_err();
+            assert!(e.contains(&format!("`{bad}`")), "{e}");
+            assert!(e.contains("30s"), "{e}");
+        }
+    }
+
+    #[test]
+    fn sizes_use_binary_multiples() {
+        assert_eq!(parse_size("1K"), Ok(1024));
+        assert_eq!(parse_size("1kib"), Ok(1024));
+        assert_eq!(parse_size("2 MiB"), Ok(2 << 20));
+        assert_eq!(parse_size("1GB"), Ok(1 << 30));
+        assert_eq!(parse_size("10b"), Ok(10));
+    }
+
+    #[test]
+    fn bad_sizes_are_refused_with_an_example() {
+        for bad in ["", "MB", "12XB", "-1M", "1.2.3K", "99999999999T"] {
+            let e = parse_size(bad).unwrap_err();
+            assert!(e.contains("128MB"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn positive_numbers_start_at_one() {
+        assert_eq!(parse_positive("16"), Ok(16));
+        assert!(parse_positive("0").is_err());
+        assert!(parse_positive("-2").is_err());
+        assert!(parse_positive("many").is_err());
+    }
+}

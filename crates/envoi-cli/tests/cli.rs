@@ -1,0 +1,689 @@
+//! The commands run in process against SQLite transports in a temporary
+//! directory: their output, their exit status and what they leave in the
+//! transports.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use envoi::middleware::retry::MultiplierRetryStrategy;
+use envoi::transport::{RawMessage, Transport};
+use envoi::worker::StopHandle;
+use envoi::{Command, Message, Messenger, MessengerBuilderExt, Recoverable, Unrecoverable};
+use envoi_cli::{execute, Cli, Console};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+enum Fate {
+    /// Handled at once.
+    Fine,
+    /// Fails once (recoverable), then is handled.
+    Once,
+    /// Fails until the warehouse is fixed (default retry policy).
+    Warehouse,
+    /// Fails for good (unrecoverable).
+    Declined,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PlaceOrder {
+    id: u32,
+    fate: Fate,
+}
+impl Message for PlaceOrder {
+    const NAME: &'static str = "PlaceOrder";
+}
+impl Command for PlaceOrder {
+    type Output = ();
+    type Error = OrderError;
+}
+
+#[derive(Debug, thiserror::Error)]
+enum OrderError {
+    #[error("payment gateway timed out")]
+    Timeout(#[source] Recoverable),
+    #[error("warehouse unavailable")]
+    Warehouse,
+    #[error("card declined")]
+    Declined(#[source] Unrecoverable),
+}
+
+struct App {
+    messenger: Messenger,
+    /// Once set, `Warehouse` orders are handled.
+    fixed: Arc<AtomicBool>,
+    _dir: tempfile::TempDir,
+}
+
+impl App {
+    fn transport(&self, name: &str) -> &Arc<dyn Transport> {
+        self.messenger.transport(name).unwrap()
+    }
+
+    async fn count(&self, name: &str) -> u64 {
+        self.transport(name).message_count().await.unwrap()
+    }
+
+    async fn place(&self, orders: &[(u32, Fate)]) {
+        for &(id, fate) in orders {
+            self.messenger
+                .dispatcher()
+                .dispatch(PlaceOrder { id, fate })
+                .await
+                .unwrap();
+        }
+    }
+
+    /// Places 10 orders: 6 fine, 2 failing once, one failing until fixed,
+    /// one declined.
+    async fn place_mixed(&self) {
+        let mut orders: Vec<(u32, Fate)> = (1..=6).map(|id| (id, Fate::Fine)).collect();
+        orders.extend([
+            (7, Fate::Once),
+            (8, Fate::Once),
+            (9, Fate::Warehouse),
+            (10, Fate::Declined),
+        ]);
+        self.place(&orders).await;
+    }
+
+    async fn cli(&self, args: &[&str]) -> (u8, String, String) {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let argv = std::iter::once("app").chain(args.iter().copied());
+        let code = envoi_cli::run_with(&self.messenger, argv, &mut out, &mut err).await;
+        (
+            code,
+            String::from_utf8(out).unwrap(),
+            String::from_utf8(err).unwrap(),
+        )
+    }
+
+    async fn ok(&self, args: &[&str]) -> String {
+        let (code, out, err) = self.cli(args).await;
+        assert_eq!(code, 0, "{args:?} failed: {err}\n{out}");
+        assert_eq!(err, "", "{args:?}");
+        out
+    }
+
+    /// Ids of the messages in the failure transport, oldest first.
+    async fn failed_ids(&self) -> Vec<String> {
+        self.transport("failed")
+            .list(100)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|d| d.id)
+            .collect()
+    }
+}
+
+async fn app_with(failure_transport: bool) -> App {
+    let dir = tempfile::tempdir().unwrap();
+    let dsn = format!("sqlite://{}/envoi.db", dir.path().display());
+    let fixed = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(Mutex::new(HashSet::new()));
+    let handler = {
+        let fixed = fixed.clone();
+        move |order: PlaceOrder| {
+            let fixed = fixed.clone();
+            let seen = seen.clone();
+            async move {
+                match order.fate {
+                    Fate::Fine => Ok(()),
+                    Fate::Once => {
+                        if seen.lock().unwrap().insert(order.id) {
+                            Err(OrderError::Timeout(Recoverable::new("no answer in 5s")))
+                        } else {
+                            Ok(())
+                        }
+                    }
+                    Fate::Warehouse if fixed.load(Ordering::Relaxed) => Ok(()),
+                    Fate::Warehouse => Err(OrderError::Warehouse),
+                    Fate::Declined => Err(OrderError::Declined(Unrecoverable::new(
+                        "issuer says: stolen card",
+                    ))),
+                }
+            }
+        }
+    };
+    let mut builder = Messenger::builder()
+        .with_transport_factories()
+        .command_handler(handler)
+        .transport_dsn("orders", dsn.clone())
+        .transport_dsn("failed", dsn)
+        .route::<PlaceOrder>("orders")
+        .default_retry_strategy(MultiplierRetryStrategy {
+            max_retries: 2,
+            delay: Duration::from_millis(5),
+            jitter: 0.0,
+            ..Default::default()
+        });
+    if failure_transport {
+        builder = builder.failure_transport("failed");
+    }
+    App {
+        messenger: builder.build_async().await.unwrap(),
+        fixed,
+        _dir: dir,
+    }
+}
+
+async fn app() -> App {
+    app_with(true).await
+}
+
+const DRAIN: &[&str] = &[
+    "consume",
+    "orders",
+    "--stop-when-empty",
+    "--concurrency",
+    "4",
+];
+
+#[tokio::test]
+async fn help_lists_every_command_and_exits_zero() {
+    let app = app().await;
+    let out = app.ok(&["--help"]).await;
+    for command in ["consume", "failed", "stats", "setup-transports", "debug"] {
+        assert!(out.contains(command), "{command} missing from:\n{out}");
+    }
+}
+
+#[tokio::test]
+async fn debug_prints_each_bus_pipeline_and_the_routes() {
+    let app = app().await;
+    let out = app.ok(&["debug"]).await;
+    assert!(out.contains("bus default"), "{out}");
+    assert!(out.contains("SendMessage"), "{out}");
+    assert!(out.contains("PlaceOrder -> orders"), "{out}");
+    assert!(
+        out.contains("failed (failure transport, persistent)"),
+        "{out}"
+    );
+}
+
+#[tokio::test]
+async fn setup_transports_sets_up_each_transport_and_refuses_unknown_ones() {
+    let app = app().await;
+    let out = app.ok(&["setup-transports"]).await;
+    assert_eq!(out, "set up `failed`\nset up `orders`\n");
+    let out = app.ok(&["setup-transports", "orders"]).await;
+    assert_eq!(out, "set up `orders`\n");
+    let (code, out, err) = app.cli(&["setup-transports", "orders", "kafka"]).await;
+    assert_eq!(code, 1);
+    assert_eq!(out, "");
+    assert_eq!(
+        err,
+        "error: unknown transport `kafka` (configured: failed, orders)\n"
+    );
+}
+
+#[tokio::test]
+async fn stats_counts_the_waiting_messages_per_transport_as_text_and_json() {
+    let app = app().await;
+    app.place(&[(1, Fate::Fine), (2, Fate::Fine), (3, Fate::Fine)])
+        .await;
+    let out = app.ok(&["stats"]).await;
+    assert_eq!(
+        out,
+        "TRANSPORT  MESSAGES  NOTE\nfailed     0         failure transport\norders     3\n"
+    );
+    let out = app.ok(&["stats", "orders", "--format", "json"]).await;
+    let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        doc,
+        serde_json::json!({"transports": [
+            {"name": "orders", "messages": 3, "failure_transport": false}
+        ]})
+    );
+}
+
+#[tokio::test]
+async fn stats_of_an_unknown_transport_or_format_fails() {
+    let app = app().await;
+    let (code, out, err) = app.cli(&["stats", "nope"]).await;
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert_eq!(
+        err,
+        "error: unknown transport `nope` (configured: failed, orders)\n"
+    );
+    let (code, _, err) = app.cli(&["stats", "--format", "xml"]).await;
+    assert_eq!(code, 2);
+    assert!(err.contains("invalid value 'xml'"), "{err}");
+}
+
+#[tokio::test]
+async fn consume_handles_retries_and_parks_what_fails_for_good() {
+    let app = app().await;
+    app.place_mixed().await;
+    let out = app.ok(DRAIN).await;
+    assert!(
+        out.starts_with("Consuming orders (concurrency 4). Stop with Ctrl-C.\n"),
+        "{out}"
+    );
+    // 8 handled (2 of them on their retry); retries: 2 once-failures and 2
+    // for the warehouse order; 2 parked.
+    assert!(
+        out.contains("handled 8, retried 4, failed 2, released 0"),
+        "{out}"
+    );
+    assert!(out.contains("Stopped (no more messages)"), "{out}");
+    let failures: Vec<&str> = out.lines().filter(|l| l.starts_with("failed: ")).collect();
+    assert_eq!(failures.len(), 2, "{out}");
+    assert!(failures
+        .iter()
+        .all(|l| l.contains("PlaceOrder orders#") && l.ends_with("-> parked in `failed`")));
+    assert!(
+        failures.iter().any(|l| l.contains("card declined")),
+        "{out}"
+    );
+    assert_eq!(app.count("orders").await, 0);
+    assert_eq!(app.count("failed").await, 2);
+}
+
+#[tokio::test]
+async fn consume_quiet_prints_no_failure_lines() {
+    let app = app().await;
+    app.place(&[(1, Fate::Declined)]).await;
+    let mut args = DRAIN.to_vec();
+    args.push("--quiet");
+    let out = app.ok(&args).await;
+    assert!(!out.contains("failed: "), "{out}");
+    assert!(out.contains("failed 1"), "{out}");
+}
+
+#[tokio::test]
+async fn consume_stops_at_its_message_limit_and_leaves_the_rest() {
+    let app = app().await;
+    let orders: Vec<(u32, Fate)> = (1..=10).map(|id| (id, Fate::Fine)).collect();
+    app.place(&orders).await;
+    let out = app.ok(&["consume", "orders", "--limit", "3"]).await;
+    assert!(out.contains("Stopped (message limit reached)"), "{out}");
+    assert!(out.contains("handled 3,"), "{out}");
+    assert_eq!(app.count("orders").await, 7);
+}
+
+#[tokio::test]
+async fn consume_stops_at_its_time_limit_when_nothing_comes() {
+    let app = app().await;
+    let out = app
+        .ok(&["consume", "orders", "failed", "--time-limit", "300ms"])
+        .await;
+    assert!(
+        out.starts_with("Consuming orders, failed (concurrency 1)."),
+        "{out}"
+    );
+    assert!(out.contains("Stopped (time limit reached)"), "{out}");
+    assert!(out.contains("handled 0, retried 0, failed 0"), "{out}");
+}
+
+#[tokio::test]
+async fn consume_stops_at_its_failure_limit() {
+    let app = app().await;
+    let orders: Vec<(u32, Fate)> = (1..=5).map(|id| (id, Fate::Declined)).collect();
+    app.place(&orders).await;
+    let out = app.ok(&["consume", "orders", "--failure-limit", "2"]).await;
+    assert!(out.contains("Stopped (failure limit reached)"), "{out}");
+    let failed = app.count("failed").await;
+    assert!(failed >= 2, "{failed}");
+    assert_eq!(app.count("orders").await + failed, 5, "nothing is lost");
+}
+
+#[tokio::test]
+async fn consume_stops_gracefully_when_asked_and_loses_nothing() {
+    let app = app().await;
+    let orders: Vec<(u32, Fate)> = (1..=20).map(|id| (id, Fate::Fine)).collect();
+    app.place(&orders).await;
+    let stop = StopHandle::new();
+    let stopper = stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stopper.stop();
+    });
+    let command = <Cli as clap::Parser>::try_parse_from(["app", "consume", "orders"])
+        .unwrap()
+        .command;
+    let mut out = Vec::new();
+    let mut console = Console::new(&mut out).with_stop_handle(stop);
+    execute(&app.messenger, command, &mut console)
+        .await
+        .unwrap();
+    drop(console);
+    let out = String::from_utf8(out).unwrap();
+    assert!(out.contains("Stopped (stopped)"), "{out}");
+    let handled: u64 = out
+        .split("handled ")
+        .nth(1)
+        .and_then(|s| s.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert_eq!(app.count("orders").await + handled, 20);
+}
+
+#[tokio::test]
+async fn consume_of_an_unknown_transport_fails_with_one_line() {
+    let app = app().await;
+    let (code, out, err) = app.cli(&["consume", "orders", "payments"]).await;
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert_eq!(
+        err,
+        "error: unknown transport `payments` (configured: failed, orders)\n"
+    );
+}
+
+#[tokio::test]
+async fn consume_refuses_bad_limits_as_usage_errors() {
+    let app = app().await;
+    for (args, expected) in [
+        (
+            &["consume", "orders", "--time-limit", "soon"][..],
+            "invalid duration `soon`",
+        ),
+        (
+            &["consume", "orders", "--memory-limit", "lots"][..],
+            "invalid size `lots`",
+        ),
+        (
+            &["consume", "orders", "--concurrency", "0"][..],
+            "`0` is not a whole number of at least 1",
+        ),
+        (&["consume", "orders", "--limit", "0"][..], "--limit"),
+        (&["consume"][..], "TRANSPORT"),
+    ] {
+        let (code, out, err) = app.cli(args).await;
+        assert_eq!(code, 2, "{args:?}");
+        assert_eq!(out, "", "{args:?}");
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+}
+
+#[tokio::test]
+async fn consume_accepts_memory_limits_and_durations_with_units() {
+    let app = app().await;
+    app.place(&[(1, Fate::Fine)]).await;
+    let out = app
+        .ok(&[
+            "consume",
+            "orders",
+            "--memory-limit",
+            "64GB",
+            "--time-limit",
+            "1m30s",
+            "--grace-period",
+            "2s",
+            "--batch-size",
+            "8",
+            "--stop-when-empty",
+        ])
+        .await;
+    assert!(out.contains("handled 1,"), "{out}");
+}
+
+#[tokio::test]
+async fn failed_show_lists_each_failure_with_its_error_and_retry_count() {
+    let app = app().await;
+    app.place_mixed().await;
+    app.ok(DRAIN).await;
+    let ids = app.failed_ids().await;
+    let out = app.ok(&["failed", "show"]).await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[0].starts_with("ID  MESSAGE     ERROR") && lines[0].ends_with("RETRIES  FAILED AT"),
+        "{out}"
+    );
+    let rows = &lines[1..3];
+    let warehouse = rows.iter().find(|l| l.contains("warehouse")).unwrap();
+    let declined = rows.iter().find(|l| l.contains("card declined")).unwrap();
+    assert!(warehouse.contains("  2  "), "two retries: {warehouse}");
+    assert!(declined.contains("  0  "), "no retry: {declined}");
+    for (row, id) in rows.iter().zip(&ids) {
+        assert!(row.starts_with(&format!("{id} ")), "{row}");
+        assert!(row.contains("PlaceOrder"), "{row}");
+        assert!(row.ends_with('Z'), "a UTC time: {row}");
+    }
+    assert!(out.contains("2 message(s) in `failed`."), "{out}");
+
+    let out = app.ok(&["failed", "show", "--max", "1"]).await;
+    assert!(out.contains("1 of 2 messages in `failed` shown"), "{out}");
+}
+
+#[tokio::test]
+async fn failed_show_of_one_message_prints_its_error_chain_and_stamps() {
+    let app = app().await;
+    app.place(&[(10, Fate::Declined)]).await;
+    app.ok(DRAIN).await;
+    let id = app.failed_ids().await.remove(0);
+    let out = app.ok(&["failed", "show", &id]).await;
+    assert!(out.contains(&format!("Id           {id}\n")), "{out}");
+    assert!(out.contains("Message      PlaceOrder (command)\n"), "{out}");
+    assert!(
+        out.contains("Transport    failed (failed in orders)\n"),
+        "{out}"
+    );
+    assert!(out.contains("Retries      0\n"), "{out}");
+    assert!(out.contains("Error        handler `"), "{out}");
+    assert!(out.contains("Caused by\n  1. card declined\n"), "{out}");
+    assert!(
+        out.contains("  2. unrecoverable: issuer says: stolen card\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("  SentToFailureTransport: [{\"original_transport\":\"orders\"}]"),
+        "{out}"
+    );
+    assert!(out.contains("\"fate\": \"Declined\""), "{out}");
+
+    let out = app.ok(&["failed", "show", &id, "--format", "json"]).await;
+    let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(doc["id"], id.as_str());
+    assert_eq!(doc["original_transport"], "orders");
+    assert_eq!(doc["error_chain"][0], "card declined");
+    assert_eq!(doc["body"]["id"], 10);
+}
+
+#[tokio::test]
+async fn failed_show_json_lists_the_failures() {
+    let app = app().await;
+    app.place_mixed().await;
+    app.ok(DRAIN).await;
+    let out = app.ok(&["failed", "show", "--format", "json"]).await;
+    let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(doc["transport"], "failed");
+    assert_eq!(doc["total"], 2);
+    assert_eq!(doc["messages"].as_array().unwrap().len(), 2);
+    assert_eq!(doc["messages"][0]["message"], "PlaceOrder");
+}
+
+#[tokio::test]
+async fn failed_show_of_an_empty_failure_transport_says_so() {
+    let app = app().await;
+    assert_eq!(
+        app.ok(&["failed", "show"]).await,
+        "No failed messages in `failed`.\n"
+    );
+}
+
+#[tokio::test]
+async fn a_missing_id_is_an_error_and_changes_nothing() {
+    let app = app().await;
+    app.place_mixed().await;
+    app.ok(DRAIN).await;
+    let ids = app.failed_ids().await;
+    for command in ["show", "retry", "remove"] {
+        let mut args = vec!["failed", command];
+        if command != "show" {
+            args.push(&ids[0]);
+        }
+        args.push("999999");
+        let (code, out, err) = app.cli(&args).await;
+        assert_eq!(code, 1, "{args:?}");
+        assert_eq!(out, "", "{args:?}");
+        assert_eq!(err, "error: no message with id `999999` in `failed`\n");
+    }
+    assert_eq!(app.failed_ids().await, ids);
+}
+
+#[tokio::test]
+async fn failed_retry_removes_what_is_handled_and_parks_again_what_fails_for_good() {
+    let app = app().await;
+    app.place_mixed().await;
+    app.ok(DRAIN).await;
+    let ids = app.failed_ids().await;
+    app.fixed.store(true, Ordering::Relaxed);
+    let out = app.ok(&["failed", "retry", "--all"]).await;
+    assert!(
+        out.contains(
+            "Retried 2 message(s) from `failed`: 1 handled, 0 sent for another try, 1 failed again, 0 kept."
+        ),
+        "{out}"
+    );
+    assert!(out.contains("handled"), "{out}");
+    let now = app.failed_ids().await;
+    assert_eq!(now.len(), 1, "the declined order is back");
+    assert!(!ids.contains(&now[0]), "under a new id");
+    assert!(
+        out.contains(&format!("failed again, back in `failed` as {}", now[0])),
+        "{out}"
+    );
+    let show = app.ok(&["failed", "show", &now[0]]).await;
+    assert!(show.contains("card declined"), "{show}");
+    assert_eq!(app.count("orders").await, 0);
+}
+
+#[tokio::test]
+async fn failed_retry_with_retries_left_sends_the_message_back_to_its_transport() {
+    let app = app().await;
+    app.place(&[(9, Fate::Warehouse)]).await;
+    app.ok(DRAIN).await;
+    let ids = app.failed_ids().await;
+    assert_eq!(ids.len(), 1);
+    // Still broken: the retry from the failure transport has a fresh budget,
+    // so it goes back to `orders` with a delay.
+    let out = app.ok(&["failed", "retry", &ids[0]]).await;
+    assert!(
+        out.contains("failed; sent to `orders` for another try"),
+        "{out}"
+    );
+    assert!(out.contains("Run `consume orders`"), "{out}");
+    assert_eq!(app.count("failed").await, 0);
+    assert_eq!(app.count("orders").await, 1);
+    // Fixed meanwhile: the worker handles it.
+    app.fixed.store(true, Ordering::Relaxed);
+    let out = app.ok(DRAIN).await;
+    assert!(out.contains("handled 1, retried 0, failed 0"), "{out}");
+    assert_eq!(app.count("orders").await + app.count("failed").await, 0);
+}
+
+#[tokio::test]
+async fn failed_retry_keeps_a_message_that_does_not_decode() {
+    let app = app().await;
+    let mut raw = RawMessage::default();
+    raw.headers.insert("type".into(), "Refund".into());
+    raw.body = b"{}".to_vec();
+    let id = app.transport("failed").send(raw, None).await.unwrap();
+    let out = app.ok(&["failed", "show"]).await;
+    assert!(out.contains("Refund"), "{out}");
+    let (code, out, err) = app.cli(&["failed", "retry", &id]).await;
+    assert_eq!(code, 1);
+    assert!(
+        out.contains("kept: does not decode: unknown message type `Refund`"),
+        "{out}"
+    );
+    assert_eq!(
+        err,
+        "error: 1 message(s) could not be retried and stay in `failed`; see above\n"
+    );
+    assert_eq!(app.failed_ids().await, vec![id]);
+}
+
+#[tokio::test]
+async fn failed_remove_deletes_the_named_messages_or_all_of_them() {
+    let app = app().await;
+    app.place_mixed().await;
+    app.ok(DRAIN).await;
+    let ids = app.failed_ids().await;
+    let out = app.ok(&["failed", "remove", &ids[1]]).await;
+    assert!(out.starts_with("ID  MESSAGE     ERROR\n"), "{out}");
+    assert!(
+        out.ends_with("Removed 1 message(s) from `failed`.\n"),
+        "{out}"
+    );
+    assert_eq!(app.failed_ids().await, vec![ids[0].clone()]);
+    let out = app.ok(&["failed", "remove", "--all"]).await;
+    assert!(
+        out.ends_with("Removed 1 message(s) from `failed`.\n"),
+        "{out}"
+    );
+    assert_eq!(app.count("failed").await, 0);
+    let out = app.ok(&["failed", "remove", "--all"]).await;
+    assert_eq!(out, "No failed messages in `failed`.\n");
+}
+
+#[tokio::test]
+async fn retry_and_remove_need_ids_or_all_but_not_both() {
+    let app = app().await;
+    for args in [
+        &["failed", "retry"][..],
+        &["failed", "remove"][..],
+        &["failed", "remove", "1", "--all"][..],
+    ] {
+        let (code, out, err) = app.cli(args).await;
+        assert_eq!((code, out.as_str()), (2, ""), "{args:?}");
+        assert!(err.contains("error:"), "{args:?}: {err}");
+    }
+}
+
+#[tokio::test]
+async fn failed_commands_need_a_failure_transport_or_a_named_one() {
+    let app = app_with(false).await;
+    let (code, out, err) = app.cli(&["failed", "show"]).await;
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert_eq!(
+        err,
+        "error: no failure transport is configured; name a transport with --transport\n"
+    );
+    let (code, _, err) = app.cli(&["failed", "show", "--transport", "dlq"]).await;
+    assert_eq!(code, 1);
+    assert!(err.starts_with("error: unknown transport `dlq`"), "{err}");
+    let out = app.ok(&["failed", "show", "--transport", "failed"]).await;
+    assert_eq!(out, "No failed messages in `failed`.\n");
+}
+
+#[tokio::test]
+async fn the_in_memory_transport_works_with_the_failure_commands_too() {
+    let messenger = Messenger::builder()
+        .command_handler(|_: PlaceOrder| async {
+            Err::<(), _>(OrderError::Declined(Unrecoverable::new("nope")))
+        })
+        .transport_dsn("orders", "in-memory://")
+        .transport_dsn("failed", "in-memory://")
+        .route::<PlaceOrder>("orders")
+        .failure_transport("failed")
+        .build_async()
+        .await
+        .unwrap();
+    messenger
+        .dispatcher()
+        .dispatch(PlaceOrder {
+            id: 1,
+            fate: Fate::Declined,
+        })
+        .await
+        .unwrap();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let args = ["app", "consume", "orders", "--stop-when-empty"];
+    assert_eq!(
+        envoi_cli::run_with(&messenger, args, &mut out, &mut err).await,
+        0
+    );
+    let mut out = Vec::new();
+    let args = ["app", "failed", "show"];
+    assert_eq!(
+        envoi_cli::run_with(&messenger, args, &mut out, &mut err).await,
+        0
+    );
+    let out = String::from_utf8(out).unwrap();
+    assert!(out.contains("PlaceOrder"), "{out}");
+    assert!(out.contains("card declined"), "{out}");
+}
