@@ -321,11 +321,11 @@ async fn retry_one(messenger: &Messenger, failure: &str, delivery: &Delivery) ->
         Ok(Err(BusError::HandlerFailed { envelope, errors }))
             if envelope.all::<SentToFailureTransportStamp>().count() > parked =>
         {
-            let error = BusError::HandlerFailed {
-                envelope: envelope.clone(),
-                errors,
-            }
-            .to_string();
+            let error = errors
+                .iter()
+                .map(|e| format!("{}: {}", e.handler, e.error))
+                .collect::<Vec<_>>()
+                .join("; ");
             Outcome::FailedAgain {
                 new_id: envelope
                     .last::<TransportMessageIdStamp>()

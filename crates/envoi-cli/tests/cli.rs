@@ -546,6 +546,10 @@ async fn failed_retry_removes_what_is_handled_and_parks_again_what_fails_for_goo
         out.contains(&format!("failed again, back in `failed` as {}", now[0])),
         "{out}"
     );
+    assert!(
+        out.contains("}: card declined"),
+        "the handler's own error: {out}"
+    );
     let show = app.ok(&["failed", "show", &now[0]]).await;
     assert!(show.contains("card declined"), "{show}");
     assert_eq!(app.count("orders").await, 0);

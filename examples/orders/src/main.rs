@@ -1,126 +1,94 @@
 //! Run with: `cargo run --release -p example-orders`
 //!
-//! An order flow handled in process: thousands of `PlaceOrder` commands,
-//! each publishing an `OrderPlaced` event to two handlers, and a query for
-//! the totals at the end.
+//! envoi's main example, on the embedded SQLite transport (no broker): it
+//! dispatches 5,000 `PlaceOrder` commands to the `orders` transport; a worker
+//! in this process handles them, each publishing an `OrderPlaced` event to
+//! the `events` transport for two more handlers. Some handlers fail once and
+//! succeed on a retry; a few fail for good and are parked in the `failed`
+//! transport. It ends with a summary: handled, retried, failed, throughput
+//! and latency from dispatch to handled.
+//!
+//! Given arguments, the binary runs envoi's command line on the same
+//! messenger and database instead, to look at what the last run left:
+//!
+//! ```sh
+//! cargo run --release -p example-orders -- failed show
+//! cargo run --release -p example-orders -- failed retry --all
+//! cargo run --release -p example-orders -- stats
+//! ```
+//!
+//! `EXAMPLE_ORDERS_DB` sets the database file (by default
+//! `example-orders-data/envoi.db` in the cargo target directory) and
+//! `EXAMPLE_ORDERS_COUNT` the number of orders.
 
-use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::Duration;
 
-use envoi::{Command, DispatchError, Event, Message, Messenger, Query};
+use example_orders::{database_path, messenger, run, thousands, FlowConfig, FAILED};
 
-#[derive(Debug, Clone)]
-struct PlaceOrder {
-    id: u64,
-    quantity: u32,
-}
-impl Message for PlaceOrder {
-    const NAME: &'static str = "PlaceOrder";
-}
-impl Command for PlaceOrder {
-    type Output = ();
-    type Error = OrderError;
-}
+const COMMAND: &str = "cargo run --release -p example-orders --";
 
-#[derive(Debug, thiserror::Error)]
-enum OrderError {
-    #[error("order {0} has no items")]
-    Empty(u64),
-}
-
-#[derive(Debug, Clone)]
-struct OrderPlaced {
-    quantity: u32,
-}
-impl Message for OrderPlaced {
-    const NAME: &'static str = "OrderPlaced";
-}
-impl Event for OrderPlaced {
-    type Error = Infallible;
-}
-
-#[derive(Debug, Clone)]
-struct Totals;
-impl Message for Totals {
-    const NAME: &'static str = "Totals";
-}
-impl Query for Totals {
-    type Output = (u64, u64);
-    type Error = Infallible;
+/// Prints a line on standard output; a closed pipe (`| head`) is not an error.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
 }
 
 #[tokio::main]
-async fn main() {
-    let orders = Arc::new(AtomicU64::new(0));
-    let items = Arc::new(AtomicU64::new(0));
-    let messenger = Messenger::builder()
-        .command_handler(|cmd: PlaceOrder| async move {
-            if cmd.quantity == 0 {
-                Err(OrderError::Empty(cmd.id))
-            } else {
-                Ok(())
+async fn main() -> ExitCode {
+    let database = database_path();
+    if std::env::args_os().len() > 1 {
+        return match messenger(&database, Duration::from_millis(100)).await {
+            Ok(messenger) => envoi_cli::run(&messenger, std::env::args_os()).await,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
             }
-        })
-        .event_handler({
-            let orders = orders.clone();
-            move |_: OrderPlaced| {
-                let orders = orders.clone();
-                async move {
-                    orders.fetch_add(1, Ordering::Relaxed);
-                    Ok::<_, Infallible>(())
-                }
+        };
+    }
+    let mut config = FlowConfig::new(&database).progress(std::io::stderr().is_terminal());
+    if let Some(count) = std::env::var_os("EXAMPLE_ORDERS_COUNT") {
+        match count.to_str().and_then(|c| c.parse::<u64>().ok()) {
+            Some(n) => config = config.orders(n),
+            None => {
+                eprintln!("error: EXAMPLE_ORDERS_COUNT must be a whole number, not {count:?}");
+                return ExitCode::FAILURE;
             }
-        })
-        .event_handler({
-            let items = items.clone();
-            move |e: OrderPlaced| {
-                let items = items.clone();
-                async move {
-                    items.fetch_add(u64::from(e.quantity), Ordering::Relaxed);
-                    Ok::<_, Infallible>(())
-                }
-            }
-        })
-        .query_handler({
-            let (orders, items) = (orders.clone(), items.clone());
-            move |_: Totals| {
-                let (orders, items) = (orders.clone(), items.clone());
-                async move {
-                    Ok::<_, Infallible>((
-                        orders.load(Ordering::Relaxed),
-                        items.load(Ordering::Relaxed),
-                    ))
-                }
-            }
-        })
-        .build()
-        .expect("valid configuration");
-    println!("{}", messenger.debug());
-
-    let bus = messenger.dispatcher();
-    let start = Instant::now();
-    let (mut placed, mut rejected) = (0u64, 0u64);
-    for id in 0..10_000u64 {
-        let quantity = (id % 7) as u32;
-        match bus.dispatch(PlaceOrder { id, quantity }).await {
-            Ok(()) => {
-                placed += 1;
-                bus.publish(OrderPlaced { quantity })
-                    .await
-                    .expect("event handlers do not fail");
-            }
-            Err(DispatchError::Domain(OrderError::Empty(_))) => rejected += 1,
-            Err(e) => panic!("infrastructure failure: {e}"),
         }
     }
-    let elapsed = start.elapsed();
-    let (orders, items) = bus.ask(Totals).await.expect("the query has a handler");
-    assert_eq!(orders, placed);
-    println!(
-        "placed {placed} orders ({items} items), rejected {rejected}, in {:.1} ms ({:.0} dispatches/s)",
-        elapsed.as_secs_f64() * 1000.0,
-        (placed * 2 + rejected) as f64 / elapsed.as_secs_f64()
+    say!(
+        "Placing {} orders{} through SQLite at {}\n(worker concurrency {}, retries after {} ms)\n",
+        thousands(config.orders),
+        config
+            .rate
+            .map(|r| format!(" at {} a second", thousands(r)))
+            .unwrap_or_default(),
+        database.display(),
+        config.concurrency,
+        config.retry_delay.as_millis()
     );
+    match run(&config).await {
+        Ok(summary) => {
+            say!("{summary}\n");
+            if summary.in_failure_transport > 0 {
+                say!(
+                    "{} message(s) wait in the `{FAILED}` transport. Inspect them with the command line built into this example:\n",
+                    summary.in_failure_transport
+                );
+                say!("  {COMMAND} failed show          # list them");
+                say!("  {COMMAND} failed show <id>     # one in detail: error chain, stamps, body");
+                say!("  {COMMAND} failed retry --all   # handle them again (those failing for good come back)");
+                say!("  {COMMAND} failed remove --all  # delete them");
+                say!("  {COMMAND} stats                # messages waiting per transport");
+                say!("  {COMMAND} --help               # every command");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,0 +1,182 @@
+//! The flow with small numbers: every order and every event ends handled or
+//! parked, the parked ones are exactly those that fail for good, and the
+//! binary's command line finds them.
+
+use std::process::Command;
+use std::time::Duration;
+
+use envoi::stamp::ErrorDetailsStamp;
+use example_orders::{
+    card_declined, discontinued, gateway_times_out, mail_server_busy, run, FlowConfig, EVENTS,
+    FAILED, ORDERS,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_order_and_event_is_handled_or_parked_and_the_parked_ones_fail_for_good() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = dir.path().join("envoi.db");
+    let n = 1_000;
+    let config = FlowConfig::new(&database)
+        .orders(n)
+        .concurrency(8)
+        .retry_delay(Duration::from_millis(20));
+    let summary = run(&config).await.unwrap();
+
+    let ids = 1..=n;
+    let declined = ids.clone().filter(|&id| card_declined(id)).count() as u64;
+    let handled_ids: Vec<u64> = ids.clone().filter(|&id| !card_declined(id)).collect();
+    let discontinued_count = handled_ids.iter().filter(|&&id| discontinued(id)).count() as u64;
+    assert!(
+        declined > 0 && discontinued_count > 0,
+        "the run exercises both"
+    );
+
+    assert_eq!(summary.dispatched, n);
+    assert_eq!(summary.orders_handled + summary.orders_parked, n);
+    assert_eq!(summary.orders_parked, declined);
+    assert_eq!(
+        summary.events_handled + summary.events_parked,
+        summary.orders_handled
+    );
+    assert_eq!(summary.events_parked, discontinued_count);
+    // One retry per transient failure: the gateway timeouts of orders that
+    // are not declined, and the busy mail server of events.
+    let transient = handled_ids
+        .iter()
+        .filter(|&&id| gateway_times_out(id))
+        .count()
+        + handled_ids
+            .iter()
+            .filter(|&&id| mail_server_busy(id))
+            .count();
+    assert_eq!(summary.retried, transient as u64);
+    assert_eq!(
+        summary.deliveries,
+        summary.orders_handled
+            + summary.orders_parked
+            + summary.events_handled
+            + summary.events_parked
+            + summary.retried
+    );
+    assert_eq!(summary.order_latency.samples as u64, summary.orders_handled);
+    assert_eq!(
+        summary.end_to_end_latency.samples as u64,
+        summary.events_handled
+    );
+    assert!(summary.order_latency.p50 <= summary.order_latency.p99);
+    assert!(summary.end_to_end_latency.p50 <= summary.end_to_end_latency.p99);
+    let text = summary.to_string();
+    assert!(text.contains("Throughput"), "{text}");
+
+    // What is parked is in the failure transport, with why; nothing waits
+    // elsewhere.
+    assert_eq!(
+        summary.in_failure_transport,
+        summary.orders_parked + summary.events_parked
+    );
+    let messenger = example_orders::messenger(&database, Duration::from_millis(20))
+        .await
+        .unwrap();
+    for name in [ORDERS, EVENTS] {
+        let count = messenger
+            .transport(name)
+            .unwrap()
+            .message_count()
+            .await
+            .unwrap();
+        assert_eq!(count, 0, "{name}");
+    }
+    let parked = messenger
+        .transport(FAILED)
+        .unwrap()
+        .list(100)
+        .await
+        .unwrap();
+    assert_eq!(parked.len() as u64, summary.in_failure_transport);
+    let mut parked_orders = Vec::new();
+    for delivery in &parked {
+        let details: Vec<ErrorDetailsStamp> =
+            serde_json::from_str(delivery.raw.header("X-Message-Stamp-ErrorDetails").unwrap())
+                .unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&delivery.raw.body).unwrap();
+        let id = body["id"].as_u64().unwrap();
+        match delivery.raw.header("type") {
+            Some("PlaceOrder") => {
+                assert!(card_declined(id), "{id}");
+                assert!(details[0].message.contains("card declined"));
+                parked_orders.push(id);
+            }
+            Some("OrderPlaced") => {
+                assert!(discontinued(id), "{id}");
+                assert!(details[0].message.contains("sku discontinued"));
+            }
+            other => panic!("unexpected message {other:?}"),
+        }
+    }
+    assert_eq!(parked_orders.len() as u64, declined);
+}
+
+fn binary(database: &std::path::Path, args: &[&str]) -> (i32, String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_example-orders"))
+        .args(args)
+        .env("EXAMPLE_ORDERS_DB", database)
+        .env("EXAMPLE_ORDERS_COUNT", "200")
+        .output()
+        .unwrap();
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    )
+}
+
+#[test]
+fn the_binary_runs_the_flow_then_its_command_line_shows_and_retries_the_failures() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = dir.path().join("envoi.db");
+
+    let (code, out, err) = binary(&database, &[]);
+    assert_eq!(code, 0, "{err}\n{out}");
+    // Order 123 is the one declined card in 200 orders.
+    assert!(
+        out.contains("Failed      1 for good, parked in `failed`: 1 PlaceOrder, 0 OrderPlaced"),
+        "{out}"
+    );
+    assert!(
+        out.contains("cargo run --release -p example-orders -- failed show"),
+        "{out}"
+    );
+
+    let (code, out, err) = binary(&database, &["failed", "show"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("PlaceOrder"), "{out}");
+    assert!(out.contains("card declined"), "{out}");
+    assert!(out.contains("1 message(s) in `failed`."), "{out}");
+
+    let (code, out, err) = binary(&database, &["stats", "--format", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let failed = doc["transports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "failed")
+        .unwrap();
+    assert_eq!(failed["messages"], 1);
+
+    // The card is still declined: the retry parks it again.
+    let (code, out, err) = binary(&database, &["failed", "retry", "--all"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("1 failed again"), "{out}");
+
+    let (code, out, err) = binary(&database, &["failed", "show", "424242"]);
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert_eq!(err, "error: no message with id `424242` in `failed`\n");
+
+    let (code, _, err) = binary(&database, &["consume", "payments"]);
+    assert_eq!(code, 1);
+    assert_eq!(
+        err,
+        "error: unknown transport `payments` (configured: events, failed, orders)\n"
+    );
+}
