@@ -180,3 +180,14 @@ fn the_binary_runs_the_flow_then_its_command_line_shows_and_retries_the_failures
         "error: unknown transport `payments` (configured: events, failed, orders)\n"
     );
 }
+
+#[test]
+fn a_database_path_sqlite_cannot_use_is_one_error_line() {
+    let (code, out, err) = binary(std::path::Path::new(""), &["stats"]);
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert!(
+        err.starts_with("error: transport `orders`: invalid DSN `sqlite://?poll=0`"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
