@@ -63,7 +63,7 @@ pub(crate) fn string(value: Value) -> Option<String> {
 
 /// Builds the message from a flat `field, value, ...` list.
 pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
-    if fields.len() % 2 != 0 {
+    if !fields.len().is_multiple_of(2) {
         return Err(format!(
             "an entry has an odd number ({}) of field items",
             fields.len()
