@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 mod alloc;
+mod brokers;
 mod dispatch;
 mod e2e;
 mod report;
@@ -35,6 +36,26 @@ const SCENARIOS: &[Scenario] = &[
         name: "sqlite_e2e",
         about: "SQLite transport, send then consume N messages, vs plain sqlx on the same schema",
         run: e2e::sqlite,
+    },
+    Scenario {
+        name: "postgres_e2e",
+        about: "PostgreSQL transport, send then consume N messages, vs plain sqlx insert/claim/delete",
+        run: brokers::postgres,
+    },
+    Scenario {
+        name: "redis_e2e",
+        about: "Redis Streams transport, send then consume N messages, vs raw XADD/XREADGROUP/XACK",
+        run: brokers::redis,
+    },
+    Scenario {
+        name: "amqp_e2e",
+        about: "RabbitMQ transport, send then consume N messages, vs raw lapin with confirms and acks",
+        run: brokers::amqp,
+    },
+    Scenario {
+        name: "nats_e2e",
+        about: "NATS JetStream transport, send then consume N messages, vs raw async-nats publish/pull",
+        run: brokers::nats,
     },
     Scenario {
         name: "profile_envoi",

@@ -1,0 +1,754 @@
+//! Broker end-to-end scenarios: the same round trip as
+//! [`envoi_round_trip`] — N jobs sent by [`PRODUCERS`] concurrent
+//! dispatchers, then consumed by the real worker — on PostgreSQL, Redis
+//! Streams, RabbitMQ and NATS JetStream, each against the raw client doing
+//! the minimum equivalent work in the same run: the same N, the same JSON
+//! bodies (with the `type` and `kind` headers envoi adds), [`PRODUCERS`]
+//! concurrent senders that each wait for their message to be stored, then
+//! batched reads with acknowledgements.
+//!
+//! Tuning, the same on both sides of each scenario:
+//!
+//! * Worker: concurrency 64 (the handler is a no-op counter, so this only
+//!   bounds how many dispatches are interleaved) and a batch of [`BATCH`]:
+//!   one `get` asks for that many messages and the acknowledgements go out
+//!   as one `ack_batch` once the batch is handled.
+//! * PostgreSQL: `batch=500` (rows per claim), `max_connections=16` for
+//!   both pools, so both sides commit up to 16 inserts at once.
+//! * Redis: `XREADGROUP COUNT 500`; both sides send on one multiplexed
+//!   connection.
+//! * RabbitMQ: quorum queues (envoi's default) on both sides, persistent
+//!   messages, `prefetch=1000` so the broker keeps two batches in flight.
+//! * NATS: file storage (envoi's default), `batch=500` per pull request,
+//!   unlimited `max_ack_pending` on both consumers.
+//!
+//! Each scenario uses unique table / stream / queue names and removes them
+//! at the end, whether the run succeeded or not. Without its URL variable
+//! a scenario prints `<scenario>: skipped: ENVOI_X_URL is not set` and
+//! succeeds.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use envoi_core::transport::Transport;
+use futures_util::StreamExt;
+
+use crate::e2e::{
+    envoi_round_trip, job, job_messenger, n_messages, peak_rss_mb, runtime, Job, PRODUCERS,
+};
+use crate::report;
+
+/// Messages per fetch and per acknowledgement batch, envoi and baselines.
+const BATCH: usize = 500;
+/// How many messages the worker handles at once.
+const CONCURRENCY: usize = 64;
+/// Pool size of both PostgreSQL sides.
+const PG_CONNECTIONS: u32 = 16;
+/// RabbitMQ prefetch of both consumers.
+const AMQP_PREFETCH: u16 = 1000;
+/// The headers envoi's serializer adds to every [`Job`].
+const TYPE: &str = "Job";
+const KIND: &str = "command";
+
+/// The broker URL in `var`, or `None` after printing the skip line.
+fn broker_url(scenario: &str, var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.trim().is_empty() => Some(url),
+        _ => {
+            println!("{scenario}: skipped: {var} is not set");
+            None
+        }
+    }
+}
+
+/// A lower-case suffix unique to this run: process id and clock.
+fn unique() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{}_{}", std::process::id(), nanos % 1_000_000_000_000)
+}
+
+/// `url` with `options` appended to its query string.
+fn with_options(url: &str, options: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{options}")
+}
+
+fn body(id: u64) -> Result<Vec<u8>, String> {
+    serde_json::to_vec(&job(id)).map_err(|e| e.to_string())
+}
+
+/// Decodes a consumed body the way the worker does, so the baseline pays
+/// for it too.
+fn consume_body(bytes: &[u8]) -> Result<(), String> {
+    let job: Job = serde_json::from_slice(bytes).map_err(|e| format!("bad body: {e}"))?;
+    std::hint::black_box(job.id);
+    Ok(())
+}
+
+/// Runs `send(id)` for every id below `n` on [`PRODUCERS`] concurrent tasks,
+/// each awaiting its send before the next.
+async fn send_all<F, Fut>(n: u64, send: F) -> Result<(), String>
+where
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Result<(), String>> + Send,
+{
+    let mut producers = Vec::new();
+    for p in 0..PRODUCERS {
+        let send = send.clone();
+        producers.push(tokio::spawn(async move {
+            let mut id = p;
+            while id < n {
+                send(id).await?;
+                id += PRODUCERS;
+            }
+            Ok::<_, String>(())
+        }));
+    }
+    for p in producers {
+        p.await.map_err(|e| e.to_string())??;
+    }
+    Ok(())
+}
+
+fn log_baseline(n: u64, start: Instant, sent: Duration) {
+    let total = start.elapsed();
+    eprintln!(
+        "  baseline: sent {n} in {:.2}s, consumed in {:.2}s",
+        sent.as_secs_f64(),
+        (total - sent).as_secs_f64()
+    );
+}
+
+/// Runs `body`, then `cleanup` whatever happened; the first error wins.
+async fn and_then_clean<T>(
+    body: impl Future<Output = Result<T, String>>,
+    cleanup: impl Future<Output = Result<(), String>>,
+) -> Result<T, String> {
+    let result = body.await;
+    let cleaned = cleanup.await;
+    let value = result?;
+    cleaned?;
+    Ok(value)
+}
+
+fn summary(scenario: &str, envoi: f64, baseline: f64, rss: f64, n: u64) {
+    report::line(
+        scenario,
+        envoi,
+        baseline,
+        "msg/s",
+        &[("peak_rss_mb", format!("{rss:.0}")), ("n", n.to_string())],
+    );
+}
+
+// ----- PostgreSQL -------------------------------------------------------
+
+/// `postgres_e2e`: the PostgreSQL transport against plain sqlx statements
+/// on the same schema.
+pub(crate) fn postgres() -> Result<(), String> {
+    const SCENARIO: &str = "postgres_e2e";
+    let Some(url) = broker_url(SCENARIO, "ENVOI_POSTGRES_URL") else {
+        return Ok(());
+    };
+    let n = n_messages();
+    let table = format!("envoi_bench_{}", unique());
+    runtime()?.block_on(async {
+        let dsn = with_options(
+            &url,
+            &format!("table={table}&batch={BATCH}&max_connections={PG_CONNECTIONS}"),
+        );
+        let transport =
+            envoi_postgres::PostgresTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?;
+        let envoi = and_then_clean(
+            async {
+                transport.setup().await.map_err(|e| e.to_string())?;
+                let (messenger, handled) = job_messenger("jobs", Arc::new(transport.clone()))?;
+                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BATCH).await
+            },
+            async {
+                let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP TABLE IF EXISTS \"{table}\""
+                )))
+                .execute(transport.pool())
+                .await
+                .map(drop)
+                .map_err(|e| format!("dropping table {table}: {e}"));
+                transport.close().await;
+                dropped
+            },
+        )
+        .await?;
+        let rss = peak_rss_mb();
+        let baseline = postgres_baseline(&url, &format!("{table}_raw"), n).await?;
+        summary(SCENARIO, envoi, baseline, rss, n);
+        Ok(())
+    })
+}
+
+/// [`PRODUCERS`] concurrent single-row `INSERT`s on envoi's schema, then
+/// claims of [`BATCH`] rows (`UPDATE … WHERE id = ANY(ARRAY(SELECT … FOR
+/// UPDATE SKIP LOCKED)) RETURNING`) each followed by one `DELETE`.
+async fn postgres_baseline(url: &str, table: &str, n: u64) -> Result<f64, String> {
+    use sqlx::postgres::PgPoolOptions;
+    use sqlx::{AssertSqlSafe, Row};
+
+    let pool = PgPoolOptions::new()
+        .max_connections(PG_CONNECTIONS)
+        .test_before_acquire(false)
+        .connect(url)
+        .await
+        .map_err(|e| format!("connecting to postgres: {e}"))?;
+    let t = format!("\"{table}\"");
+    let run = async {
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE TABLE {t} (id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, \
+             queue_name TEXT NOT NULL, body BYTEA NOT NULL, headers JSONB NOT NULL DEFAULT '{{}}', \
+             created_at TIMESTAMPTZ NOT NULL DEFAULT now(), \
+             available_at TIMESTAMPTZ NOT NULL DEFAULT now(), leased_until TIMESTAMPTZ, \
+             delivery_count INTEGER NOT NULL DEFAULT 0)"
+        )))
+        .execute(&pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE INDEX \"{table}_idx\" ON {t} (queue_name, available_at, id)"
+        )))
+        .execute(&pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        let headers = format!(r#"{{"kind":"{KIND}","type":"{TYPE}"}}"#);
+        let insert: Arc<str> =
+            format!("INSERT INTO {t} (queue_name, body, headers) VALUES ('jobs', $1, $2::jsonb)")
+                .into();
+        let claim: Arc<str> = format!(
+            "UPDATE {t} SET leased_until = now() + interval '300 seconds', \
+             delivery_count = delivery_count + 1 WHERE id = ANY(ARRAY(\
+             SELECT id FROM {t} WHERE queue_name = 'jobs' AND available_at <= now() \
+             AND (leased_until IS NULL OR leased_until <= now()) \
+             ORDER BY available_at, id LIMIT $1 FOR UPDATE SKIP LOCKED)) RETURNING id, body"
+        )
+        .into();
+        let delete: Arc<str> = format!("DELETE FROM {t} WHERE id = ANY($1)").into();
+
+        let start = Instant::now();
+        let (p, h, i) = (pool.clone(), Arc::<str>::from(headers), insert);
+        send_all(n, move |id| {
+            let (pool, headers, insert) = (p.clone(), h.clone(), i.clone());
+            async move {
+                sqlx::query(AssertSqlSafe(insert))
+                    .bind(body(id)?)
+                    .bind(&*headers)
+                    .execute(&pool)
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("insert failed: {e}"))
+            }
+        })
+        .await?;
+        let sent = start.elapsed();
+        let mut consumed = 0u64;
+        while consumed < n {
+            let rows = sqlx::query(AssertSqlSafe(claim.clone()))
+                .bind(BATCH as i64)
+                .fetch_all(&pool)
+                .await
+                .map_err(|e| format!("claim failed: {e}"))?;
+            if rows.is_empty() {
+                return Err(format!("baseline ran dry after {consumed} of {n}"));
+            }
+            let mut ids = Vec::with_capacity(rows.len());
+            for row in &rows {
+                consume_body(row.get::<&[u8], _>(1))?;
+                ids.push(row.get::<i64, _>(0));
+            }
+            sqlx::query(AssertSqlSafe(delete.clone()))
+                .bind(&ids)
+                .execute(&pool)
+                .await
+                .map_err(|e| format!("delete failed: {e}"))?;
+            consumed += rows.len() as u64;
+        }
+        log_baseline(n, start, sent);
+        Ok(n as f64 / start.elapsed().as_secs_f64())
+    };
+    let drop_table = async {
+        sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {t}")))
+            .execute(&pool)
+            .await
+            .map(drop)
+            .map_err(|e| format!("dropping table {table}: {e}"))
+    };
+    let result = and_then_clean(run, drop_table).await;
+    pool.close().await;
+    result
+}
+
+// ----- Redis ------------------------------------------------------------
+
+/// `redis_e2e`: the Redis Streams transport against raw `XADD`,
+/// `XREADGROUP` and `XACK`.
+pub(crate) fn redis() -> Result<(), String> {
+    const SCENARIO: &str = "redis_e2e";
+    let Some(url) = broker_url(SCENARIO, "ENVOI_REDIS_URL") else {
+        return Ok(());
+    };
+    let n = n_messages();
+    let stream = format!("envoi-bench:{}", unique());
+    runtime()?.block_on(async {
+        let dsn = with_options(&url, &format!("stream={stream}&group=bench"));
+        let transport =
+            envoi_redis::RedisTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?;
+        let transport = Arc::new(transport);
+        let envoi = and_then_clean(
+            async {
+                transport.setup().await.map_err(|e| e.to_string())?;
+                let (messenger, handled) = job_messenger("jobs", transport.clone())?;
+                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BATCH).await
+            },
+            async { transport.destroy().await.map_err(|e| e.to_string()) },
+        )
+        .await?;
+        let rss = peak_rss_mb();
+        let baseline = redis_baseline(&url, &format!("{stream}:raw"), n).await?;
+        summary(SCENARIO, envoi, baseline, rss, n);
+        Ok(())
+    })
+}
+
+/// Entries of one `XREADGROUP` reply: `[[stream, [[id, [field, value, …]], …]]]`.
+type StreamReply = Option<Vec<(String, Vec<(String, Vec<Vec<u8>>)>)>>;
+
+/// [`PRODUCERS`] concurrent `XADD`s on one multiplexed connection, then
+/// `XREADGROUP COUNT` [`BATCH`] each followed by one `XACK` of the batch.
+async fn redis_baseline(url: &str, stream: &str, n: u64) -> Result<f64, String> {
+    let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+    let conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| format!("connecting to redis: {e}"))?;
+    let run = async {
+        let mut c = conn.clone();
+        redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(stream)
+            .arg("bench")
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(|e| e.to_string())?;
+
+        let start = Instant::now();
+        let (key, sender): (Arc<str>, _) = (stream.into(), conn.clone());
+        send_all(n, move |id| {
+            let (key, mut c) = (key.clone(), sender.clone());
+            async move {
+                redis::cmd("XADD")
+                    .arg(&*key)
+                    .arg("*")
+                    .arg("body")
+                    .arg(body(id)?)
+                    .arg("h:type")
+                    .arg(TYPE)
+                    .arg("h:kind")
+                    .arg(KIND)
+                    .query_async::<String>(&mut c)
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("XADD failed: {e}"))
+            }
+        })
+        .await?;
+        let sent = start.elapsed();
+        let mut consumed = 0u64;
+        while consumed < n {
+            let reply: StreamReply = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg("bench")
+                .arg("raw")
+                .arg("COUNT")
+                .arg(BATCH)
+                .arg("STREAMS")
+                .arg(stream)
+                .arg(">")
+                .query_async(&mut c)
+                .await
+                .map_err(|e| format!("XREADGROUP failed: {e}"))?;
+            let entries: Vec<_> = reply
+                .into_iter()
+                .flatten()
+                .flat_map(|(_, entries)| entries)
+                .collect();
+            if entries.is_empty() {
+                return Err(format!("baseline ran dry after {consumed} of {n}"));
+            }
+            let mut ack = redis::cmd("XACK");
+            ack.arg(stream).arg("bench");
+            for (id, fields) in &entries {
+                let body = fields
+                    .chunks(2)
+                    .find(|kv| kv.len() == 2 && kv[0] == b"body")
+                    .map(|kv| kv[1].as_slice())
+                    .ok_or_else(|| format!("entry {id} has no body"))?;
+                consume_body(body)?;
+                ack.arg(id);
+            }
+            ack.query_async::<u64>(&mut c)
+                .await
+                .map_err(|e| format!("XACK failed: {e}"))?;
+            consumed += entries.len() as u64;
+        }
+        log_baseline(n, start, sent);
+        Ok(n as f64 / start.elapsed().as_secs_f64())
+    };
+    let mut cleaner = conn.clone();
+    let delete = async move {
+        redis::cmd("DEL")
+            .arg(stream)
+            .query_async::<()>(&mut cleaner)
+            .await
+            .map_err(|e| format!("deleting stream {stream}: {e}"))
+    };
+    and_then_clean(run, delete).await
+}
+
+// ----- RabbitMQ ---------------------------------------------------------
+
+/// `amqp_e2e`: the RabbitMQ transport against raw lapin publishing with
+/// confirms and consuming with acks.
+pub(crate) fn amqp() -> Result<(), String> {
+    const SCENARIO: &str = "amqp_e2e";
+    let Some(url) = broker_url(SCENARIO, "ENVOI_AMQP_URL") else {
+        return Ok(());
+    };
+    let n = n_messages();
+    let queue = format!("envoi-bench-{}", unique());
+    runtime()?.block_on(async {
+        // `expires` only removes the queues should the run die before
+        // deleting them.
+        let dsn = with_options(
+            &url,
+            &format!("queue={queue}&exchange={queue}&prefetch={AMQP_PREFETCH}&expires=10m"),
+        );
+        let transport = envoi_amqp::AmqpTransport::connect("jobs", &dsn)
+            .await
+            .map_err(|e| e.to_string())?;
+        let transport = Arc::new(transport);
+        let envoi = and_then_clean(
+            async {
+                transport.setup().await.map_err(|e| e.to_string())?;
+                let (messenger, handled) = job_messenger("jobs", transport.clone())?;
+                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BATCH).await
+            },
+            async {
+                let deleted = transport.delete().await.map_err(|e| e.to_string());
+                let _ = transport.close().await;
+                deleted
+            },
+        )
+        .await?;
+        let rss = peak_rss_mb();
+        let baseline = amqp_baseline(&url, &format!("{queue}-raw"), n).await?;
+        summary(SCENARIO, envoi, baseline, rss, n);
+        Ok(())
+    })
+}
+
+/// [`PRODUCERS`] concurrent publishers on one confirm-mode channel, each
+/// awaiting its confirm, into a durable quorum queue (persistent messages);
+/// then `basic.consume` with a prefetch of [`AMQP_PREFETCH`], acking every
+/// delivery, the acks of what arrived together sent together.
+async fn amqp_baseline(url: &str, queue: &str, n: u64) -> Result<f64, String> {
+    use lapin::options::{
+        BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+        ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+    use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+
+    let connection = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("connecting to rabbitmq: {e}"))?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| e.to_string())?;
+    let short = |s: &str| ShortString::try_new(s).map_err(|e| e.to_string());
+    let run = async {
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        args.insert("x-expires".into(), AMQPValue::LongLongInt(600_000));
+        channel
+            .queue_declare(
+                short(queue)?,
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                args,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let publisher = connection
+            .create_channel()
+            .await
+            .map_err(|e| e.to_string())?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut headers = FieldTable::default();
+        headers.insert("type".into(), AMQPValue::LongString(LongString::from(TYPE)));
+        headers.insert("kind".into(), AMQPValue::LongString(LongString::from(KIND)));
+        let properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        let routing_key = short(queue)?;
+
+        let start = Instant::now();
+        send_all(n, move |id| {
+            let (publisher, properties, key) =
+                (publisher.clone(), properties.clone(), routing_key.clone());
+            async move {
+                let confirm = publisher
+                    .basic_publish(
+                        ShortString::from(""),
+                        key,
+                        BasicPublishOptions::default(),
+                        &body(id)?,
+                        properties,
+                    )
+                    .await
+                    .map_err(|e| format!("publish failed: {e}"))?
+                    .await
+                    .map_err(|e| format!("confirm failed: {e}"))?;
+                match confirm {
+                    Confirmation::Ack(_) => Ok(()),
+                    other => Err(format!("publish not confirmed: {other:?}")),
+                }
+            }
+        })
+        .await?;
+        let sent = start.elapsed();
+
+        channel
+            .basic_qos(AMQP_PREFETCH, BasicQosOptions::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let consumer = channel
+            .basic_consume(
+                short(queue)?,
+                short("bench-raw")?,
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut batches = consumer.ready_chunks(BATCH);
+        let mut consumed = 0u64;
+        while consumed < n {
+            let Some(batch) = batches.next().await else {
+                return Err(format!("consumer ended after {consumed} of {n}"));
+            };
+            let mut acks = Vec::with_capacity(batch.len());
+            for delivery in batch {
+                let delivery = delivery.map_err(|e| format!("consume failed: {e}"))?;
+                consume_body(&delivery.data)?;
+                acks.push(channel.basic_ack(delivery.delivery_tag, BasicAckOptions::default()));
+            }
+            consumed += acks.len() as u64;
+            for result in futures_util::future::join_all(acks).await {
+                result.map_err(|e| format!("ack failed: {e}"))?;
+            }
+        }
+        log_baseline(n, start, sent);
+        Ok(n as f64 / start.elapsed().as_secs_f64())
+    };
+    let delete = async {
+        channel
+            .queue_delete(short(queue)?, QueueDeleteOptions::default())
+            .await
+            .map(drop)
+            .map_err(|e| format!("deleting queue {queue}: {e}"))
+    };
+    let result = and_then_clean(run, delete).await;
+    let _ = connection.close(200, "done".into()).await;
+    result
+}
+
+// ----- NATS JetStream ---------------------------------------------------
+
+/// `nats_e2e`: the NATS JetStream transport against raw async-nats
+/// publishing with acks and pulling with acks.
+pub(crate) fn nats() -> Result<(), String> {
+    const SCENARIO: &str = "nats_e2e";
+    let Some(url) = broker_url(SCENARIO, "ENVOI_NATS_URL") else {
+        return Ok(());
+    };
+    let n = n_messages();
+    let name = format!("envoi-bench-{}", unique());
+    runtime()?.block_on(async {
+        let dsn = with_options(
+            &url,
+            &format!(
+                "stream={name}&subject={subject}&consumer={name}&batch={BATCH}",
+                subject = name.replace('-', ".")
+            ),
+        );
+        let transport = envoi_nats::NatsTransport::from_dsn("jobs", &dsn)
+            .await
+            .map_err(|e| e.to_string())?;
+        let transport = Arc::new(transport);
+        let envoi = and_then_clean(
+            async {
+                transport.setup().await.map_err(|e| e.to_string())?;
+                let (messenger, handled) = job_messenger("jobs", transport.clone())?;
+                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BATCH).await
+            },
+            async {
+                transport
+                    .delete_stream()
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            },
+        )
+        .await?;
+        let rss = peak_rss_mb();
+        let baseline = nats_baseline(&url, &format!("{name}-raw"), n).await?;
+        summary(SCENARIO, envoi, baseline, rss, n);
+        Ok(())
+    })
+}
+
+/// [`PRODUCERS`] concurrent JetStream publishers, each awaiting its publish
+/// ack, into a file-backed work-queue stream; then pull requests for
+/// [`BATCH`] messages on a durable consumer, acking each message.
+async fn nats_baseline(url: &str, name: &str, n: u64) -> Result<f64, String> {
+    use async_nats::jetstream::{self, consumer, stream};
+
+    let client = async_nats::connect(url)
+        .await
+        .map_err(|e| format!("connecting to nats: {e}"))?;
+    let js = jetstream::new(client.clone());
+    let subject = name.replace('-', ".");
+    let run = async {
+        let stream = js
+            .create_stream(stream::Config {
+                name: name.to_string(),
+                subjects: vec![subject.clone()],
+                retention: stream::RetentionPolicy::WorkQueue,
+                storage: stream::StorageType::File,
+                num_replicas: 1,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("creating stream {name}: {e}"))?;
+        let consumer = stream
+            .create_consumer(consumer::pull::Config {
+                durable_name: Some(name.to_string()),
+                ack_policy: consumer::AckPolicy::Explicit,
+                max_ack_pending: -1,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("creating consumer {name}: {e}"))?;
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("type", TYPE);
+        headers.insert("kind", KIND);
+
+        let start = Instant::now();
+        let (js2, subject2) = (js.clone(), subject.clone());
+        send_all(n, move |id| {
+            let (js, subject, headers) = (js2.clone(), subject2.clone(), headers.clone());
+            async move {
+                js.publish_with_headers(subject, headers, body(id)?.into())
+                    .await
+                    .map_err(|e| format!("publish failed: {e}"))?
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("publish ack failed: {e}"))
+            }
+        })
+        .await?;
+        let sent = start.elapsed();
+        let mut consumed = 0u64;
+        while consumed < n {
+            let mut messages = consumer
+                .fetch()
+                .max_messages(BATCH)
+                .messages()
+                .await
+                .map_err(|e| format!("fetch failed: {e}"))?;
+            let before = consumed;
+            while let Some(message) = messages.next().await {
+                let message = message.map_err(|e| format!("fetch failed: {e}"))?;
+                consume_body(&message.payload)?;
+                message
+                    .ack()
+                    .await
+                    .map_err(|e| format!("ack failed: {e}"))?;
+                consumed += 1;
+            }
+            if consumed == before {
+                return Err(format!("baseline ran dry after {consumed} of {n}"));
+            }
+        }
+        log_baseline(n, start, sent);
+        Ok(n as f64 / start.elapsed().as_secs_f64())
+    };
+    let delete = async {
+        js.delete_stream(name)
+            .await
+            .map(drop)
+            .map_err(|e| format!("deleting stream {name}: {e}"))
+    };
+    let result = and_then_clean(run, delete).await;
+    let _ = client.flush().await;
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_appended_to_the_query_string() {
+        assert_eq!(
+            with_options("redis://127.0.0.1:6379", "stream=s"),
+            "redis://127.0.0.1:6379?stream=s"
+        );
+        assert_eq!(
+            with_options("postgres://u@h/db?sslmode=disable", "table=t"),
+            "postgres://u@h/db?sslmode=disable&table=t"
+        );
+    }
+
+    #[test]
+    fn a_missing_url_variable_skips_the_scenario() {
+        assert_eq!(
+            broker_url("test_e2e", "ENVOI_BENCH_TEST_URL_THAT_IS_NEVER_SET"),
+            None
+        );
+    }
+
+    #[test]
+    fn run_names_are_unique_valid_postgres_tables() {
+        let a = format!("envoi_bench_{}", unique());
+        std::thread::sleep(Duration::from_millis(1));
+        let b = format!("envoi_bench_{}", unique());
+        assert_ne!(a, b);
+        for table in [&a, &format!("{b}_raw")] {
+            assert!(table.len() <= 48, "{table} is too long");
+            assert!(table
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
+        }
+    }
+}
