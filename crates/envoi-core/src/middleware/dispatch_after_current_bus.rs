@@ -23,11 +23,14 @@
 //! Use [`MessageBus::dispatch_after_current`](crate::MessageBus::dispatch_after_current)
 //! or add the stamp yourself.
 
-use std::cell::RefCell;
-use std::collections::VecDeque;
+use std::cell::Cell;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use serde::{Deserialize, Serialize};
 
@@ -78,30 +81,105 @@ impl Stamp for DeferredDispatches {
     const SENDABLE: bool = false;
 }
 
-#[derive(Default)]
-struct Scope {
-    queue: RefCell<Vec<Deferred>>,
+// Which handler scope (if any) the current poll runs in: 0 for none. Set by
+// `Scoped` around each poll of a handler's future, so it follows the handler
+// across tasks and threads.
+thread_local! {
+    static CURRENT: Cell<u64> = const { Cell::new(0) };
 }
 
-tokio::task_local! {
-    static SCOPE: Scope;
+/// Ids for scopes: unique across threads without a shared counter on the
+/// hot path (a thread takes a block of ids at a time).
+fn next_scope_id() -> u64 {
+    static BLOCKS: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static NEXT: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    }
+    NEXT.with(|n| {
+        let (mut next, mut end) = n.get();
+        if next == end {
+            next = BLOCKS.fetch_add(1, Ordering::Relaxed) << 20;
+            end = next + (1 << 20);
+        }
+        n.set((next + 1, end));
+        next
+    })
 }
 
-/// Whether a handler is running on this task (so a dispatch now is nested).
-fn in_scope() -> bool {
-    SCOPE.try_with(|_| ()).is_ok()
+/// Dispatches deferred inside a scope, by scope id. Touched only when a
+/// dispatch is actually deferred; `PENDING` lets a scope that deferred
+/// nothing skip the lock.
+static QUEUES: Mutex<BTreeMap<u64, Vec<Deferred>>> = Mutex::new(BTreeMap::new());
+static PENDING: AtomicUsize = AtomicUsize::new(0);
+
+fn push_deferred(scope: u64, items: impl IntoIterator<Item = Deferred>) {
+    let mut queues = QUEUES.lock().unwrap_or_else(|p| p.into_inner());
+    let queue = queues.entry(scope).or_default();
+    let before = queue.len();
+    queue.extend(items);
+    PENDING.fetch_add(queue.len() - before, Ordering::SeqCst);
+}
+
+fn take_deferred(scope: u64) -> Vec<Deferred> {
+    if PENDING.load(Ordering::SeqCst) == 0 {
+        return Vec::new();
+    }
+    let taken = QUEUES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&scope)
+        .unwrap_or_default();
+    PENDING.fetch_sub(taken.len(), Ordering::SeqCst);
+    taken
+}
+
+/// The scope a dispatch made now would be nested in, if any.
+fn current_scope() -> Option<u64> {
+    match CURRENT.with(Cell::get) {
+        0 => None,
+        id => Some(id),
+    }
+}
+
+/// A handler's future, polled with its scope marked current.
+struct Scoped<F> {
+    id: u64,
+    inner: F,
+}
+
+impl<F: Future + Unpin> Future for Scoped<F> {
+    type Output = (F::Output, Vec<Deferred>);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let id = self.id;
+        let outer = CURRENT.with(|c| c.replace(id));
+        let polled = Pin::new(&mut self.inner).poll(cx);
+        CURRENT.with(|c| c.set(outer));
+        match polled {
+            Poll::Ready(out) => Poll::Ready((out, take_deferred(id))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<F> Drop for Scoped<F> {
+    fn drop(&mut self) {
+        // A handler dropped before it finished (a deadline, a cancelled
+        // dispatch) leaves nothing queued behind.
+        drop(take_deferred(self.id));
+    }
 }
 
 /// Runs a handler's future in a scope that collects the stamped dispatches
 /// it makes; returns its output and what it deferred.
 #[inline]
-pub(crate) async fn scoped<F: Future>(handler: F) -> (F::Output, Vec<Deferred>) {
-    SCOPE
-        .scope(Scope::default(), async move {
-            let out = handler.await;
-            (out, SCOPE.with(|s| s.queue.take()))
-        })
-        .await
+pub(crate) fn scoped<F: Future + Unpin>(
+    handler: F,
+) -> impl Future<Output = (F::Output, Vec<Deferred>)> {
+    Scoped {
+        id: next_scope_id(),
+        inner: handler,
+    }
 }
 
 /// Runs `next` as step 2: defers a stamped dispatch made inside a handler to
@@ -117,21 +195,23 @@ where
     F: FnOnce(Envelope) -> Fut,
     Fut: Future<Output = Result<Envelope>>,
 {
-    if envelope.has::<DispatchAfterCurrentBusStamp>() && in_scope() {
-        let deferred = Deferred {
-            envelope: envelope.clone(),
-            target: target(),
-        };
-        SCOPE.with(|s| s.queue.borrow_mut().push(deferred));
-        return Ok(envelope);
+    if envelope.has::<DispatchAfterCurrentBusStamp>() {
+        if let Some(scope) = current_scope() {
+            let deferred = Deferred {
+                envelope: envelope.clone(),
+                target: target(),
+            };
+            push_deferred(scope, [deferred]);
+            return Ok(envelope);
+        }
     }
     let mut out = next(envelope).await?;
     if !out.has::<DeferredDispatches>() {
         return Ok(out);
     }
     let deferred = out.take_deferred();
-    if in_scope() {
-        SCOPE.with(|s| s.queue.borrow_mut().extend(deferred));
+    if let Some(scope) = current_scope() {
+        push_deferred(scope, deferred);
         return Ok(out);
     }
     drain(out, deferred).await
