@@ -219,6 +219,75 @@ fn iters_from_env() -> u64 {
         .unwrap_or(1_000_000)
 }
 
+/// A hook that takes part in nothing: the cost of a registered hook.
+struct Uninterested;
+
+impl envoi_core::middleware::hook::Hook for Uninterested {
+    fn can_handle(&self, _ctx: &envoi_core::middleware::hook::HookContext<'_>) -> bool {
+        false
+    }
+}
+
+/// `dispatch_observed`: the canonical pipeline plus the default dispatch
+/// span (no subscriber), `metrics()` (no recorder) and one hook whose
+/// `can_handle` is false, against the bare canonical pipeline, both through
+/// the typed dispatcher.
+pub(crate) fn observed() -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let bare = Messenger::builder()
+        .command_handler(handle_noop)
+        .build()
+        .map_err(|e| e.to_string())?
+        .dispatcher()
+        .without_span();
+    let observed = Messenger::builder()
+        .command_handler(handle_noop)
+        .middleware(envoi_core::middleware::hook::HookMiddleware::new(
+            Uninterested,
+        ))
+        .build()
+        .map_err(|e| e.to_string())?
+        .dispatcher()
+        .with(envoi_core::middleware::metrics::metrics());
+    rt.block_on(observed.dispatch(Noop(1)))
+        .map_err(|e| e.to_string())?;
+
+    const ITERS: u64 = 50_000;
+    const ROUNDS: usize = 25;
+    let (mut envoi, mut baseline) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        envoi.push(time_async(&rt, ITERS, |i| {
+            let d = &observed;
+            async move {
+                black_box(d.dispatch(Noop(i)).await.is_ok());
+            }
+        }));
+        baseline.push(time_async(&rt, ITERS, |i| {
+            let d = &bare;
+            async move {
+                black_box(d.dispatch(Noop(i)).await.is_ok());
+            }
+        }));
+    }
+    let ((), allocs) = alloc::count(|| {
+        rt.block_on(async {
+            for i in 0..1000 {
+                black_box(observed.dispatch(Noop(i)).await.is_ok());
+            }
+        })
+    });
+    report::line(
+        "dispatch_observed",
+        fastest(envoi),
+        fastest(baseline),
+        "ns",
+        &[("allocs", format!("{:.1}", allocs as f64 / 1000.0))],
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod sizes {
     /// Envelopes move through every step and the dispatch future holds

@@ -28,6 +28,11 @@ const SCENARIOS: &[Scenario] = &[
         run: dispatch::canonical,
     },
     Scenario {
+        name: "dispatch_observed",
+        about: "pipeline + span + metrics + one idle hook vs the bare pipeline (typed dispatch)",
+        run: dispatch::observed,
+    },
+    Scenario {
         name: "memory_e2e",
         about: "in-memory transport, send then consume N messages, vs a tokio mpsc loop",
         run: e2e::memory,
