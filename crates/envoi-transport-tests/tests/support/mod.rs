@@ -93,7 +93,7 @@ impl Transport for Reference {
             q.next_id += 1;
             q.sends += 1;
             let id = q.next_id;
-            if self.fault == Fault::DropsEveryTenthSend && q.sends % 10 == 0 {
+            if self.fault == Fault::DropsEveryTenthSend && q.sends.is_multiple_of(10) {
                 return Ok(id.to_string());
             }
             if self.fault == Fault::TrimsHeaders {
