@@ -44,7 +44,8 @@ const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "postgres_e2e",
-        about: "PostgreSQL transport, send then consume N messages, vs plain sqlx insert/claim/delete",
+        about:
+            "PostgreSQL transport, send then consume N messages, vs plain sqlx insert/claim/delete",
         run: brokers::postgres,
     },
     Scenario {
@@ -54,12 +55,14 @@ const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "amqp_e2e",
-        about: "RabbitMQ transport, send then consume N messages, vs raw lapin with confirms and acks",
+        about:
+            "RabbitMQ transport, send then consume N messages, vs raw lapin with confirms and acks",
         run: brokers::amqp,
     },
     Scenario {
         name: "nats_e2e",
-        about: "NATS JetStream transport, send then consume N messages, vs raw async-nats publish/pull",
+        about:
+            "NATS JetStream transport, send then consume N messages, vs raw async-nats publish/pull",
         run: brokers::nats,
     },
     Scenario {

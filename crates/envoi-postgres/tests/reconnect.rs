@@ -59,7 +59,7 @@ async fn every_message_is_handled_when_the_server_kills_the_connections_mid_run(
             let mut next = 0;
             while next < MESSAGES {
                 // Alternate single sends and batches of 25.
-                let size = if next % 50 == 0 {
+                let size = if next.is_multiple_of(50) {
                     1
                 } else {
                     25.min(MESSAGES - next)
