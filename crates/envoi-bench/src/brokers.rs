@@ -26,12 +26,27 @@
 //! at the end, whether the run succeeded or not. Without its URL variable
 //! a scenario prints `<scenario>: skipped: ENVOI_X_URL is not set` and
 //! succeeds.
+//!
+//! `ENVOI_BENCH_ROUNDS=r` runs each side `r` times, alternating, and keeps
+//! each side's best round (a shared machine is noisy; one round by default).
+//!
+//! Besides the summary line, each side reports on stderr how long it took
+//! to send and to consume, the CPU this process used and its allocations
+//! per message (plus the broker's CPU when `ENVOI_BENCH_SERVER_PIDS` lists
+//! the broker's process ids, comma-separated), and the envoi side how the
+//! worker fetched and acknowledged: how many `get`s, how full, and the time
+//! spent in `get` and `ack_batch`. They tell a transport that lacks batching
+//! from a client that is short of CPU.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use envoi_core::transport::Transport;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use envoi_core::middleware::BoxFuture;
+use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport, TransportBinding};
+use envoi_core::TransportError;
 use futures_util::StreamExt;
 
 use crate::e2e::{
@@ -113,6 +128,78 @@ where
     Ok(())
 }
 
+/// CPU seconds used so far by process `pid` (`self` for this one), from
+/// `/proc/<pid>/stat`; `None` where that cannot be read.
+fn cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.get(stat.rfind(')')? + 1..)?;
+    let mut fields = rest.split_whitespace().skip(11);
+    let user: f64 = fields.next()?.parse().ok()?;
+    let system: f64 = fields.next()?.parse().ok()?;
+    Some((user + system) / 100.0)
+}
+
+/// CPU used by this process (and by the server processes listed in
+/// `ENVOI_BENCH_SERVER_PIDS`, if any) between its creation and
+/// [`Meter::report`].
+struct Meter {
+    allocations: stats_alloc::Region<'static, std::alloc::System>,
+    client: Option<f64>,
+    servers: Vec<(String, Option<f64>)>,
+}
+
+impl Meter {
+    fn start() -> Self {
+        let servers = std::env::var("ENVOI_BENCH_SERVER_PIDS")
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| (p.to_string(), cpu_seconds(p)))
+            .collect();
+        Self {
+            allocations: stats_alloc::Region::new(&stats_alloc::INSTRUMENTED_SYSTEM),
+            client: cpu_seconds("self"),
+            servers,
+        }
+    }
+
+    fn report(&self, side: &str, n: u64) {
+        let used = |pid: &str, before: Option<f64>| {
+            cpu_seconds(pid)
+                .zip(before)
+                .map_or("?".to_string(), |(a, b)| format!("{:.2}s", a - b))
+        };
+        let change = self.allocations.change();
+        let allocations = change.allocations + change.reallocations;
+        let mut line = format!(
+            "  {side}: client cpu {}, {:.1} allocations/msg",
+            used("self", self.client),
+            allocations as f64 / n.max(1) as f64
+        );
+        if !self.servers.is_empty() {
+            let total: Option<f64> = self
+                .servers
+                .iter()
+                .map(|(pid, before)| cpu_seconds(pid).zip(*before).map(|(a, b)| a - b))
+                .sum();
+            line.push_str(&format!(
+                ", server cpu {}",
+                total.map_or("?".to_string(), |t| format!("{t:.2}s"))
+            ));
+        }
+        eprintln!("{line}");
+    }
+}
+
+/// Awaits `run`, then reports the CPU it used (see [`Meter`]).
+async fn metered<T>(side: &str, n: u64, run: impl Future<Output = T>) -> T {
+    let meter = Meter::start();
+    let value = run.await;
+    meter.report(side, n);
+    value
+}
+
 fn log_baseline(n: u64, start: Instant, sent: Duration) {
     let total = start.elapsed();
     eprintln!(
@@ -134,14 +221,60 @@ async fn and_then_clean<T>(
     Ok(value)
 }
 
-fn summary(scenario: &str, envoi: f64, baseline: f64, rss: f64, n: u64) {
-    report::line(
-        scenario,
-        envoi,
-        baseline,
-        "msg/s",
-        &[("peak_rss_mb", format!("{rss:.0}")), ("n", n.to_string())],
-    );
+/// How many times each side runs: `ENVOI_BENCH_ROUNDS`, 1 by default. The
+/// sides alternate and each keeps its best round, which filters out the
+/// moments a shared machine is busy elsewhere.
+fn rounds() -> u32 {
+    std::env::var("ENVOI_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&r| r > 0)
+        .unwrap_or(1)
+}
+
+/// One side of a scenario: moves `n` messages through the broker at the
+/// URL and returns messages per second.
+type Side =
+    for<'a> fn(&'a str, u64) -> std::pin::Pin<Box<dyn Future<Output = Result<f64, String>> + 'a>>;
+
+/// A broker scenario: its name, the variable holding the broker's URL, and
+/// its two sides.
+struct Broker {
+    scenario: &'static str,
+    url_var: &'static str,
+    envoi: Side,
+    baseline: Side,
+}
+
+/// Runs both sides of `broker` [`rounds`] times, alternating, and prints
+/// the summary line with the best round of each.
+fn run_scenario(broker: Broker) -> Result<(), String> {
+    let Some(url) = broker_url(broker.scenario, broker.url_var) else {
+        return Ok(());
+    };
+    let n = n_messages();
+    let rounds = rounds();
+    runtime()?.block_on(async {
+        let (mut envoi, mut baseline, mut rss) = (0.0f64, 0.0f64, None);
+        for _ in 0..rounds {
+            envoi = envoi.max((broker.envoi)(&url, n).await?);
+            // The envoi side's footprint, before the baseline adds to it.
+            rss.get_or_insert_with(peak_rss_mb);
+            baseline = baseline.max(metered("baseline", n, (broker.baseline)(&url, n)).await?);
+        }
+        report::line(
+            broker.scenario,
+            envoi,
+            baseline,
+            "msg/s",
+            &[
+                ("peak_rss_mb", format!("{:.0}", rss.unwrap_or(0.0))),
+                ("n", n.to_string()),
+                ("rounds", rounds.to_string()),
+            ],
+        );
+        Ok(())
+    })
 }
 
 // ----- PostgreSQL -------------------------------------------------------
@@ -149,52 +282,50 @@ fn summary(scenario: &str, envoi: f64, baseline: f64, rss: f64, n: u64) {
 /// `postgres_e2e`: the PostgreSQL transport against plain sqlx statements
 /// on the same schema.
 pub(crate) fn postgres() -> Result<(), String> {
-    const SCENARIO: &str = "postgres_e2e";
-    let Some(url) = broker_url(SCENARIO, "ENVOI_POSTGRES_URL") else {
-        return Ok(());
-    };
-    let n = n_messages();
-    let table = format!("envoi_bench_{}", unique());
-    runtime()?.block_on(async {
-        let dsn = with_options(
-            &url,
-            &format!("table={table}&batch={BATCH}&max_connections={PG_CONNECTIONS}"),
-        );
-        let transport =
-            envoi_postgres::PostgresTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?;
-        let envoi = and_then_clean(
-            async {
-                transport.setup().await.map_err(|e| e.to_string())?;
-                let (messenger, handled) = job_messenger("jobs", Arc::new(transport.clone()))?;
-                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BATCH).await
-            },
-            async {
-                let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DROP TABLE IF EXISTS \"{table}\""
-                )))
-                .execute(transport.pool())
-                .await
-                .map(drop)
-                .map_err(|e| format!("dropping table {table}: {e}"));
-                transport.close().await;
-                dropped
-            },
-        )
-        .await?;
-        let rss = peak_rss_mb();
-        let baseline = postgres_baseline(&url, &format!("{table}_raw"), n).await?;
-        summary(SCENARIO, envoi, baseline, rss, n);
-        Ok(())
+    run_scenario(Broker {
+        scenario: "postgres_e2e",
+        url_var: "ENVOI_POSTGRES_URL",
+        envoi: |url, n| Box::pin(postgres_envoi(url, n)),
+        baseline: |url, n| Box::pin(postgres_baseline(url, n)),
     })
+}
+
+async fn postgres_envoi(url: &str, n: u64) -> Result<f64, String> {
+    let table = format!("envoi_bench_{}", unique());
+    let dsn = with_options(
+        url,
+        &format!("table={table}&batch={BATCH}&max_connections={PG_CONNECTIONS}"),
+    );
+    let transport =
+        envoi_postgres::PostgresTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?;
+    and_then_clean(
+        async {
+            transport.setup().await.map_err(|e| e.to_string())?;
+            envoi_side(Arc::new(transport.clone()), n).await
+        },
+        async {
+            let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DROP TABLE IF EXISTS \"{table}\""
+            )))
+            .execute(transport.pool())
+            .await
+            .map(drop)
+            .map_err(|e| format!("dropping table {table}: {e}"));
+            transport.close().await;
+            dropped
+        },
+    )
+    .await
 }
 
 /// [`PRODUCERS`] concurrent single-row `INSERT`s on envoi's schema, then
 /// claims of [`BATCH`] rows (`UPDATE … WHERE id = ANY(ARRAY(SELECT … FOR
 /// UPDATE SKIP LOCKED)) RETURNING`) each followed by one `DELETE`.
-async fn postgres_baseline(url: &str, table: &str, n: u64) -> Result<f64, String> {
+async fn postgres_baseline(url: &str, n: u64) -> Result<f64, String> {
     use sqlx::postgres::PgPoolOptions;
     use sqlx::{AssertSqlSafe, Row};
 
+    let table: &str = &format!("envoi_bench_{}_raw", unique());
     let pool = PgPoolOptions::new()
         .max_connections(PG_CONNECTIONS)
         .test_before_acquire(false)
@@ -286,36 +417,165 @@ async fn postgres_baseline(url: &str, table: &str, n: u64) -> Result<f64, String
     result
 }
 
+// ----- Probe ------------------------------------------------------------
+
+/// Counts what the worker asks of the transport (fetches, their sizes and
+/// durations, acknowledgement batches), so a slow run shows whether it
+/// lacks batching or spends its time elsewhere. Sends go straight through.
+struct Probe {
+    inner: Arc<dyn Transport>,
+    gets: AtomicU64,
+    empty_gets: AtomicU64,
+    fetched: AtomicU64,
+    get_nanos: AtomicU64,
+    ack_batches: AtomicU64,
+    ack_nanos: AtomicU64,
+}
+
+type Fut<'a, T> = BoxFuture<'a, Result<T, TransportError>>;
+
+impl Probe {
+    fn new(inner: Arc<dyn Transport>) -> Self {
+        Self {
+            inner,
+            gets: AtomicU64::new(0),
+            empty_gets: AtomicU64::new(0),
+            fetched: AtomicU64::new(0),
+            get_nanos: AtomicU64::new(0),
+            ack_batches: AtomicU64::new(0),
+            ack_nanos: AtomicU64::new(0),
+        }
+    }
+
+    fn report(&self) {
+        let gets = self.gets.load(Ordering::Relaxed);
+        eprintln!(
+            "  envoi: {gets} gets ({} empty, {:.0} messages each, {:.2}s), \
+             {} ack batches ({:.2}s)",
+            self.empty_gets.load(Ordering::Relaxed),
+            self.fetched.load(Ordering::Relaxed) as f64 / gets.max(1) as f64,
+            self.get_nanos.load(Ordering::Relaxed) as f64 / 1e9,
+            self.ack_batches.load(Ordering::Relaxed),
+            self.ack_nanos.load(Ordering::Relaxed) as f64 / 1e9,
+        );
+    }
+}
+
+fn nanos_since(start: Instant) -> u64 {
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl Transport for Probe {
+    fn send(&self, message: RawMessage, delay: Option<Duration>) -> Fut<'_, String> {
+        self.inner.send(message, delay)
+    }
+
+    fn get(&self, max: usize) -> Fut<'_, Vec<Delivery>> {
+        Box::pin(async move {
+            let start = Instant::now();
+            let got = self.inner.get(max).await;
+            self.get_nanos
+                .fetch_add(nanos_since(start), Ordering::Relaxed);
+            self.gets.fetch_add(1, Ordering::Relaxed);
+            if let Ok(batch) = &got {
+                if batch.is_empty() {
+                    self.empty_gets.fetch_add(1, Ordering::Relaxed);
+                }
+                self.fetched
+                    .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            }
+            got
+        })
+    }
+
+    fn ack<'a>(&'a self, id: &'a str) -> Fut<'a, ()> {
+        self.inner.ack(id)
+    }
+
+    fn ack_batch<'a>(&'a self, ids: &'a [String]) -> Fut<'a, ()> {
+        Box::pin(async move {
+            let start = Instant::now();
+            let acked = self.inner.ack_batch(ids).await;
+            self.ack_nanos
+                .fetch_add(nanos_since(start), Ordering::Relaxed);
+            self.ack_batches.fetch_add(1, Ordering::Relaxed);
+            acked
+        })
+    }
+
+    fn reject<'a>(&'a self, id: &'a str) -> Fut<'a, ()> {
+        self.inner.reject(id)
+    }
+
+    fn release<'a>(&'a self, id: &'a str) -> Fut<'a, ()> {
+        self.inner.release(id)
+    }
+
+    fn keepalive<'a>(&'a self, id: &'a str) -> Fut<'a, ()> {
+        self.inner.keepalive(id)
+    }
+
+    fn setup(&self) -> Fut<'_, ()> {
+        self.inner.setup()
+    }
+
+    fn message_count(&self) -> Fut<'_, u64> {
+        self.inner.message_count()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        self.inner.wait_for_messages(timeout)
+    }
+
+    fn bind(&self, binding: &TransportBinding) {
+        self.inner.bind(binding);
+    }
+}
+
+/// [`envoi_round_trip`] on `transport` (behind a [`Probe`]), metered.
+async fn envoi_side(transport: Arc<dyn Transport>, n: u64) -> Result<f64, String> {
+    let probe = Arc::new(Probe::new(transport));
+    let (messenger, handled) = job_messenger("jobs", probe.clone())?;
+    let rate = metered(
+        "envoi",
+        n,
+        envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BATCH),
+    )
+    .await;
+    probe.report();
+    rate
+}
+
 // ----- Redis ------------------------------------------------------------
 
 /// `redis_e2e`: the Redis Streams transport against raw `XADD`,
 /// `XREADGROUP` and `XACK`.
 pub(crate) fn redis() -> Result<(), String> {
-    const SCENARIO: &str = "redis_e2e";
-    let Some(url) = broker_url(SCENARIO, "ENVOI_REDIS_URL") else {
-        return Ok(());
-    };
-    let n = n_messages();
-    let stream = format!("envoi-bench:{}", unique());
-    runtime()?.block_on(async {
-        let dsn = with_options(&url, &format!("stream={stream}&group=bench"));
-        let transport =
-            envoi_redis::RedisTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?;
-        let transport = Arc::new(transport);
-        let envoi = and_then_clean(
-            async {
-                transport.setup().await.map_err(|e| e.to_string())?;
-                let (messenger, handled) = job_messenger("jobs", transport.clone())?;
-                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BATCH).await
-            },
-            async { transport.destroy().await.map_err(|e| e.to_string()) },
-        )
-        .await?;
-        let rss = peak_rss_mb();
-        let baseline = redis_baseline(&url, &format!("{stream}:raw"), n).await?;
-        summary(SCENARIO, envoi, baseline, rss, n);
-        Ok(())
+    run_scenario(Broker {
+        scenario: "redis_e2e",
+        url_var: "ENVOI_REDIS_URL",
+        envoi: |url, n| Box::pin(redis_envoi(url, n)),
+        baseline: |url, n| Box::pin(redis_baseline(url, n)),
     })
+}
+
+async fn redis_envoi(url: &str, n: u64) -> Result<f64, String> {
+    let stream = format!("envoi-bench:{}", unique());
+    let dsn = with_options(url, &format!("stream={stream}&group=bench"));
+    let transport =
+        Arc::new(envoi_redis::RedisTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?);
+    and_then_clean(
+        async {
+            transport.setup().await.map_err(|e| e.to_string())?;
+            envoi_side(transport.clone(), n).await
+        },
+        async { transport.destroy().await.map_err(|e| e.to_string()) },
+    )
+    .await
 }
 
 /// Entries of one `XREADGROUP` reply: `[[stream, [[id, [field, value, …]], …]]]`.
@@ -323,7 +583,8 @@ type StreamReply = Option<Vec<(String, Vec<(String, Vec<Vec<u8>>)>)>>;
 
 /// [`PRODUCERS`] concurrent `XADD`s on one multiplexed connection, then
 /// `XREADGROUP COUNT` [`BATCH`] each followed by one `XACK` of the batch.
-async fn redis_baseline(url: &str, stream: &str, n: u64) -> Result<f64, String> {
+async fn redis_baseline(url: &str, n: u64) -> Result<f64, String> {
+    let stream: &str = &format!("envoi-bench:{}:raw", unique());
     let client = redis::Client::open(url).map_err(|e| e.to_string())?;
     let conn = client
         .get_multiplexed_async_connection()
@@ -420,48 +681,46 @@ async fn redis_baseline(url: &str, stream: &str, n: u64) -> Result<f64, String> 
 /// `amqp_e2e`: the RabbitMQ transport against raw lapin publishing with
 /// confirms and consuming with acks.
 pub(crate) fn amqp() -> Result<(), String> {
-    const SCENARIO: &str = "amqp_e2e";
-    let Some(url) = broker_url(SCENARIO, "ENVOI_AMQP_URL") else {
-        return Ok(());
-    };
-    let n = n_messages();
-    let queue = format!("envoi-bench-{}", unique());
-    runtime()?.block_on(async {
-        // `expires` only removes the queues should the run die before
-        // deleting them.
-        let dsn = with_options(
-            &url,
-            &format!("queue={queue}&exchange={queue}&prefetch={AMQP_PREFETCH}&expires=10m"),
-        );
-        let transport = envoi_amqp::AmqpTransport::connect("jobs", &dsn)
-            .await
-            .map_err(|e| e.to_string())?;
-        let transport = Arc::new(transport);
-        let envoi = and_then_clean(
-            async {
-                transport.setup().await.map_err(|e| e.to_string())?;
-                let (messenger, handled) = job_messenger("jobs", transport.clone())?;
-                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BATCH).await
-            },
-            async {
-                let deleted = transport.delete().await.map_err(|e| e.to_string());
-                let _ = transport.close().await;
-                deleted
-            },
-        )
-        .await?;
-        let rss = peak_rss_mb();
-        let baseline = amqp_baseline(&url, &format!("{queue}-raw"), n).await?;
-        summary(SCENARIO, envoi, baseline, rss, n);
-        Ok(())
+    run_scenario(Broker {
+        scenario: "amqp_e2e",
+        url_var: "ENVOI_AMQP_URL",
+        envoi: |url, n| Box::pin(amqp_envoi(url, n)),
+        baseline: |url, n| Box::pin(amqp_baseline(url, n)),
     })
+}
+
+async fn amqp_envoi(url: &str, n: u64) -> Result<f64, String> {
+    let queue = format!("envoi-bench-{}", unique());
+    // `expires` only removes the queues should the run die before deleting
+    // them.
+    let dsn = with_options(
+        url,
+        &format!("queue={queue}&exchange={queue}&prefetch={AMQP_PREFETCH}&expires=10m"),
+    );
+    let transport = envoi_amqp::AmqpTransport::connect("jobs", &dsn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let transport = Arc::new(transport);
+    and_then_clean(
+        async {
+            transport.setup().await.map_err(|e| e.to_string())?;
+            envoi_side(transport.clone(), n).await
+        },
+        async {
+            let deleted = transport.delete().await.map_err(|e| e.to_string());
+            let _ = transport.close().await;
+            deleted
+        },
+    )
+    .await
 }
 
 /// [`PRODUCERS`] concurrent publishers on one confirm-mode channel, each
 /// awaiting its confirm, into a durable quorum queue (persistent messages);
 /// then `basic.consume` with a prefetch of [`AMQP_PREFETCH`], acking every
-/// delivery, the acks of what arrived together sent together.
-async fn amqp_baseline(url: &str, queue: &str, n: u64) -> Result<f64, String> {
+/// delivery (the frames envoi sends too), the acks of what arrived together
+/// sent together.
+async fn amqp_baseline(url: &str, n: u64) -> Result<f64, String> {
     use lapin::options::{
         BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
         ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -469,6 +728,7 @@ async fn amqp_baseline(url: &str, queue: &str, n: u64) -> Result<f64, String> {
     use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
     use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 
+    let queue: &str = &format!("envoi-bench-{}-raw", unique());
     let connection = Connection::connect(url, ConnectionProperties::default())
         .await
         .map_err(|e| format!("connecting to rabbitmq: {e}"))?;
@@ -587,52 +847,50 @@ async fn amqp_baseline(url: &str, queue: &str, n: u64) -> Result<f64, String> {
 /// `nats_e2e`: the NATS JetStream transport against raw async-nats
 /// publishing with acks and pulling with acks.
 pub(crate) fn nats() -> Result<(), String> {
-    const SCENARIO: &str = "nats_e2e";
-    let Some(url) = broker_url(SCENARIO, "ENVOI_NATS_URL") else {
-        return Ok(());
-    };
-    let n = n_messages();
-    let name = format!("envoi-bench-{}", unique());
-    runtime()?.block_on(async {
-        let dsn = with_options(
-            &url,
-            &format!(
-                "stream={name}&subject={subject}&consumer={name}&batch={BATCH}",
-                subject = name.replace('-', ".")
-            ),
-        );
-        let transport = envoi_nats::NatsTransport::from_dsn("jobs", &dsn)
-            .await
-            .map_err(|e| e.to_string())?;
-        let transport = Arc::new(transport);
-        let envoi = and_then_clean(
-            async {
-                transport.setup().await.map_err(|e| e.to_string())?;
-                let (messenger, handled) = job_messenger("jobs", transport.clone())?;
-                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BATCH).await
-            },
-            async {
-                transport
-                    .delete_stream()
-                    .await
-                    .map(drop)
-                    .map_err(|e| e.to_string())
-            },
-        )
-        .await?;
-        let rss = peak_rss_mb();
-        let baseline = nats_baseline(&url, &format!("{name}-raw"), n).await?;
-        summary(SCENARIO, envoi, baseline, rss, n);
-        Ok(())
+    run_scenario(Broker {
+        scenario: "nats_e2e",
+        url_var: "ENVOI_NATS_URL",
+        envoi: |url, n| Box::pin(nats_envoi(url, n)),
+        baseline: |url, n| Box::pin(nats_baseline(url, n)),
     })
+}
+
+async fn nats_envoi(url: &str, n: u64) -> Result<f64, String> {
+    let name = format!("envoi-bench-{}", unique());
+    let dsn = with_options(
+        url,
+        &format!(
+            "stream={name}&subject={subject}&consumer={name}&batch={BATCH}",
+            subject = name.replace('-', ".")
+        ),
+    );
+    let transport = envoi_nats::NatsTransport::from_dsn("jobs", &dsn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let transport = Arc::new(transport);
+    and_then_clean(
+        async {
+            transport.setup().await.map_err(|e| e.to_string())?;
+            envoi_side(transport.clone(), n).await
+        },
+        async {
+            transport
+                .delete_stream()
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await
 }
 
 /// [`PRODUCERS`] concurrent JetStream publishers, each awaiting its publish
 /// ack, into a file-backed work-queue stream; then pull requests for
 /// [`BATCH`] messages on a durable consumer, acking each message.
-async fn nats_baseline(url: &str, name: &str, n: u64) -> Result<f64, String> {
+async fn nats_baseline(url: &str, n: u64) -> Result<f64, String> {
     use async_nats::jetstream::{self, consumer, stream};
 
+    let name: &str = &format!("envoi-bench-{}-raw", unique());
     let client = async_nats::connect(url)
         .await
         .map_err(|e| format!("connecting to nats: {e}"))?;
