@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 mod alloc;
+mod apalis;
 mod brokers;
 mod dispatch;
 mod e2e;
@@ -64,6 +65,28 @@ const SCENARIOS: &[Scenario] = &[
         about:
             "NATS JetStream transport, send then consume N messages, vs raw async-nats publish/pull",
         run: brokers::nats,
+    },
+    Scenario {
+        name: "sqlite_vs_apalis",
+        about: "SQLite transport vs apalis-sqlite 1.0, send then consume N jobs, no-op handler",
+        run: apalis::sqlite,
+    },
+    Scenario {
+        name: "postgres_vs_apalis",
+        about:
+            "PostgreSQL transport vs apalis-postgres 1.0, send then consume N jobs, no-op handler",
+        run: apalis::postgres,
+    },
+    Scenario {
+        name: "redis_vs_apalis",
+        about:
+            "Redis Streams transport vs apalis-redis 1.0, send then consume N jobs, no-op handler",
+        run: apalis::redis,
+    },
+    Scenario {
+        name: "amqp_vs_apalis",
+        about: "RabbitMQ transport vs apalis-amqp 1.0 (quorum queues), send then consume N jobs",
+        run: apalis::amqp,
     },
     Scenario {
         name: "profile_envoi",

@@ -1,0 +1,395 @@
+//! `*_vs_apalis` scenarios: envoi's round trip (N jobs sent by
+//! [`PRODUCERS`](crate::e2e::PRODUCERS) concurrent dispatchers, then
+//! consumed by the worker) against apalis 1.0 doing the same work on the
+//! same backend: the same N, the same JSON bodies, a no-op handler, 64
+//! handlers in flight and the same fetch batch on both sides.
+//!
+//! apalis runs in a child process, the `apalis-baseline` binary of the
+//! standalone project `crates/envoi-bench/apalis-baseline` (its own
+//! dependency graph and lock file, so apalis and its backends never enter
+//! envoi's workspace). It is built once per run with `cargo build
+//! --release` into this binary's target directory, or taken from
+//! `ENVOI_APALIS_BASELINE` (a path to a built `apalis-baseline`). It prints
+//! `apalis_msgs_per_sec=<v>`: N over the time from its first push to its
+//! worker's exit, every job acknowledged — what envoi's side measures too.
+//! If the baseline cannot be built, each scenario prints
+//! `<scenario>: skipped: <why>` and succeeds.
+//!
+//! Each scenario uses unique table / stream / queue names on both sides and
+//! removes them at the end. Without its URL variable a broker scenario
+//! prints `<scenario>: skipped: ENVOI_X_URL is not set` and succeeds.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use envoi_core::transport::Transport;
+
+use crate::e2e::{envoi_round_trip, job_messenger, n_messages, peak_rss_mb, runtime};
+use crate::report;
+
+/// Handlers in flight, both sides.
+const CONCURRENCY: usize = 64;
+/// Messages per fetch on SQLite, both sides (as in `sqlite_e2e`).
+const SQLITE_BATCH: usize = 256;
+/// Messages per fetch (envoi) / fetch batch or prefetch (apalis) on the
+/// brokers, as in the `*_e2e` scenarios.
+const BROKER_BATCH: usize = 500;
+/// Pool size of envoi's PostgreSQL transport (as in `postgres_e2e`).
+const PG_CONNECTIONS: u32 = 16;
+/// RabbitMQ prefetch of envoi's consumer (as in `amqp_e2e`); apalis's is
+/// [`BROKER_BATCH`] (its worker has no batch of its own to cover).
+const AMQP_PREFETCH: u16 = 1000;
+
+/// The broker URL in `var`, or `None` after printing the skip line.
+fn broker_url(scenario: &str, var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.trim().is_empty() => Some(url),
+        _ => {
+            println!("{scenario}: skipped: {var} is not set");
+            None
+        }
+    }
+}
+
+/// A lower-case suffix unique to this run: process id and clock.
+fn unique() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{}_{}", std::process::id(), nanos % 1_000_000_000_000)
+}
+
+/// `url` with `options` appended to its query string.
+fn with_options(url: &str, options: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{options}")
+}
+
+/// The `apalis-baseline` binary, built on first use; `Err` says why it is
+/// not available.
+fn baseline_binary() -> Result<PathBuf, String> {
+    static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BINARY.get_or_init(build_baseline).clone()
+}
+
+fn build_baseline() -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os("ENVOI_APALIS_BASELINE") {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(format!(
+                "ENVOI_APALIS_BASELINE={} is not a file",
+                path.display()
+            ))
+        };
+    }
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("apalis-baseline/Cargo.toml");
+    // This binary lives in <target>/<profile>/: build into the same <target>.
+    let target_dir = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => std::env::current_exe()
+            .map_err(|e| format!("cannot locate the target directory: {e}"))?
+            .parent()
+            .and_then(Path::parent)
+            .map(Path::to_path_buf)
+            .ok_or("cannot locate the target directory")?,
+    };
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    eprintln!(
+        "  building apalis-baseline (cargo build --release --manifest-path {})",
+        manifest.display()
+    );
+    let status = Command::new(&cargo)
+        .args(["build", "--release", "--quiet", "--manifest-path"])
+        .arg(&manifest)
+        .env("CARGO_TARGET_DIR", &target_dir)
+        .status()
+        .map_err(|e| format!("cannot run cargo to build apalis-baseline: {e}"))?;
+    if !status.success() {
+        return Err(format!(
+            "apalis-baseline did not build (cargo build --release --manifest-path {} exited with {status})",
+            manifest.display()
+        ));
+    }
+    let binary = target_dir.join("release").join("apalis-baseline");
+    if binary.is_file() {
+        Ok(binary)
+    } else {
+        Err(format!(
+            "apalis-baseline built but {} is missing",
+            binary.display()
+        ))
+    }
+}
+
+/// Runs `apalis-baseline <args>` and returns its messages per second.
+fn run_baseline(binary: &Path, args: &[String]) -> Result<f64, String> {
+    let output = Command::new(binary)
+        .args(args)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", binary.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "apalis-baseline {} exited with {}",
+            args.join(" "),
+            output.status
+        ));
+    }
+    parse_rate(&String::from_utf8_lossy(&output.stdout))
+}
+
+/// The value of the `apalis_msgs_per_sec=<v>` line in `stdout`.
+fn parse_rate(stdout: &str) -> Result<f64, String> {
+    stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("apalis_msgs_per_sec="))
+        .ok_or_else(|| format!("no apalis_msgs_per_sec line in {stdout:?}"))?
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .ok_or_else(|| format!("bad apalis_msgs_per_sec line in {stdout:?}"))
+}
+
+/// The common tail of the baseline's command line.
+fn baseline_args(kind: &str, n: u64, batch: usize) -> Vec<String> {
+    vec![
+        kind.to_owned(),
+        "--n".to_owned(),
+        n.to_string(),
+        "--concurrency".to_owned(),
+        CONCURRENCY.to_string(),
+        "--batch".to_owned(),
+        batch.to_string(),
+    ]
+}
+
+fn summary(scenario: &str, envoi: f64, baseline: f64, rss: f64, n: u64) {
+    report::line(
+        scenario,
+        envoi,
+        baseline,
+        "msg/s",
+        &[("peak_rss_mb", format!("{rss:.0}")), ("n", n.to_string())],
+    );
+}
+
+/// Runs `body`, then `cleanup` whatever happened; the first error wins.
+async fn and_then_clean<T>(
+    body: impl std::future::Future<Output = Result<T, String>>,
+    cleanup: impl std::future::Future<Output = Result<(), String>>,
+) -> Result<T, String> {
+    let result = body.await;
+    let cleaned = cleanup.await;
+    let value = result?;
+    cleaned?;
+    Ok(value)
+}
+
+/// The baseline binary, or `None` after printing the skip line.
+fn baseline_or_skip(scenario: &str) -> Option<PathBuf> {
+    match baseline_binary() {
+        Ok(path) => Some(path),
+        Err(why) => {
+            println!("{scenario}: skipped: {why}");
+            None
+        }
+    }
+}
+
+/// `sqlite_vs_apalis`: envoi's SQLite transport against apalis-sqlite.
+pub(crate) fn sqlite() -> Result<(), String> {
+    const SCENARIO: &str = "sqlite_vs_apalis";
+    let Some(binary) = baseline_or_skip(SCENARIO) else {
+        return Ok(());
+    };
+    let n = n_messages();
+    let dir = std::env::temp_dir().join(format!("envoi-bench-apalis-{}", unique()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let result = (|| {
+        let envoi = runtime()?.block_on(async {
+            let dsn = format!(
+                "sqlite://{}?batch={SQLITE_BATCH}",
+                dir.join("envoi.db").display()
+            );
+            let transport = envoi_sqlite::SqliteTransport::connect("jobs", &dsn)
+                .await
+                .map_err(|e| e.to_string())?;
+            transport.setup().await.map_err(|e| e.to_string())?;
+            let (messenger, handled) = job_messenger("jobs", Arc::new(transport))?;
+            envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, SQLITE_BATCH).await
+        })?;
+        let rss = peak_rss_mb();
+        let mut args = baseline_args("sqlite", n, SQLITE_BATCH);
+        args.push("--path".to_owned());
+        args.push(dir.join("apalis.db").display().to_string());
+        let baseline = run_baseline(&binary, &args)?;
+        summary(SCENARIO, envoi, baseline, rss, n);
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// `postgres_vs_apalis`: envoi's PostgreSQL transport against
+/// apalis-postgres.
+pub(crate) fn postgres() -> Result<(), String> {
+    const SCENARIO: &str = "postgres_vs_apalis";
+    let Some(url) = broker_url(SCENARIO, "ENVOI_POSTGRES_URL") else {
+        return Ok(());
+    };
+    let Some(binary) = baseline_or_skip(SCENARIO) else {
+        return Ok(());
+    };
+    let n = n_messages();
+    let table = format!("envoi_bench_apalis_{}", unique());
+    let envoi = runtime()?.block_on(async {
+        let dsn = with_options(
+            &url,
+            &format!("table={table}&batch={BROKER_BATCH}&max_connections={PG_CONNECTIONS}"),
+        );
+        let transport =
+            envoi_postgres::PostgresTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?;
+        and_then_clean(
+            async {
+                transport.setup().await.map_err(|e| e.to_string())?;
+                let (messenger, handled) = job_messenger("jobs", Arc::new(transport.clone()))?;
+                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
+            },
+            async {
+                let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP TABLE IF EXISTS \"{table}\""
+                )))
+                .execute(transport.pool())
+                .await
+                .map(drop)
+                .map_err(|e| format!("dropping table {table}: {e}"));
+                transport.close().await;
+                dropped
+            },
+        )
+        .await
+    })?;
+    let rss = peak_rss_mb();
+    let mut args = baseline_args("postgres", n, BROKER_BATCH);
+    args.push("--url".to_owned());
+    args.push(url);
+    let baseline = run_baseline(&binary, &args)?;
+    summary(SCENARIO, envoi, baseline, rss, n);
+    Ok(())
+}
+
+/// `redis_vs_apalis`: envoi's Redis Streams transport against apalis-redis.
+pub(crate) fn redis() -> Result<(), String> {
+    const SCENARIO: &str = "redis_vs_apalis";
+    let Some(url) = broker_url(SCENARIO, "ENVOI_REDIS_URL") else {
+        return Ok(());
+    };
+    let Some(binary) = baseline_or_skip(SCENARIO) else {
+        return Ok(());
+    };
+    let n = n_messages();
+    let stream = format!("envoi-bench-apalis:{}", unique());
+    let envoi = runtime()?.block_on(async {
+        let dsn = with_options(&url, &format!("stream={stream}&group=bench"));
+        let transport = Arc::new(
+            envoi_redis::RedisTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?,
+        );
+        and_then_clean(
+            async {
+                transport.setup().await.map_err(|e| e.to_string())?;
+                let (messenger, handled) = job_messenger("jobs", transport.clone())?;
+                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
+            },
+            async { transport.destroy().await.map_err(|e| e.to_string()) },
+        )
+        .await
+    })?;
+    let rss = peak_rss_mb();
+    let mut args = baseline_args("redis", n, BROKER_BATCH);
+    args.push("--url".to_owned());
+    args.push(url);
+    let baseline = run_baseline(&binary, &args)?;
+    summary(SCENARIO, envoi, baseline, rss, n);
+    Ok(())
+}
+
+/// `amqp_vs_apalis`: envoi's RabbitMQ transport against apalis-amqp, both
+/// on quorum queues.
+pub(crate) fn amqp() -> Result<(), String> {
+    const SCENARIO: &str = "amqp_vs_apalis";
+    let Some(url) = broker_url(SCENARIO, "ENVOI_AMQP_URL") else {
+        return Ok(());
+    };
+    let Some(binary) = baseline_or_skip(SCENARIO) else {
+        return Ok(());
+    };
+    let n = n_messages();
+    let queue = format!("envoi-bench-apalis-{}", unique());
+    let envoi = runtime()?.block_on(async {
+        // `expires` only removes the queues should the run die before
+        // deleting them.
+        let dsn = with_options(
+            &url,
+            &format!(
+                "queue={queue}&exchange={queue}&queue_type=quorum&prefetch={AMQP_PREFETCH}&expires=10m"
+            ),
+        );
+        let transport = Arc::new(
+            envoi_amqp::AmqpTransport::connect("jobs", &dsn)
+                .await
+                .map_err(|e| e.to_string())?,
+        );
+        and_then_clean(
+            async {
+                transport.setup().await.map_err(|e| e.to_string())?;
+                let (messenger, handled) = job_messenger("jobs", transport.clone())?;
+                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
+            },
+            async {
+                let deleted = transport.delete().await.map_err(|e| e.to_string());
+                let _ = transport.close().await;
+                deleted
+            },
+        )
+        .await
+    })?;
+    let rss = peak_rss_mb();
+    let mut args = baseline_args("amqp", n, BROKER_BATCH);
+    args.push("--url".to_owned());
+    args.push(url);
+    let baseline = run_baseline(&binary, &args)?;
+    summary(SCENARIO, envoi, baseline, rss, n);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_rate_reads_the_summary_line_among_others() {
+        let out = "noise\napalis_msgs_per_sec=1234.5\n";
+        assert_eq!(parse_rate(out), Ok(1234.5));
+    }
+
+    #[test]
+    fn parse_rate_rejects_missing_or_bad_values() {
+        assert!(parse_rate("").is_err());
+        assert!(parse_rate("apalis_msgs_per_sec=fast\n").is_err());
+        assert!(parse_rate("apalis_msgs_per_sec=0\n").is_err());
+        assert!(parse_rate("apalis_msgs_per_sec=NaN\n").is_err());
+    }
+
+    #[test]
+    fn baseline_args_carry_backend_count_and_tuning() {
+        let args = baseline_args("redis", 7, 500);
+        assert_eq!(
+            args,
+            ["redis", "--n", "7", "--concurrency", "64", "--batch", "500"]
+        );
+    }
+}
