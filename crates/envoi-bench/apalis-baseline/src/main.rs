@@ -12,7 +12,7 @@
 //! Tuning flags (defaults in brackets): `--concurrency` [64] in-flight
 //! handlers, `--batch` [256] tasks fetched per query (SQL and Redis
 //! backends) or AMQP prefetch, `--producers` [4] concurrent pushers,
-//! `--chunk` [1000] tasks per bulk push, `--queue-type` [quorum] of the
+//! `--chunk` [1000; for amqp all of a producer's share] tasks per bulk push, `--queue-type` [quorum] of the
 //! RabbitMQ queue (`quorum` or `classic`), `--overlap` [true for redis,
 //! false otherwise] runs the worker while the jobs are being pushed (the
 //! only way apalis-redis 1.0 gets through more than ~8,000 jobs, see
@@ -95,7 +95,7 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
         concurrency: 64,
         batch: 256,
         producers: 4,
-        chunk: 1000,
+        chunk: 0,
         queue_type: "quorum".to_owned(),
         // apalis-redis cannot consume a backlog of more than ~8,000 jobs
         // (see `run_redis`), so its worker runs while the jobs are pushed.
@@ -123,13 +123,13 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
             "--batch" => opts.batch = number()? as usize,
             "--producers" => opts.producers = number()?,
             "--chunk" => opts.chunk = number()?,
-            "--overlap" if value == "true" || value == "false" => {
-                opts.overlap = value == "true"
-            }
+            "--overlap" if value == "true" || value == "false" => opts.overlap = value == "true",
             "--poll-ms" => opts.poll_ms = number()?,
-            "--max-backlog" => opts.max_backlog = value.parse().map_err(|_| {
-                format!("`--max-backlog` needs an integer, got `{value}`")
-            })?,
+            "--max-backlog" => {
+                opts.max_backlog = value
+                    .parse()
+                    .map_err(|_| format!("`--max-backlog` needs an integer, got `{value}`"))?
+            }
             "--queue-type" if value == "quorum" || value == "classic" => {
                 opts.queue_type = value.clone()
             }
@@ -139,8 +139,21 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
     if opts.n == 0 {
         return Err(format!("--n is required\n{USAGE}"));
     }
+    if opts.chunk == 0 {
+        opts.chunk = match kind {
+            // apalis-amqp 1.0 opens a channel (and declares the queue) on
+            // every `poll_ready` of its sink, replacing the one the last
+            // publishes went out on; publishing without confirms, it can
+            // then lose the tail of the previous chunk. One `push_bulk` per
+            // producer, its sink kept until the run ends, loses nothing.
+            Kind::Amqp => opts.n.div_ceil(opts.producers),
+            _ => 1000,
+        };
+    }
     if opts.max_backlog > 0 && !opts.overlap {
-        return Err("--max-backlog needs --overlap true (the worker must run while pushing)".into());
+        return Err(
+            "--max-backlog needs --overlap true (the worker must run while pushing)".into(),
+        );
     }
     match kind {
         Kind::Sqlite if opts.path.is_none() => Err("sqlite needs --path FILE".to_owned()),
@@ -267,12 +280,16 @@ macro_rules! consume_all {
                 stalled_at = watchdog => {
                     return Err(format!(
                         "worker stalled at {stalled_at} of {n} jobs for a minute \
-                         (jobs lost by the backend?)"
+                 (jobs lost by the backend?)"
                     ));
                 }
             }
             if failed.load(Ordering::SeqCst) {
-                let msg = error.lock().ok().and_then(|mut s| s.take()).unwrap_or_default();
+                let msg = error
+                    .lock()
+                    .ok()
+                    .and_then(|mut s| s.take())
+                    .unwrap_or_default();
                 return Err(format!("a job failed: {msg}"));
             }
             let got = done.load(Ordering::SeqCst);
@@ -352,9 +369,7 @@ async fn postgres_pool(url: &str) -> Result<apalis_postgres::PgPool, String> {
     use apalis_postgres::{PgConnectOptions, PgPool};
     use sqlx::ConnectOptions;
 
-    let base: PgConnectOptions = url
-        .parse()
-        .map_err(|e| format!("bad postgres url: {e}"))?;
+    let base: PgConnectOptions = url.parse().map_err(|e| format!("bad postgres url: {e}"))?;
     let admin = PgPool::connect_with(base.clone())
         .await
         .map_err(|e| format!("cannot connect to postgres: {e}"))?;
@@ -501,14 +516,24 @@ async fn run_amqp(opts: &Opts) -> Result<(Option<f64>, f64), String> {
     })
     .await
     .map_err(|e| format!("cannot declare queue: {e}"))?;
-    let result = async { Ok::<_, String>(timed_round_trip!(backend, backend.clone(), opts, queue.as_str())) }.await;
+    let result = async {
+        Ok::<_, String>(timed_round_trip!(
+            backend,
+            backend.clone(),
+            opts,
+            queue.as_str()
+        ))
+    }
+    .await;
     // Leave nothing behind whatever happened.
-    if let Ok(conn) =
-        lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await
+    if let Ok(conn) = lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await
     {
         if let Ok(channel) = conn.create_channel().await {
             let _ = channel
-                .queue_delete(queue.as_str().into(), lapin::options::QueueDeleteOptions::default())
+                .queue_delete(
+                    queue.as_str().into(),
+                    lapin::options::QueueDeleteOptions::default(),
+                )
                 .await;
         }
         let _ = conn.close(200, "bye".into()).await;
