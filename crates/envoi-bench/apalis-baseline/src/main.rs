@@ -242,7 +242,8 @@ macro_rules! consume_all {
                 .concurrency(opts.concurrency)
                 .on_event(move |ctx, ev| match ev {
                     Event::Success(_) => {
-                        if d.fetch_add(1, Ordering::SeqCst) + 1 == n {
+                        let processed = d.fetch_add(1, Ordering::SeqCst) + 1;
+                        if processed == n {
                             let _ = ctx.stop();
                         }
                     }
@@ -278,9 +279,9 @@ macro_rules! consume_all {
             tokio::select! {
                 ran = worker.run() => ran.map_err(|e| format!("worker failed: {e}"))?,
                 stalled_at = watchdog => {
+                    let hint = "jobs lost by the backend?";
                     return Err(format!(
-                        "worker stalled at {stalled_at} of {n} jobs for a minute \
-                 (jobs lost by the backend?)"
+                        "worker stalled at {stalled_at} of {n} jobs for a minute ({hint})"
                     ));
                 }
             }
