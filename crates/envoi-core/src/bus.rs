@@ -30,16 +30,17 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use crate::envelope::Envelope;
-use crate::error::{BusError, Result};
+use crate::error::{BusError, Result, StepResult};
 use crate::message::Message;
 use crate::middleware::add_bus_name::AddBusNameStamp;
 use crate::middleware::dispatch_after_current_bus;
+use crate::middleware::dispatch_after_current_bus::DeferredDispatches;
 use crate::middleware::failed_message_processing::FailedMessageProcessing;
 use crate::middleware::handle_message::HandleMessage;
 use crate::middleware::retry::Retry;
 use crate::middleware::send_message::SendMessage;
 use crate::middleware::{BoxFuture, Endpoint, Middleware, Next};
-use crate::stamp::DispatchAfterCurrentBusStamp;
+use crate::stamp::{DispatchAfterCurrentBusStamp, ReceivedStamp};
 
 /// Identifies a middleware added to a live bus, for removing it later.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -113,11 +114,8 @@ impl MessageBus {
     /// Runs `envelope` through the pipeline and returns it with the stamps
     /// the steps added (a [`HandledStamp`](crate::stamp::HandledStamp) per
     /// handler, or a [`SentStamp`](crate::stamp::SentStamp) per transport).
-    pub fn dispatch(
-        &self,
-        envelope: Envelope,
-    ) -> impl std::future::Future<Output = Result<Envelope>> + Send + '_ {
-        self.inner.dispatch(envelope)
+    pub async fn dispatch(&self, envelope: Envelope) -> Result<Envelope> {
+        self.inner.dispatch(envelope).await.map_err(|e| *e)
     }
 
     /// Dispatches `message` as a command.
@@ -232,12 +230,21 @@ impl fmt::Debug for MessageBus {
 }
 
 impl BusInner {
-    async fn dispatch(self: &Arc<Self>, envelope: Envelope) -> Result<Envelope> {
+    async fn dispatch(self: &Arc<Self>, envelope: Envelope) -> StepResult {
         if self.disposed.load(Ordering::Relaxed) {
-            return Err(BusError::Disposed(self.name.to_string()));
+            return Err(Box::new(BusError::Disposed(self.name.to_string())));
         }
         // 1. AddBusNameStamp
         let envelope = self.add_bus_name.apply(envelope);
+        if self.is_plain(&envelope) {
+            // Steps 2 to 6 have nothing to do: go straight to the handlers
+            // and settle what they deferred, as step 2 would.
+            let out = self.handle.process(envelope).await?;
+            if !out.has::<DeferredDispatches>() {
+                return Ok(out);
+            }
+            return dispatch_after_current_bus::settle(out).await;
+        }
         // 2. DispatchAfterCurrentBus
         dispatch_after_current_bus::run(
             envelope,
@@ -247,8 +254,23 @@ impl BusInner {
         .await
     }
 
+    /// Whether steps 2 to 6 leave `envelope` untouched: not stamped to wait
+    /// for the current dispatch, not received from a transport (so neither
+    /// failure processing nor retry applies), no user middleware, and not
+    /// routed to a transport.
+    #[inline]
+    fn is_plain(&self, envelope: &Envelope) -> bool {
+        self.user_empty.load(Ordering::Relaxed)
+            && !envelope.has::<ReceivedStamp>()
+            && !envelope.has::<DispatchAfterCurrentBusStamp>()
+            && self
+                .send
+                .as_ref()
+                .is_none_or(|s| s.targets(envelope).is_none())
+    }
+
     /// Steps 3 and 4, then the core.
-    async fn after_deferral(&self, envelope: Envelope) -> Result<Envelope> {
+    async fn after_deferral(&self, envelope: Envelope) -> StepResult {
         // 3. FailedMessageProcessing
         let envelope = FailedMessageProcessing::apply(envelope);
         // 4. user middleware
@@ -256,15 +278,18 @@ impl BusInner {
             return self.core(envelope).await;
         }
         let chain = self.user.load_full();
-        Next::new(&chain.items, Some(self)).run(envelope).await
+        Next::new(&chain.items, Some(self))
+            .run(envelope)
+            .await
+            .map_err(Box::new)
     }
 
     /// Steps 5 to 7.
-    async fn core(&self, envelope: Envelope) -> Result<Envelope> {
+    async fn core(&self, envelope: Envelope) -> StepResult {
         // 5. SendMessage
         if let Some(send) = &self.send {
             if let Some(targets) = send.targets(&envelope) {
-                return send.send(envelope, targets).await;
+                return send.send(envelope, targets).await.map_err(Box::new);
             }
         }
         // 6. Retry, 7. HandleMessage
@@ -276,7 +301,7 @@ impl BusInner {
 
 impl Endpoint for BusInner {
     fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
-        Box::pin(self.core(envelope))
+        Box::pin(async move { self.core(envelope).await.map_err(|e| *e) })
     }
 
     fn sends(&self, envelope: &Envelope) -> bool {
@@ -291,6 +316,6 @@ struct AfterDeferral(Arc<BusInner>);
 
 impl Endpoint for AfterDeferral {
     fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
-        Box::pin(self.0.after_deferral(envelope))
+        Box::pin(async move { self.0.after_deferral(envelope).await.map_err(|e| *e) })
     }
 }

@@ -19,6 +19,11 @@ pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// Result with [`BusError`] as the default error.
 pub type Result<T, E = BusError> = std::result::Result<T, E>;
 
+/// What the bus's built-in steps hand each other: the error boxed, so the
+/// value moved out of every nested future on the way back is three words
+/// instead of a whole [`BusError`]. Converted back at the bus's edge.
+pub(crate) type StepResult = std::result::Result<crate::envelope::Envelope, Box<BusError>>;
+
 /// The stage of a hook middleware operation, after the message kind:
 /// `Publish` for events, `Callback` for queries, `Execute` for commands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

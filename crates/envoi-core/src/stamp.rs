@@ -102,18 +102,27 @@ pub(crate) enum StampEntry {
 
 impl StampEntry {
     pub(crate) fn new<S: Stamp>(stamp: S) -> Self {
-        // Route the built-in hot stamps to their inline slots.
-        let any: &dyn Any = &stamp;
-        if let Some(s) = any.downcast_ref::<BusNameStamp>() {
-            return StampEntry::BusName(s.clone());
+        // Route the built-in hot stamps to their inline slots, moving them
+        // (no clone, no reference-count traffic).
+        let mut slot = Some(stamp);
+        let any: &mut dyn Any = &mut slot;
+        if let Some(s) = any.downcast_mut::<Option<BusNameStamp>>() {
+            if let Some(s) = s.take() {
+                return StampEntry::BusName(s);
+            }
+        } else if let Some(s) = any.downcast_mut::<Option<HandledStamp>>() {
+            if let Some(s) = s.take() {
+                return StampEntry::Handled(s);
+            }
+        } else if let Some(s) = any.downcast_mut::<Option<ReceivedStamp>>() {
+            if let Some(s) = s.take() {
+                return StampEntry::Received(s);
+            }
         }
-        if let Some(s) = any.downcast_ref::<HandledStamp>() {
-            return StampEntry::Handled(s.clone());
+        match slot {
+            Some(stamp) => StampEntry::Other(Arc::new(stamp)),
+            None => unreachable!("a built-in stamp returned above"),
         }
-        if let Some(s) = any.downcast_ref::<ReceivedStamp>() {
-            return StampEntry::Received(s.clone());
-        }
-        StampEntry::Other(Arc::new(stamp))
     }
 
     pub(crate) fn erased(&self) -> &dyn ErasedStamp {
@@ -163,13 +172,14 @@ pub fn now_millis() -> u64 {
 /// goes back through the bus it was sent from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BusNameStamp {
-    /// Name of the bus.
-    pub bus: Arc<str>,
+    /// Name of the bus. A bus stamps its name as a `'static` string, so
+    /// stamping and dropping the stamp is free of reference counting.
+    pub bus: Cow<'static, str>,
 }
 
 impl BusNameStamp {
     /// A stamp naming `bus`.
-    pub fn new(bus: impl Into<Arc<str>>) -> Self {
+    pub fn new(bus: impl Into<Cow<'static, str>>) -> Self {
         Self { bus: bus.into() }
     }
 }

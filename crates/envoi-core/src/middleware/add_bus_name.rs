@@ -1,6 +1,8 @@
 //! Step 1 of the canonical pipeline: stamp the envelope with the bus name.
 
-use std::sync::Arc;
+use std::borrow::Cow;
+use std::collections::HashSet;
+use std::sync::Mutex;
 
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
@@ -11,13 +13,15 @@ use crate::stamp::BusNameStamp;
 /// one (a message received from a transport keeps the bus it was sent from).
 #[derive(Debug, Clone)]
 pub struct AddBusNameStamp {
-    bus: Arc<str>,
+    bus: &'static str,
 }
 
 impl AddBusNameStamp {
     /// The step for bus `bus`.
-    pub fn new(bus: impl Into<Arc<str>>) -> Self {
-        Self { bus: bus.into() }
+    pub fn new(bus: impl AsRef<str>) -> Self {
+        Self {
+            bus: intern(bus.as_ref()),
+        }
     }
 
     /// The stamping itself, shared by the bus's inline pipeline.
@@ -27,8 +31,25 @@ impl AddBusNameStamp {
             envelope
         } else {
             envelope.with(BusNameStamp {
-                bus: self.bus.clone(),
+                bus: Cow::Borrowed(self.bus),
             })
+        }
+    }
+}
+
+/// Bus names as `'static` strings, each kept once for the life of the
+/// program: buses are named when they are built, so the set stays as small
+/// as the number of distinct bus names.
+fn intern(name: &str) -> &'static str {
+    static NAMES: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
+    let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
+    let names = names.get_or_insert_with(HashSet::new);
+    match names.get(name) {
+        Some(interned) => interned,
+        None => {
+            let interned: &'static str = Box::leak(name.into());
+            names.insert(interned);
+            interned
         }
     }
 }

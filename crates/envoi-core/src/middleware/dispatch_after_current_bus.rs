@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{BoxFuture, Endpoint, Middleware, Next};
 use crate::envelope::Envelope;
-use crate::error::{BusError, Result};
+use crate::error::{BusError, Result, StepResult};
 use crate::stamp::{DispatchAfterCurrentBusStamp, Stamp};
 
 /// A dispatch waiting for the outer one, with where to run it.
@@ -120,7 +120,8 @@ fn push_deferred(scope: u64, items: impl IntoIterator<Item = Deferred>) {
     PENDING.fetch_add(queue.len() - before, Ordering::SeqCst);
 }
 
-fn take_deferred(scope: u64) -> Vec<Deferred> {
+#[inline]
+pub(crate) fn take_deferred(scope: u64) -> Vec<Deferred> {
     if PENDING.load(Ordering::SeqCst) == 0 {
         return Vec::new();
     }
@@ -142,23 +143,27 @@ fn current_scope() -> Option<u64> {
 }
 
 /// A handler's future, polled with its scope marked current.
-struct Scoped<F> {
+pub(crate) struct Scoped<F> {
     id: u64,
+    /// Set once the handler finished: what it deferred is then the caller's
+    /// to take (see [`scope`]).
+    done: bool,
     inner: F,
 }
 
 impl<F: Future + Unpin> Future for Scoped<F> {
-    type Output = (F::Output, Vec<Deferred>);
+    type Output = F::Output;
 
+    #[inline]
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let id = self.id;
         let outer = CURRENT.with(|c| c.replace(id));
         let polled = Pin::new(&mut self.inner).poll(cx);
         CURRENT.with(|c| c.set(outer));
-        match polled {
-            Poll::Ready(out) => Poll::Ready((out, take_deferred(id))),
-            Poll::Pending => Poll::Pending,
+        if polled.is_ready() {
+            self.done = true;
         }
+        polled
     }
 }
 
@@ -166,20 +171,35 @@ impl<F> Drop for Scoped<F> {
     fn drop(&mut self) {
         // A handler dropped before it finished (a deadline, a cancelled
         // dispatch) leaves nothing queued behind.
-        drop(take_deferred(self.id));
+        if !self.done {
+            drop(take_deferred(self.id));
+        }
     }
 }
 
-/// Runs a handler's future in a scope that collects the stamped dispatches
-/// it makes; returns its output and what it deferred.
+/// Wraps a handler's future in a scope that collects the stamped dispatches
+/// it makes. Returns the scope's id: once the future has completed, what it
+/// deferred is taken with [`take_deferred`]`(id)`.
 #[inline]
-pub(crate) fn scoped<F: Future + Unpin>(
-    handler: F,
-) -> impl Future<Output = (F::Output, Vec<Deferred>)> {
-    Scoped {
-        id: next_scope_id(),
-        inner: handler,
-    }
+pub(crate) fn scope<F: Future + Unpin>(handler: F) -> (u64, Scoped<F>) {
+    let id = next_scope_id();
+    (
+        id,
+        Scoped {
+            id,
+            done: false,
+            inner: handler,
+        },
+    )
+}
+
+/// Runs a handler's future in a scope; returns its output and what it
+/// deferred.
+#[cfg(test)]
+pub(crate) async fn scoped<F: Future + Unpin>(handler: F) -> (F::Output, Vec<Deferred>) {
+    let (id, scoped) = scope(handler);
+    let out = scoped.await;
+    (out, take_deferred(id))
 }
 
 /// Runs `next` as step 2: defers a stamped dispatch made inside a handler to
@@ -190,10 +210,10 @@ pub(crate) async fn run<F, Fut>(
     envelope: Envelope,
     target: impl FnOnce() -> Arc<dyn Endpoint>,
     next: F,
-) -> Result<Envelope>
+) -> StepResult
 where
     F: FnOnce(Envelope) -> Fut,
-    Fut: Future<Output = Result<Envelope>>,
+    Fut: Future<Output = StepResult>,
 {
     if envelope.has::<DispatchAfterCurrentBusStamp>() {
         if let Some(scope) = current_scope() {
@@ -205,16 +225,23 @@ where
             return Ok(envelope);
         }
     }
-    let mut out = next(envelope).await?;
+    let out = next(envelope).await?;
     if !out.has::<DeferredDispatches>() {
         return Ok(out);
     }
+    settle(out).await
+}
+
+/// The second half of [`run`], for an envelope that came back carrying
+/// deferred dispatches: hands them to the enclosing handler's scope or, at
+/// the outermost dispatch, runs them.
+pub(crate) async fn settle(mut out: Envelope) -> StepResult {
     let deferred = out.take_deferred();
     if let Some(scope) = current_scope() {
         push_deferred(scope, deferred);
         return Ok(out);
     }
-    drain(out, deferred).await
+    drain(out, deferred).await.map_err(Box::new)
 }
 
 async fn drain(envelope: Envelope, deferred: Vec<Deferred>) -> Result<Envelope> {
@@ -258,7 +285,15 @@ impl std::fmt::Debug for DispatchAfterCurrentBus {
 
 impl Middleware for DispatchAfterCurrentBus {
     fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
-        Box::pin(run(envelope, || self.target.clone(), move |e| next.run(e)))
+        Box::pin(async move {
+            run(
+                envelope,
+                || self.target.clone(),
+                move |e| async move { next.run(e).await.map_err(Box::new) },
+            )
+            .await
+            .map_err(|e| *e)
+        })
     }
 }
 

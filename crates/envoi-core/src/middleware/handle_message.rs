@@ -2,10 +2,10 @@
 
 use std::sync::Arc;
 
-use super::dispatch_after_current_bus::{scoped, Deferred, DeferredDispatches};
+use super::dispatch_after_current_bus::{scope, take_deferred, Deferred, DeferredDispatches};
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
-use crate::error::{BusError, HandlerError, Result};
+use crate::error::{BusError, HandlerError, Result, StepResult};
 use crate::handler::HandlerRegistry;
 use crate::message::MessageKind;
 use crate::stamp::HandledStamp;
@@ -44,31 +44,31 @@ impl HandleMessage {
     }
 
     /// Runs the handlers.
-    pub(crate) async fn process(&self, envelope: Envelope) -> Result<Envelope> {
+    pub(crate) async fn process(&self, envelope: Envelope) -> StepResult {
         let Some(reg) = self.registry.get(envelope.message_type_id()) else {
             return match envelope.kind() {
                 MessageKind::Event => Ok(envelope),
-                kind => Err(BusError::NoHandler {
+                kind => Err(Box::new(BusError::NoHandler {
                     message: envelope.message_name(),
                     kind,
-                }),
+                })),
             };
         };
         if let [handler] = reg.handlers.as_slice() {
             if !already_handled(&envelope, handler.name()) {
-                let (result, deferred) = scoped(handler.call(&envelope)).await;
-                return match result {
+                let (scope_id, scoped) = scope(handler.call(&envelope));
+                return match scoped.await {
                     Ok(result) => Ok(with_deferred(
                         envelope.with(HandledStamp::new(handler.name(), result)),
-                        deferred,
+                        take_deferred(scope_id),
                     )),
-                    Err(error) => Err(BusError::HandlerFailed {
+                    Err(error) => Err(Box::new(BusError::HandlerFailed {
                         envelope: Box::new(envelope),
                         errors: vec![HandlerError {
                             handler: handler.name(),
                             error,
                         }],
-                    }),
+                    })),
                 };
             }
             return Ok(envelope);
@@ -79,12 +79,12 @@ impl HandleMessage {
             if already_handled(&envelope, handler.name()) {
                 continue;
             }
-            let (result, deferred) = scoped(handler.call(&envelope)).await;
-            match result {
+            let (scope_id, scoped) = scope(handler.call(&envelope));
+            match scoped.await {
                 Ok(result) => {
                     envelope = with_deferred(
                         envelope.with(HandledStamp::new(handler.name(), result)),
-                        deferred,
+                        take_deferred(scope_id),
                     )
                 }
                 Err(error) => errors.push(HandlerError {
@@ -96,10 +96,10 @@ impl HandleMessage {
         if errors.is_empty() {
             Ok(envelope)
         } else {
-            Err(BusError::HandlerFailed {
+            Err(Box::new(BusError::HandlerFailed {
                 envelope: Box::new(envelope),
                 errors,
-            })
+            }))
         }
     }
 }
@@ -125,6 +125,6 @@ impl Middleware for HandleMessage {
         envelope: Envelope,
         _next: Next<'a>,
     ) -> BoxFuture<'a, Result<Envelope>> {
-        Box::pin(self.process(envelope))
+        Box::pin(async move { self.process(envelope).await.map_err(|e| *e) })
     }
 }

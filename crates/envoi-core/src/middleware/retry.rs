@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
-use crate::error::{BusError, HandlerError, Result, RetryHint};
+use crate::error::{BusError, HandlerError, Result, RetryHint, StepResult};
 use crate::stamp::{
     DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
     SentToFailureTransportStamp,
@@ -316,10 +316,10 @@ impl Retry {
     }
 
     #[inline]
-    pub(crate) async fn process<F, Fut>(&self, envelope: Envelope, next: F) -> Result<Envelope>
+    pub(crate) async fn process<F, Fut>(&self, envelope: Envelope, next: F) -> StepResult
     where
         F: FnOnce(Envelope) -> Fut,
-        Fut: std::future::Future<Output = Result<Envelope>>,
+        Fut: std::future::Future<Output = StepResult>,
     {
         let (Some(config), Some(received)) = (&self.config, envelope.last::<ReceivedStamp>())
         else {
@@ -330,17 +330,27 @@ impl Retry {
             return next(envelope).await;
         }
         match next(envelope).await {
-            Err(BusError::HandlerFailed { envelope, errors }) => {
-                config.on_failure(&transport, *envelope, errors).await
-            }
-            other => other,
+            Err(error) => match *error {
+                BusError::HandlerFailed { envelope, errors } => config
+                    .on_failure(&transport, *envelope, errors)
+                    .await
+                    .map_err(Box::new),
+                other => Err(Box::new(other)),
+            },
+            ok => ok,
         }
     }
 }
 
 impl Middleware for Retry {
     fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
-        Box::pin(self.process(envelope, move |e| next.run(e)))
+        Box::pin(async move {
+            self.process(envelope, move |e| async move {
+                next.run(e).await.map_err(Box::new)
+            })
+            .await
+            .map_err(|e| *e)
+        })
     }
 }
 
