@@ -73,7 +73,23 @@ struct Meta {
     name: &'static str,
     kind: MessageKind,
     stamps: SmallVec<[StampEntry; 4]>,
+    /// The union of the stamps' [`StampEntry::bit`]s: lets a lookup of a
+    /// stamp type the envelope does not hold return without a scan.
+    kinds: u8,
     headers: Option<Arc<BTreeMap<String, String>>>,
+}
+
+impl Meta {
+    #[inline]
+    fn push(&mut self, entry: StampEntry) {
+        self.kinds |= entry.bit();
+        self.stamps.push(entry);
+    }
+
+    /// Recomputes `kinds` after stamps were removed.
+    fn recount(&mut self) {
+        self.kinds = self.stamps.iter().fold(0, |k, e| k | e.bit());
+    }
 }
 
 /// A message with its stamps and headers.
@@ -125,6 +141,7 @@ impl Envelope {
             name: M::NAME,
             kind,
             stamps: SmallVec::new(),
+            kinds: 0,
             headers: None,
         }
     }
@@ -174,7 +191,7 @@ impl Envelope {
     #[must_use = "an envelope is immutable: `with` returns the stamped copy"]
     #[inline]
     pub fn with<S: Stamp>(mut self, stamp: S) -> Self {
-        self.meta_mut().stamps.push(StampEntry::new(stamp));
+        self.meta_mut().push(StampEntry::new(stamp));
         self
     }
 
@@ -188,9 +205,7 @@ impl Envelope {
 
     /// The most recently added stamp of type `S`.
     pub fn last<S: Stamp>(&self) -> Option<&S> {
-        self.body
-            .meta
-            .stamps
+        self.candidates::<S>()
             .iter()
             .rev()
             .find_map(|e| e.downcast::<S>())
@@ -198,9 +213,7 @@ impl Envelope {
 
     /// Every stamp of type `S`, oldest first.
     pub fn all<S: Stamp>(&self) -> impl DoubleEndedIterator<Item = &S> + '_ {
-        self.body
-            .meta
-            .stamps
+        self.candidates::<S>()
             .iter()
             .filter_map(|e| e.downcast::<S>())
     }
@@ -209,7 +222,19 @@ impl Envelope {
     #[inline]
     pub fn has<S: Stamp>(&self) -> bool {
         let id = TypeId::of::<S>();
-        self.body.meta.stamps.iter().any(|e| e.type_id() == id)
+        self.candidates::<S>().iter().any(|e| e.type_id() == id)
+    }
+
+    /// The entries that may hold an `S`: none when no entry of its kind is
+    /// there, so most lookups on a fresh envelope do not scan.
+    #[inline]
+    fn candidates<S: Stamp>(&self) -> &[StampEntry] {
+        let meta = &self.body.meta;
+        if meta.kinds & StampEntry::bit_of::<S>() == 0 {
+            &[]
+        } else {
+            &meta.stamps
+        }
     }
 
     /// Every stamp, oldest first, as object-safe views (for serializers and
@@ -221,7 +246,7 @@ impl Envelope {
     /// Adds an already type-erased stamp (used by deserializers).
     #[must_use = "an envelope is immutable: `with_erased` returns the stamped copy"]
     pub fn with_erased(mut self, stamp: Arc<dyn crate::stamp::ErasedStamp>) -> Self {
-        self.meta_mut().stamps.push(StampEntry::Other(stamp));
+        self.meta_mut().push(StampEntry::Other(stamp));
         self
     }
 
@@ -275,7 +300,9 @@ impl Envelope {
     /// store envelopes without encoding them.
     pub(crate) fn into_sendable(mut self) -> Self {
         if self.body.meta.stamps.iter().any(|e| !e.erased().sendable()) {
-            self.meta_mut().stamps.retain(|e| e.erased().sendable());
+            let meta = self.meta_mut();
+            meta.stamps.retain(|e| e.erased().sendable());
+            meta.recount();
         }
         self
     }
@@ -299,6 +326,7 @@ impl Envelope {
                 }
                 None => true,
             });
+        meta.recount();
         out
     }
 
@@ -314,6 +342,7 @@ impl Envelope {
                 name: self.body.meta.name,
                 kind: self.body.meta.kind,
                 stamps: SmallVec::new(),
+                kinds: 0,
                 headers: self.body.meta.headers.clone(),
             },
             message: SharedMessage(root),
@@ -383,6 +412,24 @@ mod tests {
         assert_eq!(e.message::<Ping>(), Some(&Ping(3)));
         assert_eq!(e.message_name(), "Ping");
         assert_eq!(e.kind(), MessageKind::Command);
+    }
+
+    #[test]
+    fn lookups_follow_stamps_added_and_removed() {
+        use crate::middleware::dispatch_after_current_bus::DeferredDispatches;
+        let e = Envelope::new(Ping(1));
+        assert!(!e.has::<DelayStamp>() && !e.has::<BusNameStamp>());
+        let e = e
+            .with(BusNameStamp::new("bus"))
+            .with(DeferredDispatches::default())
+            .with(DelayStamp::new(std::time::Duration::from_millis(5)));
+        assert!(e.has::<BusNameStamp>() && e.has::<DeferredDispatches>() && e.has::<DelayStamp>());
+        assert!(!e.has::<HandledStamp>() && !e.has::<SentStamp>());
+        // Removing the non-sendable stamp keeps the other stamps findable.
+        let e = e.into_sendable();
+        assert!(!e.has::<DeferredDispatches>());
+        assert!(e.has::<DelayStamp>() && e.has::<BusNameStamp>());
+        assert_eq!(e.all::<DelayStamp>().count(), 1);
     }
 
     #[test]

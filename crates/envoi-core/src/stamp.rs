@@ -125,6 +125,33 @@ impl StampEntry {
         }
     }
 
+    /// The entry's bit in an envelope's summary of the stamp kinds it
+    /// holds: one per inline kind, one shared by every other stamp type.
+    #[inline]
+    pub(crate) fn bit(&self) -> u8 {
+        match self {
+            StampEntry::BusName(_) => 1,
+            StampEntry::Handled(_) => 2,
+            StampEntry::Received(_) => 4,
+            StampEntry::Other(_) => 8,
+        }
+    }
+
+    /// The bit entries of stamp type `S` carry (see [`bit`](Self::bit)).
+    #[inline]
+    pub(crate) fn bit_of<S: Stamp>() -> u8 {
+        let id = TypeId::of::<S>();
+        if id == TypeId::of::<BusNameStamp>() {
+            1
+        } else if id == TypeId::of::<HandledStamp>() {
+            2
+        } else if id == TypeId::of::<ReceivedStamp>() {
+            4
+        } else {
+            8
+        }
+    }
+
     pub(crate) fn erased(&self) -> &dyn ErasedStamp {
         match self {
             StampEntry::BusName(s) => s,
