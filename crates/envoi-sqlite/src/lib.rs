@@ -90,6 +90,13 @@
 //!   handled (then handled by two consumers, as at-least-once allows), never
 //!   a newer one.
 //!
+//! `tests/crash.rs` proves the first and last points with real worker
+//! processes: one is killed with `SIGKILL` five times at different points of
+//! a 2,000-message run and restarted, and every message id is handled at
+//! least once with none left behind; another is stopped with `SIGTERM` and
+//! finishes what it started, hands back what it had fetched but not started
+//! (claimable again at once), and handles nothing twice.
+//!
 //! `get(max)` claims `max` rows in one statement. Consumers that ask for one
 //! message at a time can set `batch=N` to claim `N` and keep the others,
 //! leased to this handle, for the next calls; rows kept for half the lease
