@@ -35,12 +35,13 @@ use crate::message::Message;
 use crate::middleware::add_bus_name::AddBusNameStamp;
 use crate::middleware::dispatch_after_current_bus;
 use crate::middleware::dispatch_after_current_bus::DeferredDispatches;
+use crate::middleware::dispatch_after_current_bus::{scope, take_deferred};
 use crate::middleware::failed_message_processing::FailedMessageProcessing;
-use crate::middleware::handle_message::HandleMessage;
+use crate::middleware::handle_message::{single_failed, with_deferred, HandleMessage};
 use crate::middleware::retry::Retry;
 use crate::middleware::send_message::SendMessage;
 use crate::middleware::{BoxFuture, Endpoint, Middleware, Next};
-use crate::stamp::{DispatchAfterCurrentBusStamp, ReceivedStamp};
+use crate::stamp::{DispatchAfterCurrentBusStamp, HandledStamp, ReceivedStamp};
 
 /// Identifies a middleware added to a live bus, for removing it later.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -238,7 +239,20 @@ impl BusInner {
         let envelope = self.add_bus_name.apply(envelope);
         if self.is_plain(&envelope) {
             // Steps 2 to 6 have nothing to do: go straight to the handlers
-            // and settle what they deferred, as step 2 would.
+            // and settle what they deferred, as step 2 would. The common
+            // case, one handler, runs here without another future around it.
+            if let Some(handler) = self.handle.single(&envelope) {
+                let (scope_id, scoped) = scope(handler.call(&envelope));
+                let out = match scoped.await {
+                    Ok(result) => envelope.with(HandledStamp::new(handler.name(), result)),
+                    Err(error) => return Err(single_failed(envelope, handler, error)),
+                };
+                let deferred = take_deferred(scope_id);
+                if deferred.is_empty() {
+                    return Ok(out);
+                }
+                return dispatch_after_current_bus::settle(with_deferred(out, deferred)).await;
+            }
             let out = self.handle.process(envelope).await?;
             if !out.has::<DeferredDispatches>() {
                 return Ok(out);

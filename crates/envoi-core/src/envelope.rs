@@ -71,6 +71,9 @@ pub(crate) struct Body<M: ?Sized = dyn ErasedMessage> {
 #[derive(Clone)]
 struct Meta {
     name: &'static str,
+    /// The message's type, kept here so the hot lookups by type (handlers,
+    /// routes) need no dynamic call.
+    type_id: TypeId,
     kind: MessageKind,
     stamps: SmallVec<[StampEntry; 4]>,
     /// The union of the stamps' [`StampEntry::bit`]s: lets a lookup of a
@@ -139,6 +142,7 @@ impl Envelope {
     fn meta_for<M: Message>(kind: MessageKind) -> Meta {
         Meta {
             name: M::NAME,
+            type_id: TypeId::of::<M>(),
             kind,
             stamps: SmallVec::new(),
             kinds: 0,
@@ -263,7 +267,7 @@ impl Envelope {
     /// The [`TypeId`] of the message.
     #[inline]
     pub fn message_type_id(&self) -> TypeId {
-        self.body.message.as_any().type_id()
+        self.body.meta.type_id
     }
 
     /// The message's stable name ([`Message::NAME`]).
@@ -340,6 +344,7 @@ impl Envelope {
         let body: Arc<Body> = Arc::new(Body {
             meta: Meta {
                 name: self.body.meta.name,
+                type_id: self.body.meta.type_id,
                 kind: self.body.meta.kind,
                 stamps: SmallVec::new(),
                 kinds: 0,

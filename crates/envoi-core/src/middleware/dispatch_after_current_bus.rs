@@ -90,6 +90,7 @@ thread_local! {
 
 /// Ids for scopes: unique across threads without a shared counter on the
 /// hot path (a thread takes a block of ids at a time).
+#[inline]
 fn next_scope_id() -> u64 {
     static BLOCKS: AtomicU64 = AtomicU64::new(1);
     thread_local! {

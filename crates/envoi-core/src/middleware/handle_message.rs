@@ -6,7 +6,7 @@ use super::dispatch_after_current_bus::{scope, take_deferred, Deferred, Deferred
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result, StepResult};
-use crate::handler::HandlerRegistry;
+use crate::handler::{ErasedHandler, HandlerRegistry};
 use crate::message::MessageKind;
 use crate::stamp::HandledStamp;
 
@@ -43,6 +43,21 @@ impl HandleMessage {
         &self.registry
     }
 
+    /// The message's handler when it has exactly one that has not handled
+    /// it yet: the case the bus runs inline (see [`single_failed`]).
+    #[inline]
+    pub(crate) fn single(&self, envelope: &Envelope) -> Option<&dyn ErasedHandler> {
+        match self
+            .registry
+            .get(envelope.message_type_id())?
+            .handlers
+            .as_slice()
+        {
+            [handler] if !already_handled(envelope, &**handler) => Some(&**handler),
+            _ => None,
+        }
+    }
+
     /// Runs the handlers.
     pub(crate) async fn process(&self, envelope: Envelope) -> StepResult {
         let Some(reg) = self.registry.get(envelope.message_type_id()) else {
@@ -55,20 +70,14 @@ impl HandleMessage {
             };
         };
         if let [handler] = reg.handlers.as_slice() {
-            if !already_handled(&envelope, handler.name()) {
+            if !already_handled(&envelope, &**handler) {
                 let (scope_id, scoped) = scope(handler.call(&envelope));
                 return match scoped.await {
                     Ok(result) => Ok(with_deferred(
                         envelope.with(HandledStamp::new(handler.name(), result)),
                         take_deferred(scope_id),
                     )),
-                    Err(error) => Err(Box::new(BusError::HandlerFailed {
-                        envelope: Box::new(envelope),
-                        errors: vec![HandlerError {
-                            handler: handler.name(),
-                            error,
-                        }],
-                    })),
+                    Err(error) => Err(single_failed(envelope, &**handler, error)),
                 };
             }
             return Ok(envelope);
@@ -76,7 +85,7 @@ impl HandleMessage {
         let mut envelope = envelope;
         let mut errors = Vec::new();
         for handler in &reg.handlers {
-            if already_handled(&envelope, handler.name()) {
+            if already_handled(&envelope, &**handler) {
                 continue;
             }
             let (scope_id, scoped) = scope(handler.call(&envelope));
@@ -104,9 +113,24 @@ impl HandleMessage {
     }
 }
 
+/// The error of a message whose only handler failed.
+pub(crate) fn single_failed(
+    envelope: Envelope,
+    handler: &dyn ErasedHandler,
+    error: crate::error::BoxError,
+) -> Box<BusError> {
+    Box::new(BusError::HandlerFailed {
+        envelope: Box::new(envelope),
+        errors: vec![HandlerError {
+            handler: handler.name(),
+            error,
+        }],
+    })
+}
+
 /// Attaches what a successful handler deferred, for step 2 to run.
 #[inline]
-fn with_deferred(envelope: Envelope, deferred: Vec<Deferred>) -> Envelope {
+pub(crate) fn with_deferred(envelope: Envelope, deferred: Vec<Deferred>) -> Envelope {
     if deferred.is_empty() {
         envelope
     } else {
@@ -115,8 +139,10 @@ fn with_deferred(envelope: Envelope, deferred: Vec<Deferred>) -> Envelope {
 }
 
 #[inline]
-fn already_handled(envelope: &Envelope, handler: &str) -> bool {
-    envelope.all::<HandledStamp>().any(|s| s.handler == handler)
+fn already_handled(envelope: &Envelope, handler: &dyn ErasedHandler) -> bool {
+    envelope
+        .all::<HandledStamp>()
+        .any(|s| s.handler == handler.name())
 }
 
 impl Middleware for HandleMessage {
