@@ -18,6 +18,10 @@ pub struct FailedMessageProcessing;
 impl FailedMessageProcessing {
     #[inline]
     pub(crate) fn apply(envelope: Envelope) -> Envelope {
+        if !envelope.has::<ReceivedStamp>() {
+            // Not received from a transport: nothing to restore.
+            return envelope;
+        }
         let original = match (
             envelope.last::<SentToFailureTransportStamp>(),
             envelope.last::<ReceivedStamp>(),
