@@ -34,6 +34,7 @@ use crate::envelope::Envelope;
 use crate::error::{BusError, Result, TransportError};
 use crate::middleware::BoxFuture;
 use crate::serializer::Serializer;
+use crate::stamp::{ErasedStamp, TransportMessageIdStamp};
 
 /// A message as a transport stores it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -248,10 +249,86 @@ pub enum Payload {
 /// A message handed out by [`LocalTransport::get_local`].
 #[derive(Debug, Clone)]
 pub struct LocalDelivery {
-    /// The transport's id for it, used with [`Transport::ack`] and friends.
-    pub id: String,
+    /// The transport's id for it: [`LocalId::as_str`] is what
+    /// [`Transport::ack`] and friends take, [`LocalId::key`] what
+    /// [`LocalTransport::ack_local`] takes.
+    pub id: LocalId,
     /// The message.
     pub payload: Payload,
+}
+
+/// The id of a message in an in-process transport: a number, and the
+/// [`TransportMessageIdStamp`] carrying its decimal form, made once when the
+/// message is stored and shared by every envelope stamped with it (so
+/// handing the message out again costs no new string).
+///
+/// ```
+/// use envoi_core::transport::LocalId;
+///
+/// let id = LocalId::new(42);
+/// assert_eq!((id.key(), id.as_str()), (42, "42"));
+/// ```
+#[derive(Clone)]
+pub struct LocalId {
+    key: u64,
+    stamp: Arc<TransportMessageIdStamp>,
+}
+
+impl LocalId {
+    /// The id `key`, whose text form is `key` in decimal.
+    pub fn new(key: u64) -> Self {
+        Self {
+            key,
+            stamp: Arc::new(TransportMessageIdStamp::new(decimal(key))),
+        }
+    }
+
+    /// The number.
+    pub fn key(&self) -> u64 {
+        self.key
+    }
+
+    /// The text form, as [`Transport`] methods take it.
+    pub fn as_str(&self) -> &str {
+        &self.stamp.id
+    }
+
+    /// The stamp carrying the text form, shared (add it with
+    /// [`Envelope::with_erased`]).
+    pub fn stamp(&self) -> Arc<dyn ErasedStamp> {
+        self.stamp.clone()
+    }
+}
+
+impl fmt::Debug for LocalId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq for LocalId {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+
+impl Eq for LocalId {}
+
+/// `n` in decimal, without the formatting machinery (this runs per message).
+fn decimal(mut n: u64) -> String {
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let mut out = String::with_capacity(buf.len() - i);
+    out.extend(buf[i..].iter().map(|b| char::from(*b)));
+    out
 }
 
 /// The future of a [`LocalTransport`] method: already complete (what an
@@ -316,7 +393,39 @@ pub trait LocalTransport: Send + Sync {
     fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>>;
 
     /// Hands out up to `max` available messages, leasing them to the caller.
+    /// An envelope may still carry the non-sendable stamps of its send (see
+    /// [`send_envelope_stamped`](Self::send_envelope_stamped)); a consumer
+    /// drops them, as a transport that encodes would have.
     fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>>;
+
+    /// Sends `envelope` like [`send_envelope`](Self::send_envelope) and adds
+    /// `stamp` (the send step's [`SentStamp`](crate::stamp::SentStamp)) to the
+    /// envelope it returns. The default sends, then stamps. A transport that
+    /// keeps the envelope it returns overrides it to stamp first, so the
+    /// stored copy and the returned one share their stamps instead of one
+    /// being copied; the stored copy then carries the non-sendable stamps of
+    /// the send, which consumers drop.
+    fn send_envelope_stamped(
+        &self,
+        envelope: Envelope,
+        stamp: Arc<dyn ErasedStamp>,
+    ) -> LocalFuture<'_, Result<Envelope>> {
+        match self.send_envelope(envelope) {
+            LocalFuture::Ready(Some(sent)) => {
+                LocalFuture::ready(sent.map(|e| e.with_erased(stamp)))
+            }
+            other => LocalFuture::pending(async move { other.await.map(|e| e.with_erased(stamp)) }),
+        }
+    }
+
+    /// Acknowledges messages handed out by
+    /// [`get_local`](Self::get_local) by their [`LocalId::key`], as
+    /// [`Transport::ack_batch`] does by their text ids. Unsupported by
+    /// default.
+    fn ack_local(&self, keys: &[u64]) -> Result<(), TransportError> {
+        let _ = keys;
+        Err(TransportError::Unsupported("ack_local"))
+    }
 
     /// Whether sending handles the message at once (the sync transport), so
     /// there is nothing to consume and no retry to schedule.
@@ -363,6 +472,15 @@ pub trait SenderDispatcher: Send + Sync + 'static {
 
     /// The names of the transports it can send to.
     fn transports(&self) -> Vec<String>;
+
+    /// The transport called `transport` when sending to it through this
+    /// dispatcher is exactly [`TransportSender::send_envelope`](crate::transports::TransportSender::send_envelope)
+    /// (so the send step may send to it directly); `None` otherwise, which
+    /// is the default.
+    fn direct(&self, transport: &str) -> Option<Arc<dyn Transport>> {
+        let _ = transport;
+        None
+    }
 }
 
 /// The default [`SenderDispatcher`]: sends at once through named [`Sender`]s.
