@@ -9,13 +9,10 @@
 //!   acknowledged, rejected nor released within the lease timeout (30 s by
 //!   default, extended by `keepalive`), it is handed out again.
 //! * **No encoding by default**: messages sent through a messenger are
-//!   stored as envelopes and handed back as envelopes, which is what makes
-//!   it fast. The non-sendable stamps an envelope had when it was sent are
-//!   dropped, as a real transport would drop them; the stored envelope is
-//!   shared with the one the send returns, so it carries the non-sendable
-//!   stamps of the send itself (its transport id, the send step's
-//!   `SentStamp`), which the worker drops when it receives it and
-//!   [`stored`](InMemoryTransport::stored) leaves out. With `serialize` set (`in-memory://?serialize=true`) every
+//!   stored as envelopes (minus their non-sendable stamps, as a real
+//!   transport would drop them) and handed back as envelopes, which is what
+//!   makes it fast. A stored message costs its envelope and a number: its
+//!   id's text and stamp are made when needed. With `serialize` set (`in-memory://?serialize=true`) every
 //!   message is encoded by the serializer on the way in and decoded on the way
 //!   out, to prove the messages survive a real transport.
 //!
@@ -44,7 +41,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -54,7 +51,7 @@ use crate::envelope::Envelope;
 use crate::error::{Result, TransportError};
 use crate::middleware::BoxFuture;
 use crate::serializer::Serializer;
-use crate::stamp::{DelayStamp, ErasedStamp};
+use crate::stamp::DelayStamp;
 use crate::transport::{
     mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalId, LocalTransport, Payload,
     RawMessage, Transport, TransportBinding,
@@ -313,7 +310,7 @@ impl State {
             .iter()
             .chain(self.delayed.iter().map(|d| &d.entry))
             .chain(self.leased.values().map(|l| &l.entry))
-            .map(|e| (e.id.clone(), e.stored.payload()))
+            .map(|e| (e.id, e.stored.payload()))
             .collect();
         all.sort_unstable_by_key(|(id, _)| id.key());
         all
@@ -416,18 +413,11 @@ impl InMemoryTransport {
     }
 
     /// Every stored message (waiting, delayed or leased), oldest first,
-    /// without leasing them, as a consumer would see them (envelopes without
-    /// non-sendable stamps).
+    /// without leasing them.
     pub fn stored(&self) -> Vec<LocalDelivery> {
         let all = self.lock().snapshot();
         all.into_iter()
-            .map(|(id, payload)| LocalDelivery {
-                id,
-                payload: match payload {
-                    Payload::Envelope(e) => Payload::Envelope(e.into_sendable()),
-                    raw => raw,
-                },
-            })
+            .map(|(id, payload)| LocalDelivery { id, payload })
             .collect()
     }
 
@@ -450,7 +440,7 @@ impl InMemoryTransport {
                 },
             };
         Ok(Delivery {
-            id: id.as_str().to_string(),
+            id: id.to_string(),
             raw,
         })
     }
@@ -471,7 +461,7 @@ impl InMemoryTransport {
         let id = self.next_id();
         self.lock().store(
             Entry {
-                id: id.clone(),
+                id,
                 stored: Stored::new(payload),
             },
             delay,
@@ -480,41 +470,23 @@ impl InMemoryTransport {
         id
     }
 
-    /// Stores `envelope` stamped with a new id (and `extra`), and returns
-    /// it, sharing its stamps with the stored copy.
-    fn store_envelope(&self, envelope: Envelope, extra: Option<Arc<dyn ErasedStamp>>) -> Envelope {
+    /// Stores `envelope` without its non-sendable stamps and returns it
+    /// stamped with its new id.
+    fn store_envelope(&self, envelope: Envelope) -> Envelope {
         let delay = envelope
             .last::<DelayStamp>()
             .map(DelayStamp::duration)
             .filter(|d| !d.is_zero());
         let id = self.next_id();
-        let stamp = |e: Envelope| {
-            let e = e.with_erased(id.stamp());
-            match &extra {
-                Some(extra) => e.with_erased(extra.clone()),
-                None => e,
-            }
-        };
-        // Usually the envelope has only sendable stamps and nobody else holds
-        // it: it takes the stamps of the send in place and is stored as it
-        // is returned. Otherwise the stored copy leaves out the non-sendable
-        // stamps it came with.
-        let (stored, envelope) = if envelope.stamps().all(|s| s.sendable()) {
-            let envelope = stamp(envelope);
-            (envelope.clone(), envelope)
-        } else {
-            let stored = stamp(envelope.clone().into_sendable());
-            (stored, stamp(envelope))
-        };
         self.lock().store(
             Entry {
                 id,
-                stored: Stored::Envelope(stored),
+                stored: Stored::Envelope(envelope.clone().into_sendable()),
             },
             delay,
         );
         self.wake();
-        envelope
+        envelope.with_erased(id.stamp())
     }
 }
 
@@ -541,7 +513,7 @@ impl Transport for InMemoryTransport {
         delay: Option<Duration>,
     ) -> BoxFuture<'_, Result<String, TransportError>> {
         let id = self.store(Payload::Raw(message), delay);
-        Box::pin(async move { Ok(id.as_str().to_string()) })
+        Box::pin(async move { Ok(id.to_string()) })
     }
 
     fn send_batch(
@@ -558,10 +530,7 @@ impl Transport for InMemoryTransport {
                 (entry, d)
             })
             .collect();
-        let ids = entries
-            .iter()
-            .map(|(e, _)| e.id.as_str().to_string())
-            .collect();
+        let ids = entries.iter().map(|(e, _)| e.id.to_string()).collect();
         {
             let mut state = self.lock();
             for (entry, delay) in entries {
@@ -575,7 +544,7 @@ impl Transport for InMemoryTransport {
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         let mut taken = Vec::new();
         self.lock().take(max, self.config.lease_timeout, |e| {
-            taken.push((e.id.clone(), e.stored.payload()))
+            taken.push((e.id, e.stored.payload()))
         });
         let out = taken
             .into_iter()
@@ -730,15 +699,7 @@ impl Transport for InMemoryTransport {
 
 impl LocalTransport for InMemoryTransport {
     fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>> {
-        LocalFuture::ready(Ok(self.store_envelope(envelope, None)))
-    }
-
-    fn send_envelope_stamped(
-        &self,
-        envelope: Envelope,
-        stamp: Arc<dyn ErasedStamp>,
-    ) -> LocalFuture<'_, Result<Envelope>> {
-        LocalFuture::ready(Ok(self.store_envelope(envelope, Some(stamp))))
+        LocalFuture::ready(Ok(self.store_envelope(envelope)))
     }
 
     fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
@@ -748,7 +709,7 @@ impl LocalTransport for InMemoryTransport {
                 out.reserve_exact(max);
             }
             out.push(LocalDelivery {
-                id: e.id.clone(),
+                id: e.id,
                 payload: e.stored.payload(),
             })
         });
@@ -910,15 +871,11 @@ mod tests {
         assert!(!e.has::<crate::stamp::ReceivedStamp>());
         assert!(e.has::<DelayStamp>());
         assert_eq!(
-            got[0].id.as_str(),
+            got[0].id.to_string(),
             sent.last::<crate::stamp::TransportMessageIdStamp>()
                 .unwrap()
                 .id
         );
-        // What a consumer sees: no stamp of the send.
-        let Payload::Envelope(e) = &t.stored()[0].payload else {
-            panic!("expected an envelope")
-        };
         assert!(!e.has::<crate::stamp::TransportMessageIdStamp>());
     }
 
@@ -954,7 +911,7 @@ mod tests {
     #[test]
     fn ids_are_formatted_in_decimal() {
         for n in [0, 7, 10, 12345, u64::MAX] {
-            assert_eq!(LocalId::new(n).as_str(), n.to_string());
+            assert_eq!(LocalId::new(n).to_string(), n.to_string());
         }
     }
 
@@ -972,7 +929,7 @@ mod tests {
             t.ack_local(&[keys[0]]),
             Err(TransportError::NotFound(id)) if id == keys[0].to_string()
         ));
-        t.ack(got[2].id.as_str()).await.unwrap();
+        t.ack(&got[2].id.to_string()).await.unwrap();
         assert_eq!(t.message_count().await.unwrap(), 0);
     }
 

@@ -249,7 +249,7 @@ pub enum Payload {
 /// A message handed out by [`LocalTransport::get_local`].
 #[derive(Debug, Clone)]
 pub struct LocalDelivery {
-    /// The transport's id for it: [`LocalId::as_str`] is what
+    /// The transport's id for it: its text form is what
     /// [`Transport::ack`] and friends take, [`LocalId::key`] what
     /// [`LocalTransport::ack_local`] takes.
     pub id: LocalId,
@@ -257,62 +257,45 @@ pub struct LocalDelivery {
     pub payload: Payload,
 }
 
-/// The id of a message in an in-process transport: a number, and the
-/// [`TransportMessageIdStamp`] carrying its decimal form, made once when the
-/// message is stored and shared by every envelope stamped with it (so
-/// handing the message out again costs no new string).
+/// The id of a message in an in-process transport: a number, whose decimal
+/// form is the id [`Transport`] methods take. Nothing is stored for it but
+/// the number: its text and its
+/// [`TransportMessageIdStamp`] are made when needed.
 ///
 /// ```
 /// use envoi_core::transport::LocalId;
 ///
 /// let id = LocalId::new(42);
-/// assert_eq!((id.key(), id.as_str()), (42, "42"));
+/// assert_eq!((id.key(), id.to_string()), (42, "42".to_string()));
 /// ```
-#[derive(Clone)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LocalId {
     key: u64,
-    stamp: Arc<TransportMessageIdStamp>,
 }
 
 impl LocalId {
-    /// The id `key`, whose text form is `key` in decimal.
+    /// The id `key`.
     pub fn new(key: u64) -> Self {
-        Self {
-            key,
-            stamp: Arc::new(TransportMessageIdStamp::new(decimal(key))),
-        }
+        Self { key }
     }
 
     /// The number.
-    pub fn key(&self) -> u64 {
+    pub fn key(self) -> u64 {
         self.key
     }
 
-    /// The text form, as [`Transport`] methods take it.
-    pub fn as_str(&self) -> &str {
-        &self.stamp.id
-    }
-
-    /// The stamp carrying the text form, shared (add it with
-    /// [`Envelope::with_erased`]).
-    pub fn stamp(&self) -> Arc<dyn ErasedStamp> {
-        self.stamp.clone()
+    /// A [`TransportMessageIdStamp`] carrying the text form, to add with
+    /// [`Envelope::with_erased`].
+    pub fn stamp(self) -> Arc<dyn ErasedStamp> {
+        Arc::new(TransportMessageIdStamp::new(decimal(self.key)))
     }
 }
 
-impl fmt::Debug for LocalId {
+impl fmt::Display for LocalId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        fmt::Display::fmt(&self.key, f)
     }
 }
-
-impl PartialEq for LocalId {
-    fn eq(&self, other: &Self) -> bool {
-        self.key == other.key
-    }
-}
-
-impl Eq for LocalId {}
 
 /// `n` in decimal, without the formatting machinery (this runs per message).
 fn decimal(mut n: u64) -> String {
@@ -393,30 +376,7 @@ pub trait LocalTransport: Send + Sync {
     fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>>;
 
     /// Hands out up to `max` available messages, leasing them to the caller.
-    /// An envelope may still carry the non-sendable stamps of its send (see
-    /// [`send_envelope_stamped`](Self::send_envelope_stamped)); a consumer
-    /// drops them, as a transport that encodes would have.
     fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>>;
-
-    /// Sends `envelope` like [`send_envelope`](Self::send_envelope) and adds
-    /// `stamp` (the send step's [`SentStamp`](crate::stamp::SentStamp)) to the
-    /// envelope it returns. The default sends, then stamps. A transport that
-    /// keeps the envelope it returns overrides it to stamp first, so the
-    /// stored copy and the returned one share their stamps instead of one
-    /// being copied; the stored copy then carries the non-sendable stamps of
-    /// the send, which consumers drop.
-    fn send_envelope_stamped(
-        &self,
-        envelope: Envelope,
-        stamp: Arc<dyn ErasedStamp>,
-    ) -> LocalFuture<'_, Result<Envelope>> {
-        match self.send_envelope(envelope) {
-            LocalFuture::Ready(Some(sent)) => {
-                LocalFuture::ready(sent.map(|e| e.with_erased(stamp)))
-            }
-            other => LocalFuture::pending(async move { other.await.map(|e| e.with_erased(stamp)) }),
-        }
-    }
 
     /// Acknowledges messages handed out by
     /// [`get_local`](Self::get_local) by their [`LocalId::key`], as

@@ -916,15 +916,15 @@ pub async fn consume_one(
             envelope,
             message,
         } => (
-            ctx.park_panicked(receiver, id.as_str(), envelope, message)
+            ctx.park_panicked(receiver, &id.text(), envelope, message)
                 .await,
             id,
         ),
     };
     let result = match done.action {
-        Action::Ack => t.ack(id.as_str()).await,
-        Action::Reject => t.reject(id.as_str()).await,
-        Action::Release => t.release(id.as_str()).await,
+        Action::Ack => t.ack(&id.text()).await,
+        Action::Reject => t.reject(&id.text()).await,
+        Action::Release => t.release(&id.text()).await,
     };
     result.map_err(|e| WorkerError::Transport {
         transport: transport.to_string(),
@@ -997,17 +997,17 @@ struct Done {
 /// The id of a held message.
 #[derive(Clone)]
 enum MessageId {
-    /// From an in-process transport: a number, with its stamp made once.
+    /// From an in-process transport: a number.
     Local(LocalId),
     /// From any other transport.
     Remote(String),
 }
 
 impl MessageId {
-    fn as_str(&self) -> &str {
+    fn text(&self) -> Cow<'_, str> {
         match self {
-            MessageId::Local(id) => id.as_str(),
-            MessageId::Remote(id) => id,
+            MessageId::Local(id) => Cow::Owned(id.to_string()),
+            MessageId::Remote(id) => Cow::Borrowed(id),
         }
     }
 
@@ -1374,7 +1374,7 @@ impl Ctx {
     async fn process(&self, receiver: usize, id: MessageId, work: Work) -> Done {
         match work {
             Work::Dispatch(envelope) => self.handle(receiver, id, envelope).await,
-            Work::Park(raw, error) => self.park_raw(receiver, id.as_str(), raw, error).await,
+            Work::Park(raw, error) => self.park_raw(receiver, &id.text(), raw, error).await,
         }
     }
 
@@ -1382,19 +1382,17 @@ impl Ctx {
         let transport = &self.receivers[receiver].name;
         self.events.emit(|| WorkerEvent::Received {
             transport: transport.clone(),
-            id: id.as_str().to_string(),
+            id: id.text().into_owned(),
             message: envelope.message_name(),
         });
         let redeliveries = envelope.all::<RedeliveryStamp>().count();
         let parked = envelope.all::<SentToFailureTransportStamp>().count();
         // `envelope` is shared (with the transport's lease, with the copy
-        // kept in case the handler panics) and is kept as received. The
-        // dispatched copy drops the non-sendable stamps of the send, as a
-        // transport that encodes would have, and takes those of the receipt:
-        // one copy of the stamps, which the pipeline then adds to in place.
+        // kept in case the handler panics) and is kept as received; the
+        // dispatched copy takes the stamps of the receipt (one copy of the
+        // stamps, which the pipeline then adds to in place).
         let stamped = envelope
             .clone()
-            .into_sendable()
             .with(ReceivedStamp {
                 transport: transport.clone(),
             })
@@ -1408,7 +1406,7 @@ impl Ctx {
                     bump(&self.counters.retried);
                     self.events.emit(|| WorkerEvent::Retried {
                         transport: transport.clone(),
-                        id: id.as_str().to_string(),
+                        id: id.text().into_owned(),
                         retry_count: after.last::<RedeliveryStamp>().map_or(0, |r| r.retry_count),
                         envelope: after,
                         duration,
@@ -1417,7 +1415,7 @@ impl Ctx {
                     bump(&self.counters.handled);
                     self.events.emit(|| WorkerEvent::Handled {
                         transport: transport.clone(),
-                        id: id.as_str().to_string(),
+                        id: id.text().into_owned(),
                         envelope: after,
                         duration,
                     });
@@ -1439,7 +1437,7 @@ impl Ctx {
                 };
                 self.events.emit(|| WorkerEvent::Failed {
                     transport: transport.clone(),
-                    id: id.as_str().to_string(),
+                    id: id.text().into_owned(),
                     message: Cow::Borrowed(failed.message_name()),
                     kind: Cow::Borrowed("handler"),
                     error: BusError::HandlerFailed {
@@ -1457,23 +1455,20 @@ impl Ctx {
                 bump(&self.counters.failed);
                 self.events.emit(|| WorkerEvent::Failed {
                     transport: transport.clone(),
-                    id: id.as_str().to_string(),
+                    id: id.text().into_owned(),
                     message: Cow::Borrowed(envelope.message_name()),
                     kind: Cow::Borrowed("transport"),
                     error: error.to_string(),
                     parked_in: None,
                     released: true,
-                    envelope: Some(envelope.clone().into_sendable()),
+                    envelope: Some(envelope.clone()),
                 });
                 Action::Release
             }
             Err(error) => {
                 let details = ErrorDetailsStamp::from_error(error.kind(), &error);
-                let envelope = match error.envelope() {
-                    Some(e) => e.clone(),
-                    None => envelope.into_sendable(),
-                };
-                self.park(receiver, id.as_str(), envelope, details).await
+                let envelope = error.envelope().cloned().unwrap_or(envelope);
+                self.park(receiver, &id.text(), envelope, details).await
             }
         };
         Done { receiver, action }
@@ -1610,8 +1605,7 @@ impl Ctx {
         let action = match envelope {
             Some(envelope) => {
                 let details = ErrorDetailsStamp::new("panic", message);
-                self.park(receiver, id, envelope.into_sendable(), details)
-                    .await
+                self.park(receiver, id, envelope, details).await
             }
             None => {
                 // Only a raw park can have no envelope; it does not run user
@@ -1773,7 +1767,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         for (receiver, id, envelope, message) in std::mem::take(&mut self.panicked) {
             let done = self
                 .ctx
-                .park_panicked(receiver, id.as_str(), envelope, message)
+                .park_panicked(receiver, &id.text(), envelope, message)
                 .await;
             self.record(Finished::Done(done, id));
         }
@@ -1806,13 +1800,13 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         }
         for (receiver, id) in std::mem::take(&mut self.rejects) {
             let transport = &self.ctx.receivers[receiver].transport;
-            if let Err(e) = transport.reject(id.as_str()).await {
+            if let Err(e) = transport.reject(&id.text()).await {
                 self.transport_failed(receiver, "reject", &e);
             }
         }
         for (receiver, id) in std::mem::take(&mut self.releases) {
             let transport = &self.ctx.receivers[receiver].transport;
-            if let Err(e) = transport.release(id.as_str()).await {
+            if let Err(e) = transport.release(&id.text()).await {
                 self.transport_failed(receiver, "release", &e);
             }
         }
@@ -1823,7 +1817,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         bump(&self.ctx.counters.released);
         self.ctx.events.emit(|| WorkerEvent::Released {
             transport: self.ctx.receivers[receiver].name.clone(),
-            id: id.as_str().to_string(),
+            id: id.text().into_owned(),
         });
         self.releases.push((receiver, id));
     }
@@ -1841,7 +1835,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             .collect();
         for (receiver, id) in held {
             let transport = &self.ctx.receivers[receiver].transport;
-            if let Err(e) = transport.keepalive(id.as_str()).await {
+            if let Err(e) = transport.keepalive(&id.text()).await {
                 self.transport_failed(receiver, "keepalive", &e);
             }
         }
@@ -2170,9 +2164,9 @@ mod tests {
 
     fn finished_key(finished: Finished) -> String {
         match finished {
-            Finished::Done(_, id) => id.as_str().to_string(),
+            Finished::Done(_, id) => id.text().into_owned(),
             Finished::Panicked { id, message, .. } => {
-                format!("{} panicked: {message}", id.as_str())
+                format!("{} panicked: {message}", id.text())
             }
         }
     }

@@ -152,11 +152,10 @@ impl SendMessage {
     pub(crate) async fn send(&self, mut envelope: Envelope, targets: &[Route]) -> Result<Envelope> {
         for route in targets {
             envelope = match route.local.as_ref().and_then(|t| t.local()) {
-                Some(local) => {
-                    local
-                        .send_envelope_stamped(envelope, route.sent.clone())
-                        .await?
-                }
+                Some(local) => local
+                    .send_envelope(envelope)
+                    .await?
+                    .with_erased(route.sent.clone()),
                 None => self
                     .dispatcher
                     .send(&route.transport, envelope)
@@ -245,7 +244,7 @@ mod tests {
         let id = out.last::<TransportMessageIdStamp>().unwrap().id.clone();
         let got = queue.get_local(10).await.unwrap();
         assert_eq!(got.len(), 1);
-        assert_eq!(got[0].id.as_str(), id);
+        assert_eq!(got[0].id.to_string(), id);
         let Payload::Envelope(stored) = &queue.stored()[0].payload else {
             panic!("expected an envelope")
         };
