@@ -1676,6 +1676,35 @@ async fn ack_local(transport: &Arc<dyn Transport>, keys: &[u64]) -> Result<(), T
     transport.ack_batch(&ids).await
 }
 
+/// The acknowledgement lists, emptied, and what failed (by receiver).
+type SentAcks = (Vec<Acks>, Vec<(usize, TransportError)>);
+
+/// Sends every receiver's acknowledgements.
+async fn send_acks(ctx: &Ctx, mut acks: Vec<Acks>) -> SentAcks {
+    let mut failed = Vec::new();
+    for (receiver, acks) in acks.iter_mut().enumerate() {
+        let transport = &ctx.receivers[receiver].transport;
+        if !acks.local.is_empty() {
+            if let Err(e) = ack_local(transport, &acks.local).await {
+                failed.push((receiver, e));
+            }
+            acks.local.clear();
+        }
+        if !acks.remote.is_empty() {
+            let result = if acks.remote.len() == 1 {
+                transport.ack(&acks.remote[0]).await
+            } else {
+                transport.ack_batch(&acks.remote).await
+            };
+            if let Err(e) = result {
+                failed.push((receiver, e));
+            }
+            acks.remote.clear();
+        }
+    }
+    (acks, failed)
+}
+
 /// Makes the future handling a started message.
 type Start<'a, F> = fn(&'a Ctx, usize, MessageId, Work) -> F;
 
@@ -1688,6 +1717,8 @@ struct Run<'a, F> {
     buffer: VecDeque<Held>,
     in_flight: InFlight<F>,
     acks: Vec<Acks>,
+    /// Lists to record acknowledgements in while the others are sent.
+    spare_acks: Vec<Acks>,
     rejects: Vec<(usize, MessageId)>,
     releases: Vec<(usize, MessageId)>,
     panicked: Vec<(usize, MessageId, Option<Envelope>, String)>,
@@ -1708,6 +1739,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 .map(|r| r.rate.map(|l| Bucket::new(l, now)))
                 .collect(),
             acks: ctx.receivers.iter().map(|_| Acks::default()).collect(),
+            spare_acks: ctx.receivers.iter().map(|_| Acks::default()).collect(),
             options,
             stop,
             buffer: VecDeque::new(),
@@ -1771,32 +1803,10 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 .await;
             self.record(Finished::Done(done, id));
         }
-        for receiver in 0..self.acks.len() {
-            if !self.acks[receiver].local.is_empty() {
-                let keys = std::mem::take(&mut self.acks[receiver].local);
-                let result = ack_local(&self.ctx.receivers[receiver].transport, &keys).await;
-                if let Err(e) = result {
-                    self.transport_failed(receiver, "ack", &e);
-                }
-                let mut keys = keys;
-                keys.clear();
-                self.acks[receiver].local = keys;
-            }
-            if !self.acks[receiver].remote.is_empty() {
-                let ids = std::mem::take(&mut self.acks[receiver].remote);
-                let transport = &self.ctx.receivers[receiver].transport;
-                let result = if ids.len() == 1 {
-                    transport.ack(&ids[0]).await
-                } else {
-                    transport.ack_batch(&ids).await
-                };
-                if let Err(e) = result {
-                    self.transport_failed(receiver, "ack", &e);
-                }
-                let mut ids = ids;
-                ids.clear();
-                self.acks[receiver].remote = ids;
-            }
+        if self.pending_acks() > 0 {
+            let acks = self.take_acks();
+            let sent = send_acks(self.ctx, acks).await;
+            self.acks_sent(sent);
         }
         for (receiver, id) in std::mem::take(&mut self.rejects) {
             let transport = &self.ctx.receivers[receiver].transport;
@@ -1809,6 +1819,22 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             if let Err(e) = transport.release(&id.text()).await {
                 self.transport_failed(receiver, "release", &e);
             }
+        }
+    }
+
+    /// The pending acknowledgements, to be sent; new ones go to the spare
+    /// lists meanwhile.
+    fn take_acks(&mut self) -> Vec<Acks> {
+        let spare = std::mem::take(&mut self.spare_acks);
+        std::mem::replace(&mut self.acks, spare)
+    }
+
+    /// Keeps the lists of sent acknowledgements (emptied) as the spare ones
+    /// and reports what failed.
+    fn acks_sent(&mut self, (acks, failed): SentAcks) {
+        self.spare_acks = acks;
+        for (receiver, e) in failed {
+            self.transport_failed(receiver, "ack", &e);
         }
     }
 
@@ -1841,10 +1867,55 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         }
     }
 
-    /// Asks the receivers, in priority order, for a batch; keeps the
-    /// messages in flight going meanwhile. Returns how many arrived, and
-    /// the shortest wait for a rate-limited receiver's next token.
+    /// Asks the receivers, in priority order, for a batch while the
+    /// pending acknowledgements are sent (a broker round trip each, and a
+    /// transport that groups writes commits them together); keeps the
+    /// messages in flight going meanwhile. Returns how many arrived, and the
+    /// shortest wait for a rate-limited receiver's next token. The
+    /// acknowledgements have been sent when it returns.
     async fn fetch(&mut self, budget: u64) -> (usize, Option<Duration>) {
+        let ctx = self.ctx;
+        let pending = self.pending_acks() > 0;
+        let acks = if pending {
+            self.take_acks()
+        } else {
+            Vec::new()
+        };
+        let acking = send_acks(ctx, acks);
+        tokio::pin!(acking);
+        // `Some` once the acknowledgements are sent.
+        let mut sent: Option<SentAcks> = None;
+        let fetched = self
+            .fetch_batch(budget, &mut acking, &mut sent, pending)
+            .await;
+        if pending {
+            let sent = match sent {
+                Some(sent) => sent,
+                None => loop {
+                    tokio::select! {
+                        biased;
+                        sent = &mut acking => break sent,
+                        finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                            self.record(finished);
+                        }
+                    }
+                },
+            };
+            self.acks_sent(sent);
+        }
+        fetched
+    }
+
+    async fn fetch_batch<A>(
+        &mut self,
+        budget: u64,
+        acking: &mut Pin<&mut A>,
+        sent: &mut Option<SentAcks>,
+        pending: bool,
+    ) -> (usize, Option<Duration>)
+    where
+        A: Future<Output = SentAcks>,
+    {
         let mut wait: Option<Duration> = None;
         for receiver in 0..self.ctx.receivers.len() {
             let mut want = self
@@ -1870,6 +1941,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 tokio::select! {
                     biased;
                     got = &mut get => break got,
+                    done = acking.as_mut(), if pending && sent.is_none() => *sent = Some(done),
                     finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
                         self.record(finished);
                     }
@@ -1983,11 +2055,22 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                     None => break,
                 }
             }
+            let budget = self.options.message_limit.map_or(u64::MAX, |n| {
+                n.saturating_sub(
+                    self.processed + self.in_flight.len() as u64 + self.buffer.len() as u64,
+                )
+            });
+            let fetching = self.buffer.is_empty()
+                && self.in_flight.len() < self.options.concurrency
+                && budget > 0;
+            // Acknowledgements wait for a batch's worth, or for the buffer to
+            // run dry; then they go with the next fetch, if there is one.
+            let pending = self.pending_acks();
             if !self.panicked.is_empty()
                 || !self.rejects.is_empty()
                 || !self.releases.is_empty()
-                || self.pending_acks() >= self.options.batch_size
-                || (self.buffer.is_empty() && self.pending_acks() > 0)
+                || (pending >= self.options.batch_size && !self.buffer.is_empty())
+                || (pending > 0 && self.buffer.is_empty() && !fetching)
             {
                 self.flush().await;
                 continue;
@@ -1996,15 +2079,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 // Room freed up while harvesting: start more first.
                 continue;
             }
-            let budget = self.options.message_limit.map_or(u64::MAX, |n| {
-                n.saturating_sub(
-                    self.processed + self.in_flight.len() as u64 + self.buffer.len() as u64,
-                )
-            });
-            if self.buffer.is_empty()
-                && self.in_flight.len() < self.options.concurrency
-                && budget > 0
-            {
+            if fetching {
                 let (n, token_wait) = self.fetch(budget).await;
                 if n > 0 {
                     continue;
@@ -2225,6 +2300,107 @@ mod tests {
         assert!(in_flight.start(task(7), boom).is_none());
         assert_eq!(finished_key(in_flight.next().await), "7 panicked: boom");
         assert!(in_flight.is_empty());
+    }
+
+    #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+    struct Job(u64);
+
+    impl crate::Message for Job {
+        const NAME: &'static str = "Job";
+    }
+
+    impl crate::Command for Job {
+        type Output = ();
+        type Error = std::convert::Infallible;
+    }
+
+    /// An encoding in-memory queue whose gets and acknowledgements take a
+    /// while, as a broker's round trips do.
+    struct Slow(crate::in_memory::InMemoryTransport);
+
+    impl Transport for Slow {
+        fn send(
+            &self,
+            message: RawMessage,
+            delay: Option<Duration>,
+        ) -> BoxFuture<'_, Result<String, TransportError>> {
+            self.0.send(message, delay)
+        }
+
+        fn get(
+            &self,
+            max: usize,
+        ) -> BoxFuture<'_, Result<Vec<crate::transport::Delivery>, TransportError>> {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                self.0.get(max).await
+            })
+        }
+
+        fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                self.0.ack(id).await
+            })
+        }
+
+        fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                self.0.ack_batch(ids).await
+            })
+        }
+
+        fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+            self.0.release(id)
+        }
+
+        fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+            self.0.message_count()
+        }
+
+        fn capabilities(&self) -> crate::transport::Capabilities {
+            self.0.capabilities()
+        }
+
+        fn bind(&self, binding: &crate::transport::TransportBinding) {
+            self.0.bind(binding);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn acknowledgements_recorded_while_others_are_sent_are_sent_too() {
+        let queue = Arc::new(Slow(crate::in_memory::InMemoryTransport::with_config(
+            crate::in_memory::InMemoryConfig {
+                serialize: true,
+                ..Default::default()
+            },
+        )));
+        let messenger = Messenger::builder()
+            .command_handler(|job: Job| async move {
+                // Handlers finish while gets and acknowledgements are out.
+                tokio::time::sleep(Duration::from_millis(job.0 % 5)).await;
+                Ok::<_, std::convert::Infallible>(())
+            })
+            .transport("slow", queue.clone())
+            .route::<Job>("slow")
+            .build()
+            .unwrap();
+        for n in 0..30 {
+            messenger.dispatcher().dispatch(Job(n)).await.unwrap();
+        }
+        let report = Worker::builder(&messenger)
+            .receiver("slow")
+            .concurrency(3)
+            .batch_size(4)
+            .message_limit(30)
+            .build()
+            .unwrap()
+            .run()
+            .await;
+        assert_eq!(report.stats.handled, 30);
+        assert_eq!(queue.0.acknowledged(), 30);
+        assert_eq!(queue.0.message_count().await.unwrap(), 0);
     }
 
     #[test]
