@@ -11,7 +11,8 @@
 //! * **No encoding by default**: messages sent through a messenger are
 //!   stored as envelopes (minus their non-sendable stamps, as a real
 //!   transport would drop them) and handed back as envelopes, which is what
-//!   makes it fast. With `serialize` set (`in-memory://?serialize=true`) every
+//!   makes it fast. A stored message costs its envelope and a number: its
+//!   id's text and stamp are made when needed. With `serialize` set (`in-memory://?serialize=true`) every
 //!   message is encoded by the serializer on the way in and decoded on the way
 //!   out, to prove the messages survive a real transport.
 //!
@@ -39,6 +40,7 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -49,9 +51,9 @@ use crate::envelope::Envelope;
 use crate::error::{Result, TransportError};
 use crate::middleware::BoxFuture;
 use crate::serializer::Serializer;
-use crate::stamp::{DelayStamp, TransportMessageIdStamp};
+use crate::stamp::DelayStamp;
 use crate::transport::{
-    mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalTransport, Payload,
+    mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalId, LocalTransport, Payload,
     RawMessage, Transport, TransportBinding,
 };
 
@@ -143,9 +145,38 @@ impl Hasher for IdHasher {
     }
 }
 
+/// A stored message: a [`Payload`] in half the space (a queue may hold
+/// many).
+enum Stored {
+    Envelope(Envelope),
+    Raw(Box<RawMessage>),
+}
+
+impl Stored {
+    fn new(payload: Payload) -> Self {
+        match payload {
+            Payload::Envelope(e) => Stored::Envelope(e),
+            Payload::Raw(raw) => Stored::Raw(Box::new(raw)),
+        }
+    }
+
+    fn payload(&self) -> Payload {
+        match self {
+            Stored::Envelope(e) => Payload::Envelope(e.clone()),
+            Stored::Raw(raw) => Payload::Raw((**raw).clone()),
+        }
+    }
+}
+
 struct Entry {
-    id: u64,
-    payload: Payload,
+    id: LocalId,
+    stored: Stored,
+}
+
+impl Entry {
+    fn key(&self) -> u64 {
+        self.id.key()
+    }
 }
 
 struct Delayed {
@@ -155,7 +186,7 @@ struct Delayed {
 
 impl PartialEq for Delayed {
     fn eq(&self, other: &Self) -> bool {
-        self.at == other.at && self.entry.id == other.entry.id
+        self.at == other.at && self.entry.key() == other.entry.key()
     }
 }
 impl Eq for Delayed {}
@@ -167,7 +198,7 @@ impl PartialOrd for Delayed {
 impl Ord for Delayed {
     // Reversed, so the max-heap pops the earliest first.
     fn cmp(&self, other: &Self) -> Ordering {
-        (other.at, other.entry.id).cmp(&(self.at, self.entry.id))
+        (other.at, other.entry.key()).cmp(&(self.at, self.entry.key()))
     }
 }
 
@@ -184,36 +215,32 @@ struct State {
     leased: HashMap<u64, Lease, BuildHasherDefault<IdHasher>>,
     /// No lease expires before this (a lower bound; `None` when none is held).
     earliest_expiry: Option<Instant>,
-    next_id: u64,
     acknowledged: u64,
     rejected: u64,
 }
 
 impl State {
+    /// Adds an available message in its place (by id; senders racing
+    /// each other may arrive slightly out of order).
     fn insert_ready(&mut self, entry: Entry) {
         match self.ready.back() {
-            Some(last) if last.id > entry.id => {
-                let at = self.ready.partition_point(|e| e.id < entry.id);
+            Some(last) if last.key() > entry.key() => {
+                let key = entry.key();
+                let at = self.ready.partition_point(|e| e.key() < key);
                 self.ready.insert(at, entry);
             }
             _ => self.ready.push_back(entry),
         }
     }
 
-    fn store(&mut self, payload: Payload, delay: Option<Duration>) -> u64 {
-        self.next_id += 1;
-        let entry = Entry {
-            id: self.next_id,
-            payload,
-        };
+    fn store(&mut self, entry: Entry, delay: Option<Duration>) {
         match delay.filter(|d| !d.is_zero()) {
             Some(d) => self.delayed.push(Delayed {
                 at: Instant::now() + d,
                 entry,
             }),
-            None => self.ready.push_back(entry),
+            None => self.insert_ready(entry),
         }
-        self.next_id
     }
 
     /// Moves due delayed messages and expired leases to `ready`.
@@ -228,7 +255,7 @@ impl State {
                 .leased
                 .iter()
                 .filter(|(_, l)| l.expires <= now)
-                .map(|(id, _)| *id)
+                .map(|(key, _)| *key)
                 .collect();
             for id in expired {
                 if let Some(lease) = self.leased.remove(&id) {
@@ -239,9 +266,8 @@ impl State {
         }
     }
 
-    /// Leases up to `max` ready messages, calling `out` with each id and a
-    /// clone of its payload.
-    fn take(&mut self, max: usize, lease: Duration, mut out: impl FnMut(u64, &Payload)) {
+    /// Leases up to `max` ready messages, calling `out` with each.
+    fn take(&mut self, max: usize, lease: Duration, mut out: impl FnMut(&Entry)) {
         if self.ready.is_empty() && self.delayed.is_empty() && self.earliest_expiry.is_none() {
             return;
         }
@@ -254,8 +280,8 @@ impl State {
         }
         self.leased.reserve(n);
         for entry in self.ready.drain(..n) {
-            out(entry.id, &entry.payload);
-            self.leased.insert(entry.id, Lease { entry, expires });
+            out(&entry);
+            self.leased.insert(entry.key(), Lease { entry, expires });
         }
         if self.earliest_expiry.is_none_or(|t| t > expires) {
             self.earliest_expiry = Some(expires);
@@ -268,33 +294,25 @@ impl State {
         if self.leased.remove(&id).is_some() {
             return true;
         }
-        if let Some(pos) = self.ready.iter().position(|e| e.id == id) {
+        if let Some(pos) = self.ready.iter().position(|e| e.key() == id) {
             self.ready.remove(pos);
             return true;
         }
         let before = self.delayed.len();
-        self.delayed.retain(|d| d.entry.id != id);
+        self.delayed.retain(|d| d.entry.key() != id);
         self.delayed.len() != before
     }
 
     /// Every stored message, in id order.
-    fn snapshot(&self) -> Vec<(u64, Payload)> {
-        let mut all: Vec<(u64, Payload)> = self
+    fn snapshot(&self) -> Vec<(LocalId, Payload)> {
+        let mut all: Vec<(LocalId, Payload)> = self
             .ready
             .iter()
-            .map(|e| (e.id, e.payload.clone()))
-            .chain(
-                self.delayed
-                    .iter()
-                    .map(|d| (d.entry.id, d.entry.payload.clone())),
-            )
-            .chain(
-                self.leased
-                    .values()
-                    .map(|l| (l.entry.id, l.entry.payload.clone())),
-            )
+            .chain(self.delayed.iter().map(|d| &d.entry))
+            .chain(self.leased.values().map(|l| &l.entry))
+            .map(|e| (e.id, e.stored.payload()))
             .collect();
-        all.sort_unstable_by_key(|(id, _)| *id);
+        all.sort_unstable_by_key(|(id, _)| id.key());
         all
     }
 
@@ -316,7 +334,12 @@ impl State {
 /// A queue in the process's memory; see the [module documentation](self).
 pub struct InMemoryTransport {
     state: Mutex<State>,
+    /// The last id given out.
+    last_key: AtomicU64,
     notify: Notify,
+    /// How many [`Transport::wait_for_messages`] calls are checking or
+    /// waiting: a send wakes them only when there is one.
+    waiting: AtomicUsize,
     config: InMemoryConfig,
     serializer: OnceLock<Serializer>,
 }
@@ -336,21 +359,6 @@ impl fmt::Debug for InMemoryTransport {
     }
 }
 
-/// Formats an id without the formatting machinery (this runs per message).
-fn id_string(mut n: u64) -> String {
-    let mut buf = [0u8; 20];
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    buf[i..].iter().map(|b| char::from(*b)).collect()
-}
-
 fn parse_id(id: &str) -> Result<u64, TransportError> {
     id.parse()
         .map_err(|_| TransportError::NotFound(id.to_string()))
@@ -366,7 +374,9 @@ impl InMemoryTransport {
     pub fn with_config(config: InMemoryConfig) -> Self {
         Self {
             state: Mutex::new(State::default()),
+            last_key: AtomicU64::new(0),
             notify: Notify::new(),
+            waiting: AtomicUsize::new(0),
             config,
             serializer: OnceLock::new(),
         }
@@ -405,13 +415,9 @@ impl InMemoryTransport {
     /// Every stored message (waiting, delayed or leased), oldest first,
     /// without leasing them.
     pub fn stored(&self) -> Vec<LocalDelivery> {
-        self.lock()
-            .snapshot()
-            .into_iter()
-            .map(|(id, payload)| LocalDelivery {
-                id: id.to_string(),
-                payload,
-            })
+        let all = self.lock().snapshot();
+        all.into_iter()
+            .map(|(id, payload)| LocalDelivery { id, payload })
             .collect()
     }
 
@@ -421,7 +427,7 @@ impl InMemoryTransport {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn raw(&self, id: u64, payload: Payload) -> Result<Delivery, TransportError> {
+    fn raw(&self, id: &LocalId, payload: Payload) -> Result<Delivery, TransportError> {
         let raw =
             match payload {
                 Payload::Raw(raw) => raw,
@@ -439,10 +445,64 @@ impl InMemoryTransport {
         })
     }
 
-    fn store(&self, payload: Payload, delay: Option<Duration>) -> u64 {
-        let id = self.lock().store(payload, delay);
-        self.notify.notify_one();
+    /// A new id, made outside the lock.
+    fn next_id(&self) -> LocalId {
+        LocalId::new(self.last_key.fetch_add(1, AtomicOrdering::Relaxed) + 1)
+    }
+
+    /// Wakes a [`Transport::wait_for_messages`] call, if one is waiting.
+    fn wake(&self) {
+        if self.waiting.load(AtomicOrdering::SeqCst) > 0 {
+            self.notify.notify_one();
+        }
+    }
+
+    fn store(&self, payload: Payload, delay: Option<Duration>) -> LocalId {
+        let id = self.next_id();
+        self.lock().store(
+            Entry {
+                id,
+                stored: Stored::new(payload),
+            },
+            delay,
+        );
+        self.wake();
         id
+    }
+
+    /// Stores `envelope` without its non-sendable stamps and returns it
+    /// stamped with its new id.
+    fn store_envelope(&self, envelope: Envelope) -> Envelope {
+        let delay = envelope
+            .last::<DelayStamp>()
+            .map(DelayStamp::duration)
+            .filter(|d| !d.is_zero());
+        let id = self.next_id();
+        self.lock().store(
+            Entry {
+                id,
+                stored: Stored::Envelope(envelope.clone().into_sendable()),
+            },
+            delay,
+        );
+        self.wake();
+        envelope.with_erased(id.stamp())
+    }
+}
+
+/// Counts a [`Transport::wait_for_messages`] call while it runs.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, AtomicOrdering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, AtomicOrdering::SeqCst);
     }
 }
 
@@ -460,25 +520,35 @@ impl Transport for InMemoryTransport {
         &self,
         messages: Vec<(RawMessage, Option<Duration>)>,
     ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
-        let ids: Vec<String> = {
+        let entries: Vec<(Entry, Option<Duration>)> = messages
+            .into_iter()
+            .map(|(m, d)| {
+                let entry = Entry {
+                    id: self.next_id(),
+                    stored: Stored::Raw(Box::new(m)),
+                };
+                (entry, d)
+            })
+            .collect();
+        let ids = entries.iter().map(|(e, _)| e.id.to_string()).collect();
+        {
             let mut state = self.lock();
-            messages
-                .into_iter()
-                .map(|(m, d)| state.store(Payload::Raw(m), d).to_string())
-                .collect()
-        };
-        self.notify.notify_one();
+            for (entry, delay) in entries {
+                state.store(entry, delay);
+            }
+        }
+        self.wake();
         Box::pin(async move { Ok(ids) })
     }
 
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         let mut taken = Vec::new();
-        self.lock().take(max, self.config.lease_timeout, |id, p| {
-            taken.push((id, p.clone()))
+        self.lock().take(max, self.config.lease_timeout, |e| {
+            taken.push((e.id, e.stored.payload()))
         });
         let out = taken
             .into_iter()
-            .map(|(id, p)| self.raw(id, p))
+            .map(|(id, p)| self.raw(&id, p))
             .collect::<Result<Vec<_>, _>>();
         Box::pin(async move { out })
     }
@@ -537,12 +607,12 @@ impl Transport for InMemoryTransport {
                     Ok(())
                 }
                 // Its lease expired and it is waiting again: nothing to do.
-                None if state.ready.iter().any(|e| e.id == n) => Ok(()),
+                None if state.ready.iter().any(|e| e.key() == n) => Ok(()),
                 None => Err(TransportError::NotFound(id.to_string())),
             }
         });
         if out.is_ok() {
-            self.notify.notify_one();
+            self.wake();
         }
         Box::pin(async move { out })
     }
@@ -573,7 +643,7 @@ impl Transport for InMemoryTransport {
             .snapshot()
             .into_iter()
             .take(limit)
-            .map(|(id, p)| self.raw(id, p))
+            .map(|(id, p)| self.raw(&id, p))
             .collect::<Result<Vec<_>, _>>();
         Box::pin(async move { out })
     }
@@ -582,8 +652,12 @@ impl Transport for InMemoryTransport {
         let out = match id.parse::<u64>() {
             Err(_) => Ok(None),
             Ok(n) => {
-                let found = self.lock().snapshot().into_iter().find(|(i, _)| *i == n);
-                found.map(|(i, p)| self.raw(i, p)).transpose()
+                let found = self
+                    .lock()
+                    .snapshot()
+                    .into_iter()
+                    .find(|(i, _)| i.key() == n);
+                found.map(|(i, p)| self.raw(&i, p)).transpose()
             }
         };
         Box::pin(async move { out })
@@ -595,6 +669,7 @@ impl Transport for InMemoryTransport {
 
     fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
         Box::pin(async move {
+            let _waiting = Waiting::new(&self.waiting);
             let notified = self.notify.notified();
             let wait = {
                 let state = self.lock();
@@ -624,25 +699,39 @@ impl Transport for InMemoryTransport {
 
 impl LocalTransport for InMemoryTransport {
     fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>> {
-        let delay = envelope
-            .last::<DelayStamp>()
-            .map(DelayStamp::duration)
-            .filter(|d| !d.is_zero());
-        let id = self.store(Payload::Envelope(envelope.clone().into_sendable()), delay);
-        LocalFuture::ready(Ok(
-            envelope.with(TransportMessageIdStamp::new(id_string(id)))
-        ))
+        LocalFuture::ready(Ok(self.store_envelope(envelope)))
     }
 
     fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
         let mut out = Vec::new();
-        self.lock().take(max, self.config.lease_timeout, |id, p| {
+        self.lock().take(max, self.config.lease_timeout, |e| {
+            if out.capacity() == 0 {
+                out.reserve_exact(max);
+            }
             out.push(LocalDelivery {
-                id: id_string(id),
-                payload: p.clone(),
+                id: e.id,
+                payload: e.stored.payload(),
             })
         });
         LocalFuture::ready(Ok(out))
+    }
+
+    fn ack_local(&self, keys: &[u64]) -> Result<(), TransportError> {
+        let mut missing = None;
+        {
+            let mut state = self.lock();
+            for &key in keys {
+                if state.remove(key) {
+                    state.acknowledged += 1;
+                } else {
+                    missing = Some(key);
+                }
+            }
+        }
+        match missing {
+            Some(key) => Err(TransportError::NotFound(key.to_string())),
+            None => Ok(()),
+        }
     }
 }
 
@@ -774,7 +863,7 @@ mod tests {
             )
             .await
             .unwrap();
-        assert!(sent.has::<TransportMessageIdStamp>());
+        assert!(sent.has::<crate::stamp::TransportMessageIdStamp>());
         let got = t.get_local(10).await.unwrap();
         let Payload::Envelope(e) = &got[0].payload else {
             panic!("expected an envelope")
@@ -782,9 +871,12 @@ mod tests {
         assert!(!e.has::<crate::stamp::ReceivedStamp>());
         assert!(e.has::<DelayStamp>());
         assert_eq!(
-            got[0].id,
-            sent.last::<TransportMessageIdStamp>().unwrap().id
+            got[0].id.to_string(),
+            sent.last::<crate::stamp::TransportMessageIdStamp>()
+                .unwrap()
+                .id
         );
+        assert!(!e.has::<crate::stamp::TransportMessageIdStamp>());
     }
 
     #[tokio::test]
@@ -819,8 +911,40 @@ mod tests {
     #[test]
     fn ids_are_formatted_in_decimal() {
         for n in [0, 7, 10, 12345, u64::MAX] {
-            assert_eq!(id_string(n), n.to_string());
+            assert_eq!(LocalId::new(n).to_string(), n.to_string());
         }
+    }
+
+    #[tokio::test]
+    async fn local_acks_remove_by_key_and_report_unknown_keys() {
+        let t = InMemoryTransport::new();
+        for _ in 0..3 {
+            t.send_envelope(Envelope::new(Ping)).await.unwrap();
+        }
+        let got = t.get_local(10).await.unwrap();
+        let keys: Vec<u64> = got.iter().map(|d| d.id.key()).collect();
+        t.ack_local(&keys[..2]).unwrap();
+        assert_eq!((t.message_count().await.unwrap(), t.acknowledged()), (1, 2));
+        assert!(matches!(
+            t.ack_local(&[keys[0]]),
+            Err(TransportError::NotFound(id)) if id == keys[0].to_string()
+        ));
+        t.ack(&got[2].id.to_string()).await.unwrap();
+        assert_eq!(t.message_count().await.unwrap(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_send_without_a_waiting_consumer_leaves_no_stale_wake_up() {
+        let t = std::sync::Arc::new(InMemoryTransport::new());
+        t.send(raw(1), None).await.unwrap();
+        t.get(1).await.unwrap();
+        // Nobody waited during the send, so nothing wakes this wait early.
+        let waited = tokio::time::timeout(
+            Duration::from_millis(50),
+            t.wait_for_messages(Duration::from_secs(60)),
+        )
+        .await;
+        assert!(waited.is_err());
     }
 
     #[test]

@@ -34,6 +34,7 @@ use crate::envelope::Envelope;
 use crate::error::{BusError, Result, TransportError};
 use crate::middleware::BoxFuture;
 use crate::serializer::Serializer;
+use crate::stamp::{ErasedStamp, TransportMessageIdStamp};
 
 /// A message as a transport stores it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -248,10 +249,69 @@ pub enum Payload {
 /// A message handed out by [`LocalTransport::get_local`].
 #[derive(Debug, Clone)]
 pub struct LocalDelivery {
-    /// The transport's id for it, used with [`Transport::ack`] and friends.
-    pub id: String,
+    /// The transport's id for it: its text form is what
+    /// [`Transport::ack`] and friends take, [`LocalId::key`] what
+    /// [`LocalTransport::ack_local`] takes.
+    pub id: LocalId,
     /// The message.
     pub payload: Payload,
+}
+
+/// The id of a message in an in-process transport: a number, whose decimal
+/// form is the id [`Transport`] methods take. Nothing is stored for it but
+/// the number: its text and its
+/// [`TransportMessageIdStamp`] are made when needed.
+///
+/// ```
+/// use envoi_core::transport::LocalId;
+///
+/// let id = LocalId::new(42);
+/// assert_eq!((id.key(), id.to_string()), (42, "42".to_string()));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LocalId {
+    key: u64,
+}
+
+impl LocalId {
+    /// The id `key`.
+    pub fn new(key: u64) -> Self {
+        Self { key }
+    }
+
+    /// The number.
+    pub fn key(self) -> u64 {
+        self.key
+    }
+
+    /// A [`TransportMessageIdStamp`] carrying the text form, to add with
+    /// [`Envelope::with_erased`].
+    pub fn stamp(self) -> Arc<dyn ErasedStamp> {
+        Arc::new(TransportMessageIdStamp::new(decimal(self.key)))
+    }
+}
+
+impl fmt::Display for LocalId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.key, f)
+    }
+}
+
+/// `n` in decimal, without the formatting machinery (this runs per message).
+fn decimal(mut n: u64) -> String {
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let mut out = String::with_capacity(buf.len() - i);
+    out.extend(buf[i..].iter().map(|b| char::from(*b)));
+    out
 }
 
 /// The future of a [`LocalTransport`] method: already complete (what an
@@ -318,6 +378,15 @@ pub trait LocalTransport: Send + Sync {
     /// Hands out up to `max` available messages, leasing them to the caller.
     fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>>;
 
+    /// Acknowledges messages handed out by
+    /// [`get_local`](Self::get_local) by their [`LocalId::key`], as
+    /// [`Transport::ack_batch`] does by their text ids. Unsupported by
+    /// default.
+    fn ack_local(&self, keys: &[u64]) -> Result<(), TransportError> {
+        let _ = keys;
+        Err(TransportError::Unsupported("ack_local"))
+    }
+
     /// Whether sending handles the message at once (the sync transport), so
     /// there is nothing to consume and no retry to schedule.
     fn handles_on_send(&self) -> bool {
@@ -363,6 +432,15 @@ pub trait SenderDispatcher: Send + Sync + 'static {
 
     /// The names of the transports it can send to.
     fn transports(&self) -> Vec<String>;
+
+    /// The transport called `transport` when sending to it through this
+    /// dispatcher is exactly [`TransportSender::send_envelope`](crate::transports::TransportSender::send_envelope)
+    /// (so the send step may send to it directly); `None` otherwise, which
+    /// is the default.
+    fn direct(&self, transport: &str) -> Option<Arc<dyn Transport>> {
+        let _ = transport;
+        None
+    }
 }
 
 /// The default [`SenderDispatcher`]: sends at once through named [`Sender`]s.

@@ -202,6 +202,13 @@ impl SenderDispatcher for Senders {
     fn transports(&self) -> Vec<String> {
         self.targets.keys().cloned().collect()
     }
+
+    fn direct(&self, transport: &str) -> Option<Arc<dyn Transport>> {
+        match self.targets.get(transport) {
+            Some(Target::Transport(t)) => Some(t.transport().clone()),
+            _ => None,
+        }
+    }
 }
 
 /// Creates the `in-memory://` transport.

@@ -99,9 +99,10 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::future::{poll_fn, Future};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::task::Poll;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use tokio::sync::{broadcast, watch};
@@ -114,10 +115,10 @@ use crate::error::{BusError, TransportError};
 use crate::middleware::BoxFuture;
 use crate::serializer::STAMP_HEADER_PREFIX;
 use crate::stamp::{
-    BusNameStamp, DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
-    SentToFailureTransportStamp, Stamp, TransportMessageIdStamp,
+    BusNameStamp, DelayStamp, ErasedStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp,
+    SentStamp, SentToFailureTransportStamp, Stamp, TransportMessageIdStamp,
 };
-use crate::transport::{LocalDelivery, Payload, RawMessage, Transport};
+use crate::transport::{LocalId, Payload, RawMessage, Transport};
 
 /// A configuration mistake found by [`WorkerBuilder::build`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -404,8 +405,10 @@ impl Counters {
     }
 }
 
+/// Counts one more. A worker's counters have one writer, the worker's task
+/// (others only read them), so no atomic read-modify-write is needed.
 fn bump(counter: &AtomicU64) {
-    counter.fetch_add(1, Ordering::Relaxed);
+    counter.store(counter.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
 }
 
 /// Live counters of a worker, readable while it runs; see
@@ -723,20 +726,34 @@ struct Receiver {
 }
 
 impl Receiver {
-    async fn get(&self, max: usize) -> Result<Vec<LocalDelivery>, TransportError> {
-        match self.transport.local() {
-            Some(local) => local.get_local(max).await,
-            None => Ok(self
-                .transport
-                .get(max)
-                .await?
-                .into_iter()
-                .map(|d| LocalDelivery {
-                    id: d.id,
-                    payload: Payload::Raw(d.raw),
-                })
-                .collect()),
-        }
+    /// Up to `max` messages, held by receiver number `index` from now.
+    async fn get(&self, index: usize, max: usize) -> Result<Vec<Held>, TransportError> {
+        Ok(match self.transport.local() {
+            Some(local) => {
+                let got = local.get_local(max).await?;
+                let since = Instant::now();
+                got.into_iter()
+                    .map(|d| Held {
+                        receiver: index,
+                        id: MessageId::Local(d.id),
+                        payload: d.payload,
+                        since,
+                    })
+                    .collect()
+            }
+            None => {
+                let got = self.transport.get(max).await?;
+                let since = Instant::now();
+                got.into_iter()
+                    .map(|d| Held {
+                        receiver: index,
+                        id: MessageId::Remote(d.id),
+                        payload: Payload::Raw(d.raw),
+                        since,
+                    })
+                    .collect()
+            }
+        })
     }
 }
 
@@ -799,16 +816,18 @@ impl Worker {
     /// [module documentation](self).
     pub async fn run(self) -> WorkerReport {
         let subscribed = self.events.receiver_count() > 0;
-        let ctx = Ctx {
-            messenger: self.messenger,
-            events: Events {
+        let ctx = Ctx::new(
+            self.messenger,
+            Events {
                 listeners: self.listeners,
                 tx: subscribed.then_some(self.events),
             },
-            counters: self.counters,
-            receivers: self.receivers,
-        };
-        Run::new(&ctx, self.options, self.stop).run().await
+            self.counters,
+            self.receivers,
+        );
+        Run::new(&ctx, self.options, self.stop, Ctx::process)
+            .run()
+            .await
     }
 }
 
@@ -855,9 +874,9 @@ pub async fn consume_one(
         .clone();
     let last = Arc::new(std::sync::Mutex::new(None::<WorkerEvent>));
     let record = last.clone();
-    let ctx = Ctx {
-        messenger: messenger.clone(),
-        events: Events {
+    let ctx = Ctx::new(
+        messenger.clone(),
+        Events {
             listeners: vec![Arc::new(move |e: &WorkerEvent| {
                 if matches!(
                     e,
@@ -870,21 +889,26 @@ pub async fn consume_one(
             })],
             tx: None,
         },
-        counters: Arc::new(Counters::default()),
-        receivers: vec![Receiver {
+        Arc::new(Counters::default()),
+        vec![Receiver {
             name: Arc::from(transport),
             transport: t.clone(),
             rate: None,
         }],
-    };
-    let mut in_flight = InFlight::default();
-    in_flight.tasks.push(ctx.start(Held {
+    );
+    let mut in_flight = InFlight::new();
+    let (task, work) = ctx.begin(Held {
         receiver: 0,
-        id: delivery.id,
+        id: MessageId::Remote(delivery.id),
         payload: Payload::Raw(delivery.raw),
         since: Instant::now(),
-    }));
-    let (done, id) = match in_flight.next().await {
+    });
+    let future = ctx.process(0, task.id.clone(), work);
+    let finished = match in_flight.start(task, future) {
+        Some(finished) => finished,
+        None => in_flight.next().await,
+    };
+    let (done, id) = match finished {
         Finished::Done(done, id) => (done, id),
         Finished::Panicked {
             receiver,
@@ -892,14 +916,15 @@ pub async fn consume_one(
             envelope,
             message,
         } => (
-            ctx.park_panicked(receiver, &id, envelope, message).await,
+            ctx.park_panicked(receiver, &id.text(), envelope, message)
+                .await,
             id,
         ),
     };
     let result = match done.action {
-        Action::Ack => t.ack(&id).await,
-        Action::Reject => t.reject(&id).await,
-        Action::Release => t.release(&id).await,
+        Action::Ack => t.ack(&id.text()).await,
+        Action::Reject => t.reject(&id.text()).await,
+        Action::Release => t.release(&id.text()).await,
     };
     result.map_err(|e| WorkerError::Transport {
         transport: transport.to_string(),
@@ -953,6 +978,8 @@ struct Ctx {
     events: Events,
     counters: Arc<Counters>,
     receivers: Vec<Receiver>,
+    /// The messenger has only the default bus: every message goes there.
+    single_bus: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -967,74 +994,276 @@ struct Done {
     action: Action,
 }
 
+/// The id of a held message.
+#[derive(Clone)]
+enum MessageId {
+    /// From an in-process transport: a number.
+    Local(LocalId),
+    /// From any other transport.
+    Remote(String),
+}
+
+impl MessageId {
+    fn text(&self) -> Cow<'_, str> {
+        match self {
+            MessageId::Local(id) => Cow::Owned(id.to_string()),
+            MessageId::Remote(id) => Cow::Borrowed(id),
+        }
+    }
+
+    /// The [`TransportMessageIdStamp`] of the received envelope.
+    fn stamp(&self) -> Arc<dyn ErasedStamp> {
+        match self {
+            MessageId::Local(id) => id.stamp(),
+            MessageId::Remote(id) => Arc::new(TransportMessageIdStamp::new(id.clone())),
+        }
+    }
+}
+
 /// A message fetched and not started yet.
 struct Held {
     receiver: usize,
-    id: String,
+    id: MessageId,
     payload: Payload,
     since: Instant,
 }
 
-struct Task<'a> {
-    future: BoxFuture<'a, Done>,
+/// What to do with a message once started.
+enum Work {
+    /// Dispatch the envelope (as the transport handed it out).
+    Dispatch(Envelope),
+    /// It did not decode: park it as it is.
+    Park(RawMessage, crate::error::SerializationError),
+}
+
+/// A message being handled.
+struct TaskInfo {
     receiver: usize,
-    id: String,
+    id: MessageId,
     since: Instant,
-    /// A copy of the envelope, to park it if its handler panics.
+    /// The envelope, to park it if its handler panics.
     envelope: Option<Envelope>,
 }
 
 enum Finished {
-    Done(Done, String),
+    Done(Done, MessageId),
     Panicked {
         receiver: usize,
-        id: String,
+        id: MessageId,
         envelope: Option<Envelope>,
         message: String,
     },
 }
 
-/// The messages being handled, polled on the worker's task.
-#[derive(Default)]
-struct InFlight<'a> {
-    tasks: Vec<Task<'a>>,
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl<'a> InFlight<'a> {
+/// The slots woken since they were last polled, and the waker of the task
+/// polling the in-flight set.
+#[derive(Default)]
+struct ReadyQueue {
+    inner: Mutex<ReadyInner>,
+}
+
+#[derive(Default)]
+struct ReadyInner {
+    slots: Vec<usize>,
+    parent: Option<Waker>,
+}
+
+/// The waker of one slot: queues the slot and wakes the worker's task.
+struct SlotWaker {
+    slot: usize,
+    queued: AtomicBool,
+    queue: Arc<ReadyQueue>,
+}
+
+impl Wake for SlotWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if self.queued.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let parent = {
+            let mut inner = lock(&self.queue.inner);
+            inner.slots.push(self.slot);
+            inner.parent.clone()
+        };
+        if let Some(parent) = parent {
+            parent.wake();
+        }
+    }
+}
+
+/// Room for one message being handled. Its future lives in a box made once
+/// and reused, so starting a message allocates nothing.
+struct Slot<F> {
+    future: Pin<Box<Option<F>>>,
+    waker: Waker,
+    wake: Arc<SlotWaker>,
+    task: Option<TaskInfo>,
+}
+
+/// The messages being handled, polled on the worker's task: each is polled
+/// once when it starts (most handlers finish then), and afterwards only
+/// when its waker says it can make progress.
+struct InFlight<F> {
+    slots: Vec<Slot<F>>,
+    free: Vec<usize>,
+    len: usize,
+    queue: Arc<ReadyQueue>,
+    /// Woken slots taken from the queue and not polled yet.
+    polling: VecDeque<usize>,
+}
+
+impl<F: Future<Output = Done>> InFlight<F> {
+    fn new() -> Self {
+        Self {
+            slots: Vec::new(),
+            free: Vec::new(),
+            len: 0,
+            queue: Arc::new(ReadyQueue::default()),
+            polling: VecDeque::new(),
+        }
+    }
+
     fn len(&self) -> usize {
-        self.tasks.len()
+        self.len
     }
 
     fn is_empty(&self) -> bool {
-        self.tasks.is_empty()
+        self.len == 0
     }
 
-    /// The next task to finish; pending forever when there is none.
-    fn next(&mut self) -> impl Future<Output = Finished> + use<'_, 'a> {
-        poll_fn(move |cx| {
-            for i in 0..self.tasks.len() {
-                let future = &mut self.tasks[i].future;
-                let polled =
-                    std::panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx)));
-                match polled {
-                    Ok(Poll::Pending) => {}
-                    Ok(Poll::Ready(done)) => {
-                        let task = self.tasks.swap_remove(i);
-                        return Poll::Ready(Finished::Done(done, task.id));
-                    }
-                    Err(panic) => {
-                        let task = self.tasks.swap_remove(i);
-                        return Poll::Ready(Finished::Panicked {
-                            receiver: task.receiver,
-                            id: task.id,
-                            envelope: task.envelope,
-                            message: panic_message(&*panic),
-                        });
-                    }
+    /// The messages being handled.
+    fn tasks(&self) -> impl Iterator<Item = &TaskInfo> + '_ {
+        self.slots.iter().filter_map(|s| s.task.as_ref())
+    }
+
+    /// Starts `future` and polls it once; returns what it gave if it
+    /// finished at once.
+    fn start(&mut self, task: TaskInfo, future: F) -> Option<Finished> {
+        let i = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                let wake = Arc::new(SlotWaker {
+                    slot: self.slots.len(),
+                    queued: AtomicBool::new(false),
+                    queue: self.queue.clone(),
+                });
+                self.slots.push(Slot {
+                    future: Box::pin(None),
+                    waker: Waker::from(wake.clone()),
+                    wake,
+                    task: None,
+                });
+                self.slots.len() - 1
+            }
+        };
+        let slot = &mut self.slots[i];
+        slot.future.set(Some(future));
+        slot.task = Some(task);
+        self.len += 1;
+        self.poll_slot(i)
+    }
+
+    /// Polls slot `i` with its own waker; frees it when its future
+    /// finished (or panicked).
+    fn poll_slot(&mut self, i: usize) -> Option<Finished> {
+        let slot = &mut self.slots[i];
+        slot.task.as_ref()?;
+        let future = slot.future.as_mut().as_pin_mut()?;
+        let mut cx = Context::from_waker(&slot.waker);
+        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| future.poll(&mut cx)));
+        let finished = match polled {
+            Ok(Poll::Pending) => return None,
+            Ok(Poll::Ready(done)) => Finished::Done(done, slot.task.take()?.id),
+            Err(panic) => {
+                let task = slot.task.take()?;
+                Finished::Panicked {
+                    receiver: task.receiver,
+                    id: task.id,
+                    envelope: task.envelope,
+                    message: panic_message(&*panic),
                 }
             }
-            Poll::Pending
+        };
+        slot.future.set(None);
+        self.free.push(i);
+        self.len -= 1;
+        Some(finished)
+    }
+
+    /// Polls the woken messages until one finishes.
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Finished> {
+        if self.len == 0 {
+            return Poll::Pending;
+        }
+        self.take_woken(Some(cx.waker()));
+        // A future that wakes itself at once would keep this loop going:
+        // after as many polls as there are messages, let the runtime run
+        // others first.
+        let mut polls = self.len + 1;
+        while let Some(i) = self.polling.pop_front() {
+            self.slots[i].wake.queued.store(false, Ordering::Release);
+            if let Some(finished) = self.poll_slot(i) {
+                return Poll::Ready(finished);
+            }
+            polls -= 1;
+            if polls == 0 {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            if self.polling.is_empty() {
+                self.take_woken(None);
+            }
+        }
+        Poll::Pending
+    }
+
+    /// Moves the woken slots to `polling`, registering `parent` to be woken
+    /// next time.
+    fn take_woken(&mut self, parent: Option<&Waker>) {
+        let mut inner = lock(&self.queue.inner);
+        if let Some(parent) = parent {
+            if !inner.parent.as_ref().is_some_and(|w| w.will_wake(parent)) {
+                inner.parent = Some(parent.clone());
+            }
+        }
+        self.polling.extend(inner.slots.drain(..));
+    }
+
+    /// The next message to finish; pending forever when there is none.
+    fn next(&mut self) -> impl Future<Output = Finished> + '_ {
+        poll_fn(move |cx| self.poll_next(cx))
+    }
+
+    /// A message that finished, without waiting for one.
+    fn try_next(&mut self) -> impl Future<Output = Option<Finished>> + '_ {
+        poll_fn(move |cx| {
+            Poll::Ready(match self.poll_next(cx) {
+                Poll::Ready(finished) => Some(finished),
+                Poll::Pending => None,
+            })
         })
+    }
+
+    /// Drops every message being handled; returns them.
+    fn abandon(&mut self) -> Vec<TaskInfo> {
+        let mut out = Vec::with_capacity(self.len);
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(task) = slot.task.take() {
+                slot.future.set(None);
+                self.free.push(i);
+                out.push(task);
+            }
+        }
+        self.len = 0;
+        out
     }
 }
 
@@ -1089,14 +1318,35 @@ fn failure_target<'m>(
 }
 
 impl Ctx {
+    fn new(
+        messenger: Messenger,
+        events: Events,
+        counters: Arc<Counters>,
+        receivers: Vec<Receiver>,
+    ) -> Self {
+        let single_bus = messenger.buses().nth(1).is_none();
+        Self {
+            single_bus,
+            messenger,
+            events,
+            counters,
+            receivers,
+        }
+    }
+
     fn bus_for(&self, envelope: &Envelope) -> &MessageBus {
+        if self.single_bus {
+            return self.messenger.bus();
+        }
         envelope
             .last::<BusNameStamp>()
             .and_then(|b| self.messenger.bus_named(&b.bus))
             .unwrap_or_else(|| self.messenger.bus())
     }
 
-    fn start(&self, held: Held) -> Task<'_> {
+    /// Counts a held message as received and decodes it: returns what to
+    /// record about it while it is handled, and what to do with it.
+    fn begin(&self, held: Held) -> (TaskInfo, Work) {
         let Held {
             receiver,
             id,
@@ -1104,66 +1354,59 @@ impl Ctx {
             since,
         } = held;
         bump(&self.counters.received);
-        let envelope = match payload {
-            Payload::Envelope(e) => e,
+        let (work, envelope) = match payload {
+            Payload::Envelope(e) => (Work::Dispatch(e.clone()), Some(e)),
             Payload::Raw(raw) => match self.messenger.serializer().decode(&raw) {
-                Ok(e) => e,
-                Err(error) => {
-                    return Task {
-                        future: Box::pin(self.park_raw(receiver, id.clone(), raw, error)),
-                        receiver,
-                        id,
-                        since,
-                        envelope: None,
-                    };
-                }
+                Ok(e) => (Work::Dispatch(e.clone()), Some(e)),
+                Err(error) => (Work::Park(raw, error), None),
             },
         };
-        Task {
-            envelope: Some(envelope.clone()),
-            future: Box::pin(self.handle(receiver, id.clone(), envelope)),
+        let task = TaskInfo {
             receiver,
             id,
             since,
+            envelope,
+        };
+        (task, work)
+    }
+
+    /// Handles one started message.
+    async fn process(&self, receiver: usize, id: MessageId, work: Work) -> Done {
+        match work {
+            Work::Dispatch(envelope) => self.handle(receiver, id, envelope).await,
+            Work::Park(raw, error) => self.park_raw(receiver, &id.text(), raw, error).await,
         }
     }
 
-    async fn handle(&self, receiver: usize, transport_id: String, envelope: Envelope) -> Done {
+    async fn handle(&self, receiver: usize, id: MessageId, envelope: Envelope) -> Done {
         let transport = &self.receivers[receiver].name;
-        // The id goes into the envelope's stamp; events get a copy of their
-        // own, made only when someone listens.
-        let id = if self.events.enabled() {
-            transport_id.clone()
-        } else {
-            String::new()
-        };
         self.events.emit(|| WorkerEvent::Received {
             transport: transport.clone(),
-            id: id.clone(),
+            id: id.text().into_owned(),
             message: envelope.message_name(),
         });
         let redeliveries = envelope.all::<RedeliveryStamp>().count();
         let parked = envelope.all::<SentToFailureTransportStamp>().count();
-        // Keep the envelope as received (it is shared with the transport
-        // anyway) and dispatch a stamped copy nobody else holds, so the
-        // pipeline adds its stamps in place.
-        let original = envelope.clone();
+        // `envelope` is shared (with the transport's lease, with the copy
+        // kept in case the handler panics) and is kept as received; the
+        // dispatched copy takes the stamps of the receipt (one copy of the
+        // stamps, which the pipeline then adds to in place).
         let stamped = envelope
+            .clone()
             .with(ReceivedStamp {
                 transport: transport.clone(),
             })
-            .with(TransportMessageIdStamp::new(transport_id));
+            .with_erased(id.stamp());
         let started = self.events.enabled().then(Instant::now);
         let result = self.bus_for(&stamped).dispatch(stamped).await;
         let duration = started.map(|s| s.elapsed()).unwrap_or_default();
-        let envelope = original;
         let action = match result {
             Ok(after) => {
                 if after.all::<RedeliveryStamp>().count() > redeliveries {
                     bump(&self.counters.retried);
                     self.events.emit(|| WorkerEvent::Retried {
                         transport: transport.clone(),
-                        id: id.clone(),
+                        id: id.text().into_owned(),
                         retry_count: after.last::<RedeliveryStamp>().map_or(0, |r| r.retry_count),
                         envelope: after,
                         duration,
@@ -1172,7 +1415,7 @@ impl Ctx {
                     bump(&self.counters.handled);
                     self.events.emit(|| WorkerEvent::Handled {
                         transport: transport.clone(),
-                        id: id.clone(),
+                        id: id.text().into_owned(),
                         envelope: after,
                         duration,
                     });
@@ -1194,7 +1437,7 @@ impl Ctx {
                 };
                 self.events.emit(|| WorkerEvent::Failed {
                     transport: transport.clone(),
-                    id: id.clone(),
+                    id: id.text().into_owned(),
                     message: Cow::Borrowed(failed.message_name()),
                     kind: Cow::Borrowed("handler"),
                     error: BusError::HandlerFailed {
@@ -1212,7 +1455,7 @@ impl Ctx {
                 bump(&self.counters.failed);
                 self.events.emit(|| WorkerEvent::Failed {
                     transport: transport.clone(),
-                    id: id.clone(),
+                    id: id.text().into_owned(),
                     message: Cow::Borrowed(envelope.message_name()),
                     kind: Cow::Borrowed("transport"),
                     error: error.to_string(),
@@ -1225,7 +1468,7 @@ impl Ctx {
             Err(error) => {
                 let details = ErrorDetailsStamp::from_error(error.kind(), &error);
                 let envelope = error.envelope().cloned().unwrap_or(envelope);
-                self.park(receiver, &id, envelope, details).await
+                self.park(receiver, &id.text(), envelope, details).await
             }
         };
         Done { receiver, action }
@@ -1296,7 +1539,7 @@ impl Ctx {
     async fn park_raw(
         &self,
         receiver: usize,
-        id: String,
+        id: &str,
         mut raw: RawMessage,
         error: crate::error::SerializationError,
     ) -> Done {
@@ -1340,7 +1583,7 @@ impl Ctx {
         };
         self.events.emit(|| WorkerEvent::Failed {
             transport: transport.clone(),
-            id: id.clone(),
+            id: id.to_string(),
             message: Cow::Owned(message),
             kind: Cow::Owned(details.kind.clone()),
             error: text,
@@ -1398,42 +1641,124 @@ fn append_stamp_header<S: Stamp>(raw: &mut RawMessage, stamp: &S) {
     }
 }
 
+/// The acknowledgements of one receiver waiting to be sent.
+#[derive(Default)]
+struct Acks {
+    /// Keys of messages from an in-process transport.
+    local: Vec<u64>,
+    /// Ids of messages from any other transport.
+    remote: Vec<String>,
+}
+
+impl Acks {
+    fn len(&self) -> usize {
+        self.local.len() + self.remote.len()
+    }
+
+    fn push(&mut self, id: MessageId) {
+        match id {
+            MessageId::Local(id) => self.local.push(id.key()),
+            MessageId::Remote(id) => self.remote.push(id),
+        }
+    }
+}
+
+/// Acknowledges messages of an in-process transport by key, or by their text
+/// ids when it cannot take keys.
+async fn ack_local(transport: &Arc<dyn Transport>, keys: &[u64]) -> Result<(), TransportError> {
+    if let Some(local) = transport.local() {
+        match local.ack_local(keys) {
+            Err(TransportError::Unsupported(_)) => {}
+            done => return done,
+        }
+    }
+    let ids: Vec<String> = keys.iter().map(u64::to_string).collect();
+    transport.ack_batch(&ids).await
+}
+
+/// The acknowledgement lists, emptied, and what failed (by receiver).
+type SentAcks = (Vec<Acks>, Vec<(usize, TransportError)>);
+
+/// Sends every receiver's acknowledgements.
+async fn send_acks(ctx: &Ctx, mut acks: Vec<Acks>) -> SentAcks {
+    let mut failed = Vec::new();
+    for (receiver, acks) in acks.iter_mut().enumerate() {
+        let transport = &ctx.receivers[receiver].transport;
+        if !acks.local.is_empty() {
+            if let Err(e) = ack_local(transport, &acks.local).await {
+                failed.push((receiver, e));
+            }
+            acks.local.clear();
+        }
+        if !acks.remote.is_empty() {
+            let result = if acks.remote.len() == 1 {
+                transport.ack(&acks.remote[0]).await
+            } else {
+                transport.ack_batch(&acks.remote).await
+            };
+            if let Err(e) = result {
+                failed.push((receiver, e));
+            }
+            acks.remote.clear();
+        }
+    }
+    (acks, failed)
+}
+
+/// Makes the future handling a started message.
+type Start<'a, F> = fn(&'a Ctx, usize, MessageId, Work) -> F;
+
 /// The state of one [`Worker::run`].
-struct Run<'a> {
+struct Run<'a, F> {
     ctx: &'a Ctx,
+    start: Start<'a, F>,
     options: Options,
     stop: StopHandle,
     buffer: VecDeque<Held>,
-    in_flight: InFlight<'a>,
-    acks: Vec<Vec<String>>,
-    rejects: Vec<(usize, String)>,
-    releases: Vec<(usize, String)>,
-    panicked: Vec<(usize, String, Option<Envelope>, String)>,
+    in_flight: InFlight<F>,
+    acks: Vec<Acks>,
+    /// Lists to record acknowledgements in while the others are sent.
+    spare_acks: Vec<Acks>,
+    rejects: Vec<(usize, MessageId)>,
+    releases: Vec<(usize, MessageId)>,
+    panicked: Vec<(usize, MessageId, Option<Envelope>, String)>,
     buckets: Vec<Option<Bucket>>,
     processed: u64,
     started: Instant,
 }
 
-impl<'a> Run<'a> {
-    fn new(ctx: &'a Ctx, options: Options, stop: StopHandle) -> Self {
+impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
+    fn new(ctx: &'a Ctx, options: Options, stop: StopHandle, start: Start<'a, F>) -> Self {
         let now = Instant::now();
         Self {
             ctx,
+            start,
             buckets: ctx
                 .receivers
                 .iter()
                 .map(|r| r.rate.map(|l| Bucket::new(l, now)))
                 .collect(),
-            acks: vec![Vec::new(); ctx.receivers.len()],
+            acks: ctx.receivers.iter().map(|_| Acks::default()).collect(),
+            spare_acks: ctx.receivers.iter().map(|_| Acks::default()).collect(),
             options,
             stop,
             buffer: VecDeque::new(),
-            in_flight: InFlight::default(),
+            in_flight: InFlight::new(),
             rejects: Vec::new(),
             releases: Vec::new(),
             panicked: Vec::new(),
             processed: 0,
             started: now,
+        }
+    }
+
+    /// Starts handling `held`; records it at once if it finished.
+    fn start(&mut self, held: Held) {
+        let ctx = self.ctx;
+        let (task, work) = ctx.begin(held);
+        let future = (self.start)(ctx, task.receiver, task.id.clone(), work);
+        if let Some(finished) = self.in_flight.start(task, future) {
+            self.record(finished);
         }
     }
 
@@ -1457,7 +1782,7 @@ impl<'a> Run<'a> {
     }
 
     fn pending_acks(&self) -> usize {
-        self.acks.iter().map(Vec::len).sum()
+        self.acks.iter().map(Acks::len).sum()
     }
 
     fn transport_failed(&self, receiver: usize, operation: &'static str, error: &TransportError) {
@@ -1474,46 +1799,51 @@ impl<'a> Run<'a> {
         for (receiver, id, envelope, message) in std::mem::take(&mut self.panicked) {
             let done = self
                 .ctx
-                .park_panicked(receiver, &id, envelope, message)
+                .park_panicked(receiver, &id.text(), envelope, message)
                 .await;
             self.record(Finished::Done(done, id));
         }
-        for receiver in 0..self.acks.len() {
-            if self.acks[receiver].is_empty() {
-                continue;
-            }
-            let ids = std::mem::take(&mut self.acks[receiver]);
-            let transport = &self.ctx.receivers[receiver].transport;
-            let result = if ids.len() == 1 {
-                transport.ack(&ids[0]).await
-            } else {
-                transport.ack_batch(&ids).await
-            };
-            if let Err(e) = result {
-                self.transport_failed(receiver, "ack", &e);
-            }
-            let mut ids = ids;
-            ids.clear();
-            self.acks[receiver] = ids;
+        if self.pending_acks() > 0 {
+            let acks = self.take_acks();
+            let sent = send_acks(self.ctx, acks).await;
+            self.acks_sent(sent);
         }
         for (receiver, id) in std::mem::take(&mut self.rejects) {
-            if let Err(e) = self.ctx.receivers[receiver].transport.reject(&id).await {
+            let transport = &self.ctx.receivers[receiver].transport;
+            if let Err(e) = transport.reject(&id.text()).await {
                 self.transport_failed(receiver, "reject", &e);
             }
         }
         for (receiver, id) in std::mem::take(&mut self.releases) {
-            if let Err(e) = self.ctx.receivers[receiver].transport.release(&id).await {
+            let transport = &self.ctx.receivers[receiver].transport;
+            if let Err(e) = transport.release(&id.text()).await {
                 self.transport_failed(receiver, "release", &e);
             }
         }
     }
 
+    /// The pending acknowledgements, to be sent; new ones go to the spare
+    /// lists meanwhile.
+    fn take_acks(&mut self) -> Vec<Acks> {
+        let spare = std::mem::take(&mut self.spare_acks);
+        std::mem::replace(&mut self.acks, spare)
+    }
+
+    /// Keeps the lists of sent acknowledgements (emptied) as the spare ones
+    /// and reports what failed.
+    fn acks_sent(&mut self, (acks, failed): SentAcks) {
+        self.spare_acks = acks;
+        for (receiver, e) in failed {
+            self.transport_failed(receiver, "ack", &e);
+        }
+    }
+
     /// Gives back a message that will not be handled now.
-    fn give_back(&mut self, receiver: usize, id: String) {
+    fn give_back(&mut self, receiver: usize, id: MessageId) {
         bump(&self.ctx.counters.released);
         self.ctx.events.emit(|| WorkerEvent::Released {
             transport: self.ctx.receivers[receiver].name.clone(),
-            id: id.clone(),
+            id: id.text().into_owned(),
         });
         self.releases.push((receiver, id));
     }
@@ -1521,30 +1851,71 @@ impl<'a> Run<'a> {
     /// Extends the leases of messages held longer than the interval.
     async fn keepalive(&mut self, interval: Duration) {
         let now = Instant::now();
-        let held: Vec<(usize, String)> = self
+        let held: Vec<(usize, MessageId)> = self
             .buffer
             .iter()
             .map(|h| (h.receiver, &h.id, h.since))
-            .chain(
-                self.in_flight
-                    .tasks
-                    .iter()
-                    .map(|t| (t.receiver, &t.id, t.since)),
-            )
+            .chain(self.in_flight.tasks().map(|t| (t.receiver, &t.id, t.since)))
             .filter(|(_, _, since)| now.saturating_duration_since(*since) >= interval)
             .map(|(r, id, _)| (r, id.clone()))
             .collect();
         for (receiver, id) in held {
-            if let Err(e) = self.ctx.receivers[receiver].transport.keepalive(&id).await {
+            let transport = &self.ctx.receivers[receiver].transport;
+            if let Err(e) = transport.keepalive(&id.text()).await {
                 self.transport_failed(receiver, "keepalive", &e);
             }
         }
     }
 
-    /// Asks the receivers, in priority order, for a batch; keeps the
-    /// messages in flight going meanwhile. Returns how many arrived, and
-    /// the shortest wait for a rate-limited receiver's next token.
+    /// Asks the receivers, in priority order, for a batch while the
+    /// pending acknowledgements are sent (a broker round trip each, and a
+    /// transport that groups writes commits them together); keeps the
+    /// messages in flight going meanwhile. Returns how many arrived, and the
+    /// shortest wait for a rate-limited receiver's next token. The
+    /// acknowledgements have been sent when it returns.
     async fn fetch(&mut self, budget: u64) -> (usize, Option<Duration>) {
+        let ctx = self.ctx;
+        let pending = self.pending_acks() > 0;
+        let acks = if pending {
+            self.take_acks()
+        } else {
+            Vec::new()
+        };
+        let acking = send_acks(ctx, acks);
+        tokio::pin!(acking);
+        // `Some` once the acknowledgements are sent.
+        let mut sent: Option<SentAcks> = None;
+        let fetched = self
+            .fetch_batch(budget, &mut acking, &mut sent, pending)
+            .await;
+        if pending {
+            let sent = match sent {
+                Some(sent) => sent,
+                None => loop {
+                    tokio::select! {
+                        biased;
+                        sent = &mut acking => break sent,
+                        finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                            self.record(finished);
+                        }
+                    }
+                },
+            };
+            self.acks_sent(sent);
+        }
+        fetched
+    }
+
+    async fn fetch_batch<A>(
+        &mut self,
+        budget: u64,
+        acking: &mut Pin<&mut A>,
+        sent: &mut Option<SentAcks>,
+        pending: bool,
+    ) -> (usize, Option<Duration>)
+    where
+        A: Future<Output = SentAcks>,
+    {
         let mut wait: Option<Duration> = None;
         for receiver in 0..self.ctx.receivers.len() {
             let mut want = self
@@ -1564,12 +1935,13 @@ impl<'a> Run<'a> {
                 break;
             }
             let ctx = self.ctx;
-            let get = ctx.receivers[receiver].get(want);
+            let get = ctx.receivers[receiver].get(receiver, want);
             tokio::pin!(get);
             let got = loop {
                 tokio::select! {
                     biased;
                     got = &mut get => break got,
+                    done = acking.as_mut(), if pending && sent.is_none() => *sent = Some(done),
                     finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
                         self.record(finished);
                     }
@@ -1581,13 +1953,7 @@ impl<'a> Run<'a> {
                         bucket.take(batch.len());
                     }
                     let n = batch.len();
-                    let since = Instant::now();
-                    self.buffer.extend(batch.into_iter().map(|d| Held {
-                        receiver,
-                        id: d.id,
-                        payload: d.payload,
-                        since,
-                    }));
+                    self.buffer.extend(batch);
                     return (n, wait);
                 }
                 Ok(_) => {}
@@ -1667,26 +2033,44 @@ impl<'a> Run<'a> {
             if let Some(reason) = self.limit_reached(&mut memory_checked) {
                 break reason;
             }
-            // Start what the buffer holds, up to the concurrency.
-            while self.in_flight.len() < self.options.concurrency {
+            // Start what the buffer holds, up to the concurrency (at most
+            // that many per round, though most finish at once, so the stop
+            // conditions are checked as often as before).
+            let room = self
+                .options
+                .concurrency
+                .saturating_sub(self.in_flight.len());
+            for _ in 0..room {
                 let Some(held) = self.buffer.pop_front() else {
                     break;
                 };
-                self.in_flight.tasks.push(ctx.start(held));
+                self.start(held);
+                // Let the runtime run other tasks now and then.
+                tokio::task::consume_budget().await;
             }
             // Harvest whatever finished without waiting.
-            loop {
-                tokio::select! {
-                    biased;
-                    finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
-                    _ = std::future::ready(()) => break,
+            while !self.in_flight.is_empty() {
+                match self.in_flight.try_next().await {
+                    Some(finished) => self.record(finished),
+                    None => break,
                 }
             }
+            let budget = self.options.message_limit.map_or(u64::MAX, |n| {
+                n.saturating_sub(
+                    self.processed + self.in_flight.len() as u64 + self.buffer.len() as u64,
+                )
+            });
+            let fetching = self.buffer.is_empty()
+                && self.in_flight.len() < self.options.concurrency
+                && budget > 0;
+            // Acknowledgements wait for a batch's worth, or for the buffer to
+            // run dry; then they go with the next fetch, if there is one.
+            let pending = self.pending_acks();
             if !self.panicked.is_empty()
                 || !self.rejects.is_empty()
                 || !self.releases.is_empty()
-                || self.pending_acks() >= self.options.batch_size
-                || (self.buffer.is_empty() && self.pending_acks() > 0)
+                || (pending >= self.options.batch_size && !self.buffer.is_empty())
+                || (pending > 0 && self.buffer.is_empty() && !fetching)
             {
                 self.flush().await;
                 continue;
@@ -1695,15 +2079,7 @@ impl<'a> Run<'a> {
                 // Room freed up while harvesting: start more first.
                 continue;
             }
-            let budget = self.options.message_limit.map_or(u64::MAX, |n| {
-                n.saturating_sub(
-                    self.processed + self.in_flight.len() as u64 + self.buffer.len() as u64,
-                )
-            });
-            if self.buffer.is_empty()
-                && self.in_flight.len() < self.options.concurrency
-                && budget > 0
-            {
+            if fetching {
                 let (n, token_wait) = self.fetch(budget).await;
                 if n > 0 {
                     continue;
@@ -1786,8 +2162,7 @@ impl<'a> Run<'a> {
                 }
             }
         }
-        for task in std::mem::take(&mut self.in_flight.tasks) {
-            drop(task.future);
+        for task in self.in_flight.abandon() {
             self.give_back(task.receiver, task.id);
         }
         self.flush().await;
@@ -1844,6 +2219,188 @@ mod tests {
         append_stamp_header(&mut raw, &DelayStamp { ms: 3 });
         assert_eq!(raw.header("X-Message-Stamp-Delay"), Some(r#"[{"ms":3}]"#));
         assert_eq!(raw.header("X-Malformed-Stamp-Delay"), Some("garbage"));
+    }
+
+    fn task(key: u64) -> TaskInfo {
+        TaskInfo {
+            receiver: 0,
+            id: MessageId::Local(LocalId::new(key)),
+            since: Instant::now(),
+            envelope: None,
+        }
+    }
+
+    fn done() -> Done {
+        Done {
+            receiver: 0,
+            action: Action::Ack,
+        }
+    }
+
+    fn finished_key(finished: Finished) -> String {
+        match finished {
+            Finished::Done(_, id) => id.text().into_owned(),
+            Finished::Panicked { id, message, .. } => {
+                format!("{} panicked: {message}", id.text())
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn messages_that_wait_are_polled_again_when_woken_and_their_slots_reused() {
+        let mut in_flight = InFlight::new();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let mut rx = Some(rx);
+        let mut make = |wait: bool| {
+            let rx = if wait { rx.take() } else { None };
+            async move {
+                if let Some(rx) = rx {
+                    let _ = rx.await;
+                }
+                tokio::task::yield_now().await;
+                done()
+            }
+        };
+        assert!(in_flight.start(task(1), make(true)).is_none());
+        assert!(in_flight.start(task(2), make(false)).is_none());
+        assert_eq!(in_flight.len(), 2);
+        // Only the one that can make progress finishes.
+        assert_eq!(finished_key(in_flight.next().await), "2");
+        assert!(in_flight.try_next().await.is_none());
+        tx.send(()).unwrap();
+        assert_eq!(finished_key(in_flight.next().await), "1");
+        assert!(in_flight.is_empty());
+        // A finished message's slot takes the next one.
+        assert!(in_flight.start(task(3), make(false)).is_none());
+        assert_eq!(in_flight.slots.len(), 2);
+        assert_eq!(finished_key(in_flight.next().await), "3");
+    }
+
+    #[tokio::test]
+    async fn a_message_that_always_wakes_itself_does_not_keep_the_worker_busy() {
+        let mut in_flight = InFlight::new();
+        let spin = poll_fn(|cx| {
+            cx.waker().wake_by_ref();
+            Poll::<Done>::Pending
+        });
+        assert!(in_flight.start(task(1), spin).is_none());
+        // Polled a bounded number of times, then handed back to the runtime.
+        assert!(in_flight.try_next().await.is_none());
+        assert_eq!(in_flight.abandon().len(), 1);
+        assert!(in_flight.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_panicking_message_is_reported_with_its_id() {
+        let mut in_flight = InFlight::new();
+        let boom = async {
+            tokio::task::yield_now().await;
+            panic!("boom");
+        };
+        assert!(in_flight.start(task(7), boom).is_none());
+        assert_eq!(finished_key(in_flight.next().await), "7 panicked: boom");
+        assert!(in_flight.is_empty());
+    }
+
+    #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+    struct Job(u64);
+
+    impl crate::Message for Job {
+        const NAME: &'static str = "Job";
+    }
+
+    impl crate::Command for Job {
+        type Output = ();
+        type Error = std::convert::Infallible;
+    }
+
+    /// An encoding in-memory queue whose gets and acknowledgements take a
+    /// while, as a broker's round trips do.
+    struct Slow(crate::in_memory::InMemoryTransport);
+
+    impl Transport for Slow {
+        fn send(
+            &self,
+            message: RawMessage,
+            delay: Option<Duration>,
+        ) -> BoxFuture<'_, Result<String, TransportError>> {
+            self.0.send(message, delay)
+        }
+
+        fn get(
+            &self,
+            max: usize,
+        ) -> BoxFuture<'_, Result<Vec<crate::transport::Delivery>, TransportError>> {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                self.0.get(max).await
+            })
+        }
+
+        fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                self.0.ack(id).await
+            })
+        }
+
+        fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                self.0.ack_batch(ids).await
+            })
+        }
+
+        fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+            self.0.release(id)
+        }
+
+        fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+            self.0.message_count()
+        }
+
+        fn capabilities(&self) -> crate::transport::Capabilities {
+            self.0.capabilities()
+        }
+
+        fn bind(&self, binding: &crate::transport::TransportBinding) {
+            self.0.bind(binding);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn acknowledgements_recorded_while_others_are_sent_are_sent_too() {
+        let queue = Arc::new(Slow(crate::in_memory::InMemoryTransport::with_config(
+            crate::in_memory::InMemoryConfig {
+                serialize: true,
+                ..Default::default()
+            },
+        )));
+        let messenger = Messenger::builder()
+            .command_handler(|job: Job| async move {
+                // Handlers finish while gets and acknowledgements are out.
+                tokio::time::sleep(Duration::from_millis(job.0 % 5)).await;
+                Ok::<_, std::convert::Infallible>(())
+            })
+            .transport("slow", queue.clone())
+            .route::<Job>("slow")
+            .build()
+            .unwrap();
+        for n in 0..30 {
+            messenger.dispatcher().dispatch(Job(n)).await.unwrap();
+        }
+        let report = Worker::builder(&messenger)
+            .receiver("slow")
+            .concurrency(3)
+            .batch_size(4)
+            .message_limit(30)
+            .build()
+            .unwrap()
+            .run()
+            .await;
+        assert_eq!(report.stats.handled, 30);
+        assert_eq!(queue.0.acknowledged(), 30);
+        assert_eq!(queue.0.message_count().await.unwrap(), 0);
     }
 
     #[test]

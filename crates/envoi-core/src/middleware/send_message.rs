@@ -9,8 +9,8 @@ use crate::envelope::Envelope;
 use crate::error::Result;
 use crate::handler::TypeMap;
 use crate::message::Message;
-use crate::stamp::{ReceivedStamp, SentStamp};
-use crate::transport::SenderDispatcher;
+use crate::stamp::{ErasedStamp, ReceivedStamp, SentStamp};
+use crate::transport::{SenderDispatcher, Transport};
 
 /// Which transports each message type is sent to.
 #[derive(Debug, Default, Clone)]
@@ -60,6 +60,31 @@ impl Routes {
     }
 }
 
+/// One transport a message type is sent to, resolved when the step is built.
+#[derive(Clone)]
+pub(crate) struct Route {
+    transport: Arc<str>,
+    /// Its [`SentStamp`], made once and shared by every envelope sent there.
+    sent: Arc<dyn ErasedStamp>,
+    /// The transport, when the dispatcher would send to it through its
+    /// in-process side anyway: the step then does so itself, without a
+    /// boxed future.
+    local: Option<Arc<dyn Transport>>,
+}
+
+impl Route {
+    fn new(transport: &Arc<str>, dispatcher: &dyn SenderDispatcher) -> Self {
+        let local = dispatcher
+            .direct(transport)
+            .filter(|t| t.local().is_some_and(|l| !l.handles_on_send()));
+        Self {
+            transport: transport.clone(),
+            sent: Arc::new(SentStamp::new(transport.to_string())),
+            local,
+        }
+    }
+}
+
 /// If the message is routed and was not received from a transport, sends it
 /// to every routed transport (adding one [`SentStamp`] each) and returns
 /// without calling `next`. Otherwise calls `next`.
@@ -69,6 +94,7 @@ impl Routes {
 #[derive(Clone)]
 pub struct SendMessage {
     routes: Arc<Routes>,
+    resolved: Arc<TypeMap<Vec<Route>>>,
     dispatcher: Arc<dyn SenderDispatcher>,
 }
 
@@ -83,7 +109,22 @@ impl std::fmt::Debug for SendMessage {
 impl SendMessage {
     /// The step with these routes and dispatcher.
     pub fn new(routes: Arc<Routes>, dispatcher: Arc<dyn SenderDispatcher>) -> Self {
-        Self { routes, dispatcher }
+        let resolved = routes
+            .by_type
+            .iter()
+            .map(|(id, (_, transports))| {
+                let routes = transports
+                    .iter()
+                    .map(|t| Route::new(t, &*dispatcher))
+                    .collect();
+                (*id, routes)
+            })
+            .collect();
+        Self {
+            routes,
+            resolved: Arc::new(resolved),
+            dispatcher,
+        }
     }
 
     /// The routes.
@@ -99,21 +140,28 @@ impl SendMessage {
     /// The transports `envelope` must be sent to, or `None` when it goes on
     /// to the handlers.
     #[inline]
-    pub(crate) fn targets(&self, envelope: &Envelope) -> Option<&[Arc<str>]> {
-        if self.routes.is_empty() || envelope.has::<ReceivedStamp>() {
+    pub(crate) fn targets(&self, envelope: &Envelope) -> Option<&[Route]> {
+        if self.resolved.is_empty() || envelope.has::<ReceivedStamp>() {
             return None;
         }
-        self.routes.get(envelope.message_type_id())
+        self.resolved
+            .get(&envelope.message_type_id())
+            .map(Vec::as_slice)
     }
 
-    pub(crate) async fn send(
-        &self,
-        mut envelope: Envelope,
-        targets: &[Arc<str>],
-    ) -> Result<Envelope> {
-        for transport in targets {
-            envelope = self.dispatcher.send(transport, envelope).await?;
-            envelope = envelope.with(SentStamp::new(transport.to_string()));
+    pub(crate) async fn send(&self, mut envelope: Envelope, targets: &[Route]) -> Result<Envelope> {
+        for route in targets {
+            envelope = match route.local.as_ref().and_then(|t| t.local()) {
+                Some(local) => local
+                    .send_envelope(envelope)
+                    .await?
+                    .with_erased(route.sent.clone()),
+                None => self
+                    .dispatcher
+                    .send(&route.transport, envelope)
+                    .await?
+                    .with_erased(route.sent.clone()),
+            };
         }
         Ok(envelope)
     }
@@ -167,6 +215,41 @@ mod tests {
         step(&senders).handle(e, end.next()).await.unwrap();
         assert_eq!(end.calls().len(), 1);
         assert!(senders.sent_to().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_message_routed_to_an_in_memory_transport_is_stored_and_stamped() {
+        use crate::in_memory::InMemoryTransport;
+        use crate::stamp::TransportMessageIdStamp;
+        use crate::transport::{LocalTransport, Payload};
+        use crate::transports::{Senders, TransportSender};
+
+        let queue = Arc::new(InMemoryTransport::new());
+        let mut senders = Senders::new();
+        senders.insert_transport(
+            "async",
+            TransportSender::new(
+                "async",
+                queue.clone(),
+                crate::serializer::Serializer::builder().build().unwrap(),
+            ),
+        );
+        let mut routes = Routes::new();
+        routes.add::<Ping>("async");
+        let step = SendMessage::new(Arc::new(routes), Arc::new(senders));
+        let end = RecordingEndpoint::new();
+        let out = step.handle(Envelope::new(Ping), end.next()).await.unwrap();
+        assert!(end.calls().is_empty());
+        assert_eq!(out.last::<SentStamp>().unwrap().transport, "async");
+        let id = out.last::<TransportMessageIdStamp>().unwrap().id.clone();
+        let got = queue.get_local(10).await.unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].id.to_string(), id);
+        let Payload::Envelope(stored) = &queue.stored()[0].payload else {
+            panic!("expected an envelope")
+        };
+        assert!(!stored.has::<SentStamp>());
+        assert!(stored.message::<Ping>().is_some());
     }
 
     #[tokio::test]
