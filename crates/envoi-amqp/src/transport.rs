@@ -1,6 +1,6 @@
 //! [`AmqpTransport`]: the [`Transport`] implementation on RabbitMQ.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
@@ -93,11 +93,86 @@ struct Names {
     queue: String,
     exchange: String,
     dead: String,
+    /// `exchange` and `queue` as AMQP short strings, built once (`None`
+    /// when a name is too long for one, which publishing then reports).
+    exchange_short: Option<ShortString>,
+    queue_short: Option<ShortString>,
 }
 
 impl Names {
+    fn new(queue: String, exchange: String) -> Self {
+        Self {
+            dead: format!("{queue}.dead"),
+            exchange_short: ShortString::try_new(exchange.as_str()).ok(),
+            queue_short: ShortString::try_new(queue.as_str()).ok(),
+            queue,
+            exchange,
+        }
+    }
+
     fn delay_queue(&self, ms: u64) -> String {
         format!("{}.delay.{ms}", self.queue)
+    }
+
+    /// The exchange and routing key a message with `delay_ms` is published
+    /// with.
+    fn route(&self, delay_ms: Option<u64>) -> Result<(ShortString, ShortString), TransportError> {
+        match delay_ms {
+            Some(ms) => Ok((ShortString::default(), short(&self.delay_queue(ms))?)),
+            None => Ok((
+                match &self.exchange_short {
+                    Some(exchange) => exchange.clone(),
+                    None => short(&self.exchange)?,
+                },
+                match &self.queue_short {
+                    Some(queue) => queue.clone(),
+                    None => short(&self.queue)?,
+                },
+            )),
+        }
+    }
+}
+
+/// A message being published: kept until its publish is confirmed, so it can
+/// be published again.
+struct Outgoing {
+    body: Vec<u8>,
+    /// The message's headers, encoded again for a second attempt.
+    headers: BTreeMap<String, String>,
+    /// The encoded headers of the first attempt.
+    table: Option<FieldTable>,
+    header_size: usize,
+    delay_ms: Option<u64>,
+    id: String,
+}
+
+impl Outgoing {
+    fn new(message: RawMessage, delay: Option<Duration>) -> Result<Self, TransportError> {
+        let (table, header_size) =
+            headers::encode(&message.headers).map_err(|e| backend("encoding headers", e))?;
+        let delay_ms = delay.filter(|d| !d.is_zero()).map(|d| {
+            // Never early: round up to the next millisecond.
+            let ms = d.as_nanos().div_ceil(1_000_000);
+            u64::try_from(ms).unwrap_or(u64::MAX)
+        });
+        Ok(Self {
+            body: message.body,
+            headers: message.headers,
+            table: Some(table),
+            header_size,
+            delay_ms,
+            id: uuid::Uuid::now_v7().to_string(),
+        })
+    }
+
+    /// The header table for the next attempt.
+    fn take_table(&mut self) -> Result<FieldTable, TransportError> {
+        match self.table.take() {
+            Some(table) => Ok(table),
+            None => headers::encode(&self.headers)
+                .map(|(table, _)| table)
+                .map_err(|e| backend("encoding headers", e)),
+        }
     }
 }
 
@@ -137,8 +212,59 @@ struct ConsumeState {
     buffer: VecDeque<lapin::message::Delivery>,
     /// Handed out, unsettled: delivery tag → lease deadline.
     leased: BTreeMap<u64, Instant>,
+    /// Taken out of `buffer` or `leased`, their settlement being sent.
+    settling: BTreeSet<u64>,
+    /// Every delivery tag up to this one has reached a pump. (The broker
+    /// numbers the deliveries of a channel 1, 2, 3, …)
+    seen_upto: u64,
+    /// Tags beyond `seen_upto + 1` that reached a pump first.
+    seen_ahead: BTreeSet<u64>,
     last_get: Option<Instant>,
     pumps: Vec<JoinHandle<()>>,
+}
+
+impl ConsumeState {
+    /// Records that delivery `tag` reached a pump.
+    fn seen(&mut self, tag: u64) {
+        if tag == self.seen_upto + 1 {
+            self.seen_upto = tag;
+            while self.seen_ahead.remove(&(self.seen_upto + 1)) {
+                self.seen_upto += 1;
+            }
+        } else if tag > self.seen_upto {
+            self.seen_ahead.insert(tag);
+        }
+    }
+
+    /// The lowest delivery tag that may be unsettled on the channel: every
+    /// tag below it is settled, or being settled by the caller. One
+    /// `basic.ack` with `multiple` can therefore settle the caller's tags
+    /// below it without touching anyone else's.
+    fn floor(&self) -> u64 {
+        let mut floor = self.seen_upto + 1;
+        if let Some(&tag) = self.seen_ahead.first() {
+            floor = floor.min(tag);
+        }
+        if let Some(tag) = self.buffer.iter().map(|d| d.delivery_tag).min() {
+            floor = floor.min(tag);
+        }
+        if let Some((&tag, _)) = self.leased.first_key_value() {
+            floor = floor.min(tag);
+        }
+        if let Some(&tag) = self.settling.first() {
+            floor = floor.min(tag);
+        }
+        floor
+    }
+
+    /// Forgets `tags` as being settled, if they are of link `epoch`.
+    fn settled(&mut self, epoch: u64, tags: &[u64]) {
+        if self.epoch == epoch {
+            for tag in tags {
+                self.settling.remove(tag);
+            }
+        }
+    }
 }
 
 struct Shared {
@@ -226,11 +352,7 @@ impl AmqpTransport {
             });
         }
         let exchange = config.exchange.clone().unwrap_or_else(|| queue.clone());
-        let names = Names {
-            dead: format!("{queue}.dead"),
-            queue,
-            exchange,
-        };
+        let names = Names::new(queue, exchange);
         let handle_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
         let shared = Arc::new(Shared {
             name: name.to_string(),
@@ -517,6 +639,9 @@ impl Shared {
         state.tag = None;
         state.buffer.clear();
         state.leased.clear();
+        state.settling.clear();
+        state.seen_upto = 0;
+        state.seen_ahead.clear();
         *self.link.write().unwrap_or_else(PoisonError::into_inner) = Some(link);
         forget_declarations(&self.delay_queues);
     }
@@ -714,39 +839,12 @@ impl Shared {
 
     // ----- publishing -------------------------------------------------------
 
-    async fn publish(
-        &self,
-        messages: Vec<(RawMessage, Option<Duration>)>,
-    ) -> Result<Vec<String>, TransportError> {
-        struct Outgoing {
-            body: Vec<u8>,
-            table: FieldTable,
-            header_size: usize,
-            delay_ms: Option<u64>,
-            id: String,
-        }
-        let mut outgoing = Vec::with_capacity(messages.len());
-        for (message, delay) in messages {
-            let (table, header_size) =
-                headers::encode(&message.headers).map_err(|e| backend("encoding headers", e))?;
-            let delay_ms = delay.filter(|d| !d.is_zero()).map(|d| {
-                // Never early: round up to the next millisecond.
-                let ms = d.as_nanos().div_ceil(1_000_000);
-                u64::try_from(ms).unwrap_or(u64::MAX)
-            });
-            outgoing.push(Outgoing {
-                body: message.body,
-                table,
-                header_size,
-                delay_ms,
-                id: uuid::Uuid::now_v7().to_string(),
-            });
-        }
-        let ids: Vec<String> = outgoing.iter().map(|o| o.id.clone()).collect();
+    /// Publishes `outgoing` with confirms, again (with the same message
+    /// ids) what the broker did not confirm, until `reconnect_timeout`.
+    async fn publish(&self, outgoing: &mut [Outgoing]) -> Result<(), TransportError> {
         if outgoing.is_empty() {
-            return Ok(ids);
+            return Ok(());
         }
-
         let deadline = Instant::now() + self.config.reconnect_timeout;
         let mut pending: Vec<usize> = (0..outgoing.len()).collect();
         let mut unroutable_rounds = 0;
@@ -795,20 +893,17 @@ impl Shared {
             // Pipeline every publish, then collect the confirms.
             let mut confirms = Vec::with_capacity(pending.len());
             for (n, &i) in pending.iter().enumerate() {
-                let o = &outgoing[i];
-                let (exchange, routing_key) = match o.delay_ms {
-                    Some(ms) => (String::new(), self.names.delay_queue(ms)),
-                    None => (self.names.exchange.clone(), self.names.queue.clone()),
-                };
+                let o = &mut outgoing[i];
+                let (exchange, routing_key) = self.names.route(o.delay_ms)?;
                 let properties = BasicProperties::default()
                     .with_delivery_mode(PERSISTENT)
                     .with_message_id(short(&o.id)?)
-                    .with_headers(o.table.clone());
+                    .with_headers(o.take_table()?);
                 let published = link
                     .publisher
                     .basic_publish(
-                        short(&exchange)?,
-                        short(&routing_key)?,
+                        exchange,
+                        routing_key,
                         BasicPublishOptions {
                             mandatory: true,
                             ..BasicPublishOptions::default()
@@ -844,7 +939,7 @@ impl Shared {
                 }
             }
             if failed.is_empty() && returned.is_empty() {
-                return Ok(ids);
+                return Ok(());
             }
             if !returned.is_empty() {
                 // The queue, binding or a delay queue is gone: declare again.
@@ -1035,9 +1130,11 @@ impl Shared {
         let _ = tokio::time::timeout(timeout, wait).await;
     }
 
-    /// Removes `ids` from the leases; returns the tags to settle on `link`
-    /// and the first id that could not be settled, with why.
-    fn take_leases(&self, link: &Link, ids: &[String]) -> (Vec<u64>, Option<TransportError>) {
+    /// Removes `ids` from the leases and marks them as being settled;
+    /// returns the tags to settle on `link`, the [floor](ConsumeState::floor)
+    /// below which they can be settled with one `multiple` frame, and the
+    /// first id that could not be settled, with why.
+    fn take_leases(&self, link: &Link, ids: &[String]) -> (Vec<u64>, u64, Option<TransportError>) {
         let mut state = lock(&self.consume);
         let mut tags = Vec::with_capacity(ids.len());
         let mut error = None;
@@ -1065,7 +1162,9 @@ impl Shared {
                 }
             }
         }
-        (tags, error)
+        let floor = state.floor();
+        state.settling.extend(tags.iter().copied());
+        (tags, floor, error)
     }
 
     async fn settle(&self, ids: &[String], how: Settle) -> Result<(), TransportError> {
@@ -1087,8 +1186,26 @@ impl Shared {
                 None => TransportError::NotFound(ids[0].clone()),
             });
         };
-        let (tags, refused) = self.take_leases(&link, ids);
-        let sent = join_all(tags.iter().map(|&tag| how.send(&link.consumer, tag))).await;
+        let (tags, floor, refused) = self.take_leases(&link, ids);
+        let sent =
+            if matches!(how, Settle::Ack) {
+                // Every tag below the floor in one frame, the others one by one.
+                let mut sorted = tags.clone();
+                sorted.sort_unstable();
+                let below = sorted.partition_point(|&tag| tag < floor);
+                let mut frames = Vec::with_capacity(sorted.len() - below + 1);
+                if below > 0 {
+                    frames.push((sorted[below - 1], below > 1));
+                }
+                frames.extend(sorted[below..].iter().map(|&tag| (tag, false)));
+                join_all(frames.into_iter().map(|(tag, multiple)| {
+                    link.consumer.basic_ack(tag, BasicAckOptions { multiple })
+                }))
+                .await
+            } else {
+                join_all(tags.iter().map(|&tag| how.send(&link.consumer, tag))).await
+            };
+        lock(&self.consume).settled(link.epoch, &tags);
         *lock(&self.last_settle) = Some(Instant::now());
         if let Some(e) = sent.into_iter().find_map(Result::err) {
             if !link.healthy() {
@@ -1185,6 +1302,7 @@ impl Shared {
             for tag in &expired {
                 state.leased.remove(tag);
             }
+            state.settling.extend(expired.iter().copied());
             expired
         };
         if !expired.is_empty() {
@@ -1195,6 +1313,7 @@ impl Shared {
                     .map(|&t| Settle::Release.send(&link.consumer, t)),
             )
             .await;
+            lock(&self.consume).settled(link.epoch, &expired);
         }
         self.cancel_if_idle(&link).await;
     }
@@ -1217,6 +1336,7 @@ impl Shared {
             }
             state.active = None;
             let buffered: Vec<u64> = state.buffer.drain(..).map(|d| d.delivery_tag).collect();
+            state.settling.extend(buffered.iter().copied());
             (state.tag.take(), buffered)
         };
         if let Some(tag) = tag {
@@ -1231,6 +1351,7 @@ impl Shared {
                 .map(|&t| Settle::Release.send(&link.consumer, t)),
         )
         .await;
+        lock(&self.consume).settled(link.epoch, &buffered);
     }
 }
 
@@ -1244,19 +1365,28 @@ async fn pump(shared: Weak<Shared>, link: Arc<Link>, generation: u64, mut consum
         match item {
             Ok(delivery) => {
                 let tag = delivery.delivery_tag;
-                let kept = {
+                // Whether it was kept, or must be given back (arrived for a
+                // cancelled consumer), or belongs to a link that is gone.
+                let (kept, give_back) = {
                     let mut state = lock(&shared.consume);
-                    if state.epoch == link.epoch && state.active == Some(generation) {
-                        state.buffer.push_back(delivery);
-                        true
+                    if state.epoch != link.epoch {
+                        (false, false)
                     } else {
-                        false
+                        state.seen(tag);
+                        if state.active == Some(generation) {
+                            state.buffer.push_back(delivery);
+                            (true, false)
+                        } else {
+                            state.settling.insert(tag);
+                            (false, true)
+                        }
                     }
                 };
                 if kept {
                     shared.arrived.notify_waiters();
-                } else if lock(&shared.consume).epoch == link.epoch {
+                } else if give_back {
                     let _ = Settle::Release.send(&link.consumer, tag).await;
+                    lock(&shared.consume).settled(link.epoch, &[tag]);
                 }
             }
             Err(error) => {
@@ -1348,9 +1478,10 @@ impl Transport for AmqpTransport {
         delay: Option<Duration>,
     ) -> BoxFuture<'_, Result<String, TransportError>> {
         Box::pin(async move {
-            let mut ids = self.shared.publish(vec![(message, delay)]).await?;
-            ids.pop()
-                .ok_or_else(|| backend("publishing", AmqpError::Nacked))
+            let mut outgoing = [Outgoing::new(message, delay)?];
+            self.shared.publish(&mut outgoing).await?;
+            let [sent] = outgoing;
+            Ok(sent.id)
         })
     }
 
@@ -1358,7 +1489,14 @@ impl Transport for AmqpTransport {
         &self,
         messages: Vec<(RawMessage, Option<Duration>)>,
     ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
-        Box::pin(self.shared.publish(messages))
+        Box::pin(async move {
+            let mut outgoing = messages
+                .into_iter()
+                .map(|(message, delay)| Outgoing::new(message, delay))
+                .collect::<Result<Vec<_>, _>>()?;
+            self.shared.publish(&mut outgoing).await?;
+            Ok(outgoing.into_iter().map(|o| o.id).collect())
+        })
     }
 
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
@@ -1404,5 +1542,36 @@ impl Transport for AmqpTransport {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities::new(true, true, true, false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_floor_is_the_lowest_tag_that_may_be_unsettled() {
+        let mut state = ConsumeState::default();
+        assert_eq!(state.floor(), 1);
+        for tag in [1, 2, 4, 5] {
+            state.seen(tag);
+        }
+        // Tag 3 has not reached a pump: it may be unsettled.
+        assert_eq!(state.seen_upto, 2);
+        assert_eq!(state.floor(), 3);
+        state.seen(3);
+        assert_eq!(state.seen_upto, 5);
+        assert!(state.seen_ahead.is_empty());
+        assert_eq!(state.floor(), 6);
+        state.leased.insert(4, Instant::now());
+        assert_eq!(state.floor(), 4);
+        state.settling.insert(2);
+        assert_eq!(state.floor(), 2);
+        state.settled(state.epoch, &[2]);
+        assert_eq!(state.floor(), 4);
+        // Settlements of another link's tags change nothing.
+        state.settling.insert(2);
+        state.settled(state.epoch + 1, &[2]);
+        assert_eq!(state.floor(), 2);
     }
 }

@@ -374,3 +374,35 @@ async fn close_gives_back_unsettled_messages_and_later_calls_fail_closed() {
         .await
         .expect("delete");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acking_a_batch_leaves_an_unacknowledged_earlier_delivery_alone() {
+    let Some(url) = url("acking_a_batch_leaves_an_unacknowledged_earlier_delivery_alone") else {
+        return;
+    };
+    let name = unique("amqp_multiple");
+    let dsn = with_options(&url, "lease=off");
+    let t = AmqpTransport::connect(&name, &dsn).await.expect("connect");
+    for i in 0..6 {
+        t.send(message(&format!("m{i}"), &[]), None)
+            .await
+            .expect("send");
+    }
+    let got = receive(&t, 6, Duration::from_secs(10)).await;
+    let bodies: Vec<&[u8]> = got.iter().map(|d| d.raw.body.as_slice()).collect();
+    assert_eq!(bodies, [b"m0", b"m1", b"m2", b"m3", b"m4", b"m5"]);
+    // The third stays unsettled while the ones around it are acknowledged,
+    // the later ones first.
+    let ids: Vec<String> = [5, 4, 0, 1, 3].iter().map(|&i| got[i].id.clone()).collect();
+    t.ack_batch(&ids).await.expect("ack_batch");
+    t.release(&got[2].id)
+        .await
+        .expect("the third delivery is still unsettled");
+    let again = receive(&t, 1, Duration::from_secs(10)).await;
+    assert_eq!(again[0].raw.body, b"m2");
+    t.ack_batch(std::slice::from_ref(&again[0].id))
+        .await
+        .expect("ack");
+    assert_eq!(t.message_count().await.expect("count"), 0);
+    t.delete().await.expect("delete");
+}

@@ -64,6 +64,7 @@
 use std::any::TypeId;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
@@ -130,15 +131,52 @@ fn decode_message<M: Message + DeserializeOwned>(
     Ok(Envelope::with_kind(message, kind))
 }
 
-fn decode_stamps<S: Stamp>(
-    mut envelope: Envelope,
-    json: &str,
-) -> Result<Envelope, serde_json::Error> {
-    let stamps: Vec<S> = serde_json::from_str(json)?;
-    for stamp in stamps {
-        envelope = envelope.with(stamp);
-    }
+/// Decodes a stamp header (a JSON array of `S`) onto `envelope`, each
+/// element added as it is parsed: no intermediate vector.
+fn decode_stamps<S: Stamp>(envelope: Envelope, json: &str) -> Result<Envelope, serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_str(json);
+    let envelope = serde::de::DeserializeSeed::deserialize(
+        StampSeq::<S> {
+            envelope,
+            stamp: PhantomData,
+        },
+        &mut de,
+    )?;
+    de.end()?;
     Ok(envelope)
+}
+
+/// Deserializes a JSON array of stamps `S` straight onto an envelope.
+struct StampSeq<S> {
+    envelope: Envelope,
+    stamp: PhantomData<fn() -> S>,
+}
+
+impl<'de, S: Stamp> serde::de::DeserializeSeed<'de> for StampSeq<S> {
+    type Value = Envelope;
+
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Envelope, D::Error> {
+        deserializer.deserialize_seq(self)
+    }
+}
+
+impl<'de, S: Stamp> serde::de::Visitor<'de> for StampSeq<S> {
+    type Value = Envelope;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a JSON array of `{}` stamps", S::NAME)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Envelope, A::Error> {
+        let mut envelope = self.envelope;
+        while let Some(stamp) = seq.next_element::<S>()? {
+            envelope = envelope.with(stamp);
+        }
+        Ok(envelope)
+    }
 }
 
 /// Two types registered under one wire name.
@@ -443,38 +481,57 @@ fn is_reserved(header: &str) -> bool {
 }
 
 /// Groups the sendable stamps by name, keeping each type's order, and writes
-/// one JSON array header per name.
+/// one JSON array header per name, in order of first appearance.
+///
+/// Each group is written straight into the buffer that becomes the header's
+/// value: no intermediate `serde_json::Value`s or strings for the stamps the
+/// serializer knows to write directly (see [`write_stamp`]).
 fn encode_stamps(
     envelope: &Envelope,
     headers: &mut BTreeMap<String, String>,
 ) -> Result<(), SerializationError> {
-    // (name, JSON values) in order of first appearance.
-    let mut groups: Vec<(&str, Vec<serde_json::Value>)> = Vec::new();
-    let mut opaque: Vec<&OpaqueStamp> = Vec::new();
-    for stamp in envelope.stamps() {
+    let mut opaque = false;
+    for (index, stamp) in envelope.stamps().enumerate() {
         if !stamp.sendable() {
             continue;
         }
-        if let Some(o) = stamp.as_any().downcast_ref::<OpaqueStamp>() {
-            opaque.push(o);
+        if stamp.as_any().is::<OpaqueStamp>() {
+            opaque = true;
             continue;
         }
-        let value = stamp_json(stamp)?;
         let name = stamp.name();
-        match groups.iter_mut().find(|(n, _)| *n == name) {
-            Some((_, values)) => values.push(value),
-            None => groups.push((name, vec![value])),
+        // Written with the first stamp of its name, together with the rest.
+        if envelope
+            .stamps()
+            .take(index)
+            .any(|s| s.sendable() && s.name() == name && !s.as_any().is::<OpaqueStamp>())
+        {
+            continue;
         }
-    }
-    for (name, values) in groups {
-        let json = serde_json::to_string(&values).map_err(|e| SerializationError::Encode {
-            message: "stamp",
-            source: e,
+        let mut json = Vec::with_capacity(32);
+        json.push(b'[');
+        write_stamp(stamp, &mut json)?;
+        for later in envelope.stamps().skip(index + 1) {
+            if later.sendable() && later.name() == name && !later.as_any().is::<OpaqueStamp>() {
+                json.push(b',');
+                write_stamp(later, &mut json)?;
+            }
+        }
+        json.push(b']');
+        let json = String::from_utf8(json).map_err(|_| SerializationError::InvalidHeader {
+            header: stamp_header(name),
+            reason: "the stamp did not serialize to UTF-8 JSON".into(),
         })?;
-        headers.insert(format!("{STAMP_HEADER_PREFIX}{name}"), json);
+        headers.insert(stamp_header(name), json);
     }
-    for o in opaque {
-        let key = format!("{STAMP_HEADER_PREFIX}{}", o.name);
+    if !opaque {
+        return Ok(());
+    }
+    for o in envelope
+        .stamps()
+        .filter_map(|s| s.as_any().downcast_ref::<OpaqueStamp>())
+    {
+        let key = stamp_header(&o.name);
         match headers.get_mut(&key) {
             None => {
                 headers.insert(key, o.value.clone());
@@ -487,11 +544,51 @@ fn encode_stamps(
     Ok(())
 }
 
+/// `X-Message-Stamp-<name>`.
+fn stamp_header(name: &str) -> String {
+    let mut key = String::with_capacity(STAMP_HEADER_PREFIX.len() + name.len());
+    key.push_str(STAMP_HEADER_PREFIX);
+    key.push_str(name);
+    key
+}
+
+/// Writes `stamp` as JSON to `out`.
+///
+/// The wire format is the stamp as a `serde_json::Value` writes it, whose
+/// objects have their keys sorted. The built-in stamps with at most one
+/// field serialize to exactly that directly, so they are written without
+/// the intermediate value; every other stamp goes through
+/// [`ErasedStamp::to_json`].
+fn write_stamp(stamp: &dyn ErasedStamp, out: &mut Vec<u8>) -> Result<(), SerializationError> {
+    fn direct<S: Serialize + 'static>(
+        stamp: &dyn ErasedStamp,
+        out: &mut Vec<u8>,
+    ) -> Option<Result<(), serde_json::Error>> {
+        let s = stamp.as_any().downcast_ref::<S>()?;
+        Some(serde_json::to_writer(out, s))
+    }
+    let written = direct::<BusNameStamp>(stamp, out)
+        .or_else(|| direct::<HandledStamp>(stamp, out))
+        .or_else(|| direct::<MessageIdStamp>(stamp, out))
+        .or_else(|| direct::<CorrelationIdStamp>(stamp, out))
+        .or_else(|| direct::<CausationIdStamp>(stamp, out))
+        .or_else(|| direct::<DelayStamp>(stamp, out))
+        .or_else(|| direct::<SentToFailureTransportStamp>(stamp, out));
+    let written = match written {
+        Some(written) => written,
+        None => serde_json::to_writer(out, &stamp_json(stamp)?),
+    };
+    written.map_err(|e| SerializationError::Encode {
+        message: "stamp",
+        source: e,
+    })
+}
+
 fn stamp_json(stamp: &dyn ErasedStamp) -> Result<serde_json::Value, SerializationError> {
     stamp
         .to_json()
         .ok_or_else(|| SerializationError::InvalidHeader {
-            header: format!("{STAMP_HEADER_PREFIX}{}", stamp.name()),
+            header: stamp_header(stamp.name()),
             reason: "the stamp did not serialize to JSON".into(),
         })
 }
@@ -624,6 +721,82 @@ mod tests {
             serializer().decode(&raw),
             Err(SerializationError::MissingHeader("type"))
         ));
+    }
+
+    /// The stamps `write_stamp` writes directly must come out exactly as
+    /// through `serde_json::Value` (sorted keys), the wire format.
+    #[test]
+    fn stamps_written_directly_match_their_json_value() {
+        let id = uuid::Uuid::from_u128(0x0123_4567_89ab_cdef_0123_4567_89ab_cdef);
+        let stamps: Vec<Box<dyn ErasedStamp>> = vec![
+            Box::new(BusNameStamp::new("command.bus")),
+            Box::new(HandledStamp::new("h \"q\"", Default::default())),
+            Box::new(MessageIdStamp { id }),
+            Box::new(CorrelationIdStamp { id }),
+            Box::new(CausationIdStamp { id }),
+            Box::new(DelayStamp { ms: 1500 }),
+            Box::new(SentToFailureTransportStamp {
+                original_transport: "async".into(),
+            }),
+            Box::new(RedeliveryStamp {
+                retry_count: 2,
+                at: 7,
+            }),
+            Box::new(ErrorDetailsStamp {
+                kind: "k".into(),
+                message: "m".into(),
+                chain: vec!["c".into()],
+            }),
+        ];
+        for stamp in stamps {
+            let mut out = Vec::new();
+            write_stamp(&*stamp, &mut out).unwrap();
+            let expected = serde_json::to_string(&stamp.to_json().unwrap()).unwrap();
+            assert_eq!(String::from_utf8(out).unwrap(), expected, "{stamp:?}");
+        }
+    }
+
+    #[test]
+    fn stamps_of_one_name_are_grouped_in_order_of_first_appearance() {
+        let raw = serializer()
+            .encode(
+                &Envelope::new(order())
+                    .with(DelayStamp { ms: 1 })
+                    .with(BusNameStamp::new("b"))
+                    .with(ReceivedStamp::new("async"))
+                    .with(DelayStamp { ms: 2 })
+                    .with(RedeliveryStamp {
+                        retry_count: 1,
+                        at: 3,
+                    }),
+            )
+            .unwrap();
+        assert_eq!(
+            raw.header("X-Message-Stamp-Delay"),
+            Some(r#"[{"ms":1},{"ms":2}]"#)
+        );
+        assert_eq!(
+            raw.header("X-Message-Stamp-BusName"),
+            Some(r#"[{"bus":"b"}]"#)
+        );
+        assert_eq!(
+            raw.header("X-Message-Stamp-Redelivery"),
+            Some(r#"[{"at":3,"retry_count":1}]"#)
+        );
+        let back = serializer().decode(&raw).unwrap();
+        let delays: Vec<u64> = back.all::<DelayStamp>().map(|d| d.ms).collect();
+        assert_eq!(delays, [1, 2]);
+    }
+
+    #[test]
+    fn a_stamp_header_with_trailing_garbage_is_malformed() {
+        let mut raw = serializer().encode(&Envelope::new(order())).unwrap();
+        raw.headers
+            .insert("X-Message-Stamp-Delay".into(), r#"[{"ms":1}] x"#.into());
+        assert_eq!(
+            serializer().decode(&raw).unwrap_err().kind(),
+            "malformed_stamp"
+        );
     }
 
     #[test]

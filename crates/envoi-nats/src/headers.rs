@@ -36,11 +36,32 @@ fn travels_natively(name: &str, value: &str) -> bool {
         && value.trim() == value
 }
 
+/// Header names envoi's serializer writes on (nearly) every message, as
+/// static names: building them costs no allocation.
+const COMMON_NAMES: &[&str] = &[
+    "type",
+    "kind",
+    "X-Message-Stamp-BusName",
+    "X-Message-Stamp-MessageId",
+    "X-Message-Stamp-CorrelationId",
+    "X-Message-Stamp-CausationId",
+    "X-Message-Stamp-Redelivery",
+    "X-Message-Stamp-Delay",
+    "X-Message-Stamp-Handled",
+];
+
+fn header_name(name: &str) -> Result<HeaderName, async_nats::header::ParseHeaderNameError> {
+    match COMMON_NAMES.iter().find(|common| **common == name) {
+        Some(common) => Ok(HeaderName::from_static(common)),
+        None => HeaderName::from_str(name),
+    }
+}
+
 /// Builds the NATS headers for `headers`, plus the de-duplication id and the
 /// due time of a delayed message.
 pub(crate) fn encode(
     headers: &BTreeMap<String, String>,
-    msg_id: &str,
+    msg_id: uuid::Uuid,
     not_before_ms: Option<u128>,
 ) -> Result<HeaderMap, serde_json::Error> {
     let mut map = HeaderMap::new();
@@ -48,7 +69,7 @@ pub(crate) fn encode(
     for (name, value) in headers {
         match (
             travels_natively(name, value),
-            HeaderName::from_str(name),
+            header_name(name),
             HeaderValue::from_str(value),
         ) {
             (true, Ok(name), Ok(value)) => map.insert(name, value),
@@ -60,7 +81,8 @@ pub(crate) fn encode(
     if !extra.is_empty() {
         map.insert(EXTRA_HEADERS, serde_json::to_string(&extra)?);
     }
-    map.insert(MSG_ID, msg_id);
+    let mut id = uuid::Uuid::encode_buffer();
+    map.insert(MSG_ID, &*msg_id.simple().encode_lower(&mut id));
     if let Some(ms) = not_before_ms {
         map.insert(NOT_BEFORE, ms.to_string());
     }
@@ -115,7 +137,7 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let map = encode(&headers, "id-1", None).unwrap();
+        let map = encode(&headers, uuid::Uuid::nil(), None).unwrap();
         decode(Some(&map), b"body").headers
     }
 
@@ -123,9 +145,13 @@ mod tests {
     fn ordinary_headers_travel_as_nats_headers() {
         let headers: BTreeMap<String, String> =
             [("type".to_string(), "App\\Order".to_string())].into();
-        let map = encode(&headers, "id-1", Some(42)).unwrap();
+        let id = uuid::Uuid::from_u128(0xabc);
+        let map = encode(&headers, id, Some(42)).unwrap();
         assert_eq!(map.get("type").map(|v| v.as_str()), Some("App\\Order"));
-        assert_eq!(map.get(MSG_ID).map(|v| v.as_str()), Some("id-1"));
+        assert_eq!(
+            map.get(MSG_ID).map(|v| v.as_str()),
+            Some(id.simple().to_string().as_str())
+        );
         assert_eq!(not_before_ms(Some(&map)), Some(42));
         assert!(map.get(EXTRA_HEADERS).is_none());
     }

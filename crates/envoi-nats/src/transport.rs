@@ -1,7 +1,7 @@
 //! [`NatsTransport`]: a JetStream stream and a durable pull consumer.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -84,6 +84,11 @@ struct Leases {
 #[derive(Debug)]
 struct Inner {
     config: NatsConfig,
+    /// `config.subject`, built once.
+    subject: Subject,
+    /// The server's payload limit as last read (0: none known); re-read
+    /// before refusing a message over it.
+    max_payload: AtomicUsize,
     client: async_nats::Client,
     js: jetstream::Context,
     consumer: Mutex<Option<Arc<PullConsumer>>>,
@@ -164,6 +169,12 @@ pub struct NatsTransport {
     inner: Arc<Inner>,
 }
 
+/// Why a publish could not be started.
+enum StartError {
+    Headers(TransportError),
+    Publish(async_nats::jetstream::context::PublishError),
+}
+
 /// How a pull request ended.
 enum FetchEnd {
     /// The server ended it (batch complete, expired, no messages).
@@ -177,8 +188,24 @@ enum FetchEnd {
 /// A message ready to publish; kept so that a failed publish can be retried
 /// with the same de-duplication id.
 struct Prepared {
-    headers: async_nats::HeaderMap,
+    /// The headers of the first attempt; a retry encodes them again from
+    /// `source` (cheaper than copying them for every publish).
+    headers: Option<async_nats::HeaderMap>,
+    source: BTreeMap<String, String>,
+    msg_id: uuid::Uuid,
+    not_before: Option<u128>,
     payload: Bytes,
+}
+
+impl Prepared {
+    /// The headers for the next attempt.
+    fn take_headers(&mut self) -> Result<async_nats::HeaderMap, TransportError> {
+        match self.headers.take() {
+            Some(headers) => Ok(headers),
+            None => headers::encode(&self.source, self.msg_id, self.not_before)
+                .map_err(|e| backend("encoding headers", e)),
+        }
+    }
 }
 
 impl NatsTransport {
@@ -198,8 +225,11 @@ impl NatsTransport {
             .await
             .map_err(|e| backend(format!("connecting to {}", mask_dsn(&config.server)), e))?;
         let js = jetstream::new(client.clone());
+        let max_payload = AtomicUsize::new(client.server_info().max_payload);
         Ok(Self {
             inner: Arc::new(Inner {
+                subject: Subject::from(config.subject.as_str()),
+                max_payload,
                 config,
                 client,
                 js,
@@ -379,37 +409,44 @@ impl NatsTransport {
         message: RawMessage,
         delay: Option<Duration>,
     ) -> Result<Prepared, TransportError> {
-        let max_payload = self.inner.client.server_info().max_payload;
-        if max_payload > 0 && message.body.len() > max_payload {
-            return Err(TransportError::TooLarge {
-                size: message.body.len(),
-                limit: max_payload,
-            });
+        let known = self.inner.max_payload.load(Ordering::Relaxed);
+        if known > 0 && message.body.len() > known {
+            // The limit may have changed with a reconnection: read it again.
+            let max_payload = self.inner.client.server_info().max_payload;
+            self.inner.max_payload.store(max_payload, Ordering::Relaxed);
+            if max_payload > 0 && message.body.len() > max_payload {
+                return Err(TransportError::TooLarge {
+                    size: message.body.len(),
+                    limit: max_payload,
+                });
+            }
         }
         let not_before = delay
             .filter(|d| !d.is_zero())
             .map(|d| now_ms() + d.as_millis());
-        let msg_id = uuid::Uuid::new_v4().simple().to_string();
-        let headers = headers::encode(&message.headers, &msg_id, not_before)
+        let msg_id = uuid::Uuid::new_v4();
+        let headers = headers::encode(&message.headers, msg_id, not_before)
             .map_err(|e| backend("encoding headers", e))?;
         Ok(Prepared {
-            headers,
+            headers: Some(headers),
+            source: message.headers,
+            msg_id,
+            not_before,
             payload: Bytes::from(message.body),
         })
     }
 
-    async fn start_publish(
-        &self,
-        prepared: &Prepared,
-    ) -> Result<PublishAckFuture, async_nats::jetstream::context::PublishError> {
+    async fn start_publish(&self, prepared: &mut Prepared) -> Result<PublishAckFuture, StartError> {
+        let headers = prepared.take_headers().map_err(StartError::Headers)?;
         self.inner
             .js
             .publish_with_headers(
-                self.inner.config.subject.clone(),
-                prepared.headers.clone(),
+                self.inner.subject.clone(),
+                headers,
                 prepared.payload.clone(),
             )
             .await
+            .map_err(StartError::Publish)
     }
 
     /// Waits for `first` (an already started publish) and retries the
@@ -417,14 +454,15 @@ impl NatsTransport {
     /// retry store the message at most once.
     async fn finish_publish(
         &self,
-        prepared: &Prepared,
-        first: Result<PublishAckFuture, async_nats::jetstream::context::PublishError>,
+        prepared: &mut Prepared,
+        first: Result<PublishAckFuture, StartError>,
     ) -> Result<String, TransportError> {
         let mut attempt = first;
         for tries in 1..=SEND_ATTEMPTS {
             let outcome = match attempt {
                 Ok(ack) => ack.await,
-                Err(e) => Err(e),
+                Err(StartError::Publish(e)) => Err(e),
+                Err(StartError::Headers(e)) => return Err(e),
             };
             let error = match outcome {
                 Ok(ack) => return Ok(ack.sequence.to_string()),
@@ -503,6 +541,9 @@ impl NatsTransport {
     /// ones are given back to JetStream until they are due.
     async fn accept(&self, messages: Vec<jetstream::Message>, out: &mut Vec<Delivery>) {
         let now = now_ms();
+        let touched = Instant::now();
+        let mut leased = Vec::with_capacity(messages.len());
+        out.reserve(messages.len());
         for message in messages {
             let (sequence, delivered) = match message.info() {
                 Ok(info) => (info.stream_sequence, info.delivered),
@@ -534,17 +575,14 @@ impl NatsTransport {
             }
             tracing::trace!(sequence, delivered, "message handed out");
             let raw = headers::decode(message.message.headers.as_ref(), &message.message.payload);
-            lock(&self.inner.leases).by_sequence.insert(
-                sequence,
-                Lease {
-                    reply,
-                    touched: Instant::now(),
-                },
-            );
+            leased.push((sequence, Lease { reply, touched }));
             out.push(Delivery {
                 id: sequence.to_string(),
                 raw,
             });
+        }
+        if !leased.is_empty() {
+            lock(&self.inner.leases).by_sequence.extend(leased);
         }
     }
 
@@ -773,9 +811,9 @@ impl Transport for NatsTransport {
     ) -> BoxFuture<'_, Result<String, TransportError>> {
         Box::pin(async move {
             self.ensure_setup().await?;
-            let prepared = self.prepare(message, delay)?;
-            let first = self.start_publish(&prepared).await;
-            self.finish_publish(&prepared, first).await
+            let mut prepared = self.prepare(message, delay)?;
+            let first = self.start_publish(&mut prepared).await;
+            self.finish_publish(&mut prepared, first).await
         })
     }
 
@@ -785,18 +823,18 @@ impl Transport for NatsTransport {
     ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
         Box::pin(async move {
             self.ensure_setup().await?;
-            let prepared = messages
+            let mut prepared = messages
                 .into_iter()
                 .map(|(message, delay)| self.prepare(message, delay))
                 .collect::<Result<Vec<_>, _>>()?;
             // Publish everything first, then collect the acknowledgements:
             // one round trip for the whole batch instead of one per message.
             let mut started = Vec::with_capacity(prepared.len());
-            for message in &prepared {
+            for message in &mut prepared {
                 started.push(self.start_publish(message).await);
             }
             let mut ids = Vec::with_capacity(prepared.len());
-            for (message, first) in prepared.iter().zip(started) {
+            for (message, first) in prepared.iter_mut().zip(started) {
                 ids.push(self.finish_publish(message, first).await?);
             }
             Ok(ids)
@@ -839,11 +877,17 @@ impl Transport for NatsTransport {
                 for result in futures_util::future::join_all(confirmations).await {
                     result?;
                 }
-            } else {
+            } else if let Some(last) = replies.last() {
                 // Acks are plain publishes: they are queued on the connection
-                // and written together.
+                // and written together. The last one is the barrier for
+                // `ack_barrier`.
+                *lock(&self.inner.unconfirmed_ack) = Some(last.clone());
                 for reply in replies {
-                    self.send_ack(reply, AckKind::Ack).await?;
+                    self.inner
+                        .client
+                        .publish(reply, AckKind::Ack.into())
+                        .await
+                        .map_err(|e| backend("acknowledging", e))?;
                 }
             }
             for sequence in others {

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use envoi_core::middleware::BoxFuture;
@@ -12,11 +12,20 @@ use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
 use envoi_core::TransportError;
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
-use tokio::task::JoinHandle;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::{JoinHandle, JoinSet};
 
 use crate::config::{ConfigError, PostgresConfig};
 use crate::listener::{ListenerTask, NotifierTask, Wake};
 use crate::sql::Statements;
+
+/// Most rows one grouped `INSERT` stores.
+const GROUP_ROWS: usize = 1000;
+/// Sends that must be waiting before a second grouped `INSERT` starts
+/// while one runs.
+const JOIN_ROWS: usize = 16;
+/// Most body bytes one grouped `INSERT` carries (a bigger group is split).
+const GROUP_BYTES: usize = 8 * 1024 * 1024;
 
 /// The header a delivery gets, holding the stored text, when the stored
 /// headers are not a JSON object (a row written by hand, for instance): the
@@ -53,6 +62,18 @@ pub enum MessageError {
 /// [`ack`](Transport::ack) and [`reject`](Transport::reject) delete the row;
 /// [`release`](Transport::release) ends the lease at once.
 ///
+/// # Sending
+///
+/// Concurrent [`send`](Transport::send)s are grouped: a background writer
+/// of the transport value takes every send waiting for it and stores them
+/// with one multi-row `INSERT` (up to 1,000 rows), with a few such
+/// statements in flight at once. Each `send` returns once the statement
+/// holding its row has committed, so an acknowledged send is as durable as
+/// a single-row insert, and a lone send is not delayed: the writer starts a
+/// statement as soon as there is a send and room for one. Should a grouped
+/// statement fail for a reason other than a lost connection, its rows are
+/// stored one by one, so only the message at fault fails.
+///
 /// # Waking consumers
 ///
 /// After a send commits, a background task of the transport runs `NOTIFY`
@@ -88,6 +109,8 @@ struct Inner {
     /// Signals the notifier task that messages became available.
     notify_signal: Arc<tokio::sync::Notify>,
     notifier: OnceLock<AbortOnDrop>,
+    /// The writer grouping concurrent sends, started by the first send.
+    writer: OnceLock<Writer>,
     /// The wake generation when the latest claim started.
     claimed_generation: AtomicU64,
     lease_secs: f64,
@@ -187,6 +210,7 @@ impl PostgresTransport {
                 listener: OnceLock::new(),
                 notify_signal: Arc::new(tokio::sync::Notify::new()),
                 notifier: OnceLock::new(),
+                writer: OnceLock::new(),
                 claimed_generation: AtomicU64::new(0),
                 max_retries,
             }),
@@ -226,9 +250,13 @@ impl PostgresTransport {
     /// finish. Every handle on this transport fails with
     /// [`TransportError::Closed`] afterwards.
     pub async fn close(&self) {
-        for task in [self.inner.listener.get(), self.inner.notifier.get()]
-            .into_iter()
-            .flatten()
+        for task in [
+            self.inner.listener.get(),
+            self.inner.notifier.get(),
+            self.inner.writer.get().map(|w| &w.task),
+        ]
+        .into_iter()
+        .flatten()
         {
             task.0.abort();
         }
@@ -296,6 +324,87 @@ fn row_to_delivery(row: &PgRow) -> Result<Delivery, sqlx::Error> {
     })
 }
 
+/// A send waiting for the writer.
+struct PendingSend {
+    body: Vec<u8>,
+    headers: String,
+    delay: f64,
+    reply: oneshot::Sender<Result<i64, TransportError>>,
+}
+
+/// The writer of one transport value: a task storing the sends queued on
+/// `queue`, grouped.
+struct Writer {
+    queue: mpsc::UnboundedSender<PendingSend>,
+    task: AbortOnDrop,
+}
+
+impl Writer {
+    /// Grouped statements in flight at once.
+    fn parallelism(inner: &Inner) -> usize {
+        let connections = inner.pool.options().get_max_connections() as usize;
+        (connections / 4).clamp(1, 2)
+    }
+
+    fn start(inner: &Arc<Inner>) -> Self {
+        let (queue, pending) = mpsc::unbounded_channel();
+        let parallel = Self::parallelism(inner);
+        let task = tokio::spawn(Self::run(Arc::downgrade(inner), pending, parallel));
+        Self {
+            queue,
+            task: AbortOnDrop(task),
+        }
+    }
+
+    /// Collects the queued sends and stores them, grouped, until the
+    /// transport is gone. A statement starts at once when none runs; another
+    /// one joins it (up to `parallel`) only once [`JOIN_ROWS`] sends wait, so
+    /// that groups stay large rather than splitting the waiting sends into
+    /// many small statements. Holds the transport only while a statement
+    /// runs, so dropping the last handle ends the task.
+    async fn run(
+        inner: Weak<Inner>,
+        mut pending: mpsc::UnboundedReceiver<PendingSend>,
+        parallel: usize,
+    ) {
+        let mut running = JoinSet::new();
+        let mut group = Vec::new();
+        let mut open = true;
+        while open || !group.is_empty() || !running.is_empty() {
+            let start = !group.is_empty()
+                && (running.is_empty() || (running.len() < parallel && group.len() >= JOIN_ROWS));
+            if start {
+                // Let the senders that are ready now queue too: one
+                // statement for them rather than one for the first alone.
+                tokio::task::yield_now().await;
+                while group.len() < GROUP_ROWS {
+                    match pending.try_recv() {
+                        Ok(send) => group.push(send),
+                        Err(_) => break,
+                    }
+                }
+                let Some(inner) = inner.upgrade() else {
+                    // Gone: dropping the group tells its senders.
+                    break;
+                };
+                let group = std::mem::take(&mut group);
+                running.spawn(async move { inner.write_group(group).await });
+                continue;
+            }
+            let room = GROUP_ROWS - group.len();
+            tokio::select! {
+                biased;
+                Some(_) = running.join_next(), if !running.is_empty() => {}
+                taken = pending.recv_many(&mut group, room), if open && room > 0 => {
+                    if taken == 0 {
+                        open = false;
+                    }
+                }
+            }
+        }
+    }
+}
+
 impl Inner {
     fn error(&self, what: &str, error: sqlx::Error) -> TransportError {
         match error {
@@ -312,7 +421,18 @@ impl Inner {
 
     /// Runs `op`, again on another connection when it failed because its
     /// connection was lost.
-    async fn retrying<T, F, Fut>(&self, what: &str, mut op: F) -> Result<T, TransportError>
+    async fn retrying<T, F, Fut>(&self, what: &str, op: F) -> Result<T, TransportError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, sqlx::Error>>,
+    {
+        self.retrying_raw(op)
+            .await
+            .map_err(|error| self.error(what, error))
+    }
+
+    /// [`retrying`](Self::retrying), keeping the last error as it is.
+    async fn retrying_raw<T, F, Fut>(&self, mut op: F) -> Result<T, sqlx::Error>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, sqlx::Error>>,
@@ -328,7 +448,7 @@ impl Inner {
                         && started.elapsed() < self.config.acquire_timeout =>
                 {
                     attempt += 1;
-                    tracing::debug!(%error, attempt, transport = %self.name, "postgres: {what}: connection lost, retrying");
+                    tracing::debug!(%error, attempt, transport = %self.name, "postgres: connection lost, retrying");
                     // The first retries are immediate: each takes another
                     // pooled connection, and a killed pool has several dead ones.
                     if attempt > 2 {
@@ -336,7 +456,7 @@ impl Inner {
                         tokio::time::sleep(pause.min(Duration::from_millis(500))).await;
                     }
                 }
-                Err(error) => return Err(self.error(what, error)),
+                Err(error) => return Err(error),
             }
         }
     }
@@ -401,28 +521,137 @@ impl Inner {
         Ok(())
     }
 
+    /// Sends one message through the writer, which groups it with the
+    /// sends waiting at the same time; returns once its row is committed.
     async fn send(
-        &self,
+        self: &Arc<Self>,
         message: RawMessage,
         delay: Option<Duration>,
     ) -> Result<String, TransportError> {
         self.check_size(&message)?;
         let headers = self.encode_headers(&message.headers)?;
-        let delay = delay_secs(delay);
-        let id: i64 = self
-            .retrying("sending a message", || {
-                sqlx::query_scalar(AssertSqlSafe(self.sql.insert.clone()))
-                    .bind(self.name.as_str())
-                    .bind(message.body.as_slice())
-                    .bind(headers.as_str())
-                    .bind(delay)
-                    .fetch_one(&self.pool)
-            })
-            .await?;
-        if delay <= 0.0 {
+        let (reply, stored) = oneshot::channel();
+        let pending = PendingSend {
+            body: message.body,
+            headers,
+            delay: delay_secs(delay),
+            reply,
+        };
+        let writer = self.writer.get_or_init(|| Writer::start(self));
+        if writer.queue.send(pending).is_err() {
+            return Err(TransportError::Closed);
+        }
+        match stored.await {
+            Ok(Ok(id)) => Ok(id.to_string()),
+            Ok(Err(error)) => Err(error),
+            // The writer stopped: the transport was closed.
+            Err(_) => Err(TransportError::Closed),
+        }
+    }
+
+    /// Stores one message with a single-row `INSERT`.
+    async fn insert_one(
+        &self,
+        body: &[u8],
+        headers: &str,
+        delay: f64,
+    ) -> Result<i64, TransportError> {
+        self.retrying("sending a message", || {
+            sqlx::query_scalar(AssertSqlSafe(self.sql.insert.clone()))
+                .bind(self.name.as_str())
+                .bind(body)
+                .bind(headers)
+                .bind(delay)
+                .fetch_one(&self.pool)
+        })
+        .await
+    }
+
+    /// Stores `group` (sends taken by the writer) and answers each: with one
+    /// multi-row `INSERT` per [`GROUP_BYTES`] of bodies, or row by row when
+    /// a grouped statement fails for another reason than a lost connection.
+    async fn write_group(&self, group: Vec<PendingSend>) {
+        let mut rest = group.as_slice();
+        let mut replies: Vec<Result<i64, TransportError>> = Vec::with_capacity(group.len());
+        while !rest.is_empty() {
+            let mut bytes = 0;
+            let take = rest
+                .iter()
+                .position(|p| {
+                    bytes += p.body.len();
+                    bytes > GROUP_BYTES
+                })
+                .map_or(rest.len(), |n| n.max(1));
+            let (chunk, after) = rest.split_at(take);
+            rest = after;
+            if chunk.len() == 1 {
+                let p = &chunk[0];
+                replies.push(self.insert_one(&p.body, &p.headers, p.delay).await);
+                continue;
+            }
+            let bodies: Vec<&[u8]> = chunk.iter().map(|p| p.body.as_slice()).collect();
+            let headers: Vec<&str> = chunk.iter().map(|p| p.headers.as_str()).collect();
+            let delays: Vec<f64> = chunk.iter().map(|p| p.delay).collect();
+            let stored = self
+                .retrying_raw(|| {
+                    sqlx::query_scalar::<_, i64>(AssertSqlSafe(self.sql.insert_batch.clone()))
+                        .bind(self.name.as_str())
+                        .bind(&bodies)
+                        .bind(&headers)
+                        .bind(&delays)
+                        .fetch_all(&self.pool)
+                })
+                .await;
+            match stored {
+                Ok(ids) if ids.len() == chunk.len() => replies.extend(ids.into_iter().map(Ok)),
+                Ok(ids) => {
+                    // Cannot happen (one row per element); never guess which
+                    // message got which id.
+                    for _ in chunk {
+                        replies.push(Err(TransportError::backend(
+                            "postgres: sending a message",
+                            format!(
+                                "a grouped insert stored {} rows for {}",
+                                ids.len(),
+                                chunk.len()
+                            ),
+                        )));
+                    }
+                }
+                Err(sqlx::Error::PoolClosed) => {
+                    replies.extend(chunk.iter().map(|_| Err(TransportError::Closed)));
+                }
+                Err(error) if is_connection_error(&error) => {
+                    let error = error.to_string();
+                    for _ in chunk {
+                        replies.push(Err(TransportError::backend(
+                            format!(
+                                "postgres: sending a message (transport `{}`, table `{}`)",
+                                self.name, self.config.table
+                            ),
+                            error.clone(),
+                        )));
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(%error, rows = chunk.len(), transport = %self.name, "postgres: grouped insert failed; storing its rows one by one");
+                    for p in chunk {
+                        replies.push(self.insert_one(&p.body, &p.headers, p.delay).await);
+                    }
+                }
+            }
+        }
+        if group
+            .iter()
+            .zip(&replies)
+            .any(|(p, r)| r.is_ok() && p.delay <= 0.0)
+        {
             self.notify_consumers();
         }
-        Ok(id.to_string())
+        for (pending, reply) in group.into_iter().zip(replies) {
+            // A sender that went away meanwhile no longer waits for the answer.
+            let _ = pending.reply.send(reply);
+        }
     }
 
     async fn send_batch(
@@ -678,7 +907,7 @@ impl Transport for PostgresTransport {
         message: RawMessage,
         delay: Option<Duration>,
     ) -> BoxFuture<'_, Result<String, TransportError>> {
-        Box::pin(self.inner.send(message, delay))
+        Box::pin(Inner::send(&self.inner, message, delay))
     }
 
     /// One multi-row `INSERT … SELECT … FROM UNNEST(…)`, then one

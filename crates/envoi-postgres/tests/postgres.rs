@@ -647,3 +647,72 @@ async fn an_empty_get_waits_up_to_the_wait_option_and_not_at_all_with_zero() {
         "wait=0 returned after {eager_took:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sends_are_each_stored_once_under_their_own_id() {
+    let Some(url) = url("concurrent_sends_are_each_stored_once_under_their_own_id") else {
+        return;
+    };
+    let name = unique("grouped");
+    let t = Arc::new(open(&name, &url, &options("")).await);
+    let n = 300;
+    let mut sends = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let t = Arc::clone(&t);
+        // Every tenth one delayed: delayed and immediate rows share groups.
+        let delay = (i % 10 == 0).then(|| Duration::from_secs(60));
+        sends.spawn(async move { (i, t.send(text(&format!("m{i}")), delay).await) });
+    }
+    let mut ids = BTreeSet::new();
+    while let Some(joined) = sends.join_next().await {
+        let (i, sent) = joined.unwrap();
+        let id = sent.unwrap_or_else(|e| panic!("send {i} failed: {e}"));
+        let found = t.find(&id).await.unwrap().expect("a sent id is not stored");
+        assert_eq!(
+            body(&found),
+            format!("m{i}"),
+            "id {id} holds another message"
+        );
+        assert!(ids.insert(id), "two sends got one id");
+    }
+    assert_eq!(t.message_count().await.unwrap(), n as u64);
+    let mut due = 0;
+    loop {
+        let got = t.get(100).await.unwrap();
+        if got.is_empty() {
+            break;
+        }
+        due += got.len();
+    }
+    assert_eq!(due, n - n / 10, "only the messages without a delay are due");
+    t.purge().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_the_database_refuses_fails_alone_among_concurrent_sends() {
+    let Some(url) = url("a_send_the_database_refuses_fails_alone_among_concurrent_sends") else {
+        return;
+    };
+    let name = unique("refused");
+    let t = Arc::new(open(&name, &url, &options("")).await);
+    let mut sends = tokio::task::JoinSet::new();
+    for i in 0..100 {
+        let t = Arc::clone(&t);
+        // A due time past the end of PostgreSQL's calendar: that row's
+        // INSERT fails, whichever statement it is in.
+        let delay = (i == 50).then(|| Duration::from_secs(1 << 50));
+        sends.spawn(async move { (i, t.send(text(&format!("m{i}")), delay).await) });
+    }
+    let mut stored = 0;
+    while let Some(joined) = sends.join_next().await {
+        match joined.unwrap() {
+            (50, Err(TransportError::Backend { .. })) => {}
+            (50, other) => panic!("the out-of-range send gave {other:?}"),
+            (i, Err(e)) => panic!("send {i} failed with its neighbour: {e}"),
+            (_, Ok(_)) => stored += 1,
+        }
+    }
+    assert_eq!(stored, 99);
+    assert_eq!(t.message_count().await.unwrap(), 99);
+    t.purge().await.unwrap();
+}
