@@ -291,16 +291,23 @@ impl State {
     /// Removes a message for good, leased or not (a consumer whose lease
     /// expired may still acknowledge the work it did).
     fn remove(&mut self, id: u64) -> bool {
-        if self.leased.remove(&id).is_some() {
-            return true;
+        self.take_out(id).is_some()
+    }
+
+    /// Removes a message for good and returns it, to be dropped once the
+    /// lock is released.
+    fn take_out(&mut self, id: u64) -> Option<Entry> {
+        if let Some(lease) = self.leased.remove(&id) {
+            return Some(lease.entry);
         }
         if let Some(pos) = self.ready.iter().position(|e| e.key() == id) {
-            self.ready.remove(pos);
-            return true;
+            return self.ready.remove(pos);
         }
-        let before = self.delayed.len();
-        self.delayed.retain(|d| d.entry.key() != id);
-        self.delayed.len() != before
+        let pos = self.delayed.iter().position(|d| d.entry.key() == id)?;
+        let mut delayed = std::mem::take(&mut self.delayed).into_vec();
+        let entry = delayed.swap_remove(pos).entry;
+        self.delayed = BinaryHeap::from(delayed);
+        Some(entry)
     }
 
     /// Every stored message, in id order.
@@ -718,16 +725,21 @@ impl LocalTransport for InMemoryTransport {
 
     fn ack_local(&self, keys: &[u64]) -> Result<(), TransportError> {
         let mut missing = None;
+        // Freeing the messages waits until the lock is released.
+        let mut removed = Vec::with_capacity(keys.len());
         {
             let mut state = self.lock();
             for &key in keys {
-                if state.remove(key) {
-                    state.acknowledged += 1;
-                } else {
-                    missing = Some(key);
+                match state.take_out(key) {
+                    Some(entry) => {
+                        removed.push(entry);
+                        state.acknowledged += 1;
+                    }
+                    None => missing = Some(key),
                 }
             }
         }
+        drop(removed);
         match missing {
             Some(key) => Err(TransportError::NotFound(key.to_string())),
             None => Ok(()),
@@ -913,6 +925,20 @@ mod tests {
         for n in [0, 7, 10, 12345, u64::MAX] {
             assert_eq!(LocalId::new(n).to_string(), n.to_string());
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_and_delayed_messages_can_be_acknowledged_too() {
+        let t = InMemoryTransport::new();
+        let waiting = t.send(raw(1), None).await.unwrap();
+        let delayed = t.send(raw(2), Some(Duration::from_secs(5))).await.unwrap();
+        let later = t.send(raw(3), Some(Duration::from_secs(9))).await.unwrap();
+        t.ack(&delayed).await.unwrap();
+        t.ack(&waiting).await.unwrap();
+        assert_eq!((t.message_count().await.unwrap(), t.acknowledged()), (1, 2));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let got = t.get(10).await.unwrap();
+        assert_eq!((bodies(&got), got[0].id.clone()), (vec![3], later));
     }
 
     #[tokio::test]
