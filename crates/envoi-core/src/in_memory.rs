@@ -40,7 +40,7 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -215,13 +215,15 @@ struct State {
     leased: HashMap<u64, Lease, BuildHasherDefault<IdHasher>>,
     /// No lease expires before this (a lower bound; `None` when none is held).
     earliest_expiry: Option<Instant>,
+    /// The last id given out.
+    last_key: u64,
     acknowledged: u64,
     rejected: u64,
 }
 
 impl State {
-    /// Adds an available message in its place (by id; senders racing
-    /// each other may arrive slightly out of order).
+    /// Adds an available message in its place by id (a new message goes
+    /// last; a released or expired one takes its old place).
     fn insert_ready(&mut self, entry: Entry) {
         match self.ready.back() {
             Some(last) if last.key() > entry.key() => {
@@ -233,7 +235,11 @@ impl State {
         }
     }
 
-    fn store(&mut self, entry: Entry, delay: Option<Duration>) {
+    /// Stores a message under the next id, and returns the id.
+    fn store(&mut self, stored: Stored, delay: Option<Duration>) -> LocalId {
+        self.last_key += 1;
+        let id = LocalId::new(self.last_key);
+        let entry = Entry { id, stored };
         match delay.filter(|d| !d.is_zero()) {
             Some(d) => self.delayed.push(Delayed {
                 at: Instant::now() + d,
@@ -241,6 +247,7 @@ impl State {
             }),
             None => self.insert_ready(entry),
         }
+        id
     }
 
     /// Moves due delayed messages and expired leases to `ready`.
@@ -341,8 +348,6 @@ impl State {
 /// A queue in the process's memory; see the [module documentation](self).
 pub struct InMemoryTransport {
     state: Mutex<State>,
-    /// The last id given out.
-    last_key: AtomicU64,
     notify: Notify,
     /// How many [`Transport::wait_for_messages`] calls are checking or
     /// waiting: a send wakes them only when there is one.
@@ -381,7 +386,6 @@ impl InMemoryTransport {
     pub fn with_config(config: InMemoryConfig) -> Self {
         Self {
             state: Mutex::new(State::default()),
-            last_key: AtomicU64::new(0),
             notify: Notify::new(),
             waiting: AtomicUsize::new(0),
             config,
@@ -452,11 +456,6 @@ impl InMemoryTransport {
         })
     }
 
-    /// A new id, made outside the lock.
-    fn next_id(&self) -> LocalId {
-        LocalId::new(self.last_key.fetch_add(1, AtomicOrdering::Relaxed) + 1)
-    }
-
     /// Wakes a [`Transport::wait_for_messages`] call, if one is waiting.
     fn wake(&self) {
         if self.waiting.load(AtomicOrdering::SeqCst) > 0 {
@@ -465,14 +464,8 @@ impl InMemoryTransport {
     }
 
     fn store(&self, payload: Payload, delay: Option<Duration>) -> LocalId {
-        let id = self.next_id();
-        self.lock().store(
-            Entry {
-                id,
-                stored: Stored::new(payload),
-            },
-            delay,
-        );
+        let stored = Stored::new(payload);
+        let id = self.lock().store(stored, delay);
         self.wake();
         id
     }
@@ -484,14 +477,8 @@ impl InMemoryTransport {
             .last::<DelayStamp>()
             .map(DelayStamp::duration)
             .filter(|d| !d.is_zero());
-        let id = self.next_id();
-        self.lock().store(
-            Entry {
-                id,
-                stored: Stored::Envelope(envelope.clone().into_sendable()),
-            },
-            delay,
-        );
+        let stored = Stored::Envelope(envelope.clone().into_sendable());
+        let id = self.lock().store(stored, delay);
         self.wake();
         envelope.with_erased(id.stamp())
     }
@@ -527,24 +514,16 @@ impl Transport for InMemoryTransport {
         &self,
         messages: Vec<(RawMessage, Option<Duration>)>,
     ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
-        let entries: Vec<(Entry, Option<Duration>)> = messages
+        let stored: Vec<(Stored, Option<Duration>)> = messages
             .into_iter()
-            .map(|(m, d)| {
-                let entry = Entry {
-                    id: self.next_id(),
-                    stored: Stored::Raw(Box::new(m)),
-                };
-                (entry, d)
-            })
+            .map(|(m, d)| (Stored::Raw(Box::new(m)), d))
             .collect();
-        let ids = entries.iter().map(|(e, _)| e.id.to_string()).collect();
-        {
+        let ids: Vec<LocalId> = {
             let mut state = self.lock();
-            for (entry, delay) in entries {
-                state.store(entry, delay);
-            }
-        }
+            stored.into_iter().map(|(s, d)| state.store(s, d)).collect()
+        };
         self.wake();
+        let ids = ids.iter().map(LocalId::to_string).collect();
         Box::pin(async move { Ok(ids) })
     }
 
