@@ -40,7 +40,7 @@ use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -215,13 +215,15 @@ struct State {
     leased: HashMap<u64, Lease, BuildHasherDefault<IdHasher>>,
     /// No lease expires before this (a lower bound; `None` when none is held).
     earliest_expiry: Option<Instant>,
+    /// The last id given out.
+    last_key: u64,
     acknowledged: u64,
     rejected: u64,
 }
 
 impl State {
-    /// Adds an available message in its place (by id; senders racing
-    /// each other may arrive slightly out of order).
+    /// Adds an available message in its place by id (a new message goes
+    /// last; a released or expired one takes its old place).
     fn insert_ready(&mut self, entry: Entry) {
         match self.ready.back() {
             Some(last) if last.key() > entry.key() => {
@@ -233,7 +235,11 @@ impl State {
         }
     }
 
-    fn store(&mut self, entry: Entry, delay: Option<Duration>) {
+    /// Stores a message under the next id, and returns the id.
+    fn store(&mut self, stored: Stored, delay: Option<Duration>) -> LocalId {
+        self.last_key += 1;
+        let id = LocalId::new(self.last_key);
+        let entry = Entry { id, stored };
         match delay.filter(|d| !d.is_zero()) {
             Some(d) => self.delayed.push(Delayed {
                 at: Instant::now() + d,
@@ -241,6 +247,7 @@ impl State {
             }),
             None => self.insert_ready(entry),
         }
+        id
     }
 
     /// Moves due delayed messages and expired leases to `ready`.
@@ -291,16 +298,23 @@ impl State {
     /// Removes a message for good, leased or not (a consumer whose lease
     /// expired may still acknowledge the work it did).
     fn remove(&mut self, id: u64) -> bool {
-        if self.leased.remove(&id).is_some() {
-            return true;
+        self.take_out(id).is_some()
+    }
+
+    /// Removes a message for good and returns it, to be dropped once the
+    /// lock is released.
+    fn take_out(&mut self, id: u64) -> Option<Entry> {
+        if let Some(lease) = self.leased.remove(&id) {
+            return Some(lease.entry);
         }
         if let Some(pos) = self.ready.iter().position(|e| e.key() == id) {
-            self.ready.remove(pos);
-            return true;
+            return self.ready.remove(pos);
         }
-        let before = self.delayed.len();
-        self.delayed.retain(|d| d.entry.key() != id);
-        self.delayed.len() != before
+        let pos = self.delayed.iter().position(|d| d.entry.key() == id)?;
+        let mut delayed = std::mem::take(&mut self.delayed).into_vec();
+        let entry = delayed.swap_remove(pos).entry;
+        self.delayed = BinaryHeap::from(delayed);
+        Some(entry)
     }
 
     /// Every stored message, in id order.
@@ -334,8 +348,6 @@ impl State {
 /// A queue in the process's memory; see the [module documentation](self).
 pub struct InMemoryTransport {
     state: Mutex<State>,
-    /// The last id given out.
-    last_key: AtomicU64,
     notify: Notify,
     /// How many [`Transport::wait_for_messages`] calls are checking or
     /// waiting: a send wakes them only when there is one.
@@ -374,7 +386,6 @@ impl InMemoryTransport {
     pub fn with_config(config: InMemoryConfig) -> Self {
         Self {
             state: Mutex::new(State::default()),
-            last_key: AtomicU64::new(0),
             notify: Notify::new(),
             waiting: AtomicUsize::new(0),
             config,
@@ -445,11 +456,6 @@ impl InMemoryTransport {
         })
     }
 
-    /// A new id, made outside the lock.
-    fn next_id(&self) -> LocalId {
-        LocalId::new(self.last_key.fetch_add(1, AtomicOrdering::Relaxed) + 1)
-    }
-
     /// Wakes a [`Transport::wait_for_messages`] call, if one is waiting.
     fn wake(&self) {
         if self.waiting.load(AtomicOrdering::SeqCst) > 0 {
@@ -458,14 +464,8 @@ impl InMemoryTransport {
     }
 
     fn store(&self, payload: Payload, delay: Option<Duration>) -> LocalId {
-        let id = self.next_id();
-        self.lock().store(
-            Entry {
-                id,
-                stored: Stored::new(payload),
-            },
-            delay,
-        );
+        let stored = Stored::new(payload);
+        let id = self.lock().store(stored, delay);
         self.wake();
         id
     }
@@ -477,14 +477,8 @@ impl InMemoryTransport {
             .last::<DelayStamp>()
             .map(DelayStamp::duration)
             .filter(|d| !d.is_zero());
-        let id = self.next_id();
-        self.lock().store(
-            Entry {
-                id,
-                stored: Stored::Envelope(envelope.clone().into_sendable()),
-            },
-            delay,
-        );
+        let stored = Stored::Envelope(envelope.clone().into_sendable());
+        let id = self.lock().store(stored, delay);
         self.wake();
         envelope.with_erased(id.stamp())
     }
@@ -520,24 +514,16 @@ impl Transport for InMemoryTransport {
         &self,
         messages: Vec<(RawMessage, Option<Duration>)>,
     ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
-        let entries: Vec<(Entry, Option<Duration>)> = messages
+        let stored: Vec<(Stored, Option<Duration>)> = messages
             .into_iter()
-            .map(|(m, d)| {
-                let entry = Entry {
-                    id: self.next_id(),
-                    stored: Stored::Raw(Box::new(m)),
-                };
-                (entry, d)
-            })
+            .map(|(m, d)| (Stored::Raw(Box::new(m)), d))
             .collect();
-        let ids = entries.iter().map(|(e, _)| e.id.to_string()).collect();
-        {
+        let ids: Vec<LocalId> = {
             let mut state = self.lock();
-            for (entry, delay) in entries {
-                state.store(entry, delay);
-            }
-        }
+            stored.into_iter().map(|(s, d)| state.store(s, d)).collect()
+        };
         self.wake();
+        let ids = ids.iter().map(LocalId::to_string).collect();
         Box::pin(async move { Ok(ids) })
     }
 
@@ -718,16 +704,21 @@ impl LocalTransport for InMemoryTransport {
 
     fn ack_local(&self, keys: &[u64]) -> Result<(), TransportError> {
         let mut missing = None;
+        // Freeing the messages waits until the lock is released.
+        let mut removed = Vec::with_capacity(keys.len());
         {
             let mut state = self.lock();
             for &key in keys {
-                if state.remove(key) {
-                    state.acknowledged += 1;
-                } else {
-                    missing = Some(key);
+                match state.take_out(key) {
+                    Some(entry) => {
+                        removed.push(entry);
+                        state.acknowledged += 1;
+                    }
+                    None => missing = Some(key),
                 }
             }
         }
+        drop(removed);
         match missing {
             Some(key) => Err(TransportError::NotFound(key.to_string())),
             None => Ok(()),
@@ -913,6 +904,20 @@ mod tests {
         for n in [0, 7, 10, 12345, u64::MAX] {
             assert_eq!(LocalId::new(n).to_string(), n.to_string());
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_and_delayed_messages_can_be_acknowledged_too() {
+        let t = InMemoryTransport::new();
+        let waiting = t.send(raw(1), None).await.unwrap();
+        let delayed = t.send(raw(2), Some(Duration::from_secs(5))).await.unwrap();
+        let later = t.send(raw(3), Some(Duration::from_secs(9))).await.unwrap();
+        t.ack(&delayed).await.unwrap();
+        t.ack(&waiting).await.unwrap();
+        assert_eq!((t.message_count().await.unwrap(), t.acknowledged()), (1, 2));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let got = t.get(10).await.unwrap();
+        assert_eq!((bodies(&got), got[0].id.clone()), (vec![3], later));
     }
 
     #[tokio::test]

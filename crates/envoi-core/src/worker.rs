@@ -1723,8 +1723,43 @@ struct Run<'a, F> {
     releases: Vec<(usize, MessageId)>,
     panicked: Vec<(usize, MessageId, Option<Envelope>, String)>,
     buckets: Vec<Option<Bucket>>,
+    /// The next batch, asked for while the current one is handled.
+    ahead: Option<Ahead<'a>>,
     processed: u64,
     started: Instant,
+}
+
+/// A batch asked for ahead of time.
+struct Ahead<'a> {
+    /// How many messages were asked for.
+    want: usize,
+    get: BoxFuture<'a, Result<Vec<Held>, TransportError>>,
+}
+
+/// Polls the batch asked for ahead of time, if any; once it arrives, its
+/// messages join the buffer (where keepalives and a stop see them).
+fn poll_ahead(
+    ahead: &mut Option<Ahead<'_>>,
+    buffer: &mut VecDeque<Held>,
+    ctx: &Ctx,
+    cx: &mut Context<'_>,
+) -> Poll<()> {
+    let Some(a) = ahead else {
+        return Poll::Pending;
+    };
+    let Poll::Ready(got) = a.get.as_mut().poll(cx) else {
+        return Poll::Pending;
+    };
+    *ahead = None;
+    match got {
+        Ok(batch) => buffer.extend(batch),
+        Err(e) => ctx.events.emit(|| WorkerEvent::TransportFailed {
+            transport: ctx.receivers[0].name.clone(),
+            operation: "get",
+            error: e.to_string(),
+        }),
+    }
+    Poll::Ready(())
 }
 
 impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
@@ -1743,6 +1778,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             options,
             stop,
             buffer: VecDeque::new(),
+            ahead: None,
             in_flight: InFlight::new(),
             rejects: Vec::new(),
             releases: Vec::new(),
@@ -1885,9 +1921,27 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         tokio::pin!(acking);
         // `Some` once the acknowledgements are sent.
         let mut sent: Option<SentAcks> = None;
-        let fetched = self
-            .fetch_batch(budget, &mut acking, &mut sent, pending)
-            .await;
+        let fetched = if self.ahead.is_some() {
+            // Asked for already: wait for it.
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, ctx, cx)) => {
+                        break (self.buffer.len(), None);
+                    }
+                    done = acking.as_mut(), if pending && sent.is_none() => sent = Some(done),
+                    finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                        self.record(finished);
+                    }
+                }
+            }
+        } else {
+            self.fetch_batch(budget, &mut acking, &mut sent, pending)
+                .await
+        };
+        if fetched.0 > 0 {
+            self.ask_ahead();
+        }
         if pending {
             let sent = match sent {
                 Some(sent) => sent,
@@ -1961,6 +2015,36 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             }
         }
         (0, wait)
+    }
+
+    /// Asks for the next batch now, so it arrives while the current one is
+    /// handled: with one receiver only (several must be read in priority
+    /// order after each batch), a transport with round trips (not an
+    /// in-process one) and no rate limit, within the message limit.
+    fn ask_ahead(&mut self) {
+        let ctx = self.ctx;
+        let budget = self.options.message_limit.map_or(u64::MAX, |n| {
+            n.saturating_sub(
+                self.processed + self.in_flight.len() as u64 + self.buffer.len() as u64,
+            )
+        });
+        let want = self
+            .options
+            .batch_size
+            .min(budget.min(usize::MAX as u64) as usize);
+        if want == 0
+            || self.ahead.is_some()
+            || ctx.receivers.len() != 1
+            || self.buckets[0].is_some()
+            || ctx.receivers[0].transport.local().is_some()
+            || self.stop.is_stopped()
+        {
+            return;
+        }
+        self.ahead = Some(Ahead {
+            want,
+            get: Box::pin(ctx.receivers[0].get(0, want)),
+        });
     }
 
     /// Whether every receiver is empty (a receiver that cannot count is
@@ -2048,21 +2132,30 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 // Let the runtime run other tasks now and then.
                 tokio::task::consume_budget().await;
             }
-            // Harvest whatever finished without waiting.
+            // Harvest whatever finished without waiting (the batch asked
+            // for ahead is sent on its way by its first poll here).
+            if self.ahead.is_some() {
+                poll_fn(|cx| {
+                    let _ = poll_ahead(&mut self.ahead, &mut self.buffer, ctx, cx);
+                    Poll::Ready(())
+                })
+                .await;
+            }
             while !self.in_flight.is_empty() {
                 match self.in_flight.try_next().await {
                     Some(finished) => self.record(finished),
                     None => break,
                 }
             }
+            let asked = self.ahead.as_ref().map_or(0, |a| a.want) as u64;
             let budget = self.options.message_limit.map_or(u64::MAX, |n| {
                 n.saturating_sub(
-                    self.processed + self.in_flight.len() as u64 + self.buffer.len() as u64,
+                    self.processed + self.in_flight.len() as u64 + self.buffer.len() as u64 + asked,
                 )
             });
             let fetching = self.buffer.is_empty()
                 && self.in_flight.len() < self.options.concurrency
-                && budget > 0;
+                && (budget > 0 || self.ahead.is_some());
             // Acknowledgements wait for a batch's worth, or for the buffer to
             // run dry; then they go with the next fetch, if there is one.
             let pending = self.pending_acks();
@@ -2124,6 +2217,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             // Full, or out of budget: wait for a message to finish.
             tokio::select! {
                 finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
+                _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, ctx, cx)), if self.ahead.is_some() => {}
                 _ = stopped.changed() => {}
                 _ = &mut deadline, if self.options.time_limit.is_some() => {}
                 _ = ticker.tick(), if keepalive_every.is_some() => {
@@ -2148,11 +2242,22 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         keepalive_every: Option<Duration>,
         ticker: &mut tokio::time::Interval,
     ) {
+        let grace = tokio::time::sleep(self.options.grace_period);
+        tokio::pin!(grace);
+        // A batch asked for ahead is given back with the buffer; should it
+        // not arrive within the grace period, its messages come back when
+        // their leases expire.
+        let ctx = self.ctx;
+        if self.ahead.is_some() {
+            tokio::select! {
+                _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, ctx, cx)) => {}
+                _ = &mut grace => {}
+            }
+            self.ahead = None;
+        }
         for held in std::mem::take(&mut self.buffer) {
             self.give_back(held.receiver, held.id);
         }
-        let grace = tokio::time::sleep(self.options.grace_period);
-        tokio::pin!(grace);
         while !self.in_flight.is_empty() {
             tokio::select! {
                 finished = self.in_flight.next() => self.record(finished),
@@ -2331,9 +2436,11 @@ mod tests {
             &self,
             max: usize,
         ) -> BoxFuture<'_, Result<Vec<crate::transport::Delivery>, TransportError>> {
+            // Claimed at once; the answer takes a while to come back.
             Box::pin(async move {
+                let got = self.0.get(max).await;
                 tokio::time::sleep(Duration::from_millis(3)).await;
-                self.0.get(max).await
+                got
             })
         }
 
@@ -2401,6 +2508,75 @@ mod tests {
         assert_eq!(report.stats.handled, 30);
         assert_eq!(queue.0.acknowledged(), 30);
         assert_eq!(queue.0.message_count().await.unwrap(), 0);
+    }
+
+    fn slow_messenger(stop: Option<(StopHandle, u64)>) -> (Messenger, Arc<Slow>) {
+        let queue = Arc::new(Slow(crate::in_memory::InMemoryTransport::with_config(
+            crate::in_memory::InMemoryConfig {
+                serialize: true,
+                ..Default::default()
+            },
+        )));
+        let messenger = Messenger::builder()
+            .command_handler(move |job: Job| {
+                let stop = stop.clone();
+                async move {
+                    if let Some((stop, at)) = stop {
+                        if job.0 == at {
+                            stop.stop();
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    Ok::<_, std::convert::Infallible>(())
+                }
+            })
+            .transport("slow", queue.clone())
+            .route::<Job>("slow")
+            .build()
+            .unwrap();
+        (messenger, queue)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_asked_for_ahead_stays_within_the_message_limit() {
+        let (messenger, queue) = slow_messenger(None);
+        for n in 0..30 {
+            messenger.dispatcher().dispatch(Job(n)).await.unwrap();
+        }
+        let report = Worker::builder(&messenger)
+            .receiver("slow")
+            .batch_size(4)
+            .message_limit(10)
+            .build()
+            .unwrap()
+            .run()
+            .await;
+        assert_eq!((report.stats.handled, report.stats.released), (10, 0));
+        // Nothing else was taken: the other 20 are available at once.
+        assert_eq!(queue.0.get(100).await.unwrap().len(), 20);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_gives_back_the_batch_asked_for_ahead() {
+        let stop = StopHandle::new();
+        let (messenger, queue) = slow_messenger(Some((stop.clone(), 1)));
+        for n in 0..20 {
+            messenger.dispatcher().dispatch(Job(n)).await.unwrap();
+        }
+        let report = Worker::builder(&messenger)
+            .receiver("slow")
+            .batch_size(4)
+            .stop_handle(stop)
+            .build()
+            .unwrap()
+            .run()
+            .await;
+        assert_eq!(report.reason, StopReason::Stopped);
+        let handled = report.stats.handled;
+        assert!(report.stats.released > 0, "{:?}", report.stats);
+        assert_eq!(queue.0.acknowledged(), handled);
+        // Everything not handled is available again at once, not leased.
+        assert_eq!(queue.0.get(100).await.unwrap().len() as u64, 20 - handled);
     }
 
     #[test]
