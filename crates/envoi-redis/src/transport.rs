@@ -272,8 +272,12 @@ impl RedisTransport {
     }
 
     fn xadd(&self, raw: &RawMessage) -> Cmd {
-        let mut cmd = redis::cmd("XADD");
-        cmd.arg(&self.options.stream);
+        let (args, bytes) = codec::fields_size(raw);
+        let mut cmd = Cmd::with_capacity(
+            args + 6,
+            bytes + 8 + self.options.stream.len() + self.trim.len(),
+        );
+        cmd.arg("XADD").arg(&self.options.stream);
         if !self.trim.is_empty() {
             cmd.arg("MAXLEN").arg("~").arg(&self.trim);
         }
