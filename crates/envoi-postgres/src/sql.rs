@@ -122,7 +122,17 @@ impl Statements {
             )
             .into(),
             delete: format!("DELETE FROM {t} WHERE id = $1 AND queue_name = $2").into(),
-            delete_batch: format!("DELETE FROM {t} WHERE id = ANY($1) AND queue_name = $2").into(),
+            // `(queue_name = $2) IS TRUE` rather than `queue_name = $2`: the
+            // same test, which the planner cannot answer with the claim
+            // index. Without statistics (a young table: autovacuum analyzes
+            // it only after a while), the generic plan of the prepared
+            // statement would otherwise AND a bitmap of the primary key
+            // with one of every entry of the queue in the claim index, and
+            // each acknowledged batch would walk the whole queue.
+            delete_batch: format!(
+                "DELETE FROM {t} WHERE id = ANY($1) AND (queue_name = $2) IS TRUE"
+            )
+            .into(),
             release: format!(
                 "UPDATE {t} SET leased_until = NULL WHERE id = $1 AND queue_name = $2"
             )
