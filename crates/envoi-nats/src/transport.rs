@@ -33,6 +33,9 @@ const FETCH_GRACE: Duration = Duration::from_secs(1);
 const MAX_DEFER: Duration = Duration::from_secs(24 * 3600);
 /// After this long without a single message, `get` checks the consumer.
 const IDLE_CHECK: Duration = Duration::from_secs(5);
+/// A `get` this large that comes back full starts the pull request for the
+/// next one at once (see [`ReadAhead`]); smaller ones never do.
+const READ_AHEAD_MIN: usize = 100;
 /// Leases not touched for this long (and at least three lease periods) are
 /// forgotten; JetStream has handed those messages out again anyway.
 const LEASE_MEMORY: Duration = Duration::from_secs(300);
@@ -64,6 +67,17 @@ fn reconnect_delay(attempts: usize) -> Duration {
 
 fn parse_id(id: &str) -> Option<u64> {
     id.parse().ok().filter(|seq| *seq > 0)
+}
+
+/// The pull request for the next `get`, started when a large `get` came back
+/// full: its messages arrive while the caller handles the previous batch.
+/// They are handed out by the next `get` (a smaller one gives the surplus
+/// back at once), given back if that `get` comes later than half a lease,
+/// and given back when the transport is dropped.
+#[derive(Debug)]
+struct ReadAhead {
+    fetch: tokio::task::JoinHandle<(Vec<jetstream::Message>, FetchEnd)>,
+    started: Instant,
 }
 
 /// A message handed out and not yet acknowledged, rejected or released.
@@ -101,6 +115,7 @@ struct Inner {
     unconfirmed_ack: Mutex<Option<Subject>>,
     /// Whether the latest `get` failed (then `wait_for_messages` waits).
     get_failed: AtomicBool,
+    read_ahead: Mutex<Option<ReadAhead>>,
 }
 
 impl Drop for Inner {
@@ -115,7 +130,11 @@ impl Drop for Inner {
         };
         let client = self.client.clone();
         let reply = lock(&self.unconfirmed_ack).take();
+        let read_ahead = lock(&self.read_ahead).take();
         runtime.spawn(async move {
+            if let Some(read_ahead) = read_ahead {
+                give_back_read_ahead(client.clone(), read_ahead).await;
+            }
             let settle = async {
                 match reply {
                     Some(reply) => client
@@ -175,7 +194,64 @@ enum StartError {
     Publish(async_nats::jetstream::context::PublishError),
 }
 
+/// Gives the messages of `read_ahead` back to JetStream (`-NAK`), so they
+/// are delivered again at once rather than after the lease.
+async fn give_back_read_ahead(client: async_nats::Client, read_ahead: ReadAhead) {
+    if let Ok((messages, _)) = read_ahead.fetch.await {
+        give_back(&client, messages).await;
+    }
+}
+
+async fn give_back(client: &async_nats::Client, messages: Vec<jetstream::Message>) {
+    for message in messages {
+        if let Some(reply) = message.message.reply.clone() {
+            if let Err(error) = client.publish(reply, AckKind::Nak(None).into()).await {
+                tracing::debug!(%error, "could not give back a message fetched ahead");
+            }
+        }
+    }
+}
+
+/// One pull request for up to `want` messages, waiting up to `expires`.
+/// Returns what arrived and how the request ended.
+async fn fetch_once(
+    consumer: &PullConsumer,
+    want: usize,
+    expires: Duration,
+) -> (Vec<jetstream::Message>, FetchEnd) {
+    let hard_deadline = tokio::time::Instant::now() + expires + FETCH_GRACE;
+    let request = consumer
+        .fetch()
+        .max_messages(want)
+        .expires(expires)
+        .messages();
+    let mut batch = match tokio::time::timeout_at(hard_deadline, request).await {
+        Ok(Ok(batch)) => batch,
+        Ok(Err(e)) => {
+            return (
+                Vec::new(),
+                FetchEnd::Failed(backend("requesting a batch", e)),
+            )
+        }
+        Err(_) => return (Vec::new(), FetchEnd::Stalled),
+    };
+    let mut messages = Vec::with_capacity(want);
+    loop {
+        match tokio::time::timeout_at(hard_deadline, batch.next()).await {
+            Ok(Some(Ok(message))) => messages.push(message),
+            Ok(Some(Err(e))) => {
+                return (messages, FetchEnd::Failed(backend("fetching messages", e)))
+            }
+            Ok(None) => return (messages, FetchEnd::Done),
+            // The server's end-of-batch never came: a stalled pull (a
+            // lost connection or subscription, a consumer gone missing).
+            Err(_) => return (messages, FetchEnd::Stalled),
+        }
+    }
+}
+
 /// How a pull request ended.
+#[derive(Debug)]
 enum FetchEnd {
     /// The server ended it (batch complete, expired, no messages).
     Done,
@@ -242,6 +318,7 @@ impl NatsTransport {
                 idle_since: Mutex::new(None),
                 unconfirmed_ack: Mutex::new(None),
                 get_failed: AtomicBool::new(false),
+                read_ahead: Mutex::new(None),
             }),
         })
     }
@@ -260,6 +337,9 @@ impl NatsTransport {
     /// whether there was a stream to delete.
     pub async fn delete_stream(&self) -> Result<bool, TransportError> {
         *lock(&self.inner.consumer) = None;
+        if let Some(ahead) = lock(&self.inner.read_ahead).take() {
+            ahead.fetch.abort();
+        }
         lock(&self.inner.leases).by_sequence.clear();
         let stream = &self.inner.config.stream;
         match self.inner.js.delete_stream(stream).await {
@@ -498,45 +578,6 @@ impl NatsTransport {
         unreachable!("the loop returns on its last attempt")
     }
 
-    /// One pull request for up to `want` messages, waiting up to `expires`.
-    /// Returns what arrived and how the request ended.
-    async fn fetch_once(
-        &self,
-        consumer: &PullConsumer,
-        want: usize,
-        expires: Duration,
-    ) -> (Vec<jetstream::Message>, FetchEnd) {
-        let hard_deadline = tokio::time::Instant::now() + expires + FETCH_GRACE;
-        let request = consumer
-            .fetch()
-            .max_messages(want)
-            .expires(expires)
-            .messages();
-        let mut batch = match tokio::time::timeout_at(hard_deadline, request).await {
-            Ok(Ok(batch)) => batch,
-            Ok(Err(e)) => {
-                return (
-                    Vec::new(),
-                    FetchEnd::Failed(backend("requesting a batch", e)),
-                )
-            }
-            Err(_) => return (Vec::new(), FetchEnd::Stalled),
-        };
-        let mut messages = Vec::new();
-        loop {
-            match tokio::time::timeout_at(hard_deadline, batch.next()).await {
-                Ok(Some(Ok(message))) => messages.push(message),
-                Ok(Some(Err(e))) => {
-                    return (messages, FetchEnd::Failed(backend("fetching messages", e)))
-                }
-                Ok(None) => return (messages, FetchEnd::Done),
-                // The server's end-of-batch never came: a stalled pull (a
-                // lost connection or subscription, a consumer gone missing).
-                Err(_) => return (messages, FetchEnd::Stalled),
-            }
-        }
-    }
-
     /// Sorts fetched messages: due ones are leased and returned, delayed
     /// ones are given back to JetStream until they are due.
     async fn accept(&self, messages: Vec<jetstream::Message>, out: &mut Vec<Delivery>) {
@@ -737,13 +778,18 @@ impl NatsTransport {
         let consumer = self.consumer().await?;
         let wait = self.inner.config.wait;
         let want = max.min(self.inner.config.batch);
-        let deadline = Instant::now() + wait;
         let mut out = Vec::new();
+        if self.use_read_ahead(want, &mut out).await && !out.is_empty() {
+            self.read_ahead(&consumer, want, out.len());
+            self.check_idle(true).await;
+            return Ok(out);
+        }
+        let deadline = Instant::now() + wait;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let expires = remaining.max(Duration::from_millis(10));
             let started = Instant::now();
-            let (messages, end) = self.fetch_once(&consumer, want - out.len(), expires).await;
+            let (messages, end) = fetch_once(&consumer, want - out.len(), expires).await;
             let fetched = messages.len();
             self.accept(messages, &mut out).await;
             match end {
@@ -785,8 +831,57 @@ impl NatsTransport {
                 tokio::time::sleep(pause).await;
             }
         }
+        self.read_ahead(&consumer, want, out.len());
         self.check_idle(!out.is_empty()).await;
         Ok(out)
+    }
+
+    /// Takes the pending [`ReadAhead`], if any, into `out`: up to `want` of
+    /// its messages, the rest given back (all of them when it is older than
+    /// half a lease). Returns whether the consumer is still fine.
+    async fn use_read_ahead(&self, want: usize, out: &mut Vec<Delivery>) -> bool {
+        let Some(ahead) = lock(&self.inner.read_ahead).take() else {
+            return true;
+        };
+        if ahead.started.elapsed() > self.inner.config.lease / 2 {
+            give_back_read_ahead(self.inner.client.clone(), ahead).await;
+            return true;
+        }
+        let Ok((mut messages, end)) = ahead.fetch.await else {
+            return true;
+        };
+        if messages.len() > want {
+            let surplus = messages.split_off(want);
+            give_back(&self.inner.client, surplus).await;
+        }
+        self.accept(messages, out).await;
+        match end {
+            FetchEnd::Done => true,
+            FetchEnd::Stalled | FetchEnd::Failed(_) => {
+                tracing::debug!(consumer = %self.inner.config.consumer, ?end, "pull request fetching ahead failed; the consumer will be re-bound");
+                self.forget_consumer();
+                false
+            }
+        }
+    }
+
+    /// After a `get` of `want` (at least [`READ_AHEAD_MIN`]) that handed out
+    /// `got == want` messages, starts the pull request for the next one.
+    fn read_ahead(&self, consumer: &Arc<PullConsumer>, want: usize, got: usize) {
+        if want < READ_AHEAD_MIN || got < want || lock(&self.inner.consumer).is_none() {
+            return;
+        }
+        let consumer = Arc::clone(consumer);
+        let expires = self.inner.config.wait;
+        let fetch = tokio::spawn(async move { fetch_once(&consumer, want, expires).await });
+        let ahead = ReadAhead {
+            fetch,
+            started: Instant::now(),
+        };
+        // Another `get` of this handle may have started one meanwhile.
+        if let Some(other) = lock(&self.inner.read_ahead).replace(ahead) {
+            tokio::spawn(give_back_read_ahead(self.inner.client.clone(), other));
+        }
     }
 
     fn stream_message_to_delivery(message: jetstream::message::StreamMessage) -> Delivery {

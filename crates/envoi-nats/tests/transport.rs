@@ -415,3 +415,63 @@ async fn wait_for_messages_returns_at_once_after_an_empty_get_that_waited() {
     );
     t.delete_stream().await.unwrap();
 }
+
+/// A large `get` that comes back full fetches the next batch ahead; what it
+/// fetched must not be stuck until the lease ends when nobody takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_fetched_ahead_are_given_back_when_the_handle_is_dropped() {
+    let Some(url) = nats_url("messages_fetched_ahead_are_given_back_when_the_handle_is_dropped")
+    else {
+        return;
+    };
+    let name = unique_name("ahead_drop");
+    let options = "lease=60s&wait=200ms";
+    let t = transport(&url, &name, options).await;
+    let bodies: Vec<String> = (0..300).map(|i| format!("m{i}")).collect();
+    t.send_batch(bodies.iter().map(|b| (message(b), None)).collect())
+        .await
+        .unwrap();
+    let first = t.get(100).await.unwrap();
+    assert_eq!(first.len(), 100);
+    let ids: Vec<String> = first.iter().map(|d| d.id.clone()).collect();
+    t.ack_batch(&ids).await.unwrap();
+    drop(t);
+
+    // Well within the 60 s lease, a new handle gets all the others.
+    let other = transport(&url, &name, options).await;
+    let rest = get_n(&other, 200, Duration::from_secs(20)).await;
+    let mut seen: BTreeSet<Vec<u8>> = first.iter().map(|d| d.raw.body.clone()).collect();
+    seen.extend(rest.iter().map(|d| d.raw.body.clone()));
+    assert_eq!(seen.len(), 300, "{} of 300 distinct messages", seen.len());
+    other.delete_stream().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_smaller_get_after_a_full_large_one_gives_the_surplus_back() {
+    let Some(url) = nats_url("a_smaller_get_after_a_full_large_one_gives_the_surplus_back") else {
+        return;
+    };
+    let name = unique_name("ahead_surplus");
+    let options = "lease=60s&wait=200ms";
+    let t = transport(&url, &name, options).await;
+    let bodies: Vec<String> = (0..300).map(|i| format!("m{i}")).collect();
+    t.send_batch(bodies.iter().map(|b| (message(b), None)).collect())
+        .await
+        .unwrap();
+    let first = t.get(100).await.unwrap();
+    assert_eq!(first.len(), 100);
+    let second = t.get(10).await.unwrap();
+    assert!(second.len() <= 10);
+    let mut seen: BTreeSet<Vec<u8>> = first
+        .iter()
+        .chain(&second)
+        .map(|d| d.raw.body.clone())
+        .collect();
+    assert_eq!(seen.len(), 100 + second.len());
+
+    let other = transport(&url, &name, options).await;
+    let rest = get_n(&other, 300 - seen.len(), Duration::from_secs(20)).await;
+    seen.extend(rest.iter().map(|d| d.raw.body.clone()));
+    assert_eq!(seen.len(), 300, "{} of 300 distinct messages", seen.len());
+    other.delete_stream().await.unwrap();
+}

@@ -35,6 +35,9 @@ pub(crate) struct Statements {
     pub(crate) delete_batch: Arc<str>,
     /// Ends the lease of row `$1` of queue `$2`.
     pub(crate) release: Arc<str>,
+    /// Ends the leases of rows `$1` (an array) of queue `$2`, claimed but
+    /// never handed out: their delivery does not count.
+    pub(crate) unclaim: Arc<str>,
     /// Renews the lease of row `$1` of queue `$2` for `$3` seconds.
     pub(crate) keepalive: Arc<str>,
     /// Rows of queue `$1`.
@@ -119,9 +122,24 @@ impl Statements {
             )
             .into(),
             delete: format!("DELETE FROM {t} WHERE id = $1 AND queue_name = $2").into(),
-            delete_batch: format!("DELETE FROM {t} WHERE id = ANY($1) AND queue_name = $2").into(),
+            // `(queue_name = $2) IS TRUE` rather than `queue_name = $2`: the
+            // same test, which the planner cannot answer with the claim
+            // index. Without statistics (a young table: autovacuum analyzes
+            // it only after a while), the generic plan of the prepared
+            // statement would otherwise AND a bitmap of the primary key
+            // with one of every entry of the queue in the claim index, and
+            // each acknowledged batch would walk the whole queue.
+            delete_batch: format!(
+                "DELETE FROM {t} WHERE id = ANY($1) AND (queue_name = $2) IS TRUE"
+            )
+            .into(),
             release: format!(
                 "UPDATE {t} SET leased_until = NULL WHERE id = $1 AND queue_name = $2"
+            )
+            .into(),
+            unclaim: format!(
+                "UPDATE {t} SET leased_until = NULL, delivery_count = delivery_count - 1 \
+                 WHERE id = ANY($1) AND queue_name = $2"
             )
             .into(),
             keepalive: format!(

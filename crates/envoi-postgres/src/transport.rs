@@ -1,10 +1,10 @@
 //! [`PostgresTransport`]: the [`Transport`] implementation.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use envoi_core::middleware::BoxFuture;
@@ -19,6 +19,9 @@ use crate::config::{ConfigError, PostgresConfig};
 use crate::listener::{ListenerTask, NotifierTask, Wake};
 use crate::sql::Statements;
 
+/// A `get` this large that comes back full claims the next batch at once
+/// (see [`Ahead`]); smaller ones never do.
+const CLAIM_AHEAD_MIN: usize = 100;
 /// Most rows one grouped `INSERT` stores.
 const GROUP_ROWS: usize = 1000;
 /// Sends that must be waiting before a second grouped `INSERT` starts
@@ -74,6 +77,17 @@ pub enum MessageError {
 /// statement fail for a reason other than a lost connection, its rows are
 /// stored one by one, so only the message at fault fails.
 ///
+/// # Claiming ahead
+///
+/// A consumer fetches, handles and acknowledges a batch before it fetches
+/// the next. When a `get` of at least 100 messages comes back full, the
+/// claim of the next batch starts at once, so it runs while the caller
+/// handles this one; the next `get` hands it out (a smaller one keeps the
+/// rest for the following `get`s). Rows claimed ahead are leased like the
+/// ones handed out; they are given back (their lease ended) when they have
+/// waited for a `get` longer than half a lease, and by
+/// [`close`](PostgresTransport::close) or dropping the last handle.
+///
 /// # Waking consumers
 ///
 /// After a send commits, a background task of the transport runs `NOTIFY`
@@ -111,6 +125,8 @@ struct Inner {
     notifier: OnceLock<AbortOnDrop>,
     /// The writer grouping concurrent sends, started by the first send.
     writer: OnceLock<Writer>,
+    /// Rows claimed ahead of the next `get`.
+    ahead: Mutex<Ahead>,
     /// The wake generation when the latest claim started.
     claimed_generation: AtomicU64,
     lease_secs: f64,
@@ -211,6 +227,7 @@ impl PostgresTransport {
                 notify_signal: Arc::new(tokio::sync::Notify::new()),
                 notifier: OnceLock::new(),
                 writer: OnceLock::new(),
+                ahead: Mutex::new(Ahead::default()),
                 claimed_generation: AtomicU64::new(0),
                 max_retries,
             }),
@@ -236,6 +253,8 @@ impl PostgresTransport {
     /// returns how many.
     pub async fn purge(&self) -> Result<u64, TransportError> {
         let inner = &*self.inner;
+        // What was claimed ahead is about to be deleted.
+        let _ = inner.take_ahead_rows().await;
         inner
             .retrying("purging messages", || {
                 sqlx::query(AssertSqlSafe(inner.sql.purge.clone()))
@@ -246,10 +265,12 @@ impl PostgresTransport {
             .map(|r| r.rows_affected())
     }
 
-    /// Stops the listener and closes the connections, waiting for them to
-    /// finish. Every handle on this transport fails with
+    /// Gives back the rows claimed ahead of the next `get`, stops the
+    /// listener and closes the connections, waiting for them to finish. Every handle on this transport fails with
     /// [`TransportError::Closed`] afterwards.
     pub async fn close(&self) {
+        let ahead = self.inner.take_ahead_rows().await;
+        self.inner.unclaim(ahead).await;
         for task in [
             self.inner.listener.get(),
             self.inner.notifier.get(),
@@ -322,6 +343,60 @@ fn row_to_delivery(row: &PgRow) -> Result<Delivery, sqlx::Error> {
             headers: decode_headers(&headers),
         },
     })
+}
+
+/// A claim running in the background.
+type Claim = JoinHandle<Result<Vec<Delivery>, TransportError>>;
+
+/// Rows claimed ahead of the next `get` (see "Claiming ahead" on
+/// [`PostgresTransport`]).
+#[derive(Default)]
+struct Ahead {
+    /// The claim in flight, and when it started.
+    claiming: Option<(Claim, Instant)>,
+    /// Claimed and not handed out yet.
+    spare: VecDeque<Delivery>,
+    /// When the claim that gave `spare` started.
+    claimed_at: Option<Instant>,
+}
+
+impl Drop for Inner {
+    /// Gives back what was claimed ahead and not handed out, rather than
+    /// leave it leased until its lease ends.
+    fn drop(&mut self) {
+        let ahead = std::mem::take(self.ahead.get_mut().unwrap_or_else(PoisonError::into_inner));
+        if ahead.claiming.is_none() && ahead.spare.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (pool, sql, name) = (
+            self.pool.clone(),
+            Arc::clone(&self.sql.unclaim),
+            self.name.clone(),
+        );
+        runtime.spawn(async move {
+            let mut rows: Vec<Delivery> = ahead.spare.into();
+            if let Some((claiming, _)) = ahead.claiming {
+                if let Ok(Ok(claimed)) = claiming.await {
+                    rows.extend(claimed);
+                }
+            }
+            let ids: Vec<i64> = rows.iter().filter_map(|d| parse_id(&d.id)).collect();
+            if ids.is_empty() {
+                return;
+            }
+            let given_back = sqlx::query(AssertSqlSafe(sql))
+                .bind(&ids)
+                .bind(name.as_str())
+                .execute(&pool)
+                .await;
+            if let Err(error) = given_back {
+                tracing::debug!(%error, "postgres: could not give back rows claimed ahead; they wait for their lease to end");
+            }
+        });
+    }
 }
 
 /// A send waiting for the writer.
@@ -722,12 +797,18 @@ impl Inner {
         Ok(keyed.into_iter().map(|(_, d)| d).collect())
     }
 
-    async fn get(&self, max: usize) -> Result<Vec<Delivery>, TransportError> {
+    async fn get(self: &Arc<Self>, max: usize) -> Result<Vec<Delivery>, TransportError> {
         if max == 0 {
             return Ok(Vec::new());
         }
-        let limit = i64::try_from(max.min(self.config.batch)).unwrap_or(i64::MAX);
+        let want = max.min(self.config.batch);
+        let limit = i64::try_from(want).unwrap_or(i64::MAX);
         self.ensure_listener();
+        let ahead = self.take_ahead(want).await?;
+        if !ahead.is_empty() {
+            self.claim_ahead(want, ahead.len());
+            return Ok(ahead);
+        }
         let deadline = Instant::now() + self.config.wait;
         loop {
             // Subscribe before claiming: a wake that arrives while the claim
@@ -737,6 +818,7 @@ impl Inner {
                 .store(*wakes.borrow_and_update(), Ordering::Relaxed);
             let got = self.claim(limit).await?;
             if !got.is_empty() {
+                self.claim_ahead(want, got.len());
                 return Ok(got);
             }
             let remaining = deadline.saturating_duration_since(Instant::now());
@@ -748,6 +830,98 @@ impl Inner {
                 Ok(Err(_)) | Err(_) => return Ok(got),
             }
         }
+    }
+
+    fn ahead(&self) -> MutexGuard<'_, Ahead> {
+        self.ahead.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Up to `want` rows claimed ahead, waiting for a claim in flight. Rows
+    /// that waited longer than half a lease are given back instead.
+    async fn take_ahead(&self, want: usize) -> Result<Vec<Delivery>, TransportError> {
+        let claiming = self.ahead().claiming.take();
+        if let Some((claiming, started)) = claiming {
+            // An aborted claim (the transport is closing) leaves nothing.
+            if let Ok(claimed) = claiming.await {
+                let claimed = claimed?;
+                let mut ahead = self.ahead();
+                ahead.spare.extend(claimed);
+                ahead.claimed_at = Some(started);
+            }
+        }
+        let (taken, stale) = {
+            let mut ahead = self.ahead();
+            let lease = self.config.lease;
+            match ahead.claimed_at.map(|at| at.elapsed()) {
+                Some(age) if age > lease / 2 && !ahead.spare.is_empty() => {
+                    let stale: Vec<Delivery> = ahead.spare.drain(..).collect();
+                    // Past its lease, a row may be someone else's by now.
+                    (Vec::new(), if age < lease { stale } else { Vec::new() })
+                }
+                _ => {
+                    let n = want.min(ahead.spare.len());
+                    (ahead.spare.drain(..n).collect(), Vec::new())
+                }
+            }
+        };
+        self.unclaim(stale).await;
+        Ok(taken)
+    }
+
+    /// Everything claimed ahead and not handed out, waiting for a claim in
+    /// flight.
+    async fn take_ahead_rows(&self) -> Vec<Delivery> {
+        let (claiming, spare) = {
+            let mut ahead = self.ahead();
+            ahead.claimed_at = None;
+            (ahead.claiming.take(), std::mem::take(&mut ahead.spare))
+        };
+        let mut rows: Vec<Delivery> = spare.into();
+        if let Some((claiming, _)) = claiming {
+            if let Ok(Ok(claimed)) = claiming.await {
+                rows.extend(claimed);
+            }
+        }
+        rows
+    }
+
+    /// Ends the leases of `rows`, claimed but never handed out.
+    async fn unclaim(&self, rows: Vec<Delivery>) {
+        let ids: Vec<i64> = rows.iter().filter_map(|d| parse_id(&d.id)).collect();
+        if ids.is_empty() {
+            return;
+        }
+        let given_back = self
+            .retrying("giving back rows claimed ahead", || {
+                sqlx::query(AssertSqlSafe(self.sql.unclaim.clone()))
+                    .bind(&ids)
+                    .bind(self.name.as_str())
+                    .execute(&self.pool)
+            })
+            .await;
+        match given_back {
+            Ok(_) => self.notify_consumers(),
+            Err(error) => {
+                tracing::debug!(%error, "postgres: rows claimed ahead wait for their lease to end")
+            }
+        }
+    }
+
+    /// After a `get` of `want` (at least [`CLAIM_AHEAD_MIN`]) that handed out
+    /// `got == want` rows, claims the next `want` in the background.
+    fn claim_ahead(self: &Arc<Self>, want: usize, got: usize) {
+        if want < CLAIM_AHEAD_MIN || got < want {
+            return;
+        }
+        let mut ahead = self.ahead();
+        if ahead.claiming.is_some() || !ahead.spare.is_empty() {
+            return;
+        }
+        let inner = Arc::clone(self);
+        let limit = i64::try_from(want).unwrap_or(i64::MAX);
+        let started = Instant::now();
+        let claiming = tokio::spawn(async move { inner.claim(limit).await });
+        ahead.claiming = Some((claiming, started));
     }
 
     async fn wait_for_messages(&self, timeout: Duration) {
@@ -920,7 +1094,7 @@ impl Transport for PostgresTransport {
     }
 
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
-        Box::pin(self.inner.get(max))
+        Box::pin(Inner::get(&self.inner, max))
     }
 
     fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {

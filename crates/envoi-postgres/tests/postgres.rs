@@ -716,3 +716,66 @@ async fn a_send_the_database_refuses_fails_alone_among_concurrent_sends() {
     assert_eq!(t.message_count().await.unwrap(), 99);
     t.purge().await.unwrap();
 }
+
+/// Options with a lease far longer than any of the waits below.
+fn long_lease() -> String {
+    format!("table={TABLE}&lease=60s&wait=200ms&poll=200ms&max_connections=4")
+}
+
+/// A large `get` that comes back full claims the next batch ahead; smaller
+/// `get`s then hand it out, each row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_claimed_ahead_are_each_handed_out_once() {
+    let Some(url) = url("rows_claimed_ahead_are_each_handed_out_once") else {
+        return;
+    };
+    let t = open(&unique("ahead"), &url, &long_lease()).await;
+    t.send_batch((0..350).map(|i| (text(&format!("m{i}")), None)).collect())
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    for max in [100, 10, 100, 100, 100, 100] {
+        let got = t.get(max).await.unwrap();
+        assert!(got.len() <= max);
+        let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+        t.ack_batch(&ids).await.unwrap();
+        seen.extend(got.iter().map(body));
+    }
+    let distinct: BTreeSet<&String> = seen.iter().collect();
+    assert_eq!(distinct.len(), seen.len(), "a row was handed out twice");
+    assert_eq!(seen.len(), 350);
+    assert_eq!(t.message_count().await.unwrap(), 0);
+}
+
+/// Rows claimed ahead and never handed out go back to the queue when the
+/// transport is closed or dropped, not when their lease ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_claimed_ahead_are_given_back_on_close_and_drop() {
+    let Some(url) = url("rows_claimed_ahead_are_given_back_on_close_and_drop") else {
+        return;
+    };
+    let name = unique("ahead_back");
+    let t = open(&name, &url, &long_lease()).await;
+    t.send_batch((0..300).map(|i| (text(&format!("m{i}")), None)).collect())
+        .await
+        .unwrap();
+    let mut seen = BTreeSet::new();
+    for closing in [true, false] {
+        let handle = open(&name, &url, &long_lease()).await;
+        let got = handle.get(100).await.unwrap();
+        assert_eq!(got.len(), 100);
+        let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+        handle.ack_batch(&ids).await.unwrap();
+        seen.extend(got.iter().map(body));
+        if closing {
+            handle.close().await;
+        } else {
+            drop(handle);
+        }
+    }
+    // Well within the 60 s lease, the last 100 are all available again.
+    let rest = receive(&t, 100, Duration::from_secs(10)).await;
+    seen.extend(rest.iter().map(body));
+    assert_eq!(seen.len(), 300);
+    t.purge().await.unwrap();
+}

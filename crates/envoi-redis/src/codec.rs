@@ -7,8 +7,10 @@
 
 use std::collections::BTreeMap;
 
+use std::io::Write;
+
 use envoi_core::transport::{Delivery, RawMessage};
-use redis::{Cmd, Value};
+use redis::{Cmd, RedisWrite, ToRedisArgs, Value};
 
 /// The field holding the body.
 pub(crate) const BODY: &str = "body";
@@ -19,7 +21,33 @@ pub(crate) const HEADER_PREFIX: &str = "h:";
 pub(crate) fn push_fields(cmd: &mut Cmd, raw: &RawMessage) {
     cmd.arg(BODY).arg(raw.body.as_slice());
     for (key, value) in &raw.headers {
-        cmd.arg(format!("{HEADER_PREFIX}{key}")).arg(value.as_str());
+        cmd.arg(HeaderField(key)).arg(value.as_str());
+    }
+}
+
+/// How many arguments and bytes [`push_fields`] adds, to size a command.
+pub(crate) fn fields_size(raw: &RawMessage) -> (usize, usize) {
+    let headers: usize = raw
+        .headers
+        .iter()
+        .map(|(key, value)| HEADER_PREFIX.len() + key.len() + value.len())
+        .sum();
+    (
+        2 + 2 * raw.headers.len(),
+        BODY.len() + raw.body.len() + headers,
+    )
+}
+
+/// The field name of header `.0`, `h:<name>`, written into the command
+/// without building the string first.
+struct HeaderField<'a>(&'a str);
+
+impl ToRedisArgs for HeaderField<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let mut arg = out.writer_for_next_arg();
+        // Writing into the command's buffer cannot fail.
+        let _ = arg.write_all(HEADER_PREFIX.as_bytes());
+        let _ = arg.write_all(self.0.as_bytes());
     }
 }
 
@@ -58,7 +86,12 @@ fn bytes(value: Value) -> Option<Vec<u8>> {
 
 /// The string in `value` (a bulk or simple string).
 pub(crate) fn string(value: Value) -> Option<String> {
-    bytes(value).map(|b| String::from_utf8_lossy(&b).into_owned())
+    bytes(value).map(text)
+}
+
+/// `bytes` as a string, without copying them when they are UTF-8.
+fn text(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
 /// Builds the message from a flat `field, value, ...` list.
@@ -75,17 +108,15 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
     };
     let mut items = fields.into_iter();
     while let (Some(field), Some(value)) = (items.next(), items.next()) {
-        let field = string(field).ok_or("an entry has a field name that is not a string")?;
+        let mut field = bytes(field).ok_or("an entry has a field name that is not a string")?;
         let value = bytes(value).ok_or("an entry has a field value that is not a string")?;
-        if field == BODY {
+        if field == BODY.as_bytes() {
             raw.body = value;
         } else {
-            let name = field
-                .strip_prefix(HEADER_PREFIX)
-                .map(str::to_string)
-                .unwrap_or(field);
-            raw.headers
-                .insert(name, String::from_utf8_lossy(&value).into_owned());
+            if field.starts_with(HEADER_PREFIX.as_bytes()) {
+                field.drain(..HEADER_PREFIX.len());
+            }
+            raw.headers.insert(text(field), text(value));
         }
     }
     Ok(raw)

@@ -1,12 +1,12 @@
 //! A named, self-healing connection to Redis.
 
 use std::future::Future;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use envoi_core::TransportError;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, RedisError, RedisResult};
-use tokio::sync::Mutex;
 
 /// One multiplexed connection that is opened on first use, named with
 /// `CLIENT SETNAME` every time it is (re)opened, and replaced after a
@@ -17,7 +17,11 @@ pub(crate) struct Link {
     client: Client,
     config: AsyncConnectionConfig,
     name: String,
+    /// The current connection: every command takes a clone of it, under a
+    /// lock held only for that.
     slot: Mutex<Slot>,
+    /// Held while a connection is opened, so only one is.
+    connecting: tokio::sync::Mutex<()>,
 }
 
 #[derive(Default)]
@@ -36,6 +40,7 @@ impl Link {
             config,
             name,
             slot: Mutex::new(Slot::default()),
+            connecting: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -44,10 +49,24 @@ impl Link {
         &self.name
     }
 
+    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn current(&self) -> Option<(u64, MultiplexedConnection)> {
+        let slot = self.slot();
+        slot.connection
+            .as_ref()
+            .map(|connection| (slot.generation, connection.clone()))
+    }
+
     async fn connection(&self) -> RedisResult<(u64, MultiplexedConnection)> {
-        let mut slot = self.slot.lock().await;
-        if let Some(connection) = &slot.connection {
-            return Ok((slot.generation, connection.clone()));
+        if let Some(current) = self.current() {
+            return Ok(current);
+        }
+        let _connecting = self.connecting.lock().await;
+        if let Some(current) = self.current() {
+            return Ok(current);
         }
         let mut connection = self
             .client
@@ -58,6 +77,7 @@ impl Link {
             .arg(&self.name)
             .exec_async(&mut connection)
             .await?;
+        let mut slot = self.slot();
         slot.generation += 1;
         slot.connection = Some(connection.clone());
         if slot.generation > 1 {
@@ -66,8 +86,8 @@ impl Link {
         Ok((slot.generation, connection))
     }
 
-    async fn discard(&self, generation: u64) {
-        let mut slot = self.slot.lock().await;
+    fn discard(&self, generation: u64) {
+        let mut slot = self.slot();
         if slot.generation == generation {
             slot.connection = None;
         }
@@ -94,7 +114,7 @@ impl Link {
             match op(connection).await {
                 Ok(value) => return Ok(value),
                 Err(e) if is_connection_failure(&e) => {
-                    self.discard(generation).await;
+                    self.discard(generation);
                     if retried {
                         return Err(backend(context, e));
                     }

@@ -1,8 +1,9 @@
 //! [`RedisTransport`]: the [`Transport`] on Redis Streams.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use envoi_core::middleware::BoxFuture;
@@ -28,6 +29,9 @@ const MAX_DELAY_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often acknowledged entries are trimmed from the head of the stream.
 const TRIM_EVERY: Duration = Duration::from_secs(1);
+/// A `get` this large that comes back full reads the next batch ahead (see
+/// [`Ahead`]); smaller ones never do.
+const READ_AHEAD_MIN: usize = 100;
 /// How often a handle prunes idle consumers of its group.
 const PRUNE_EVERY: Duration = Duration::from_secs(600);
 /// Consumers idle at least this long with nothing pending are pruned (or ten
@@ -75,12 +79,35 @@ pub struct RedisTransport {
     trim: String,
     claim_interval: Duration,
     shared: Link,
-    blocking: Link,
+    blocking: Arc<Link>,
     read_lock: tokio::sync::Mutex<()>,
     state: Mutex<State>,
+    ahead: Mutex<Ahead>,
     ready: AtomicBool,
     /// Whether the last `get` failed (then `wait_for_messages` really waits).
     get_failed: AtomicBool,
+}
+
+/// Entries read ahead of the next `get`.
+///
+/// When a `get` of at least [`READ_AHEAD_MIN`] comes back full, the next
+/// batch is read at once (without blocking) while the caller handles this
+/// one, and the next `get` hands it out. Entries read ahead are this
+/// consumer's pending entries like the ones handed out: should the handle go
+/// away before handing them out, another consumer claims them once their
+/// lease has passed. A `get` asking for fewer keeps the rest for the next
+/// one; entries kept longer than half a lease are left to be claimed again
+/// rather than handed out with little of their lease left.
+#[derive(Default)]
+struct Ahead {
+    /// The read in flight, and when it started.
+    reading: Option<(
+        tokio::task::JoinHandle<Result<Entries, TransportError>>,
+        Instant,
+    )>,
+    spare: VecDeque<Delivery>,
+    /// When the read that gave `spare` started.
+    read_at: Option<Instant>,
 }
 
 /// When the periodic chores of `get` are next due.
@@ -117,11 +144,11 @@ impl RedisTransport {
             claim_interval: (options.lease / 4)
                 .clamp(Duration::from_millis(50), Duration::from_secs(5)),
             shared: Link::new(client.clone(), client_name.clone(), RESPONSE_TIMEOUT),
-            blocking: Link::new(
+            blocking: Arc::new(Link::new(
                 client,
                 format!("{client_name}:block"),
                 options.block + RESPONSE_TIMEOUT,
-            ),
+            )),
             consumer,
             read_lock: tokio::sync::Mutex::new(()),
             state: Mutex::new(State {
@@ -134,6 +161,7 @@ impl RedisTransport {
             }),
             ready: AtomicBool::new(false),
             get_failed: AtomicBool::new(false),
+            ahead: Mutex::new(Ahead::default()),
             options,
         })
     }
@@ -233,7 +261,16 @@ impl RedisTransport {
                 .await?;
         }
         self.ready.store(false, Ordering::SeqCst);
+        let mut ahead = self.ahead();
+        if let Some((reading, _)) = ahead.reading.take() {
+            reading.abort();
+        }
+        ahead.spare.clear();
         Ok(())
+    }
+
+    fn ahead(&self) -> MutexGuard<'_, Ahead> {
+        self.ahead.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -272,8 +309,12 @@ impl RedisTransport {
     }
 
     fn xadd(&self, raw: &RawMessage) -> Cmd {
-        let mut cmd = redis::cmd("XADD");
-        cmd.arg(&self.options.stream);
+        let (args, bytes) = codec::fields_size(raw);
+        let mut cmd = Cmd::with_capacity(
+            args + 6,
+            bytes + 8 + self.options.stream.len() + self.trim.len(),
+        );
+        cmd.arg("XADD").arg(&self.options.stream);
         if !self.trim.is_empty() {
             cmd.arg("MAXLEN").arg("~").arg(&self.trim);
         }
@@ -530,6 +571,12 @@ impl RedisTransport {
             }
         }
 
+        let ahead = self.take_ahead(max).await?;
+        if !ahead.is_empty() {
+            self.read_ahead(max, ahead.len());
+            return Ok(ahead);
+        }
+
         // Do not sleep through the moment a known delayed message is due.
         let block = match self.state().known_due {
             Some(due) => self
@@ -538,7 +585,71 @@ impl RedisTransport {
                 .min(due.saturating_duration_since(Instant::now())),
             None => self.options.block,
         };
-        self.read_new(max, block).await
+        let got = self.read_new(max, block).await?;
+        self.read_ahead(max, got.len());
+        Ok(got)
+    }
+
+    /// Up to `max` entries read ahead (see [`Ahead`]), waiting for a read in
+    /// flight.
+    async fn take_ahead(&self, max: usize) -> Result<Vec<Delivery>, TransportError> {
+        let reading = self.ahead().reading.take();
+        if let Some((reading, read_at)) = reading {
+            // A failed or aborted read leaves nothing to hand out; what it
+            // may have read is claimed again after its lease.
+            if let Ok(read) = reading.await {
+                let entries = read?;
+                self.drop_deleted(&entries).await?;
+                let mut ahead = self.ahead();
+                ahead.spare.extend(entries.deliveries);
+                ahead.read_at = Some(read_at);
+            }
+        }
+        let mut ahead = self.ahead();
+        if ahead
+            .read_at
+            .is_some_and(|at| at.elapsed() > self.options.lease / 2)
+        {
+            ahead.spare.clear();
+        }
+        let n = max.min(ahead.spare.len());
+        Ok(ahead.spare.drain(..n).collect())
+    }
+
+    /// After a `get` of `max` (at least [`READ_AHEAD_MIN`]) that handed out
+    /// `got == max` entries, reads the next `max` new entries in the
+    /// background, unless some are still kept from the last read.
+    fn read_ahead(&self, max: usize, got: usize) {
+        if max < READ_AHEAD_MIN || got < max {
+            return;
+        }
+        let mut ahead = self.ahead();
+        if ahead.reading.is_some() || !ahead.spare.is_empty() {
+            return;
+        }
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
+            .arg(&self.options.group)
+            .arg(&self.consumer)
+            .arg("COUNT")
+            .arg(max)
+            .arg("STREAMS")
+            .arg(&self.options.stream)
+            .arg(">");
+        // On the reading connection: a large reply there does not hold up
+        // the acknowledgements on the shared one.
+        let link = Arc::clone(&self.blocking);
+        let started = Instant::now();
+        let reading = tokio::spawn(async move {
+            let reply: Value = link
+                .run("XREADGROUP", |mut c| {
+                    let cmd = &cmd;
+                    async move { cmd.query_async(&mut c).await }
+                })
+                .await?;
+            codec::decode_read(reply).map_err(|e| TransportError::backend("XREADGROUP", e))
+        });
+        ahead.reading = Some((reading, started));
     }
 
     async fn maybe_trim(&self, now: Instant) {

@@ -740,3 +740,69 @@ async fn wait_for_messages_sleeps_after_a_failed_get() {
         started.elapsed()
     );
 }
+
+/// A large `get` that comes back full reads the next batch ahead; a smaller
+/// `get` then hands out part of it and keeps the rest for the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_read_ahead_are_each_handed_out_once() {
+    let Some(url) = common::url("entries_read_ahead_are_each_handed_out_once") else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("ahead"), "block=100ms");
+    t.setup().await.unwrap();
+    let sent: Vec<String> = (0..350).map(|i| format!("m{i}")).collect();
+    t.send_batch(sent.iter().map(|b| (text(b), None)).collect())
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    for max in [100, 10, 100, 100, 100] {
+        let got = t.get(max).await.unwrap();
+        assert!(got.len() <= max);
+        let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+        t.ack_batch(&ids).await.unwrap();
+        seen.extend(got.iter().map(body));
+    }
+    seen.extend(
+        receive(&t, 350 - seen.len(), Duration::from_secs(10))
+            .await
+            .iter()
+            .map(body),
+    );
+    let mut sorted = seen.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), seen.len(), "an entry was handed out twice");
+    assert_eq!(seen.len(), 350);
+    t.destroy().await.unwrap();
+}
+
+/// Entries a handle read ahead and never handed out are not lost with it:
+/// another consumer claims them once their lease has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_read_ahead_by_a_dropped_handle_are_claimed_after_the_lease() {
+    let Some(url) =
+        common::url("entries_read_ahead_by_a_dropped_handle_are_claimed_after_the_lease")
+    else {
+        return;
+    };
+    let name = common::unique("ahead_drop");
+    let a = common::transport(&url, &name, "lease=1s&block=100ms");
+    a.setup().await.unwrap();
+    let sent: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
+    a.send_batch(sent.iter().map(|b| (text(b), None)).collect())
+        .await
+        .unwrap();
+    let first = a.get(100).await.unwrap();
+    assert_eq!(first.len(), 100);
+    let ids: Vec<String> = first.iter().map(|d| d.id.clone()).collect();
+    a.ack_batch(&ids).await.unwrap();
+    drop(a);
+
+    let b = common::transport(&url, &name, "lease=1s&block=100ms");
+    let rest = receive(&b, 100, Duration::from_secs(15)).await;
+    let mut all: Vec<String> = first.iter().chain(&rest).map(body).collect();
+    all.sort();
+    all.dedup();
+    assert_eq!(all.len(), 200);
+    b.destroy().await.unwrap();
+}
