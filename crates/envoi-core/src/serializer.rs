@@ -64,8 +64,9 @@
 use std::any::TypeId;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -105,6 +106,36 @@ pub struct OpaqueStamp {
 impl Stamp for OpaqueStamp {
     const NAME: &'static str = "Opaque";
 }
+
+/// FNV-1a, for the registries keyed by wire names: they are short, and only
+/// names the program registered are ever stored, so a key that came off
+/// the wire can only miss.
+#[derive(Default)]
+struct NameHasher(u64);
+
+impl Hasher for NameHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        let mut hash = if self.0 == 0 {
+            0xcbf2_9ce4_8422_2325
+        } else {
+            self.0
+        };
+        for b in bytes {
+            hash = (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        self.0 = hash;
+    }
+}
+
+type NameMap<V> = HashMap<&'static str, V, BuildHasherDefault<NameHasher>>;
+
+/// Most distinct bus names a serializer keeps to share between the
+/// [`BusNameStamp`]s it decodes.
+const BUS_NAMES: usize = 32;
 
 type EncodeFn = fn(&Envelope) -> Option<Result<Vec<u8>, serde_json::Error>>;
 type DecodeFn = fn(&[u8], MessageKind) -> Result<Envelope, serde_json::Error>;
@@ -195,8 +226,8 @@ pub enum RegistryError {
 #[must_use = "a builder does nothing until `build` is called"]
 #[derive(Clone)]
 pub struct SerializerBuilder {
-    messages: HashMap<&'static str, MessageCodec>,
-    stamps: HashMap<&'static str, (TypeId, StampDecodeFn)>,
+    messages: NameMap<MessageCodec>,
+    stamps: NameMap<(TypeId, StampDecodeFn)>,
     errors: Vec<RegistryError>,
     max_body_size: usize,
 }
@@ -204,8 +235,8 @@ pub struct SerializerBuilder {
 impl Default for SerializerBuilder {
     fn default() -> Self {
         let builder = Self {
-            messages: HashMap::new(),
-            stamps: HashMap::new(),
+            messages: NameMap::default(),
+            stamps: NameMap::default(),
             errors: Vec::new(),
             max_body_size: DEFAULT_MAX_BODY_SIZE,
         };
@@ -316,16 +347,54 @@ impl SerializerBuilder {
                     .map(|(name, (_, decode))| (name, decode))
                     .collect(),
                 max_body_size: self.max_body_size,
+                bus_names: RwLock::new(Vec::new()),
             }),
         })
     }
 }
 
 struct Inner {
-    by_name: HashMap<&'static str, MessageCodec>,
+    by_name: NameMap<MessageCodec>,
     by_type: TypeMap<(&'static str, MessageCodec)>,
-    stamps: HashMap<&'static str, StampDecodeFn>,
+    stamps: NameMap<StampDecodeFn>,
     max_body_size: usize,
+    /// Bus names decoded so far, shared by the stamps naming them.
+    bus_names: RwLock<Vec<Arc<str>>>,
+}
+
+impl Inner {
+    /// `name` as a shared string: the one decoded before, if any.
+    fn bus_name(&self, name: &str) -> Arc<str> {
+        let known = |names: &[Arc<str>]| names.iter().find(|n| &***n == name).cloned();
+        if let Some(shared) = known(
+            &self
+                .bus_names
+                .read()
+                .unwrap_or_else(PoisonError::into_inner),
+        ) {
+            return shared;
+        }
+        let mut names = self
+            .bus_names
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(shared) = known(&names) {
+            return shared;
+        }
+        let shared: Arc<str> = Arc::from(name);
+        if names.len() < BUS_NAMES {
+            names.push(Arc::clone(&shared));
+        }
+        shared
+    }
+
+    /// The bus of a `BusName` stamp header holding one plain stamp,
+    /// `[{"bus":"<name>"}]` (what the serializer writes); `None` for
+    /// anything else, which then goes through the stamp's `Deserialize`.
+    fn plain_bus_name(json: &str) -> Option<&str> {
+        let name = json.strip_prefix(r#"[{"bus":""#)?.strip_suffix(r#""}]"#)?;
+        (!name.contains(['"', '\\']) && !name.chars().any(char::is_control)).then_some(name)
+    }
 }
 
 /// Encodes envelopes as JSON [`RawMessage`]s and decodes them back; see the
@@ -459,6 +528,12 @@ impl Serializer {
                 envelope = envelope.with_header(key.clone(), value.clone());
                 continue;
             };
+            if stamp == BusNameStamp::NAME {
+                if let Some(bus) = Inner::plain_bus_name(value) {
+                    envelope = envelope.with(BusNameStamp::new(self.inner.bus_name(bus)));
+                    continue;
+                }
+            }
             envelope = match self.inner.stamps.get(stamp) {
                 Some(decode) => {
                     decode(envelope, value).map_err(|e| SerializationError::MalformedStamp {
@@ -786,6 +861,49 @@ mod tests {
         let back = serializer().decode(&raw).unwrap();
         let delays: Vec<u64> = back.all::<DelayStamp>().map(|d| d.ms).collect();
         assert_eq!(delays, [1, 2]);
+    }
+
+    #[test]
+    fn bus_names_decode_as_written_and_are_shared() {
+        let s = serializer();
+        let names = ["command.bus", "b\u{e9}\"q\"\\", "ünï", "", "x\ty"];
+        for name in names {
+            let raw = s
+                .encode(&Envelope::new(order()).with(BusNameStamp::new(name)))
+                .unwrap();
+            let a = s.decode(&raw).unwrap();
+            let b = s.decode(&raw).unwrap();
+            let (a, b) = (
+                a.last::<BusNameStamp>().unwrap(),
+                b.last::<BusNameStamp>().unwrap(),
+            );
+            assert_eq!(&*a.bus, name);
+            assert_eq!(a, b);
+        }
+        let raw = s
+            .encode(&Envelope::new(order()).with(BusNameStamp::new("shared")))
+            .unwrap();
+        let (a, b) = (s.decode(&raw).unwrap(), s.decode(&raw).unwrap());
+        assert!(Arc::ptr_eq(
+            &a.last::<BusNameStamp>().unwrap().bus,
+            &b.last::<BusNameStamp>().unwrap().bus
+        ));
+        // Whatever is not the plain form still decodes, or fails, as JSON.
+        let mut raw = raw;
+        for (value, bus) in [
+            (r#"[ {"bus":"spaced"} ]"#, Some("spaced")),
+            (r#"[{"bus":"a"},{"bus":"b"}]"#, Some("b")),
+            ("[{\"bus\":\"raw tab\tinside\"}]", None),
+            (r#"[{"bus":"x"}"#, None),
+        ] {
+            raw.headers
+                .insert("X-Message-Stamp-BusName".into(), value.into());
+            match (s.decode(&raw), bus) {
+                (Ok(e), Some(bus)) => assert_eq!(&*e.last::<BusNameStamp>().unwrap().bus, bus),
+                (Err(e), None) => assert_eq!(e.kind(), "malformed_stamp"),
+                (other, _) => panic!("{value}: {other:?}"),
+            }
+        }
     }
 
     #[test]
