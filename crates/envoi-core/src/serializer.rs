@@ -62,6 +62,7 @@
 //! ```
 
 use std::any::TypeId;
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -359,33 +360,37 @@ struct Inner {
     stamps: NameMap<StampDecodeFn>,
     max_body_size: usize,
     /// Bus names decoded so far, shared by the stamps naming them.
-    bus_names: RwLock<Vec<Arc<str>>>,
+    bus_names: RwLock<Vec<&'static str>>,
 }
 
 impl Inner {
-    /// `name` as a shared string: the one decoded before, if any.
-    fn bus_name(&self, name: &str) -> Arc<str> {
-        let known = |names: &[Arc<str>]| names.iter().find(|n| &***n == name).cloned();
+    /// `name` as a shared `'static` string: the one decoded before, if any.
+    /// Only the first [`BUS_NAMES`] distinct names are kept; others are
+    /// decoded as owned strings.
+    fn bus_name(&self, name: &str) -> Cow<'static, str> {
+        let known = |names: &[&'static str]| names.iter().find(|n| **n == name).copied();
         if let Some(shared) = known(
             &self
                 .bus_names
                 .read()
                 .unwrap_or_else(PoisonError::into_inner),
         ) {
-            return shared;
+            return Cow::Borrowed(shared);
         }
         let mut names = self
             .bus_names
             .write()
             .unwrap_or_else(PoisonError::into_inner);
         if let Some(shared) = known(&names) {
-            return shared;
+            return Cow::Borrowed(shared);
         }
-        let shared: Arc<str> = Arc::from(name);
         if names.len() < BUS_NAMES {
-            names.push(Arc::clone(&shared));
+            let shared = crate::middleware::add_bus_name::intern(name);
+            names.push(shared);
+            Cow::Borrowed(shared)
+        } else {
+            Cow::Owned(name.to_owned())
         }
-        shared
     }
 
     /// The bus of a `BusName` stamp header holding one plain stamp,
@@ -884,10 +889,11 @@ mod tests {
             .encode(&Envelope::new(order()).with(BusNameStamp::new("shared")))
             .unwrap();
         let (a, b) = (s.decode(&raw).unwrap(), s.decode(&raw).unwrap());
-        assert!(Arc::ptr_eq(
+        let (a, b) = (
             &a.last::<BusNameStamp>().unwrap().bus,
-            &b.last::<BusNameStamp>().unwrap().bus
-        ));
+            &b.last::<BusNameStamp>().unwrap().bus,
+        );
+        assert!(matches!(a, Cow::Borrowed(_)) && std::ptr::eq(a.as_ptr(), b.as_ptr()));
         // Whatever is not the plain form still decodes, or fails, as JSON.
         let mut raw = raw;
         for (value, bus) in [

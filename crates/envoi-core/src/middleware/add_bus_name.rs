@@ -40,7 +40,7 @@ impl AddBusNameStamp {
 /// Bus names as `'static` strings, each kept once for the life of the
 /// program: buses are named when they are built, so the set stays as small
 /// as the number of distinct bus names.
-fn intern(name: &str) -> &'static str {
+pub(crate) fn intern(name: &str) -> &'static str {
     static NAMES: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
     let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
     let names = names.get_or_insert_with(HashSet::new);
