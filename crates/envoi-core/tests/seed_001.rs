@@ -142,17 +142,28 @@ impl Visit for Visitor<'_> {
     }
 }
 
-struct Capture(Spans);
+/// Records spans into the sink of the test that holds [`capture`]'s guard.
+struct Capture;
+
+/// Where [`Capture`] records: the running test's spans.
+static SINK: Mutex<Option<Spans>> = Mutex::new(None);
+
+fn sink() -> Option<Spans> {
+    SINK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
 
 impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let Some(sink) = sink() else { return };
         let parent = ctx
             .span(id)
             .and_then(|s| s.parent())
             .map(|p| p.name().to_string());
         let mut fields = BTreeMap::new();
         attrs.record(&mut Visitor(&mut fields));
-        self.0 .0.lock().unwrap().push(SpanRecord {
+        sink.0.lock().unwrap().push(SpanRecord {
             id: id.into_u64(),
             name: attrs.metadata().name().to_string(),
             parent,
@@ -161,17 +172,45 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
     }
 
     fn on_record(&self, id: &Id, values: &Record<'_>, _ctx: Context<'_, S>) {
-        let mut spans = self.0 .0.lock().unwrap();
+        let Some(sink) = sink() else { return };
+        let mut spans = sink.0.lock().unwrap();
         if let Some(s) = spans.iter_mut().find(|s| s.id == id.into_u64()) {
             values.record(&mut Visitor(&mut s.fields));
         }
     }
 }
 
-fn capture() -> (Spans, tracing::subscriber::DefaultGuard) {
+/// The tests of this binary run one at a time under one process-wide
+/// capturing subscriber, installed once: tracing's level hint and callsite
+/// interest are process-wide, so per-thread subscribers coming and going on
+/// other test threads could change whether a test's spans are enabled.
+struct Captured {
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+impl Drop for Captured {
+    fn drop(&mut self) {
+        *SINK
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+}
+
+fn capture() -> (Spans, Captured) {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    let serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    INSTALLED.call_once(|| {
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Capture))
+            .expect("no other global subscriber in this test binary");
+    });
     let spans = Spans::default();
-    let subscriber = tracing_subscriber::registry().with(Capture(spans.clone()));
-    (spans, tracing::subscriber::set_default(subscriber))
+    *SINK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(spans.clone());
+    (spans, Captured { _serial: serial })
 }
 
 // ----- span -----
@@ -392,6 +431,7 @@ fn recorded<F: Future>(f: impl FnOnce() -> F) -> (F::Output, Snapshotter) {
 
 #[test]
 fn metric_names_and_labels_are_the_public_contract() {
+    let (_spans, _captured) = capture();
     assert_eq!(DISPATCH_TOTAL, "cqrs_dispatch_total");
     assert_eq!(DISPATCH_DURATION, "cqrs_dispatch_duration");
     assert_eq!(
@@ -402,6 +442,7 @@ fn metric_names_and_labels_are_the_public_contract() {
 
 #[test]
 fn metrics_counts_successes_and_failures_and_times_both() {
+    let (_spans, _captured) = capture();
     let m = messenger(&Arc::default());
     let (_, snap) = recorded(|| async {
         let orders = m.dispatcher().with(metrics());
@@ -428,6 +469,7 @@ fn metrics_counts_successes_and_failures_and_times_both() {
 
 #[test]
 fn the_duration_covers_a_slow_failure_as_well_as_a_success() {
+    let (_spans, _captured) = capture();
     let m = messenger(&Arc::default());
     let (_, snap) = recorded(|| async {
         // Quantity 150 sleeps 150 s (virtual time) and succeeds.
@@ -455,6 +497,7 @@ fn the_duration_covers_a_slow_failure_as_well_as_a_success() {
 
 #[test]
 fn metrics_inside_a_deadline_count_the_abandoned_dispatch_as_cancelled() {
+    let (_spans, _captured) = capture();
     let m = messenger(&Arc::default());
     let (_, snap) = recorded(|| async {
         let limited = m
@@ -471,6 +514,7 @@ fn metrics_inside_a_deadline_count_the_abandoned_dispatch_as_cancelled() {
 
 #[test]
 fn metrics_after_a_custom_middleware_still_records() {
+    let (_spans, _captured) = capture();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let m = messenger(&seen);
     let (_, snap) = recorded(|| async {
@@ -509,6 +553,7 @@ fn stuck_messenger(dropped: &Arc<AtomicBool>, started: tokio::sync::mpsc::Sender
 
 #[tokio::test(start_paused = true)]
 async fn an_expired_deadline_drops_the_handler_and_is_an_infrastructure_error() {
+    let (_spans, _captured) = capture();
     let dropped = Arc::new(AtomicBool::new(false));
     let (tx, _rx) = tokio::sync::mpsc::channel(4);
     let m = stuck_messenger(&dropped, tx);
@@ -534,6 +579,7 @@ async fn an_expired_deadline_drops_the_handler_and_is_an_infrastructure_error() 
 
 #[tokio::test(start_paused = true)]
 async fn a_callers_own_timeout_cancels_the_handler() {
+    let (_spans, _captured) = capture();
     let dropped = Arc::new(AtomicBool::new(false));
     let (tx, _rx) = tokio::sync::mpsc::channel(4);
     let m = stuck_messenger(&dropped, tx);
@@ -545,6 +591,7 @@ async fn a_callers_own_timeout_cancels_the_handler() {
 
 #[tokio::test]
 async fn dropping_the_dispatch_future_cancels_the_handler() {
+    let (_spans, _captured) = capture();
     let dropped = Arc::new(AtomicBool::new(false));
     let (tx, mut started) = tokio::sync::mpsc::channel(4);
     let m = stuck_messenger(&dropped, tx);
@@ -590,6 +637,7 @@ impl DispatchMiddleware for AuditLog {
 
 #[tokio::test]
 async fn the_audit_log_middleware_composes_without_touching_output_or_error_types() {
+    let (_spans, _captured) = capture();
     let m = messenger(&Arc::default());
     let audit = AuditSink::default();
     let orders: Dispatcher = m
@@ -629,6 +677,7 @@ impl DispatchMiddleware for Layer2 {
 
 #[tokio::test]
 async fn middleware_is_applied_in_the_order_given_outermost_first() {
+    let (_spans, _captured) = capture();
     let m = messenger(&Arc::default());
     let log = Arc::new(Mutex::new(Vec::new()));
     m.dispatcher()
