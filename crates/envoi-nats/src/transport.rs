@@ -1,6 +1,7 @@
 //! [`NatsTransport`]: a JetStream stream and a durable pull consumer.
 
 use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -89,9 +90,31 @@ struct Lease {
     touched: Instant,
 }
 
+/// Hashes stream sequences (numbers the server counts up) by a
+/// multiplication that spreads them over all bits: much cheaper than
+/// SipHash for a map every delivery and acknowledgement goes through.
+#[derive(Default)]
+struct SequenceHasher(u64);
+
+impl Hasher for SequenceHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 #[derive(Debug)]
 struct Leases {
-    by_sequence: HashMap<u64, Lease>,
+    by_sequence: HashMap<u64, Lease, BuildHasherDefault<SequenceHasher>>,
     last_pruned: Instant,
 }
 
@@ -312,7 +335,7 @@ impl NatsTransport {
                 consumer: Mutex::new(None),
                 set_up: OnceCell::new(),
                 leases: Mutex::new(Leases {
-                    by_sequence: HashMap::new(),
+                    by_sequence: HashMap::default(),
                     last_pruned: Instant::now(),
                 }),
                 idle_since: Mutex::new(None),
@@ -596,7 +619,11 @@ impl NatsTransport {
             let Some(reply) = message.message.reply.clone() else {
                 continue;
             };
-            if let Some(due) = headers::not_before_ms(message.message.headers.as_ref()) {
+            let (raw, due) = headers::decode_delivered(
+                message.message.headers.as_ref(),
+                &message.message.payload,
+            );
+            if let Some(due) = due {
                 if due > now {
                     // Capped so the nanosecond delay fits the server's int64;
                     // a message due later is simply deferred again.
@@ -615,7 +642,6 @@ impl NatsTransport {
                 }
             }
             tracing::trace!(sequence, delivered, "message handed out");
-            let raw = headers::decode(message.message.headers.as_ref(), &message.message.payload);
             leased.push((sequence, Lease { reply, touched }));
             out.push(Delivery {
                 id: sequence.to_string(),
