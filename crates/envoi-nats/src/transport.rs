@@ -188,6 +188,12 @@ impl Drop for Inner {
 /// Every handle created for the same name shares the durable consumer, so
 /// handles (and processes) compete for messages.
 ///
+/// A `get` of at least 100 messages that comes back full starts the pull
+/// request for the next batch at once, so the batch arrives while the
+/// caller handles this one. What it fetched goes to the next `get`; a
+/// smaller next `get`, one that comes later than half a lease, and dropping
+/// the last handle give the messages back to JetStream at once.
+///
 /// Message ids are stream sequence numbers: the id `send` returns is the id
 /// of every later delivery of that message and the id `list` and `find` use.
 ///
