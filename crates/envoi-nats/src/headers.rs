@@ -89,11 +89,6 @@ pub(crate) fn encode(
     Ok(map)
 }
 
-/// The due time of a delayed message, if it has one.
-pub(crate) fn not_before_ms(headers: Option<&HeaderMap>) -> Option<u128> {
-    headers?.get(NOT_BEFORE)?.as_str().parse().ok()
-}
-
 /// Rebuilds the envoi message from a NATS message's headers and payload.
 /// Headers JetStream adds (`Nats-*`) and the transport's own are left out.
 ///
@@ -101,18 +96,36 @@ pub(crate) fn not_before_ms(headers: Option<&HeaderMap>) -> Option<u128> {
 /// (written by something else than envoi) is still returned, with that
 /// header kept as it is, so the consumer can report it instead of losing it.
 pub(crate) fn decode(headers: Option<&HeaderMap>, payload: &[u8]) -> RawMessage {
+    decode_delivered(headers, payload).0
+}
+
+/// [`decode`], and the due time of a delayed message (its [`NOT_BEFORE`]
+/// header), found in the same pass over the headers.
+pub(crate) fn decode_delivered(
+    headers: Option<&HeaderMap>,
+    payload: &[u8],
+) -> (RawMessage, Option<u128>) {
     let mut out = BTreeMap::new();
+    let mut due = None;
     if let Some(headers) = headers {
+        let mut extra = None;
         for (name, values) in headers.iter() {
             let name: &str = name.as_ref();
             if is_reserved(name) {
+                // What `HeaderMap::get` would find: an exact name, its
+                // first value.
+                if name == EXTRA_HEADERS {
+                    extra = values.first();
+                } else if name == NOT_BEFORE {
+                    due = values.first().and_then(|v| v.as_str().parse().ok());
+                }
                 continue;
             }
             if let Some(value) = values.last() {
                 out.insert(name.to_string(), value.as_str().to_string());
             }
         }
-        if let Some(extra) = headers.get(EXTRA_HEADERS) {
+        if let Some(extra) = extra {
             match serde_json::from_str::<BTreeMap<String, String>>(extra.as_str()) {
                 Ok(extra) => out.extend(extra),
                 Err(error) => {
@@ -122,10 +135,11 @@ pub(crate) fn decode(headers: Option<&HeaderMap>, payload: &[u8]) -> RawMessage 
             }
         }
     }
-    RawMessage {
+    let raw = RawMessage {
         body: payload.to_vec(),
         headers: out,
-    }
+    };
+    (raw, due)
 }
 
 #[cfg(test)]
@@ -152,7 +166,7 @@ mod tests {
             map.get(MSG_ID).map(|v| v.as_str()),
             Some(id.simple().to_string().as_str())
         );
-        assert_eq!(not_before_ms(Some(&map)), Some(42));
+        assert_eq!(decode_delivered(Some(&map), b"").1, Some(42));
         assert!(map.get(EXTRA_HEADERS).is_none());
     }
 
@@ -188,6 +202,22 @@ mod tests {
         assert_eq!(raw.headers.len(), 1);
         assert_eq!(raw.header("kind"), Some("command"));
         assert_eq!(raw.body, b"x");
+    }
+
+    #[test]
+    fn the_due_time_is_found_with_the_headers() {
+        let headers: BTreeMap<String, String> = [
+            ("type".to_string(), "Order".to_string()),
+            ("multi".to_string(), "a\r\nb".to_string()),
+        ]
+        .into();
+        let map = encode(&headers, uuid::Uuid::nil(), Some(1234)).unwrap();
+        let (raw, due) = decode_delivered(Some(&map), b"b");
+        assert_eq!(raw.headers, headers);
+        assert_eq!(due, Some(1234));
+        let map = encode(&headers, uuid::Uuid::nil(), None).unwrap();
+        assert_eq!(decode_delivered(Some(&map), b"b").1, None);
+        assert_eq!(decode_delivered(None, b"b").1, None);
     }
 
     #[test]

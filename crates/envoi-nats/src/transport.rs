@@ -1,6 +1,7 @@
 //! [`NatsTransport`]: a JetStream stream and a durable pull consumer.
 
 use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -89,9 +90,31 @@ struct Lease {
     touched: Instant,
 }
 
+/// Hashes stream sequences (numbers the server counts up) by a
+/// multiplication that spreads them over all bits: much cheaper than
+/// SipHash for a map every delivery and acknowledgement goes through.
+#[derive(Default)]
+struct SequenceHasher(u64);
+
+impl Hasher for SequenceHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 #[derive(Debug)]
 struct Leases {
-    by_sequence: HashMap<u64, Lease>,
+    by_sequence: HashMap<u64, Lease, BuildHasherDefault<SequenceHasher>>,
     last_pruned: Instant,
 }
 
@@ -164,6 +187,12 @@ impl Drop for Inner {
 /// consumer, waiting up to the configured `wait` when none is available.
 /// Every handle created for the same name shares the durable consumer, so
 /// handles (and processes) compete for messages.
+///
+/// A `get` of at least 100 messages that comes back full starts the pull
+/// request for the next batch at once, so the batch arrives while the
+/// caller handles this one. What it fetched goes to the next `get`; a
+/// smaller next `get`, one that comes later than half a lease, and dropping
+/// the last handle give the messages back to JetStream at once.
 ///
 /// Message ids are stream sequence numbers: the id `send` returns is the id
 /// of every later delivery of that message and the id `list` and `find` use.
@@ -312,7 +341,7 @@ impl NatsTransport {
                 consumer: Mutex::new(None),
                 set_up: OnceCell::new(),
                 leases: Mutex::new(Leases {
-                    by_sequence: HashMap::new(),
+                    by_sequence: HashMap::default(),
                     last_pruned: Instant::now(),
                 }),
                 idle_since: Mutex::new(None),
@@ -596,7 +625,11 @@ impl NatsTransport {
             let Some(reply) = message.message.reply.clone() else {
                 continue;
             };
-            if let Some(due) = headers::not_before_ms(message.message.headers.as_ref()) {
+            let (raw, due) = headers::decode_delivered(
+                message.message.headers.as_ref(),
+                &message.message.payload,
+            );
+            if let Some(due) = due {
                 if due > now {
                     // Capped so the nanosecond delay fits the server's int64;
                     // a message due later is simply deferred again.
@@ -615,7 +648,6 @@ impl NatsTransport {
                 }
             }
             tracing::trace!(sequence, delivered, "message handed out");
-            let raw = headers::decode(message.message.headers.as_ref(), &message.message.payload);
             leased.push((sequence, Lease { reply, touched }));
             out.push(Delivery {
                 id: sequence.to_string(),

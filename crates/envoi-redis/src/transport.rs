@@ -46,7 +46,10 @@ const PRUNE_IDLE: Duration = Duration::from_secs(3600);
 /// * `get` reclaims entries other consumers left pending longer than the
 ///   lease (`XAUTOCLAIM`), moves due delayed messages, then reads new entries
 ///   with `XREADGROUP ... BLOCK` on a connection of its own, so blocking
-///   never holds up sends and acks on the shared one.
+///   never holds up sends and acks on the shared one. A `get` of at least
+///   100 entries that comes back full reads the next batch at once, so it
+///   arrives while the caller handles this one (see `Ahead` in the source
+///   for what becomes of entries read ahead and not handed out).
 /// * `ack` / `reject` are `XACK`; every second, `get` trims the entries every
 ///   group has acknowledged from the head of the stream (`XTRIM MINID`), so
 ///   they do not pile up. `release` re-adds the entry at the end of the
