@@ -491,19 +491,25 @@ impl RedisTransport {
         Ok((usize::try_from(moved).unwrap_or(0), wait))
     }
 
-    async fn read_new(&self, max: usize, block: Duration) -> Result<Vec<Delivery>, TransportError> {
-        let _reading = self.read_lock.lock().await;
+    /// `XREADGROUP` for up to `max` new entries of this consumer, waiting
+    /// up to `block` for one when given.
+    fn read_new_cmd(&self, max: usize, block: Option<Duration>) -> redis::Cmd {
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP")
             .arg(&self.options.group)
             .arg(&self.consumer)
             .arg("COUNT")
-            .arg(max)
-            .arg("BLOCK")
-            .arg(millis(block).max(1))
-            .arg("STREAMS")
-            .arg(&self.options.stream)
-            .arg(">");
+            .arg(max);
+        if let Some(block) = block {
+            cmd.arg("BLOCK").arg(millis(block).max(1));
+        }
+        cmd.arg("STREAMS").arg(&self.options.stream).arg(">");
+        cmd
+    }
+
+    async fn read_new(&self, max: usize, block: Duration) -> Result<Vec<Delivery>, TransportError> {
+        let _reading = self.read_lock.lock().await;
+        let cmd = self.read_new_cmd(max, Some(block));
         let reply: Value = self
             .blocking
             .run("XREADGROUP", |mut c| {
@@ -630,15 +636,7 @@ impl RedisTransport {
         if ahead.reading.is_some() || !ahead.spare.is_empty() {
             return;
         }
-        let mut cmd = redis::cmd("XREADGROUP");
-        cmd.arg("GROUP")
-            .arg(&self.options.group)
-            .arg(&self.consumer)
-            .arg("COUNT")
-            .arg(max)
-            .arg("STREAMS")
-            .arg(&self.options.stream)
-            .arg(">");
+        let cmd = self.read_new_cmd(max, None);
         // On the reading connection: a large reply there does not hold up
         // the acknowledgements on the shared one.
         let link = Arc::clone(&self.blocking);
