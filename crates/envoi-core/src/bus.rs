@@ -24,10 +24,12 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use futures_util::FutureExt;
 
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, StepResult};
@@ -115,8 +117,16 @@ impl MessageBus {
     /// Runs `envelope` through the pipeline and returns it with the stamps
     /// the steps added (a [`HandledStamp`](crate::stamp::HandledStamp) per
     /// handler, or a [`SentStamp`](crate::stamp::SentStamp) per transport).
-    pub async fn dispatch(&self, envelope: Envelope) -> Result<Envelope> {
-        self.inner.dispatch(envelope).await.map_err(|e| *e)
+    pub fn dispatch(
+        &self,
+        envelope: Envelope,
+    ) -> impl Future<Output = Result<Envelope>> + Send + '_ {
+        // A mapping adapter rather than an `async` wrapper: the pipeline's
+        // future is built in place, not moved into an outer state machine
+        // on its first poll.
+        self.inner
+            .dispatch(envelope)
+            .map(|out: StepResult| out.map_err(|e| *e))
     }
 
     /// Dispatches `message` as a command.

@@ -174,21 +174,30 @@ impl Envelope {
     /// points at the original message.
     #[inline]
     fn meta_mut(&mut self) -> &mut Meta {
-        if Arc::get_mut(&mut self.body).is_none() {
-            let root = match self.body.message.shared() {
-                Some(root) => root.clone(),
-                None => self.body.clone(),
-            };
-            let copy: Arc<Body> = Arc::new(Body {
-                meta: self.body.meta.clone(),
-                message: SharedMessage(root),
-            });
-            self.body = copy;
+        // Envelope bodies are never downgraded, so a strong count of one
+        // means unique. Checking it with a plain load keeps the common path
+        // to one `get_mut` (an atomic compare-exchange) instead of two.
+        if Arc::strong_count(&self.body) != 1 {
+            self.unshare();
         }
         match Arc::get_mut(&mut self.body) {
             Some(body) => &mut body.meta,
-            None => unreachable!("a freshly allocated body is unique"),
+            None => unreachable!("an envelope body is never downgraded"),
         }
+    }
+
+    /// Gives this envelope a body of its own that points at the shared
+    /// message.
+    #[cold]
+    fn unshare(&mut self) {
+        let root = match self.body.message.shared() {
+            Some(root) => root.clone(),
+            None => self.body.clone(),
+        };
+        self.body = Arc::new(Body {
+            meta: self.body.meta.clone(),
+            message: SharedMessage(root),
+        });
     }
 
     /// Returns a new envelope carrying `stamp` after the existing ones.
