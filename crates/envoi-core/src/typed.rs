@@ -41,6 +41,8 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
+use futures_util::future::Either;
+use futures_util::FutureExt;
 use smallvec::SmallVec;
 use tracing::Instrument;
 
@@ -405,7 +407,11 @@ impl Dispatcher {
     }
 
     /// Runs `envelope` through the span, the layers and the bus.
-    pub async fn run(&self, envelope: Envelope) -> Result<Envelope> {
+    ///
+    /// The span is opened when this is called, like an
+    /// [`instrument`](tracing::Instrument::instrument)ed future's: the
+    /// returned future then runs inside it.
+    pub fn run(&self, envelope: Envelope) -> impl Future<Output = Result<Envelope>> + Send + '_ {
         let o = &*self.options;
         let (tag, side) = (envelope.message_name(), envelope.kind());
         let span = if o.span.covers(side) {
@@ -413,12 +419,16 @@ impl Dispatcher {
         } else {
             None
         };
-        // Nobody listening and nothing to run around the bus: dispatch
-        // straight away, without the observed path's future (and its box).
+        // Nobody listening and nothing to run around the bus: the bus's own
+        // future, without the observed path's future (and its box).
         if span.is_none() && o.layers.is_empty() && !o.builtins.iter().any(Builtin::active) {
-            return self.bus.dispatch(envelope).await;
+            return Either::Left(self.bus.dispatch(envelope));
         }
-        Box::pin(self.run_observed(DispatchContext { tag, side }, span, envelope)).await
+        Either::Right(Box::pin(self.run_observed(
+            DispatchContext { tag, side },
+            span,
+            envelope,
+        )))
     }
 
     async fn run_observed(
@@ -454,40 +464,51 @@ impl Dispatcher {
     }
 
     /// Dispatches a command and returns its handler's output.
-    pub async fn dispatch<C: Command>(
+    pub fn dispatch<C: Command>(
         &self,
         command: C,
-    ) -> Result<C::Output, DispatchError<C::Error>> {
-        let out = self.run(Envelope::new(command)).await;
-        output::<C::Output, C::Error>(out)
+    ) -> impl Future<Output = Result<C::Output, DispatchError<C::Error>>> + Send + '_ {
+        self.run(Envelope::new(command))
+            .map(output::<C::Output, C::Error>)
     }
 
     /// Asks a query and returns its handler's answer.
-    pub async fn ask<Q: Query>(&self, query: Q) -> Result<Q::Output, DispatchError<Q::Error>> {
-        let out = self.run(Envelope::query(query)).await;
-        output::<Q::Output, Q::Error>(out)
+    pub fn ask<Q: Query>(
+        &self,
+        query: Q,
+    ) -> impl Future<Output = Result<Q::Output, DispatchError<Q::Error>>> + Send + '_ {
+        self.run(Envelope::query(query))
+            .map(output::<Q::Output, Q::Error>)
     }
 
     /// Publishes an event to all its handlers (or its transports).
-    pub async fn publish<E: Event>(
+    pub fn publish<E: Event>(
         &self,
         event: E,
-    ) -> Result<(), DispatchError<EventErrors<E::Error>>> {
-        match self.run(Envelope::event(event)).await {
-            Ok(_) => Ok(()),
-            Err(BusError::HandlerFailed { envelope, errors }) => {
-                let (domain, other) = split_errors::<E::Error>(errors);
-                if other.is_empty() {
-                    Err(DispatchError::Domain(EventErrors(domain)))
-                } else {
-                    Err(DispatchError::Infrastructure(BusError::HandlerFailed {
-                        envelope,
-                        errors: other,
-                    }))
-                }
+    ) -> impl Future<Output = Result<(), DispatchError<EventErrors<E::Error>>>> + Send + '_ {
+        self.run(Envelope::event(event)).map(published::<E::Error>)
+    }
+}
+
+/// The typed result of publishing an event.
+fn published<E>(out: Result<Envelope>) -> Result<(), DispatchError<EventErrors<E>>>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    match out {
+        Ok(_) => Ok(()),
+        Err(BusError::HandlerFailed { envelope, errors }) => {
+            let (domain, other) = split_errors::<E>(errors);
+            if other.is_empty() {
+                Err(DispatchError::Domain(EventErrors(domain)))
+            } else {
+                Err(DispatchError::Infrastructure(BusError::HandlerFailed {
+                    envelope,
+                    errors: other,
+                }))
             }
-            Err(e) => Err(DispatchError::Infrastructure(e)),
         }
+        Err(e) => Err(DispatchError::Infrastructure(e)),
     }
 }
 
