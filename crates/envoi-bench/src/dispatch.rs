@@ -302,7 +302,7 @@ mod sizes {
             2 * std::mem::size_of::<usize>()
         );
         let size = std::mem::size_of_val(&fut);
-        assert!(size <= 256, "dispatch future grew to {size} bytes");
+        assert!(size <= 160, "dispatch future grew to {size} bytes");
         let typed = envoi_core::Messenger::builder()
             .command_handler(super::handle_noop)
             .build()
@@ -310,6 +310,6 @@ mod sizes {
             .dispatcher();
         let fut = typed.dispatch(super::Noop(1));
         let size = std::mem::size_of_val(&fut);
-        assert!(size <= 256, "typed dispatch future grew to {size} bytes");
+        assert!(size <= 160, "typed dispatch future grew to {size} bytes");
     }
 }
