@@ -193,6 +193,38 @@ pub(crate) fn profile_envoi() -> Result<(), String> {
     Ok(())
 }
 
+/// The observed side of `dispatch_observed`: the default dispatch span,
+/// `metrics()` and a hook that takes part in nothing.
+fn observed_dispatcher() -> Result<envoi_core::Dispatcher, String> {
+    Ok(Messenger::builder()
+        .command_handler(handle_noop)
+        .middleware(envoi_core::middleware::hook::HookMiddleware::new(
+            Uninterested,
+        ))
+        .build()
+        .map_err(|e| e.to_string())?
+        .dispatcher()
+        .with(envoi_core::middleware::metrics::metrics()))
+}
+
+/// Loops only the observed side of `dispatch_observed`, like
+/// [`profile_envoi`].
+pub(crate) fn profile_observed() -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let observed = observed_dispatcher()?;
+    let iters = iters_from_env();
+    let ns = time_async(&rt, iters, |i| {
+        let d = &observed;
+        async move {
+            black_box(d.dispatch(Noop(i)).await.is_ok());
+        }
+    });
+    println!("profile_observed: {ns:.1}ns over {iters} dispatches");
+    Ok(())
+}
+
 /// Loops only the tower stack, like [`profile_envoi`].
 pub(crate) fn profile_tower() -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -242,15 +274,7 @@ pub(crate) fn observed() -> Result<(), String> {
         .map_err(|e| e.to_string())?
         .dispatcher()
         .without_span();
-    let observed = Messenger::builder()
-        .command_handler(handle_noop)
-        .middleware(envoi_core::middleware::hook::HookMiddleware::new(
-            Uninterested,
-        ))
-        .build()
-        .map_err(|e| e.to_string())?
-        .dispatcher()
-        .with(envoi_core::middleware::metrics::metrics());
+    let observed = observed_dispatcher()?;
     rt.block_on(observed.dispatch(Noop(1)))
         .map_err(|e| e.to_string())?;
 

@@ -98,6 +98,12 @@ const SCENARIOS: &[Scenario] = &[
         about: "(profiling aid) tower stack only, ENVOI_BENCH_ITERS times",
         run: dispatch::profile_tower,
     },
+    Scenario {
+        name: "profile_observed",
+        about:
+            "(profiling aid) the observed side of dispatch_observed only, ENVOI_BENCH_ITERS times",
+        run: dispatch::profile_observed,
+    },
 ];
 
 fn usage() -> String {
