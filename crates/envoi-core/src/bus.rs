@@ -251,7 +251,17 @@ impl BusInner {
         }
         // 1. AddBusNameStamp
         let envelope = self.add_bus_name.apply(envelope);
-        if self.is_plain(&envelope) {
+        // User middleware that takes no part would only pass the envelope
+        // on: the chain starts at the first one that does (`start`), or is
+        // skipped (`None`).
+        let user = if self.user_empty.load(Ordering::Relaxed) {
+            None
+        } else {
+            self.user_chain(&envelope)
+        };
+        if user.is_none() && self.is_plain(&envelope) {
+            // (Nothing to keep across the awaits below.)
+            drop(user);
             // Steps 2 to 6 have nothing to do: go straight to the handlers
             // and settle what they deferred, as step 2 would. The common
             // case, one handler, runs right here: the same code as the end
@@ -281,18 +291,24 @@ impl BusInner {
         if !self.user_empty.load(Ordering::Relaxed)
             && !envelope.has::<DispatchAfterCurrentBusStamp>()
         {
-            // Step 2 has nothing to defer: steps 3 and 4 run here, and step
-            // 2 settles what the handlers deferred afterwards.
-            let envelope = FailedMessageProcessing::apply(envelope);
-            let chain = self.user.load_full();
-            let out = Next::new(&chain.items, Some(&**self))
-                .run(envelope)
-                .await
-                .map_err(Box::new)?;
-            if !out.has::<DeferredDispatches>() {
-                return Ok(out);
+            {
+                // Step 2 has nothing to defer: steps 3 and 4 run here, and
+                // step 2 settles what the handlers deferred afterwards.
+                let envelope = FailedMessageProcessing::apply(envelope);
+                // No middleware taking part: none to run.
+                let rest: &[Arc<dyn Middleware>] = match &user {
+                    Some((chain, start)) => &chain.items[*start..],
+                    None => &[],
+                };
+                let out = Next::after_asking(rest, Some(&**self))
+                    .run(envelope)
+                    .await
+                    .map_err(Box::new)?;
+                if !out.has::<DeferredDispatches>() {
+                    return Ok(out);
+                }
+                return Box::pin(dispatch_after_current_bus::settle(out)).await;
             }
-            return Box::pin(dispatch_after_current_bus::settle(out)).await;
         }
         // 2. DispatchAfterCurrentBus
         Box::pin(dispatch_after_current_bus::run(
@@ -303,14 +319,22 @@ impl BusInner {
         .await
     }
 
-    /// Whether steps 2 to 6 leave `envelope` untouched: not stamped to wait
-    /// for the current dispatch, not received from a transport (so neither
-    /// failure processing nor retry applies), no user middleware, and not
-    /// routed to a transport.
+    /// The user middleware chain and the position of its first middleware
+    /// that takes part in dispatching `envelope`; `None` if none does.
+    #[inline(never)]
+    fn user_chain(&self, envelope: &Envelope) -> Option<(Arc<Chain>, usize)> {
+        let chain = self.user.load_full();
+        let start = chain.items.iter().position(|m| m.takes_part(envelope))?;
+        Some((chain, start))
+    }
+
+    /// Whether steps 2, 3, 5 and 6 leave `envelope` untouched: not stamped
+    /// to wait for the current dispatch, not received from a transport (so
+    /// neither failure processing nor retry applies), and not routed to a
+    /// transport.
     #[inline]
     fn is_plain(&self, envelope: &Envelope) -> bool {
-        self.user_empty.load(Ordering::Relaxed)
-            && !envelope.has::<ReceivedStamp>()
+        !envelope.has::<ReceivedStamp>()
             && !envelope.has::<DispatchAfterCurrentBusStamp>()
             && self
                 .send

@@ -524,3 +524,71 @@ async fn handler_types_work_like_functions_and_are_named_after_their_type() {
     assert_eq!(handled.handler, "Teller");
     assert_eq!(handled.result.downcast_ref::<u64>(), Some(&9));
 }
+
+/// Takes part only in deposits of more than 100, and records what it saw.
+struct BigDepositsOnly(Arc<Mutex<Vec<u64>>>);
+
+impl Middleware for BigDepositsOnly {
+    fn takes_part(&self, envelope: &Envelope) -> bool {
+        envelope.message::<Deposit>().is_some_and(|d| d.0 > 100)
+    }
+
+    fn handle<'a>(
+        &'a self,
+        e: Envelope,
+        next: Next<'a>,
+    ) -> BoxFuture<'a, Result<Envelope, BusError>> {
+        if let Some(d) = e.message::<Deposit>() {
+            self.0.lock().unwrap().push(d.0);
+        }
+        Box::pin(next.run(e))
+    }
+}
+
+#[tokio::test]
+async fn a_middleware_that_takes_no_part_is_skipped_and_the_dispatch_still_completes() {
+    let messenger = Messenger::builder()
+        .command_handler(deposit)
+        .build()
+        .unwrap();
+    let bus = messenger.bus().clone();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    bus.add_middleware(Arc::new(BigDepositsOnly(seen.clone())));
+
+    // Not taking part: the chain is skipped, the handler still runs.
+    let out = bus.dispatch(Envelope::new(Deposit(5))).await.unwrap();
+    assert!(out.has::<HandledStamp>());
+    assert_eq!(out.last::<BusNameStamp>().map(|s| &*s.bus), Some("default"));
+    assert!(seen.lock().unwrap().is_empty(), "skipped");
+
+    // Taking part: the chain runs as usual.
+    let out = bus.dispatch(Envelope::new(Deposit(500))).await.unwrap();
+    assert!(out.has::<HandledStamp>());
+    assert_eq!(*seen.lock().unwrap(), [500]);
+
+    // A failing handler behind a skipped chain still reports its error.
+    let err = bus.dispatch(Envelope::new(Deposit(13))).await.unwrap_err();
+    assert!(matches!(err, BusError::HandlerFailed { .. }), "{err:?}");
+    assert_eq!(*seen.lock().unwrap(), [500]);
+}
+
+#[tokio::test]
+async fn the_chain_starts_at_the_first_middleware_that_takes_part() {
+    let messenger = Messenger::builder()
+        .command_handler(deposit)
+        .build()
+        .unwrap();
+    let bus = messenger.bus().clone();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = Arc::new(Mutex::new(Vec::new()));
+    bus.add_middleware(Arc::new(BigDepositsOnly(seen.clone())));
+    bus.add_middleware(Arc::new(Trace("trace", log.clone())));
+
+    bus.dispatch(Envelope::new(Deposit(5))).await.unwrap();
+    assert!(seen.lock().unwrap().is_empty(), "the idle one is skipped");
+    assert_eq!(*log.lock().unwrap(), ["trace in", "trace out"]);
+
+    bus.dispatch(Envelope::new(Deposit(200))).await.unwrap();
+    assert_eq!(*seen.lock().unwrap(), [200]);
+    assert_eq!(log.lock().unwrap().len(), 4, "both ran");
+}

@@ -288,8 +288,12 @@ fn run_afters(pending: Vec<PendingAfter>, out: &Envelope) {
 }
 
 impl Middleware for HookMiddleware {
+    fn takes_part(&self, envelope: &Envelope) -> bool {
+        self.hook.can_handle(&HookContext::new(envelope))
+    }
+
     fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
-        if !self.hook.can_handle(&HookContext::new(&envelope)) {
+        if !next.caller_takes_part() && !self.hook.can_handle(&HookContext::new(&envelope)) {
             // Not taking part: no allocation of our own.
             return next.run(envelope).boxed();
         }

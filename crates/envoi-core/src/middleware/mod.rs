@@ -112,6 +112,22 @@ pub trait Middleware: Send + Sync + 'static {
     /// Releases resources when the middleware is removed from a bus or the
     /// bus is disposed. Should be idempotent. Does nothing by default.
     fn dispose(&self) {}
+
+    /// Whether this middleware has anything to do for `envelope`; `true` by
+    /// default.
+    ///
+    /// A middleware that returns `false` promises that its
+    /// [`handle`](Middleware::handle) would only pass `envelope` on
+    /// unchanged (`next.run(envelope)`). Before running its user middleware
+    /// a bus asks them in order and starts the chain at the first that takes
+    /// part; when none does, it skips the chain and takes its fast path, as
+    /// if it had no user middleware. The middleware after the first that
+    /// takes part are not asked: their `handle` runs as usual. It is asked
+    /// at most once per dispatch, so it should be cheap.
+    fn takes_part(&self, envelope: &Envelope) -> bool {
+        let _ = envelope;
+        true
+    }
 }
 
 /// Strips the module path from a type name (`a::b::Foo<c::D>` → `Foo<c::D>`);
@@ -155,29 +171,52 @@ pub trait Endpoint: Send + Sync {
 pub struct Next<'a> {
     chain: &'a [Arc<dyn Middleware>],
     endpoint: Option<&'a dyn Endpoint>,
+    /// The first middleware of `chain` already said it takes part.
+    first_takes_part: bool,
+    /// The middleware this was handed to already said it takes part.
+    caller_takes_part: bool,
 }
 
 impl<'a> Next<'a> {
     /// A `Next` running `chain` and then `endpoint` (or returning the envelope
     /// unchanged when `endpoint` is `None`).
     pub fn new(chain: &'a [Arc<dyn Middleware>], endpoint: Option<&'a dyn Endpoint>) -> Self {
-        Self { chain, endpoint }
+        Self {
+            chain,
+            endpoint,
+            first_takes_part: false,
+            caller_takes_part: false,
+        }
+    }
+
+    /// Like [`new`](Self::new), for a `chain` whose first middleware's
+    /// [`takes_part`](Middleware::takes_part) just returned `true` for the
+    /// envelope about to run.
+    pub(crate) fn after_asking(
+        chain: &'a [Arc<dyn Middleware>],
+        endpoint: Option<&'a dyn Endpoint>,
+    ) -> Self {
+        Self {
+            first_takes_part: !chain.is_empty(),
+            ..Self::new(chain, endpoint)
+        }
     }
 
     /// A `Next` that runs only `endpoint`.
     pub fn to_endpoint(endpoint: &'a dyn Endpoint) -> Self {
-        Self {
-            chain: &[],
-            endpoint: Some(endpoint),
-        }
+        Self::new(&[], Some(endpoint))
     }
 
     /// A `Next` that returns the envelope unchanged.
     pub fn passthrough() -> Self {
-        Self {
-            chain: &[],
-            endpoint: None,
-        }
+        Self::new(&[], None)
+    }
+
+    /// Whether the middleware this `Next` was handed to was asked
+    /// [`takes_part`](Middleware::takes_part) for this envelope just before
+    /// and said yes, so it need not decide again.
+    pub(crate) fn caller_takes_part(&self) -> bool {
+        self.caller_takes_part
     }
 
     /// Whether the rest of the pipeline would send `envelope` to a transport
@@ -195,6 +234,8 @@ impl<'a> Next<'a> {
                 Next {
                     chain: rest,
                     endpoint: self.endpoint,
+                    first_takes_part: false,
+                    caller_takes_part: self.first_takes_part,
                 },
             ))),
             None => match self.endpoint {
