@@ -81,6 +81,18 @@ struct ReadAhead {
     started: Instant,
 }
 
+/// What a `get` found of the pull request started by the previous one.
+#[derive(Debug)]
+enum ReadAheadUse {
+    /// There was none (or it was too old and was given back).
+    None,
+    /// Its messages were taken; `refilled` when it came back full and the
+    /// pull request for the next `get` has been started.
+    Taken { refilled: bool },
+    /// It ended with an error; the consumer will be re-bound.
+    Broken,
+}
+
 /// A message handed out and not yet acknowledged, rejected or released.
 #[derive(Debug)]
 struct Lease {
@@ -249,33 +261,33 @@ async fn fetch_once(
     expires: Duration,
 ) -> (Vec<jetstream::Message>, FetchEnd) {
     let hard_deadline = tokio::time::Instant::now() + expires + FETCH_GRACE;
-    let request = consumer
-        .fetch()
-        .max_messages(want)
-        .expires(expires)
-        .messages();
-    let mut batch = match tokio::time::timeout_at(hard_deadline, request).await {
-        Ok(Ok(batch)) => batch,
-        Ok(Err(e)) => {
-            return (
-                Vec::new(),
-                FetchEnd::Failed(backend("requesting a batch", e)),
-            )
-        }
-        Err(_) => return (Vec::new(), FetchEnd::Stalled),
-    };
-    let mut messages = Vec::with_capacity(want);
-    loop {
-        match tokio::time::timeout_at(hard_deadline, batch.next()).await {
-            Ok(Some(Ok(message))) => messages.push(message),
-            Ok(Some(Err(e))) => {
-                return (messages, FetchEnd::Failed(backend("fetching messages", e)))
+    let mut messages = Vec::new();
+    // One deadline for the request and every message: a timer per message
+    // would be armed and disarmed hundreds of times per batch.
+    let collect = async {
+        let request = consumer
+            .fetch()
+            .max_messages(want)
+            .expires(expires)
+            .messages();
+        let mut batch = match request.await {
+            Ok(batch) => batch,
+            Err(e) => return FetchEnd::Failed(backend("requesting a batch", e)),
+        };
+        messages.reserve_exact(want);
+        while let Some(message) = batch.next().await {
+            match message {
+                Ok(message) => messages.push(message),
+                Err(e) => return FetchEnd::Failed(backend("fetching messages", e)),
             }
-            Ok(None) => return (messages, FetchEnd::Done),
-            // The server's end-of-batch never came: a stalled pull (a
-            // lost connection or subscription, a consumer gone missing).
-            Err(_) => return (messages, FetchEnd::Stalled),
         }
+        FetchEnd::Done
+    };
+    match tokio::time::timeout_at(hard_deadline, collect).await {
+        Ok(end) => (messages, end),
+        // The server's end-of-batch never came: a stalled pull (a lost
+        // connection or subscription, a consumer gone missing).
+        Err(_) => (messages, FetchEnd::Stalled),
     }
 }
 
@@ -811,18 +823,31 @@ impl NatsTransport {
         let wait = self.inner.config.wait;
         let want = max.min(self.inner.config.batch);
         let mut out = Vec::new();
-        if self.use_read_ahead(want, &mut out).await && !out.is_empty() {
-            self.read_ahead(&consumer, want, out.len());
-            self.check_idle(true).await;
-            return Ok(out);
+        match self.use_read_ahead(&consumer, want, &mut out).await {
+            // The next batch is on its way: hand out what came, even if
+            // every message in it was a deferred delayed one.
+            ReadAheadUse::Taken { refilled: true } => {
+                self.check_idle(!out.is_empty()).await;
+                return Ok(out);
+            }
+            _ if !out.is_empty() => {
+                self.check_idle(true).await;
+                return Ok(out);
+            }
+            ReadAheadUse::None | ReadAheadUse::Taken { .. } | ReadAheadUse::Broken => {}
         }
         let deadline = Instant::now() + wait;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let expires = remaining.max(Duration::from_millis(10));
             let started = Instant::now();
-            let (messages, end) = fetch_once(&consumer, want - out.len(), expires).await;
+            // `out` is empty here: the loop ends once it holds anything.
+            let (messages, end) = fetch_once(&consumer, want, expires).await;
             let fetched = messages.len();
+            // A full batch: the server is asked for the next one before this
+            // one is decoded, so it never waits on the decoding.
+            let refilled =
+                matches!(end, FetchEnd::Done) && self.read_ahead(&consumer, want, fetched);
             self.accept(messages, &mut out).await;
             match end {
                 FetchEnd::Done => {}
@@ -852,7 +877,7 @@ impl NatsTransport {
                     break;
                 }
             }
-            if !out.is_empty() || Instant::now() >= deadline {
+            if refilled || !out.is_empty() || Instant::now() >= deadline {
                 break;
             }
             if fetched == 0 && started.elapsed() < expires / 2 {
@@ -863,45 +888,53 @@ impl NatsTransport {
                 tokio::time::sleep(pause).await;
             }
         }
-        self.read_ahead(&consumer, want, out.len());
         self.check_idle(!out.is_empty()).await;
         Ok(out)
     }
 
     /// Takes the pending [`ReadAhead`], if any, into `out`: up to `want` of
     /// its messages, the rest given back (all of them when it is older than
-    /// half a lease). Returns whether the consumer is still fine.
-    async fn use_read_ahead(&self, want: usize, out: &mut Vec<Delivery>) -> bool {
+    /// half a lease). When it came back full, the pull request for the next
+    /// `get` goes out before its messages are decoded.
+    async fn use_read_ahead(
+        &self,
+        consumer: &Arc<PullConsumer>,
+        want: usize,
+        out: &mut Vec<Delivery>,
+    ) -> ReadAheadUse {
         let Some(ahead) = lock(&self.inner.read_ahead).take() else {
-            return true;
+            return ReadAheadUse::None;
         };
         if ahead.started.elapsed() > self.inner.config.lease / 2 {
             give_back_read_ahead(self.inner.client.clone(), ahead).await;
-            return true;
+            return ReadAheadUse::None;
         }
         let Ok((mut messages, end)) = ahead.fetch.await else {
-            return true;
+            return ReadAheadUse::None;
         };
+        let refilled =
+            matches!(end, FetchEnd::Done) && self.read_ahead(consumer, want, messages.len());
         if messages.len() > want {
             let surplus = messages.split_off(want);
             give_back(&self.inner.client, surplus).await;
         }
         self.accept(messages, out).await;
         match end {
-            FetchEnd::Done => true,
+            FetchEnd::Done => ReadAheadUse::Taken { refilled },
             FetchEnd::Stalled | FetchEnd::Failed(_) => {
                 tracing::debug!(consumer = %self.inner.config.consumer, ?end, "pull request fetching ahead failed; the consumer will be re-bound");
                 self.forget_consumer();
-                false
+                ReadAheadUse::Broken
             }
         }
     }
 
-    /// After a `get` of `want` (at least [`READ_AHEAD_MIN`]) that handed out
-    /// `got == want` messages, starts the pull request for the next one.
-    fn read_ahead(&self, consumer: &Arc<PullConsumer>, want: usize, got: usize) {
+    /// After a pull request for `want` messages (at least
+    /// [`READ_AHEAD_MIN`]) that brought `got >= want`, starts the pull
+    /// request for the next `get`. Returns whether it did.
+    fn read_ahead(&self, consumer: &Arc<PullConsumer>, want: usize, got: usize) -> bool {
         if want < READ_AHEAD_MIN || got < want || lock(&self.inner.consumer).is_none() {
-            return;
+            return false;
         }
         let consumer = Arc::clone(consumer);
         let expires = self.inner.config.wait;
@@ -914,6 +947,7 @@ impl NatsTransport {
         if let Some(other) = lock(&self.inner.read_ahead).replace(ahead) {
             tokio::spawn(give_back_read_ahead(self.inner.client.clone(), other));
         }
+        true
     }
 
     fn stream_message_to_delivery(message: jetstream::message::StreamMessage) -> Delivery {
