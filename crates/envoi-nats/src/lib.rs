@@ -15,7 +15,7 @@
 //! | Transport             | JetStream                                                    |
 //! |-----------------------|--------------------------------------------------------------|
 //! | `setup`               | get-or-create stream, create-or-update durable pull consumer |
-//! | `send` / `send_batch` | publish with a `Nats-Msg-Id`, wait for the publish ack       |
+//! | `send` / `send_batch` | publish (`Nats-Msg-Id` with `dedup`), wait for the ack        |
 //! | `get`                 | one pull request (fetch) with an expiry of `wait`            |
 //! | `ack`                 | `+ACK` (with `double_ack`, confirmed by the server)          |
 //! | `reject`              | `+ACK` (a work queue then drops the message)                 |
@@ -67,8 +67,10 @@
 //! On a single server (replicas 1) it does not survive losing the server's
 //! disk, and the server flushes to disk on its own schedule (`sync_interval`),
 //! so an operating-system crash right after the ack can lose it. A publish
-//! whose ack is lost is retried with the same `Nats-Msg-Id`, so JetStream's
-//! duplicate window (two minutes by default) stores it once.
+//! whose ack is lost is retried, which can store the message twice (at least
+//! once); with `dedup=true` every publish carries a `Nats-Msg-Id` and the
+//! retry reuses it, so JetStream's duplicate window (two minutes by default)
+//! stores it once, at the price of the server checking and keeping every id.
 //!
 //! ## Performance notes
 //!

@@ -25,7 +25,8 @@ use crate::config::{subject_matches, NatsConfig, Storage};
 use crate::headers;
 
 /// How many times a publish whose acknowledgement timed out (or whose
-/// connection broke) is tried, always with the same de-duplication id.
+/// connection broke) is tried (with `dedup`, always with the same
+/// de-duplication id).
 const SEND_ATTEMPTS: usize = 3;
 /// Extra time a fetch gets beyond its expiry before it is considered
 /// stalled and abandoned.
@@ -303,13 +304,14 @@ enum FetchEnd {
 }
 
 /// A message ready to publish; kept so that a failed publish can be retried
-/// with the same de-duplication id.
+/// (with `dedup`, under the same de-duplication id).
 struct Prepared {
     /// The headers of the first attempt; a retry encodes them again from
     /// `source` (cheaper than copying them for every publish).
     headers: Option<async_nats::HeaderMap>,
     source: BTreeMap<String, String>,
-    msg_id: uuid::Uuid,
+    /// The de-duplication id every attempt carries (with `dedup`).
+    msg_id: Option<uuid::Uuid>,
     not_before: Option<u128>,
     payload: Bytes,
 }
@@ -545,7 +547,7 @@ impl NatsTransport {
         let not_before = delay
             .filter(|d| !d.is_zero())
             .map(|d| now_ms() + d.as_millis());
-        let msg_id = uuid::Uuid::new_v4();
+        let msg_id = self.inner.config.dedup.then(uuid::Uuid::new_v4);
         let headers = headers::encode(&message.headers, msg_id, not_before)
             .map_err(|e| backend("encoding headers", e))?;
         Ok(Prepared {
@@ -571,8 +573,9 @@ impl NatsTransport {
     }
 
     /// Waits for `first` (an already started publish) and retries the
-    /// publish on a lost acknowledgement; the de-duplication id makes the
-    /// retry store the message at most once.
+    /// publish on a lost acknowledgement. With `dedup` the de-duplication id
+    /// makes the retry store the message at most once; without, the first
+    /// attempt may have been stored too (at least once).
     async fn finish_publish(
         &self,
         prepared: &mut Prepared,
@@ -613,7 +616,7 @@ impl NatsTransport {
                     error,
                 ));
             }
-            tracing::debug!(%error, tries, "publish not acknowledged; retrying with the same id");
+            tracing::debug!(%error, tries, dedup = prepared.msg_id.is_some(), "publish not acknowledged; retrying");
             attempt = self.start_publish(prepared).await;
         }
         unreachable!("the loop returns on its last attempt")
