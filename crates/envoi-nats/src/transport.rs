@@ -494,12 +494,12 @@ impl NatsTransport {
     }
 
     async fn ensure_setup(&self) -> Result<(), TransportError> {
-        if !self.inner.config.auto_setup {
+        if !self.inner.config.auto_setup || self.inner.set_up.initialized() {
             return Ok(());
         }
-        self.inner
-            .set_up
-            .get_or_try_init(|| self.setup_now())
+        // Boxed: the set-up future is several kilobytes, and every `send`
+        // future would otherwise be that large (and copied that much).
+        Box::pin(self.inner.set_up.get_or_try_init(|| self.setup_now()))
             .await
             .map(|_| ())
     }
@@ -617,7 +617,8 @@ impl NatsTransport {
                 ));
             }
             tracing::debug!(%error, tries, dedup = prepared.msg_id.is_some(), "publish not acknowledged; retrying");
-            attempt = self.start_publish(prepared).await;
+            // Boxed: rare, and it would double the size of every send.
+            attempt = Box::pin(self.start_publish(prepared)).await;
         }
         unreachable!("the loop returns on its last attempt")
     }
