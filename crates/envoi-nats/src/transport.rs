@@ -67,6 +67,49 @@ fn reconnect_delay(attempts: usize) -> Duration {
     Duration::from_millis(100 * 2u64.pow(exp)).min(Duration::from_secs(2))
 }
 
+/// The message id of stream sequence `sequence`: its decimal digits
+/// (what `to_string` gives, without the formatting machinery).
+fn sequence_id(mut sequence: u64) -> String {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (sequence % 10) as u8;
+        sequence /= 10;
+        if sequence == 0 {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&digits[start..]).into_owned()
+}
+
+/// The stream sequence and delivery count in a JetStream ack subject:
+/// `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.
+/// <timestamp>.<pending>`, or the same with `<domain>.<account hash>` before
+/// the stream and possibly more tokens after `<pending>` (ADR-15). One pass
+/// over the bytes; only the two numbers `get` needs are parsed.
+fn ack_subject_sequences(reply: &str) -> Option<(u64, u64)> {
+    let tokens = reply.strip_prefix("$JS.ACK.")?;
+    // Where each of the first seven tokens starts, and how many there are.
+    let mut starts = [0; 7];
+    let mut count = 1;
+    for (at, byte) in tokens.bytes().enumerate() {
+        if byte == b'.' {
+            if let Some(start) = starts.get_mut(count) {
+                *start = at + 1;
+            }
+            count += 1;
+        }
+    }
+    let delivered = match count {
+        7 => 2,
+        n if n >= 9 => 4,
+        _ => return None,
+    };
+    let token = |i: usize| tokens.get(starts[i]..starts[i + 1] - 1)?.parse().ok();
+    Some((token(delivered + 1)?, token(delivered)?))
+}
+
 fn parse_id(id: &str) -> Option<u64> {
     id.parse().ok().filter(|seq| *seq > 0)
 }
@@ -589,7 +632,7 @@ impl NatsTransport {
                 Err(StartError::Headers(e)) => return Err(e),
             };
             let error = match outcome {
-                Ok(ack) => return Ok(ack.sequence.to_string()),
+                Ok(ack) => return Ok(sequence_id(ack.sequence)),
                 Err(e) => e,
             };
             let retryable = matches!(
@@ -630,15 +673,13 @@ impl NatsTransport {
         let touched = Instant::now();
         let mut leased = Vec::with_capacity(messages.len());
         out.reserve(messages.len());
-        for message in messages {
-            let (sequence, delivered) = match message.info() {
-                Ok(info) => (info.stream_sequence, info.delivered),
-                Err(error) => {
-                    tracing::warn!(%error, "message without JetStream metadata skipped");
-                    continue;
-                }
+        for mut message in messages {
+            let Some(reply) = message.message.reply.take() else {
+                tracing::warn!("message without a JetStream ack subject skipped");
+                continue;
             };
-            let Some(reply) = message.message.reply.clone() else {
+            let Some((sequence, delivered)) = ack_subject_sequences(&reply) else {
+                tracing::warn!(%reply, "message without JetStream metadata skipped");
                 continue;
             };
             let (raw, due) = headers::decode_delivered(
@@ -666,7 +707,7 @@ impl NatsTransport {
             tracing::trace!(sequence, delivered, "message handed out");
             leased.push((sequence, Lease { reply, touched }));
             out.push(Delivery {
-                id: sequence.to_string(),
+                id: sequence_id(sequence),
                 raw,
             });
         }
@@ -1198,7 +1239,7 @@ impl Transport for NatsTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_id, reconnect_delay};
+    use super::{ack_subject_sequences, parse_id, reconnect_delay, sequence_id};
     use std::time::Duration;
 
     #[test]
@@ -1210,6 +1251,42 @@ mod tests {
         assert_eq!(reconnect_delay(6), Duration::from_millis(1600));
         assert_eq!(reconnect_delay(7), Duration::from_secs(2));
         assert_eq!(reconnect_delay(1000), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn sequence_ids_are_decimal_digits() {
+        for n in [0, 1, 9, 10, 42, 1_000_000, u64::MAX] {
+            assert_eq!(sequence_id(n), n.to_string());
+            assert_eq!(parse_id(&sequence_id(n)), Some(n).filter(|n| *n > 0));
+        }
+    }
+
+    #[test]
+    fn ack_subjects_of_both_formats_give_sequence_and_delivery_count() {
+        assert_eq!(
+            ack_subject_sequences("$JS.ACK.orders.workers.3.1042.1040.1700000000000000000.7"),
+            Some((1042, 3))
+        );
+        assert_eq!(
+            ack_subject_sequences("$JS.ACK._.ACCHASH.orders.workers.1.5.5.1700000000000000000.0"),
+            Some((5, 1))
+        );
+        assert_eq!(
+            ack_subject_sequences(
+                "$JS.ACK.hub.ACCHASH.orders.workers.2.77.70.1700000000000000000.0.r4nd0m"
+            ),
+            Some((77, 2))
+        );
+        for bad in [
+            "",
+            "_INBOX.abc",
+            "$JS.ACK.orders.workers.3.1042",
+            "$JS.ACK.orders.workers.3.x.1040.1700000000000000000.7",
+            "$JS.ACK.a.b.c.d.e.f.g.h",
+            "$JS.ACK.orders.workers.-1.5.5.1700000000000000000.0",
+        ] {
+            assert_eq!(ack_subject_sequences(bad), None, "{bad}");
+        }
     }
 
     #[test]
