@@ -8,22 +8,29 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::connection::State;
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
-use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::stream::{
     Config as StreamConfig, LastRawMessageErrorKind, RetentionPolicy, StorageType,
 };
 use async_nats::jetstream::{self, AckKind};
-use async_nats::{ConnectOptions, Subject};
+use async_nats::{ConnectOptions, RequestErrorKind, Subject};
 use bytes::Bytes;
 use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{mask_dsn, Capabilities, Delivery, RawMessage, Transport};
 use envoi_core::{BoxError, TransportError};
 use futures_util::StreamExt;
+use serde::Deserialize;
 use tokio::sync::OnceCell;
 
 use crate::config::{subject_matches, NatsConfig, Storage};
 use crate::headers;
 
+/// How long a publish may take, from queueing it on the connection to
+/// JetStream's acknowledgement, before it is tried again (the JetStream
+/// context's default wait for an acknowledgement).
+const PUBLISH_ACK_WAIT: Duration = Duration::from_secs(5);
+/// How many publishes of one `send_batch` wait for their acknowledgements at
+/// once (the JetStream context's default limit).
+const PUBLISHES_IN_FLIGHT: usize = 5_000;
 /// How many times a publish whose acknowledgement timed out (or whose
 /// connection broke) is tried (with `dedup`, always with the same
 /// de-duplication id).
@@ -273,10 +280,41 @@ pub struct NatsTransport {
     inner: Arc<Inner>,
 }
 
-/// Why a publish could not be started.
-enum StartError {
-    Headers(TransportError),
-    Publish(async_nats::jetstream::context::PublishError),
+/// JetStream's answer to a publish: the stream sequence it stored the
+/// message under, or an error (which can come with `"stream"` and
+/// `"seq": 0`). Only what `send` needs is read; the client's own response
+/// type is parsed through a buffered, untagged representation, several times
+/// the work for every message.
+#[derive(Deserialize)]
+struct PublishAnswer {
+    #[serde(default)]
+    seq: u64,
+    error: Option<jetstream::Error>,
+}
+
+/// The stream sequence in JetStream's answer to a publish, or the error it
+/// reports.
+fn publish_ack(payload: &[u8]) -> Result<u64, BoxError> {
+    match serde_json::from_slice::<PublishAnswer>(payload)? {
+        PublishAnswer {
+            error: Some(error), ..
+        } => Err(error.into()),
+        PublishAnswer { seq: 0, .. } => {
+            Err("JetStream acknowledged the publish without a sequence".into())
+        }
+        PublishAnswer { seq, .. } => Ok(seq),
+    }
+}
+
+/// Whether a failed request lost its answer (the client dropped it with the
+/// connection) rather than failing for good.
+fn answer_lost(error: &async_nats::RequestError) -> bool {
+    match error.kind() {
+        RequestErrorKind::TimedOut => true,
+        RequestErrorKind::Other => std::error::Error::source(error)
+            .is_some_and(|source| source.is::<tokio::sync::oneshot::error::RecvError>()),
+        _ => false,
+    }
 }
 
 /// Gives the messages of `read_ahead` back to JetStream (`-NAK`), so they
@@ -602,66 +640,61 @@ impl NatsTransport {
         })
     }
 
-    async fn start_publish(&self, prepared: &mut Prepared) -> Result<PublishAckFuture, StartError> {
-        let headers = prepared.take_headers().map_err(StartError::Headers)?;
-        self.inner
-            .js
-            .publish_with_headers(
-                self.inner.subject.clone(),
-                headers,
-                prepared.payload.clone(),
-            )
-            .await
-            .map_err(StartError::Publish)
-    }
-
-    /// Waits for `first` (an already started publish) and retries the
-    /// publish on a lost acknowledgement. With `dedup` the de-duplication id
-    /// makes the retry store the message at most once; without, the first
-    /// attempt may have been stored too (at least once).
-    async fn finish_publish(
-        &self,
-        prepared: &mut Prepared,
-        first: Result<PublishAckFuture, StartError>,
-    ) -> Result<String, TransportError> {
-        let mut attempt = first;
+    /// Publishes `prepared` and waits for JetStream's acknowledgement,
+    /// trying again when it does not come (timed out, connection broken). With
+    /// `dedup` the de-duplication id makes a retry store the message at most
+    /// once; without, the first attempt may have been stored too (at least
+    /// once). The request goes through the client's shared reply
+    /// subscription, like the JetStream context's publish.
+    async fn publish(&self, prepared: &mut Prepared) -> Result<String, TransportError> {
         for tries in 1..=SEND_ATTEMPTS {
-            let outcome = match attempt {
-                Ok(ack) => ack.await,
-                Err(StartError::Publish(e)) => Err(e),
-                Err(StartError::Headers(e)) => return Err(e),
-            };
-            let error = match outcome {
-                Ok(ack) => return Ok(sequence_id(ack.sequence)),
-                Err(e) => e,
-            };
-            let retryable = matches!(
-                error.kind(),
-                PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe
-            );
-            if error.kind() == PublishErrorKind::MaxPayloadExceeded {
-                return Err(TransportError::TooLarge {
-                    size: prepared.payload.len(),
-                    limit: self.inner.client.server_info().max_payload,
-                });
-            }
-            if !retryable || tries == SEND_ATTEMPTS {
-                let hint = if error.kind() == PublishErrorKind::StreamNotFound {
-                    " (no stream captures the subject: run setup)"
-                } else {
-                    ""
-                };
-                return Err(backend(
+            // One deadline for queueing the request (the connection may be
+            // reconnecting) and for the acknowledgement.
+            let request = async_nats::Request::new()
+                .headers(prepared.take_headers()?)
+                .payload(prepared.payload.clone())
+                .timeout(None);
+            let failed = |hint: &str, error: BoxError| {
+                backend(
                     format!(
                         "publishing to `{}` after {tries} attempt(s){hint}",
                         self.inner.config.subject
                     ),
                     error,
-                ));
-            }
+                )
+            };
+            let answer = tokio::time::timeout(
+                PUBLISH_ACK_WAIT,
+                self.inner
+                    .client
+                    .send_request(self.inner.subject.clone(), request),
+            )
+            .await
+            .unwrap_or_else(|_| Err(async_nats::RequestError::new(RequestErrorKind::TimedOut)));
+            let error = match answer {
+                Ok(answer) => {
+                    return publish_ack(&answer.payload)
+                        .map(sequence_id)
+                        .map_err(|e| failed("", e))
+                }
+                Err(e) if e.kind() == RequestErrorKind::MaxPayloadExceeded => {
+                    return Err(TransportError::TooLarge {
+                        size: prepared.payload.len(),
+                        limit: self.inner.client.server_info().max_payload,
+                    })
+                }
+                Err(e) if e.kind() == RequestErrorKind::NoResponders => {
+                    return Err(failed(
+                        " (no stream captures the subject: run setup)",
+                        e.into(),
+                    ))
+                }
+                Err(e) if !answer_lost(&e) || tries == SEND_ATTEMPTS => {
+                    return Err(failed("", e.into()))
+                }
+                Err(e) => e,
+            };
             tracing::debug!(%error, tries, dedup = prepared.msg_id.is_some(), "publish not acknowledged; retrying");
-            // Boxed: rare, and it would double the size of every send.
-            attempt = Box::pin(self.start_publish(prepared)).await;
         }
         unreachable!("the loop returns on its last attempt")
     }
@@ -1018,8 +1051,7 @@ impl Transport for NatsTransport {
         Box::pin(async move {
             self.ensure_setup().await?;
             let mut prepared = self.prepare(message, delay)?;
-            let first = self.start_publish(&mut prepared).await;
-            self.finish_publish(&mut prepared, first).await
+            self.publish(&mut prepared).await
         })
     }
 
@@ -1033,15 +1065,22 @@ impl Transport for NatsTransport {
                 .into_iter()
                 .map(|(message, delay)| self.prepare(message, delay))
                 .collect::<Result<Vec<_>, _>>()?;
-            // Publish everything first, then collect the acknowledgements:
-            // one round trip for the whole batch instead of one per message.
-            let mut started = Vec::with_capacity(prepared.len());
-            for message in &mut prepared {
-                started.push(self.start_publish(message).await);
-            }
+            // Every publish goes out before any acknowledgement is awaited
+            // (up to PUBLISHES_IN_FLIGHT at a time): one round trip for the
+            // whole batch instead of one per message. Publishes are first
+            // polled, and so queued on the connection, in the batch's order.
+            let mut in_flight = futures_util::stream::FuturesOrdered::new();
             let mut ids = Vec::with_capacity(prepared.len());
-            for (message, first) in prepared.iter_mut().zip(started) {
-                ids.push(self.finish_publish(message, first).await?);
+            for message in &mut prepared {
+                if in_flight.len() >= PUBLISHES_IN_FLIGHT {
+                    if let Some(id) = in_flight.next().await {
+                        ids.push(id?);
+                    }
+                }
+                in_flight.push_back(self.publish(message));
+            }
+            while let Some(id) = in_flight.next().await {
+                ids.push(id?);
             }
             Ok(ids)
         })
@@ -1239,7 +1278,7 @@ impl Transport for NatsTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::{ack_subject_sequences, parse_id, reconnect_delay, sequence_id};
+    use super::{ack_subject_sequences, parse_id, publish_ack, reconnect_delay, sequence_id};
     use std::time::Duration;
 
     #[test]
@@ -1251,6 +1290,32 @@ mod tests {
         assert_eq!(reconnect_delay(6), Duration::from_millis(1600));
         assert_eq!(reconnect_delay(7), Duration::from_secs(2));
         assert_eq!(reconnect_delay(1000), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn publish_answers_give_the_sequence_or_the_error() {
+        assert_eq!(
+            publish_ack(br#"{"stream":"orders","seq":42}"#).ok(),
+            Some(42)
+        );
+        assert_eq!(
+            publish_ack(br#"{"stream":"o","seq":7,"duplicate":true,"domain":"hub"}"#).ok(),
+            Some(7)
+        );
+        let error = publish_ack(
+            br#"{"stream":"orders","seq":0,"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}"#,
+        )
+        .unwrap_err();
+        assert!(
+            error.to_string().contains("maximum messages exceeded"),
+            "{error}"
+        );
+        let error = publish_ack(br#"{"error":{"code":400,"description":"bad"}}"#).unwrap_err();
+        assert!(error.to_string().contains("bad"), "{error}");
+        assert!(publish_ack(br#"{"stream":"orders"}"#).is_err());
+        assert!(publish_ack(b"").is_err());
+        assert!(publish_ack(b"+OK").is_err());
+        assert!(publish_ack(br#"{"seq":"x"}"#).is_err());
     }
 
     #[test]
