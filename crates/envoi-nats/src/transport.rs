@@ -7,12 +7,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::connection::State;
-use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::consumer::pull::{self, BatchConfig};
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::stream::{
     Config as StreamConfig, LastRawMessageErrorKind, RetentionPolicy, StorageType,
 };
 use async_nats::jetstream::{self, AckKind};
-use async_nats::{ConnectOptions, RequestErrorKind, Subject};
+use async_nats::{ConnectOptions, RequestErrorKind, StatusCode, Subject};
 use bytes::Bytes;
 use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{mask_dsn, Capabilities, Delivery, RawMessage, Transport};
@@ -128,7 +129,7 @@ fn parse_id(id: &str) -> Option<u64> {
 /// and given back when the transport is dropped.
 #[derive(Debug)]
 struct ReadAhead {
-    fetch: tokio::task::JoinHandle<(Vec<jetstream::Message>, FetchEnd)>,
+    fetch: tokio::task::JoinHandle<(Vec<async_nats::Message>, FetchEnd)>,
     started: Instant,
 }
 
@@ -325,9 +326,9 @@ async fn give_back_read_ahead(client: async_nats::Client, read_ahead: ReadAhead)
     }
 }
 
-async fn give_back(client: &async_nats::Client, messages: Vec<jetstream::Message>) {
+async fn give_back(client: &async_nats::Client, messages: Vec<async_nats::Message>) {
     for message in messages {
-        if let Some(reply) = message.message.reply.clone() {
+        if let Some(reply) = message.reply {
             if let Err(error) = client.publish(reply, AckKind::Nak(None).into()).await {
                 tracing::debug!(%error, "could not give back a message fetched ahead");
             }
@@ -337,30 +338,56 @@ async fn give_back(client: &async_nats::Client, messages: Vec<jetstream::Message
 
 /// One pull request for up to `want` messages, waiting up to `expires`.
 /// Returns what arrived and how the request ended.
+///
+/// This is what the consumer's `fetch()` does, reading the replies off a
+/// plain subscription: `fetch()` hands out every message with its own copy
+/// of the JetStream context, which the transport never uses and which costs
+/// an allocation and a dozen reference counts per message to make and drop.
 async fn fetch_once(
+    client: &async_nats::Client,
     consumer: &PullConsumer,
     want: usize,
     expires: Duration,
-) -> (Vec<jetstream::Message>, FetchEnd) {
+) -> (Vec<async_nats::Message>, FetchEnd) {
     let hard_deadline = tokio::time::Instant::now() + expires + FETCH_GRACE;
     let mut messages = Vec::new();
     // One deadline for the request and every message: a timer per message
     // would be armed and disarmed hundreds of times per batch.
     let collect = async {
-        let request = consumer
-            .fetch()
-            .max_messages(want)
-            .expires(expires)
-            .messages();
-        let mut batch = match request.await {
-            Ok(batch) => batch,
+        let inbox = Subject::from(client.new_inbox());
+        let mut replies = match client.subscribe(inbox.clone()).await {
+            Ok(replies) => replies,
             Err(e) => return FetchEnd::Failed(backend("requesting a batch", e)),
         };
+        let request = BatchConfig {
+            batch: want,
+            expires: Some(expires),
+            no_wait: true,
+            ..BatchConfig::default()
+        };
+        if let Err(e) = consumer.request_batch(request, inbox).await {
+            return FetchEnd::Failed(backend("requesting a batch", e));
+        }
         messages.reserve_exact(want);
-        while let Some(message) = batch.next().await {
-            match message {
-                Ok(message) => messages.push(message),
-                Err(e) => return FetchEnd::Failed(backend("fetching messages", e)),
+        while messages.len() < want {
+            // The subscription ends only when the client is closed.
+            let Some(message) = replies.next().await else {
+                break;
+            };
+            match message.status {
+                None | Some(StatusCode::OK) => messages.push(message),
+                Some(StatusCode::IDLE_HEARTBEAT) => {}
+                // Expired, or (no_wait) nothing more to deliver.
+                Some(StatusCode::TIMEOUT | StatusCode::NOT_FOUND) => break,
+                Some(status) => {
+                    return FetchEnd::Failed(backend(
+                        "fetching messages",
+                        format!(
+                            "the server ended the pull request: {status} {}",
+                            message.description.as_deref().unwrap_or_default()
+                        ),
+                    ))
+                }
             }
         }
         FetchEnd::Done
@@ -701,13 +728,13 @@ impl NatsTransport {
 
     /// Sorts fetched messages: due ones are leased and returned, delayed
     /// ones are given back to JetStream until they are due.
-    async fn accept(&self, messages: Vec<jetstream::Message>, out: &mut Vec<Delivery>) {
+    async fn accept(&self, messages: Vec<async_nats::Message>, out: &mut Vec<Delivery>) {
         let now = now_ms();
         let touched = Instant::now();
         let mut leased = Vec::with_capacity(messages.len());
         out.reserve(messages.len());
         for mut message in messages {
-            let Some(reply) = message.message.reply.take() else {
+            let Some(reply) = message.reply.take() else {
                 tracing::warn!("message without a JetStream ack subject skipped");
                 continue;
             };
@@ -715,10 +742,7 @@ impl NatsTransport {
                 tracing::warn!(%reply, "message without JetStream metadata skipped");
                 continue;
             };
-            let (raw, due) = headers::decode_delivered(
-                message.message.headers.as_ref(),
-                &message.message.payload,
-            );
+            let (raw, due) = headers::decode_delivered(message.headers.as_ref(), &message.payload);
             if let Some(due) = due {
                 if due > now {
                     // Capped so the nanosecond delay fits the server's int64;
@@ -920,7 +944,7 @@ impl NatsTransport {
             let expires = remaining.max(Duration::from_millis(10));
             let started = Instant::now();
             // `out` is empty here: the loop ends once it holds anything.
-            let (messages, end) = fetch_once(&consumer, want, expires).await;
+            let (messages, end) = fetch_once(&self.inner.client, &consumer, want, expires).await;
             let fetched = messages.len();
             // A full batch: the server is asked for the next one before this
             // one is decoded, so it never waits on the decoding.
@@ -1015,8 +1039,10 @@ impl NatsTransport {
             return false;
         }
         let consumer = Arc::clone(consumer);
+        let client = self.inner.client.clone();
         let expires = self.inner.config.wait;
-        let fetch = tokio::spawn(async move { fetch_once(&consumer, want, expires).await });
+        let fetch =
+            tokio::spawn(async move { fetch_once(&client, &consumer, want, expires).await });
         let ahead = ReadAhead {
             fetch,
             started: Instant::now(),
