@@ -74,11 +74,17 @@
 //!
 //! ## Performance notes
 //!
-//! * `send_batch` publishes every message before waiting for any ack, so a
-//!   batch costs about one round trip.
-//! * `get` fetches up to `min(max, batch)` messages with one pull request;
+//! * `send_batch` publishes every message (up to 5,000 at a time) before
+//!   waiting for any ack, so a batch costs about one round trip.
+//! * A publish is a plain request on the connection; only the stream sequence
+//!   is read from JetStream's answer.
+//! * `get` fetches up to `min(max, batch)` messages with one pull request,
+//!   read off a plain subscription; a `get` of at least 100 that comes back
+//!   full asks for the next batch before decoding this one.
 //!   `wait_for_messages` returns at once after an empty `get`, which has
 //!   already waited on the server.
+//! * `dedup=true` costs publish throughput: the server looks up and keeps
+//!   every `Nats-Msg-Id`, and every message carries one.
 //! * Acks, naks and keepalives are plain publishes on the shared connection,
 //!   written out together; `ack_batch` queues them all without waiting. With
 //!   `double_ack=true` each is confirmed, concurrently within a batch.
