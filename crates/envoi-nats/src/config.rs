@@ -30,6 +30,7 @@ pub enum Storage {
 /// | `wait`            | `wait`              | `250ms`                     |
 /// | `storage`         | `storage`           | `file` (`file` or `memory`) |
 /// | `double_ack`      | `double_ack`        | `false`                     |
+/// | `dedup`           | `dedup`             | `false`                     |
 /// | `max_ack_pending` | `max_ack_pending`   | `-1` (unlimited)            |
 /// | `auto_setup`      | `auto_setup`        | `true`                      |
 /// | `tls`             | `tls`               | `false`                     |
@@ -74,6 +75,12 @@ pub struct NatsConfig {
     pub storage: Storage,
     /// Wait for the server to confirm each acknowledgement.
     pub double_ack: bool,
+    /// Give every publish a `Nats-Msg-Id`, so that a publish retried after
+    /// its acknowledgement was lost is stored once (within the stream's
+    /// duplicate window). Off, such a retry can store the message twice,
+    /// which at-least-once delivery allows; on, the server checks and keeps
+    /// every id for the duplicate window, and each message carries it.
+    pub dedup: bool,
     /// The consumer's `max_ack_pending` (`-1` for no limit). Delayed
     /// messages count against it until they are due.
     pub max_ack_pending: i64,
@@ -95,6 +102,7 @@ impl std::fmt::Debug for NatsConfig {
             .field("wait", &self.wait)
             .field("storage", &self.storage)
             .field("double_ack", &self.double_ack)
+            .field("dedup", &self.dedup)
             .field("max_ack_pending", &self.max_ack_pending)
             .field("auto_setup", &self.auto_setup)
             .field("tls", &self.tls)
@@ -143,6 +151,7 @@ impl NatsConfig {
             wait: Duration::from_millis(250),
             storage: Storage::File,
             double_ack: false,
+            dedup: false,
             max_ack_pending: -1,
             auto_setup: true,
             tls: false,
@@ -191,6 +200,7 @@ impl NatsConfig {
                     }
                 }
                 "double_ack" => config.double_ack = bool_option(&key, value).map_err(invalid)?,
+                "dedup" => config.dedup = bool_option(&key, value).map_err(invalid)?,
                 "auto_setup" => config.auto_setup = bool_option(&key, value).map_err(invalid)?,
                 "tls" => config.tls = bool_option(&key, value).map_err(invalid)?,
                 "max_ack_pending" => {
@@ -336,6 +346,7 @@ mod tests {
         assert_eq!(config.wait, Duration::from_millis(250));
         assert_eq!(config.storage, Storage::File);
         assert!(!config.double_ack);
+        assert!(!config.dedup);
         assert!(config.auto_setup);
         assert_eq!(config.max_ack_pending, -1);
     }
@@ -345,7 +356,7 @@ mod tests {
         let config = NatsConfig::from_dsn(
             "q",
             "nats://u:p@nats.local:4223/?stream=S1&subject=a.b.c&consumer=C1&lease=1500ms\
-             &batch=7&wait=0.1&storage=memory&double_ack=true&max_ack_pending=64\
+             &batch=7&wait=0.1&storage=memory&double_ack=true&dedup=on&max_ack_pending=64\
              &auto_setup=false&tls=1",
         )
         .unwrap();
@@ -358,6 +369,7 @@ mod tests {
         assert_eq!(config.wait, Duration::from_millis(100));
         assert_eq!(config.storage, Storage::Memory);
         assert!(config.double_ack);
+        assert!(config.dedup);
         assert_eq!(config.max_ack_pending, 64);
         assert!(!config.auto_setup);
         assert!(config.tls);
@@ -401,6 +413,7 @@ mod tests {
         assert!(reason("nats://127.0.0.1:4222?double_ack=maybe")
             .1
             .contains("double_ack"));
+        assert!(reason("nats://127.0.0.1:4222?dedup=2").1.contains("dedup"));
         assert!(reason("nats://127.0.0.1:4222/queue").1.contains("path"));
         assert!(reason("not a dsn").0.contains("not a dsn"));
     }

@@ -18,8 +18,8 @@ use envoi_core::transport::RawMessage;
 pub(crate) const NOT_BEFORE: &str = "Envoi-Not-Before";
 /// JSON object of the headers that cannot travel as NATS headers.
 pub(crate) const EXTRA_HEADERS: &str = "Envoi-Headers";
-/// JetStream's de-duplication id; set on every send so a retried publish is
-/// stored once.
+/// JetStream's de-duplication id; set on every send when de-duplication is
+/// on (`dedup`), so a retried publish is stored once.
 pub(crate) const MSG_ID: &str = "Nats-Msg-Id";
 
 fn is_reserved(name: &str) -> bool {
@@ -57,11 +57,11 @@ fn header_name(name: &str) -> Result<HeaderName, async_nats::header::ParseHeader
     }
 }
 
-/// Builds the NATS headers for `headers`, plus the de-duplication id and the
-/// due time of a delayed message.
+/// Builds the NATS headers for `headers`, plus the de-duplication id (if
+/// any) and the due time of a delayed message.
 pub(crate) fn encode(
     headers: &BTreeMap<String, String>,
-    msg_id: uuid::Uuid,
+    msg_id: Option<uuid::Uuid>,
     not_before_ms: Option<u128>,
 ) -> Result<HeaderMap, serde_json::Error> {
     let mut map = HeaderMap::new();
@@ -81,8 +81,10 @@ pub(crate) fn encode(
     if !extra.is_empty() {
         map.insert(EXTRA_HEADERS, serde_json::to_string(&extra)?);
     }
-    let mut id = uuid::Uuid::encode_buffer();
-    map.insert(MSG_ID, &*msg_id.simple().encode_lower(&mut id));
+    if let Some(msg_id) = msg_id {
+        let mut id = uuid::Uuid::encode_buffer();
+        map.insert(MSG_ID, &*msg_id.simple().encode_lower(&mut id));
+    }
     if let Some(ms) = not_before_ms {
         map.insert(NOT_BEFORE, ms.to_string());
     }
@@ -151,7 +153,7 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let map = encode(&headers, uuid::Uuid::nil(), None).unwrap();
+        let map = encode(&headers, Some(uuid::Uuid::nil()), None).unwrap();
         decode(Some(&map), b"body").headers
     }
 
@@ -160,7 +162,7 @@ mod tests {
         let headers: BTreeMap<String, String> =
             [("type".to_string(), "App\\Order".to_string())].into();
         let id = uuid::Uuid::from_u128(0xabc);
-        let map = encode(&headers, id, Some(42)).unwrap();
+        let map = encode(&headers, Some(id), Some(42)).unwrap();
         assert_eq!(map.get("type").map(|v| v.as_str()), Some("App\\Order"));
         assert_eq!(
             map.get(MSG_ID).map(|v| v.as_str()),
@@ -168,6 +170,9 @@ mod tests {
         );
         assert_eq!(decode_delivered(Some(&map), b"").1, Some(42));
         assert!(map.get(EXTRA_HEADERS).is_none());
+        let map = encode(&headers, None, None).unwrap();
+        assert!(map.get(MSG_ID).is_none());
+        assert_eq!(map.len(), 1);
     }
 
     #[test]
@@ -211,11 +216,11 @@ mod tests {
             ("multi".to_string(), "a\r\nb".to_string()),
         ]
         .into();
-        let map = encode(&headers, uuid::Uuid::nil(), Some(1234)).unwrap();
+        let map = encode(&headers, Some(uuid::Uuid::nil()), Some(1234)).unwrap();
         let (raw, due) = decode_delivered(Some(&map), b"b");
         assert_eq!(raw.headers, headers);
         assert_eq!(due, Some(1234));
-        let map = encode(&headers, uuid::Uuid::nil(), None).unwrap();
+        let map = encode(&headers, None, None).unwrap();
         assert_eq!(decode_delivered(Some(&map), b"b").1, None);
         assert_eq!(decode_delivered(None, b"b").1, None);
     }

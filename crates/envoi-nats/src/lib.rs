@@ -15,7 +15,7 @@
 //! | Transport             | JetStream                                                    |
 //! |-----------------------|--------------------------------------------------------------|
 //! | `setup`               | get-or-create stream, create-or-update durable pull consumer |
-//! | `send` / `send_batch` | publish with a `Nats-Msg-Id`, wait for the publish ack       |
+//! | `send` / `send_batch` | publish (`Nats-Msg-Id` with `dedup`), wait for the ack        |
 //! | `get`                 | one pull request (fetch) with an expiry of `wait`            |
 //! | `ack`                 | `+ACK` (with `double_ack`, confirmed by the server)          |
 //! | `reject`              | `+ACK` (a work queue then drops the message)                 |
@@ -67,16 +67,24 @@
 //! On a single server (replicas 1) it does not survive losing the server's
 //! disk, and the server flushes to disk on its own schedule (`sync_interval`),
 //! so an operating-system crash right after the ack can lose it. A publish
-//! whose ack is lost is retried with the same `Nats-Msg-Id`, so JetStream's
-//! duplicate window (two minutes by default) stores it once.
+//! whose ack is lost is retried, which can store the message twice (at least
+//! once); with `dedup=true` every publish carries a `Nats-Msg-Id` and the
+//! retry reuses it, so JetStream's duplicate window (two minutes by default)
+//! stores it once, at the price of the server checking and keeping every id.
 //!
 //! ## Performance notes
 //!
-//! * `send_batch` publishes every message before waiting for any ack, so a
-//!   batch costs about one round trip.
-//! * `get` fetches up to `min(max, batch)` messages with one pull request;
+//! * `send_batch` publishes every message (up to 5,000 at a time) before
+//!   waiting for any ack, so a batch costs about one round trip.
+//! * A publish is a plain request on the connection; only the stream sequence
+//!   is read from JetStream's answer.
+//! * `get` fetches up to `min(max, batch)` messages with one pull request,
+//!   read off a plain subscription; a `get` of at least 100 that comes back
+//!   full asks for the next batch before decoding this one.
 //!   `wait_for_messages` returns at once after an empty `get`, which has
 //!   already waited on the server.
+//! * `dedup=true` costs publish throughput: the server looks up and keeps
+//!   every `Nats-Msg-Id`, and every message carries one.
 //! * Acks, naks and keepalives are plain publishes on the shared connection,
 //!   written out together; `ack_batch` queues them all without waiting. With
 //!   `double_ack=true` each is confirmed, concurrently within a batch.

@@ -7,25 +7,34 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::connection::State;
-use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
-use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
+use async_nats::jetstream::consumer::pull::{self, BatchConfig};
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::stream::{
     Config as StreamConfig, LastRawMessageErrorKind, RetentionPolicy, StorageType,
 };
 use async_nats::jetstream::{self, AckKind};
-use async_nats::{ConnectOptions, Subject};
+use async_nats::{ConnectOptions, RequestErrorKind, StatusCode, Subject};
 use bytes::Bytes;
 use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{mask_dsn, Capabilities, Delivery, RawMessage, Transport};
 use envoi_core::{BoxError, TransportError};
 use futures_util::StreamExt;
+use serde::Deserialize;
 use tokio::sync::OnceCell;
 
 use crate::config::{subject_matches, NatsConfig, Storage};
 use crate::headers;
 
+/// How long a publish may take, from queueing it on the connection to
+/// JetStream's acknowledgement, before it is tried again (the JetStream
+/// context's default wait for an acknowledgement).
+const PUBLISH_ACK_WAIT: Duration = Duration::from_secs(5);
+/// How many publishes of one `send_batch` wait for their acknowledgements at
+/// once (the JetStream context's default limit).
+const PUBLISHES_IN_FLIGHT: usize = 5_000;
 /// How many times a publish whose acknowledgement timed out (or whose
-/// connection broke) is tried, always with the same de-duplication id.
+/// connection broke) is tried (with `dedup`, always with the same
+/// de-duplication id).
 const SEND_ATTEMPTS: usize = 3;
 /// Extra time a fetch gets beyond its expiry before it is considered
 /// stalled and abandoned.
@@ -66,6 +75,49 @@ fn reconnect_delay(attempts: usize) -> Duration {
     Duration::from_millis(100 * 2u64.pow(exp)).min(Duration::from_secs(2))
 }
 
+/// The message id of stream sequence `sequence`: its decimal digits
+/// (what `to_string` gives, without the formatting machinery).
+fn sequence_id(mut sequence: u64) -> String {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (sequence % 10) as u8;
+        sequence /= 10;
+        if sequence == 0 {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&digits[start..]).into_owned()
+}
+
+/// The stream sequence and delivery count in a JetStream ack subject:
+/// `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.
+/// <timestamp>.<pending>`, or the same with `<domain>.<account hash>` before
+/// the stream and possibly more tokens after `<pending>` (ADR-15). One pass
+/// over the bytes; only the two numbers `get` needs are parsed.
+fn ack_subject_sequences(reply: &str) -> Option<(u64, u64)> {
+    let tokens = reply.strip_prefix("$JS.ACK.")?;
+    // Where each of the first seven tokens starts, and how many there are.
+    let mut starts = [0; 7];
+    let mut count = 1;
+    for (at, byte) in tokens.bytes().enumerate() {
+        if byte == b'.' {
+            if let Some(start) = starts.get_mut(count) {
+                *start = at + 1;
+            }
+            count += 1;
+        }
+    }
+    let delivered = match count {
+        7 => 2,
+        n if n >= 9 => 4,
+        _ => return None,
+    };
+    let token = |i: usize| tokens.get(starts[i]..starts[i + 1] - 1)?.parse().ok();
+    Some((token(delivered + 1)?, token(delivered)?))
+}
+
 fn parse_id(id: &str) -> Option<u64> {
     id.parse().ok().filter(|seq| *seq > 0)
 }
@@ -77,8 +129,20 @@ fn parse_id(id: &str) -> Option<u64> {
 /// and given back when the transport is dropped.
 #[derive(Debug)]
 struct ReadAhead {
-    fetch: tokio::task::JoinHandle<(Vec<jetstream::Message>, FetchEnd)>,
+    fetch: tokio::task::JoinHandle<(Vec<async_nats::Message>, FetchEnd)>,
     started: Instant,
+}
+
+/// What a `get` found of the pull request started by the previous one.
+#[derive(Debug)]
+enum ReadAheadUse {
+    /// There was none (or it was too old and was given back).
+    None,
+    /// Its messages were taken; `refilled` when it came back full and the
+    /// pull request for the next `get` has been started.
+    Taken { refilled: bool },
+    /// It ended with an error; the consumer will be re-bound.
+    Broken,
 }
 
 /// A message handed out and not yet acknowledged, rejected or released.
@@ -217,10 +281,41 @@ pub struct NatsTransport {
     inner: Arc<Inner>,
 }
 
-/// Why a publish could not be started.
-enum StartError {
-    Headers(TransportError),
-    Publish(async_nats::jetstream::context::PublishError),
+/// JetStream's answer to a publish: the stream sequence it stored the
+/// message under, or an error (which can come with `"stream"` and
+/// `"seq": 0`). Only what `send` needs is read; the client's own response
+/// type is parsed through a buffered, untagged representation, several times
+/// the work for every message.
+#[derive(Deserialize)]
+struct PublishAnswer {
+    #[serde(default)]
+    seq: u64,
+    error: Option<jetstream::Error>,
+}
+
+/// The stream sequence in JetStream's answer to a publish, or the error it
+/// reports.
+fn publish_ack(payload: &[u8]) -> Result<u64, BoxError> {
+    match serde_json::from_slice::<PublishAnswer>(payload)? {
+        PublishAnswer {
+            error: Some(error), ..
+        } => Err(error.into()),
+        PublishAnswer { seq: 0, .. } => {
+            Err("JetStream acknowledged the publish without a sequence".into())
+        }
+        PublishAnswer { seq, .. } => Ok(seq),
+    }
+}
+
+/// Whether a failed request lost its answer (the client dropped it with the
+/// connection) rather than failing for good.
+fn answer_lost(error: &async_nats::RequestError) -> bool {
+    match error.kind() {
+        RequestErrorKind::TimedOut => true,
+        RequestErrorKind::Other => std::error::Error::source(error)
+            .is_some_and(|source| source.is::<tokio::sync::oneshot::error::RecvError>()),
+        _ => false,
+    }
 }
 
 /// Gives the messages of `read_ahead` back to JetStream (`-NAK`), so they
@@ -231,9 +326,9 @@ async fn give_back_read_ahead(client: async_nats::Client, read_ahead: ReadAhead)
     }
 }
 
-async fn give_back(client: &async_nats::Client, messages: Vec<jetstream::Message>) {
+async fn give_back(client: &async_nats::Client, messages: Vec<async_nats::Message>) {
     for message in messages {
-        if let Some(reply) = message.message.reply.clone() {
+        if let Some(reply) = message.reply {
             if let Err(error) = client.publish(reply, AckKind::Nak(None).into()).await {
                 tracing::debug!(%error, "could not give back a message fetched ahead");
             }
@@ -243,39 +338,65 @@ async fn give_back(client: &async_nats::Client, messages: Vec<jetstream::Message
 
 /// One pull request for up to `want` messages, waiting up to `expires`.
 /// Returns what arrived and how the request ended.
+///
+/// This is what the consumer's `fetch()` does, reading the replies off a
+/// plain subscription: `fetch()` hands out every message with its own copy
+/// of the JetStream context, which the transport never uses and which costs
+/// an allocation and a dozen reference counts per message to make and drop.
 async fn fetch_once(
+    client: &async_nats::Client,
     consumer: &PullConsumer,
     want: usize,
     expires: Duration,
-) -> (Vec<jetstream::Message>, FetchEnd) {
+) -> (Vec<async_nats::Message>, FetchEnd) {
     let hard_deadline = tokio::time::Instant::now() + expires + FETCH_GRACE;
-    let request = consumer
-        .fetch()
-        .max_messages(want)
-        .expires(expires)
-        .messages();
-    let mut batch = match tokio::time::timeout_at(hard_deadline, request).await {
-        Ok(Ok(batch)) => batch,
-        Ok(Err(e)) => {
-            return (
-                Vec::new(),
-                FetchEnd::Failed(backend("requesting a batch", e)),
-            )
+    let mut messages = Vec::new();
+    // One deadline for the request and every message: a timer per message
+    // would be armed and disarmed hundreds of times per batch.
+    let collect = async {
+        let inbox = Subject::from(client.new_inbox());
+        let mut replies = match client.subscribe(inbox.clone()).await {
+            Ok(replies) => replies,
+            Err(e) => return FetchEnd::Failed(backend("requesting a batch", e)),
+        };
+        let request = BatchConfig {
+            batch: want,
+            expires: Some(expires),
+            no_wait: true,
+            ..BatchConfig::default()
+        };
+        if let Err(e) = consumer.request_batch(request, inbox).await {
+            return FetchEnd::Failed(backend("requesting a batch", e));
         }
-        Err(_) => return (Vec::new(), FetchEnd::Stalled),
-    };
-    let mut messages = Vec::with_capacity(want);
-    loop {
-        match tokio::time::timeout_at(hard_deadline, batch.next()).await {
-            Ok(Some(Ok(message))) => messages.push(message),
-            Ok(Some(Err(e))) => {
-                return (messages, FetchEnd::Failed(backend("fetching messages", e)))
+        messages.reserve_exact(want);
+        while messages.len() < want {
+            // The subscription ends only when the client is closed.
+            let Some(message) = replies.next().await else {
+                break;
+            };
+            match message.status {
+                None | Some(StatusCode::OK) => messages.push(message),
+                Some(StatusCode::IDLE_HEARTBEAT) => {}
+                // Expired, or (no_wait) nothing more to deliver.
+                Some(StatusCode::TIMEOUT | StatusCode::NOT_FOUND) => break,
+                Some(status) => {
+                    return FetchEnd::Failed(backend(
+                        "fetching messages",
+                        format!(
+                            "the server ended the pull request: {status} {}",
+                            message.description.as_deref().unwrap_or_default()
+                        ),
+                    ))
+                }
             }
-            Ok(None) => return (messages, FetchEnd::Done),
-            // The server's end-of-batch never came: a stalled pull (a
-            // lost connection or subscription, a consumer gone missing).
-            Err(_) => return (messages, FetchEnd::Stalled),
         }
+        FetchEnd::Done
+    };
+    match tokio::time::timeout_at(hard_deadline, collect).await {
+        Ok(end) => (messages, end),
+        // The server's end-of-batch never came: a stalled pull (a lost
+        // connection or subscription, a consumer gone missing).
+        Err(_) => (messages, FetchEnd::Stalled),
     }
 }
 
@@ -291,13 +412,14 @@ enum FetchEnd {
 }
 
 /// A message ready to publish; kept so that a failed publish can be retried
-/// with the same de-duplication id.
+/// (with `dedup`, under the same de-duplication id).
 struct Prepared {
     /// The headers of the first attempt; a retry encodes them again from
     /// `source` (cheaper than copying them for every publish).
     headers: Option<async_nats::HeaderMap>,
     source: BTreeMap<String, String>,
-    msg_id: uuid::Uuid,
+    /// The de-duplication id every attempt carries (with `dedup`).
+    msg_id: Option<uuid::Uuid>,
     not_before: Option<u128>,
     payload: Bytes,
 }
@@ -480,12 +602,12 @@ impl NatsTransport {
     }
 
     async fn ensure_setup(&self) -> Result<(), TransportError> {
-        if !self.inner.config.auto_setup {
+        if !self.inner.config.auto_setup || self.inner.set_up.initialized() {
             return Ok(());
         }
-        self.inner
-            .set_up
-            .get_or_try_init(|| self.setup_now())
+        // Boxed: the set-up future is several kilobytes, and every `send`
+        // future would otherwise be that large (and copied that much).
+        Box::pin(self.inner.set_up.get_or_try_init(|| self.setup_now()))
             .await
             .map(|_| ())
     }
@@ -533,7 +655,7 @@ impl NatsTransport {
         let not_before = delay
             .filter(|d| !d.is_zero())
             .map(|d| now_ms() + d.as_millis());
-        let msg_id = uuid::Uuid::new_v4();
+        let msg_id = self.inner.config.dedup.then(uuid::Uuid::new_v4);
         let headers = headers::encode(&message.headers, msg_id, not_before)
             .map_err(|e| backend("encoding headers", e))?;
         Ok(Prepared {
@@ -545,90 +667,82 @@ impl NatsTransport {
         })
     }
 
-    async fn start_publish(&self, prepared: &mut Prepared) -> Result<PublishAckFuture, StartError> {
-        let headers = prepared.take_headers().map_err(StartError::Headers)?;
-        self.inner
-            .js
-            .publish_with_headers(
-                self.inner.subject.clone(),
-                headers,
-                prepared.payload.clone(),
-            )
-            .await
-            .map_err(StartError::Publish)
-    }
-
-    /// Waits for `first` (an already started publish) and retries the
-    /// publish on a lost acknowledgement; the de-duplication id makes the
-    /// retry store the message at most once.
-    async fn finish_publish(
-        &self,
-        prepared: &mut Prepared,
-        first: Result<PublishAckFuture, StartError>,
-    ) -> Result<String, TransportError> {
-        let mut attempt = first;
+    /// Publishes `prepared` and waits for JetStream's acknowledgement,
+    /// trying again when it does not come (timed out, connection broken). With
+    /// `dedup` the de-duplication id makes a retry store the message at most
+    /// once; without, the first attempt may have been stored too (at least
+    /// once). The request goes through the client's shared reply
+    /// subscription, like the JetStream context's publish.
+    async fn publish(&self, prepared: &mut Prepared) -> Result<String, TransportError> {
         for tries in 1..=SEND_ATTEMPTS {
-            let outcome = match attempt {
-                Ok(ack) => ack.await,
-                Err(StartError::Publish(e)) => Err(e),
-                Err(StartError::Headers(e)) => return Err(e),
-            };
-            let error = match outcome {
-                Ok(ack) => return Ok(ack.sequence.to_string()),
-                Err(e) => e,
-            };
-            let retryable = matches!(
-                error.kind(),
-                PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe
-            );
-            if error.kind() == PublishErrorKind::MaxPayloadExceeded {
-                return Err(TransportError::TooLarge {
-                    size: prepared.payload.len(),
-                    limit: self.inner.client.server_info().max_payload,
-                });
-            }
-            if !retryable || tries == SEND_ATTEMPTS {
-                let hint = if error.kind() == PublishErrorKind::StreamNotFound {
-                    " (no stream captures the subject: run setup)"
-                } else {
-                    ""
-                };
-                return Err(backend(
+            // One deadline for queueing the request (the connection may be
+            // reconnecting) and for the acknowledgement.
+            let request = async_nats::Request::new()
+                .headers(prepared.take_headers()?)
+                .payload(prepared.payload.clone())
+                .timeout(None);
+            let failed = |hint: &str, error: BoxError| {
+                backend(
                     format!(
                         "publishing to `{}` after {tries} attempt(s){hint}",
                         self.inner.config.subject
                     ),
                     error,
-                ));
-            }
-            tracing::debug!(%error, tries, "publish not acknowledged; retrying with the same id");
-            attempt = self.start_publish(prepared).await;
+                )
+            };
+            let answer = tokio::time::timeout(
+                PUBLISH_ACK_WAIT,
+                self.inner
+                    .client
+                    .send_request(self.inner.subject.clone(), request),
+            )
+            .await
+            .unwrap_or_else(|_| Err(async_nats::RequestError::new(RequestErrorKind::TimedOut)));
+            let error = match answer {
+                Ok(answer) => {
+                    return publish_ack(&answer.payload)
+                        .map(sequence_id)
+                        .map_err(|e| failed("", e))
+                }
+                Err(e) if e.kind() == RequestErrorKind::MaxPayloadExceeded => {
+                    return Err(TransportError::TooLarge {
+                        size: prepared.payload.len(),
+                        limit: self.inner.client.server_info().max_payload,
+                    })
+                }
+                Err(e) if e.kind() == RequestErrorKind::NoResponders => {
+                    return Err(failed(
+                        " (no stream captures the subject: run setup)",
+                        e.into(),
+                    ))
+                }
+                Err(e) if !answer_lost(&e) || tries == SEND_ATTEMPTS => {
+                    return Err(failed("", e.into()))
+                }
+                Err(e) => e,
+            };
+            tracing::debug!(%error, tries, dedup = prepared.msg_id.is_some(), "publish not acknowledged; retrying");
         }
         unreachable!("the loop returns on its last attempt")
     }
 
     /// Sorts fetched messages: due ones are leased and returned, delayed
     /// ones are given back to JetStream until they are due.
-    async fn accept(&self, messages: Vec<jetstream::Message>, out: &mut Vec<Delivery>) {
+    async fn accept(&self, messages: Vec<async_nats::Message>, out: &mut Vec<Delivery>) {
         let now = now_ms();
         let touched = Instant::now();
         let mut leased = Vec::with_capacity(messages.len());
         out.reserve(messages.len());
-        for message in messages {
-            let (sequence, delivered) = match message.info() {
-                Ok(info) => (info.stream_sequence, info.delivered),
-                Err(error) => {
-                    tracing::warn!(%error, "message without JetStream metadata skipped");
-                    continue;
-                }
-            };
-            let Some(reply) = message.message.reply.clone() else {
+        for mut message in messages {
+            let Some(reply) = message.reply.take() else {
+                tracing::warn!("message without a JetStream ack subject skipped");
                 continue;
             };
-            let (raw, due) = headers::decode_delivered(
-                message.message.headers.as_ref(),
-                &message.message.payload,
-            );
+            let Some((sequence, delivered)) = ack_subject_sequences(&reply) else {
+                tracing::warn!(%reply, "message without JetStream metadata skipped");
+                continue;
+            };
+            let (raw, due) = headers::decode_delivered(message.headers.as_ref(), &message.payload);
             if let Some(due) = due {
                 if due > now {
                     // Capped so the nanosecond delay fits the server's int64;
@@ -650,7 +764,7 @@ impl NatsTransport {
             tracing::trace!(sequence, delivered, "message handed out");
             leased.push((sequence, Lease { reply, touched }));
             out.push(Delivery {
-                id: sequence.to_string(),
+                id: sequence_id(sequence),
                 raw,
             });
         }
@@ -811,18 +925,31 @@ impl NatsTransport {
         let wait = self.inner.config.wait;
         let want = max.min(self.inner.config.batch);
         let mut out = Vec::new();
-        if self.use_read_ahead(want, &mut out).await && !out.is_empty() {
-            self.read_ahead(&consumer, want, out.len());
-            self.check_idle(true).await;
-            return Ok(out);
+        match self.use_read_ahead(&consumer, want, &mut out).await {
+            // The next batch is on its way: hand out what came, even if
+            // every message in it was a deferred delayed one.
+            ReadAheadUse::Taken { refilled: true } => {
+                self.check_idle(!out.is_empty()).await;
+                return Ok(out);
+            }
+            _ if !out.is_empty() => {
+                self.check_idle(true).await;
+                return Ok(out);
+            }
+            ReadAheadUse::None | ReadAheadUse::Taken { .. } | ReadAheadUse::Broken => {}
         }
         let deadline = Instant::now() + wait;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             let expires = remaining.max(Duration::from_millis(10));
             let started = Instant::now();
-            let (messages, end) = fetch_once(&consumer, want - out.len(), expires).await;
+            // `out` is empty here: the loop ends once it holds anything.
+            let (messages, end) = fetch_once(&self.inner.client, &consumer, want, expires).await;
             let fetched = messages.len();
+            // A full batch: the server is asked for the next one before this
+            // one is decoded, so it never waits on the decoding.
+            let refilled =
+                matches!(end, FetchEnd::Done) && self.read_ahead(&consumer, want, fetched);
             self.accept(messages, &mut out).await;
             match end {
                 FetchEnd::Done => {}
@@ -852,7 +979,7 @@ impl NatsTransport {
                     break;
                 }
             }
-            if !out.is_empty() || Instant::now() >= deadline {
+            if refilled || !out.is_empty() || Instant::now() >= deadline {
                 break;
             }
             if fetched == 0 && started.elapsed() < expires / 2 {
@@ -863,49 +990,59 @@ impl NatsTransport {
                 tokio::time::sleep(pause).await;
             }
         }
-        self.read_ahead(&consumer, want, out.len());
         self.check_idle(!out.is_empty()).await;
         Ok(out)
     }
 
     /// Takes the pending [`ReadAhead`], if any, into `out`: up to `want` of
     /// its messages, the rest given back (all of them when it is older than
-    /// half a lease). Returns whether the consumer is still fine.
-    async fn use_read_ahead(&self, want: usize, out: &mut Vec<Delivery>) -> bool {
+    /// half a lease). When it came back full, the pull request for the next
+    /// `get` goes out before its messages are decoded.
+    async fn use_read_ahead(
+        &self,
+        consumer: &Arc<PullConsumer>,
+        want: usize,
+        out: &mut Vec<Delivery>,
+    ) -> ReadAheadUse {
         let Some(ahead) = lock(&self.inner.read_ahead).take() else {
-            return true;
+            return ReadAheadUse::None;
         };
         if ahead.started.elapsed() > self.inner.config.lease / 2 {
             give_back_read_ahead(self.inner.client.clone(), ahead).await;
-            return true;
+            return ReadAheadUse::None;
         }
         let Ok((mut messages, end)) = ahead.fetch.await else {
-            return true;
+            return ReadAheadUse::None;
         };
+        let refilled =
+            matches!(end, FetchEnd::Done) && self.read_ahead(consumer, want, messages.len());
         if messages.len() > want {
             let surplus = messages.split_off(want);
             give_back(&self.inner.client, surplus).await;
         }
         self.accept(messages, out).await;
         match end {
-            FetchEnd::Done => true,
+            FetchEnd::Done => ReadAheadUse::Taken { refilled },
             FetchEnd::Stalled | FetchEnd::Failed(_) => {
                 tracing::debug!(consumer = %self.inner.config.consumer, ?end, "pull request fetching ahead failed; the consumer will be re-bound");
                 self.forget_consumer();
-                false
+                ReadAheadUse::Broken
             }
         }
     }
 
-    /// After a `get` of `want` (at least [`READ_AHEAD_MIN`]) that handed out
-    /// `got == want` messages, starts the pull request for the next one.
-    fn read_ahead(&self, consumer: &Arc<PullConsumer>, want: usize, got: usize) {
+    /// After a pull request for `want` messages (at least
+    /// [`READ_AHEAD_MIN`]) that brought `got >= want`, starts the pull
+    /// request for the next `get`. Returns whether it did.
+    fn read_ahead(&self, consumer: &Arc<PullConsumer>, want: usize, got: usize) -> bool {
         if want < READ_AHEAD_MIN || got < want || lock(&self.inner.consumer).is_none() {
-            return;
+            return false;
         }
         let consumer = Arc::clone(consumer);
+        let client = self.inner.client.clone();
         let expires = self.inner.config.wait;
-        let fetch = tokio::spawn(async move { fetch_once(&consumer, want, expires).await });
+        let fetch =
+            tokio::spawn(async move { fetch_once(&client, &consumer, want, expires).await });
         let ahead = ReadAhead {
             fetch,
             started: Instant::now(),
@@ -914,6 +1051,7 @@ impl NatsTransport {
         if let Some(other) = lock(&self.inner.read_ahead).replace(ahead) {
             tokio::spawn(give_back_read_ahead(self.inner.client.clone(), other));
         }
+        true
     }
 
     fn stream_message_to_delivery(message: jetstream::message::StreamMessage) -> Delivery {
@@ -939,8 +1077,7 @@ impl Transport for NatsTransport {
         Box::pin(async move {
             self.ensure_setup().await?;
             let mut prepared = self.prepare(message, delay)?;
-            let first = self.start_publish(&mut prepared).await;
-            self.finish_publish(&mut prepared, first).await
+            self.publish(&mut prepared).await
         })
     }
 
@@ -954,15 +1091,22 @@ impl Transport for NatsTransport {
                 .into_iter()
                 .map(|(message, delay)| self.prepare(message, delay))
                 .collect::<Result<Vec<_>, _>>()?;
-            // Publish everything first, then collect the acknowledgements:
-            // one round trip for the whole batch instead of one per message.
-            let mut started = Vec::with_capacity(prepared.len());
-            for message in &mut prepared {
-                started.push(self.start_publish(message).await);
-            }
+            // Every publish goes out before any acknowledgement is awaited
+            // (up to PUBLISHES_IN_FLIGHT at a time): one round trip for the
+            // whole batch instead of one per message. Publishes are first
+            // polled, and so queued on the connection, in the batch's order.
+            let mut in_flight = futures_util::stream::FuturesOrdered::new();
             let mut ids = Vec::with_capacity(prepared.len());
-            for (message, first) in prepared.iter_mut().zip(started) {
-                ids.push(self.finish_publish(message, first).await?);
+            for message in &mut prepared {
+                if in_flight.len() >= PUBLISHES_IN_FLIGHT {
+                    if let Some(id) = in_flight.next().await {
+                        ids.push(id?);
+                    }
+                }
+                in_flight.push_back(self.publish(message));
+            }
+            while let Some(id) = in_flight.next().await {
+                ids.push(id?);
             }
             Ok(ids)
         })
@@ -1160,7 +1304,7 @@ impl Transport for NatsTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_id, reconnect_delay};
+    use super::{ack_subject_sequences, parse_id, publish_ack, reconnect_delay, sequence_id};
     use std::time::Duration;
 
     #[test]
@@ -1172,6 +1316,68 @@ mod tests {
         assert_eq!(reconnect_delay(6), Duration::from_millis(1600));
         assert_eq!(reconnect_delay(7), Duration::from_secs(2));
         assert_eq!(reconnect_delay(1000), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn publish_answers_give_the_sequence_or_the_error() {
+        assert_eq!(
+            publish_ack(br#"{"stream":"orders","seq":42}"#).ok(),
+            Some(42)
+        );
+        assert_eq!(
+            publish_ack(br#"{"stream":"o","seq":7,"duplicate":true,"domain":"hub"}"#).ok(),
+            Some(7)
+        );
+        let error = publish_ack(
+            br#"{"stream":"orders","seq":0,"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}"#,
+        )
+        .unwrap_err();
+        assert!(
+            error.to_string().contains("maximum messages exceeded"),
+            "{error}"
+        );
+        let error = publish_ack(br#"{"error":{"code":400,"description":"bad"}}"#).unwrap_err();
+        assert!(error.to_string().contains("bad"), "{error}");
+        assert!(publish_ack(br#"{"stream":"orders"}"#).is_err());
+        assert!(publish_ack(b"").is_err());
+        assert!(publish_ack(b"+OK").is_err());
+        assert!(publish_ack(br#"{"seq":"x"}"#).is_err());
+    }
+
+    #[test]
+    fn sequence_ids_are_decimal_digits() {
+        for n in [0, 1, 9, 10, 42, 1_000_000, u64::MAX] {
+            assert_eq!(sequence_id(n), n.to_string());
+            assert_eq!(parse_id(&sequence_id(n)), Some(n).filter(|n| *n > 0));
+        }
+    }
+
+    #[test]
+    fn ack_subjects_of_both_formats_give_sequence_and_delivery_count() {
+        assert_eq!(
+            ack_subject_sequences("$JS.ACK.orders.workers.3.1042.1040.1700000000000000000.7"),
+            Some((1042, 3))
+        );
+        assert_eq!(
+            ack_subject_sequences("$JS.ACK._.ACCHASH.orders.workers.1.5.5.1700000000000000000.0"),
+            Some((5, 1))
+        );
+        assert_eq!(
+            ack_subject_sequences(
+                "$JS.ACK.hub.ACCHASH.orders.workers.2.77.70.1700000000000000000.0.r4nd0m"
+            ),
+            Some((77, 2))
+        );
+        for bad in [
+            "",
+            "_INBOX.abc",
+            "$JS.ACK.orders.workers.3.1042",
+            "$JS.ACK.orders.workers.3.x.1040.1700000000000000000.7",
+            "$JS.ACK.a.b.c.d.e.f.g.h",
+            "$JS.ACK.orders.workers.-1.5.5.1700000000000000000.0",
+        ] {
+            assert_eq!(ack_subject_sequences(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -332,6 +332,47 @@ async fn a_consumer_deleted_behind_its_back_is_recreated() {
 }
 
 #[tokio::test]
+async fn only_dedup_gives_publishes_an_id_that_jetstream_deduplicates() {
+    let Some(url) = nats_url("only_dedup_gives_publishes_an_id_that_jetstream_deduplicates") else {
+        return;
+    };
+    let plain = transport(&url, &unique_name("nodedup"), "wait=100ms").await;
+    let dedup = transport(&url, &unique_name("dedup"), "dedup=true&wait=100ms").await;
+    let client = async_nats::connect(plain.config().server.as_str())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client);
+
+    let mut stored_ids = Vec::new();
+    for t in [&plain, &dedup] {
+        let id = t.send(message("m"), None).await.unwrap();
+        let stream = js.get_stream(&t.config().stream).await.unwrap();
+        let stored = stream.get_raw_message(id.parse().unwrap()).await.unwrap();
+        stored_ids.push(stored.headers.get("Nats-Msg-Id").cloned());
+        // Whatever JetStream keeps, the delivery shows the sent headers only.
+        let got = get_n(t, 1, Duration::from_secs(5)).await;
+        assert_eq!(got[0].raw.headers, message("m").headers);
+        t.ack(&got[0].id).await.unwrap();
+    }
+    assert_eq!(stored_ids[0], None, "no id without dedup");
+    let msg_id = stored_ids[1].clone().expect("an id with dedup");
+
+    // A publish repeating the id (what a retry sends) is not stored again.
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", msg_id);
+    let ack = js
+        .publish_with_headers(dedup.config().subject.clone(), headers, "again".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(ack.duplicate);
+    assert_eq!(dedup.message_count().await.unwrap(), 0);
+    plain.delete_stream().await.unwrap();
+    dedup.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
 async fn ids_that_were_not_handed_out_cannot_be_released_or_kept_alive() {
     let Some(url) = nats_url("ids_that_were_not_handed_out_cannot_be_released_or_kept_alive")
     else {
