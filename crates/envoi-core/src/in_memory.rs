@@ -160,10 +160,19 @@ impl Stored {
         }
     }
 
+    /// A copy to hand out: an envelope without its non-sendable stamps.
     fn payload(&self) -> Payload {
         match self {
-            Stored::Envelope(e) => Payload::Envelope(e.clone()),
+            Stored::Envelope(e) => Payload::Envelope(e.clone().into_sendable()),
             Stored::Raw(raw) => Payload::Raw((**raw).clone()),
+        }
+    }
+
+    /// Drops the non-sendable stamps of a stored envelope (kept until it is
+    /// first handed out, so that storing it needs no copy of its stamps).
+    fn make_sendable(&mut self) {
+        if let Stored::Envelope(e) = self {
+            e.make_sendable();
         }
     }
 }
@@ -237,8 +246,19 @@ impl State {
 
     /// Stores a message under the next id, and returns the id.
     fn store(&mut self, stored: Stored, delay: Option<Duration>) -> LocalId {
+        let id = self.next_id();
+        self.store_as(id, stored, delay);
+        id
+    }
+
+    /// The id the next stored message gets.
+    fn next_id(&mut self) -> LocalId {
         self.last_key += 1;
-        let id = LocalId::new(self.last_key);
+        LocalId::new(self.last_key)
+    }
+
+    /// Stores a message under `id`, from [`next_id`](Self::next_id).
+    fn store_as(&mut self, id: LocalId, stored: Stored, delay: Option<Duration>) {
         let entry = Entry { id, stored };
         match delay.filter(|d| !d.is_zero()) {
             Some(d) => self.delayed.push(Delayed {
@@ -247,7 +267,6 @@ impl State {
             }),
             None => self.insert_ready(entry),
         }
-        id
     }
 
     /// Moves due delayed messages and expired leases to `ready`.
@@ -286,7 +305,8 @@ impl State {
             return;
         }
         self.leased.reserve(n);
-        for entry in self.ready.drain(..n) {
+        for mut entry in self.ready.drain(..n) {
+            entry.stored.make_sendable();
             out(&entry);
             self.leased.insert(entry.key(), Lease { entry, expires });
         }
@@ -470,17 +490,27 @@ impl InMemoryTransport {
         id
     }
 
-    /// Stores `envelope` without its non-sendable stamps and returns it
-    /// stamped with its new id.
+    /// Stores `envelope` and returns it stamped with its new id.
+    ///
+    /// The stored copy shares the returned envelope's body, stamps
+    /// included: its non-sendable stamps (the id, the sender's
+    /// [`SentStamp`](crate::stamp::SentStamp)) are dropped when it is first
+    /// handed out, by then usually in place. Stamping the envelope before it
+    /// is shared costs no copy.
     fn store_envelope(&self, envelope: Envelope) -> Envelope {
         let delay = envelope
             .last::<DelayStamp>()
             .map(DelayStamp::duration)
             .filter(|d| !d.is_zero());
-        let stored = Stored::Envelope(envelope.clone().into_sendable());
-        let id = self.lock().store(stored, delay);
+        let stamped = {
+            let mut state = self.lock();
+            let id = state.next_id();
+            let stamped = envelope.with_local_id(id);
+            state.store_as(id, Stored::Envelope(stamped.clone()), delay);
+            stamped
+        };
         self.wake();
-        envelope.with_erased(id.stamp())
+        stamped
     }
 }
 

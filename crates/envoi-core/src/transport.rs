@@ -298,7 +298,7 @@ impl fmt::Display for LocalId {
 }
 
 /// `n` in decimal, without the formatting machinery (this runs per message).
-fn decimal(mut n: u64) -> String {
+pub(crate) fn decimal(mut n: u64) -> String {
     let mut buf = [0u8; 20];
     let mut i = buf.len();
     loop {

@@ -115,8 +115,8 @@ use crate::error::{BusError, TransportError};
 use crate::middleware::BoxFuture;
 use crate::serializer::STAMP_HEADER_PREFIX;
 use crate::stamp::{
-    BusNameStamp, DelayStamp, ErasedStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp,
-    SentStamp, SentToFailureTransportStamp, Stamp, TransportMessageIdStamp,
+    BusNameStamp, DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
+    SentToFailureTransportStamp, Stamp, TransportMessageIdStamp,
 };
 use crate::transport::{LocalId, Payload, RawMessage, Transport};
 
@@ -1011,11 +1011,11 @@ impl MessageId {
         }
     }
 
-    /// The [`TransportMessageIdStamp`] of the received envelope.
-    fn stamp(&self) -> Arc<dyn ErasedStamp> {
+    /// `envelope` with the [`TransportMessageIdStamp`] of this id.
+    fn stamp(&self, envelope: Envelope) -> Envelope {
         match self {
-            MessageId::Local(id) => id.stamp(),
-            MessageId::Remote(id) => Arc::new(TransportMessageIdStamp::new(id.clone())),
+            MessageId::Local(id) => envelope.with_local_id(*id),
+            MessageId::Remote(id) => envelope.with(TransportMessageIdStamp::new(id.clone())),
         }
     }
 }
@@ -1391,12 +1391,9 @@ impl Ctx {
         // kept in case the handler panics) and is kept as received; the
         // dispatched copy takes the stamps of the receipt (one copy of the
         // stamps, which the pipeline then adds to in place).
-        let stamped = envelope
-            .clone()
-            .with(ReceivedStamp {
-                transport: transport.clone(),
-            })
-            .with_erased(id.stamp());
+        let stamped = id.stamp(envelope.clone().with(ReceivedStamp {
+            transport: transport.clone(),
+        }));
         let started = self.events.enabled().then(Instant::now);
         let result = self.bus_for(&stamped).dispatch(stamped).await;
         let duration = started.map(|s| s.elapsed()).unwrap_or_default();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
-use crate::error::Result;
+use crate::error::{BusError, Result};
 use crate::handler::TypeMap;
 use crate::message::Message;
 use crate::stamp::{ErasedStamp, ReceivedStamp, SentStamp};
@@ -152,10 +152,14 @@ impl SendMessage {
     pub(crate) async fn send(&self, mut envelope: Envelope, targets: &[Route]) -> Result<Envelope> {
         for route in targets {
             envelope = match route.local.as_ref().and_then(|t| t.local()) {
+                // Stamped before it is sent: the transport stores the
+                // envelope it returns (dropping the non-sendable stamps when
+                // it hands it out), so a stamp added afterwards would copy
+                // the stamps of a shared envelope.
                 Some(local) => local
-                    .send_envelope(envelope)
-                    .await?
-                    .with_erased(route.sent.clone()),
+                    .send_envelope(envelope.with_erased(route.sent.clone()))
+                    .await
+                    .map_err(unsent)?,
                 None => self
                     .dispatcher
                     .send(&route.transport, envelope)
@@ -165,6 +169,22 @@ impl SendMessage {
         }
         Ok(envelope)
     }
+}
+
+/// A failed send's error, its envelope without the [`SentStamp`] added
+/// before the send.
+#[cold]
+fn unsent(mut error: BusError) -> BusError {
+    match &mut error {
+        BusError::HandlerFailed { envelope, .. }
+        | BusError::DelayedHandlingFailed { envelope, .. }
+        | BusError::Transport {
+            envelope: Some(envelope),
+            ..
+        } => envelope.remove_last::<SentStamp>(),
+        _ => {}
+    }
+    error
 }
 
 impl Middleware for SendMessage {
@@ -245,11 +265,120 @@ mod tests {
         let got = queue.get_local(10).await.unwrap();
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].id.to_string(), id);
+        let Payload::Envelope(handed_out) = &got[0].payload else {
+            panic!("expected an envelope")
+        };
+        assert!(!handed_out.has::<SentStamp>());
+        assert!(!handed_out.has::<TransportMessageIdStamp>());
         let Payload::Envelope(stored) = &queue.stored()[0].payload else {
             panic!("expected an envelope")
         };
         assert!(!stored.has::<SentStamp>());
+        assert!(!stored.has::<TransportMessageIdStamp>());
         assert!(stored.message::<Ping>().is_some());
+        // The envelope the step returned keeps its stamps.
+        assert_eq!(out.last::<SentStamp>().unwrap().transport, "async");
+        assert_eq!(out.last::<TransportMessageIdStamp>().unwrap().id, id);
+    }
+
+    /// An in-process transport whose sends fail, handing the envelope back.
+    struct Refusing;
+
+    impl crate::transport::LocalTransport for Refusing {
+        fn send_envelope(
+            &self,
+            envelope: Envelope,
+        ) -> crate::transport::LocalFuture<'_, Result<Envelope>> {
+            crate::transport::LocalFuture::ready(Err(BusError::Transport {
+                transport: "refusing".into(),
+                envelope: Some(Box::new(envelope)),
+                source: crate::error::TransportError::Unsupported("send"),
+            }))
+        }
+
+        fn get_local(
+            &self,
+            _max: usize,
+        ) -> crate::transport::LocalFuture<
+            '_,
+            Result<Vec<crate::transport::LocalDelivery>, crate::error::TransportError>,
+        > {
+            crate::transport::LocalFuture::ready(Ok(Vec::new()))
+        }
+    }
+
+    impl Transport for Refusing {
+        fn send(
+            &self,
+            _message: crate::transport::RawMessage,
+            _delay: Option<std::time::Duration>,
+        ) -> BoxFuture<'_, Result<String, crate::error::TransportError>> {
+            Box::pin(async { Err(crate::error::TransportError::Unsupported("send")) })
+        }
+
+        fn get(
+            &self,
+            _max: usize,
+        ) -> BoxFuture<'_, Result<Vec<crate::transport::Delivery>, crate::error::TransportError>>
+        {
+            Box::pin(async { Ok(Vec::new()) })
+        }
+
+        fn ack<'a>(
+            &'a self,
+            _id: &'a str,
+        ) -> BoxFuture<'a, Result<(), crate::error::TransportError>> {
+            Box::pin(async { Ok(()) })
+        }
+
+        fn release<'a>(
+            &'a self,
+            _id: &'a str,
+        ) -> BoxFuture<'a, Result<(), crate::error::TransportError>> {
+            Box::pin(async { Ok(()) })
+        }
+
+        fn capabilities(&self) -> crate::transport::Capabilities {
+            crate::transport::Capabilities::new(false, true, false, false)
+        }
+
+        fn local(&self) -> Option<&dyn crate::transport::LocalTransport> {
+            Some(self)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_local_send_hands_back_the_envelope_without_its_sent_stamp() {
+        use crate::transports::{Senders, TransportSender};
+
+        let mut senders = Senders::new();
+        senders.insert_transport(
+            "refusing",
+            TransportSender::new(
+                "refusing",
+                Arc::new(Refusing),
+                crate::serializer::Serializer::builder().build().unwrap(),
+            ),
+        );
+        let mut routes = Routes::new();
+        routes.add::<Ping>("refusing");
+        let step = SendMessage::new(Arc::new(routes), Arc::new(senders));
+        let end = RecordingEndpoint::new();
+        let sent_before = Envelope::new(Ping).with(SentStamp::new("earlier"));
+        let err = step.handle(sent_before, end.next()).await.unwrap_err();
+        let BusError::Transport {
+            envelope: Some(envelope),
+            ..
+        } = err
+        else {
+            panic!("expected a transport error, got {err:?}")
+        };
+        let sent: Vec<_> = envelope
+            .all::<SentStamp>()
+            .map(|s| s.transport.as_str())
+            .collect();
+        assert_eq!(sent, ["earlier"]);
+        assert!(end.calls().is_empty());
     }
 
     #[tokio::test]
