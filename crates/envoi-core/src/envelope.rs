@@ -70,12 +70,30 @@ pub(crate) struct Body<M: ?Sized = dyn ErasedMessage> {
     message: M,
 }
 
+/// The name and [`TypeId`] of a message type: one static per type, so an
+/// envelope holds one pointer for both.
+struct MessageType {
+    name: &'static str,
+    type_id: TypeId,
+}
+
+/// Gives every message type its [`MessageType`].
+trait HasMessageType {
+    const TYPE: &'static MessageType;
+}
+
+impl<M: Message> HasMessageType for M {
+    const TYPE: &'static MessageType = &MessageType {
+        name: M::NAME,
+        type_id: TypeId::of::<M>(),
+    };
+}
+
 #[derive(Clone)]
 struct Meta {
-    name: &'static str,
-    /// The message's type, kept here so the hot lookups by type (handlers,
-    /// routes) need no dynamic call.
-    type_id: TypeId,
+    /// The message's name and type, kept here so the hot lookups by type
+    /// (handlers, routes) need no dynamic call.
+    ty: &'static MessageType,
     kind: MessageKind,
     stamps: SmallVec<[StampEntry; 4]>,
     /// The union of the stamps' [`StampEntry::bit`]s: lets a lookup of a
@@ -168,8 +186,7 @@ impl Envelope {
 
     fn meta_for<M: Message>(kind: MessageKind) -> Meta {
         Meta {
-            name: M::NAME,
-            type_id: TypeId::of::<M>(),
+            ty: M::TYPE,
             kind,
             stamps: SmallVec::new(),
             kinds: 0,
@@ -294,6 +311,14 @@ impl Envelope {
         self
     }
 
+    /// Adds an entry made beforehand (a stamp shared by many envelopes).
+    #[must_use = "an envelope is immutable: `with_entry` returns the stamped copy"]
+    #[inline]
+    pub(crate) fn with_entry(mut self, entry: StampEntry) -> Self {
+        self.meta_mut().push(entry);
+        self
+    }
+
     /// Adds the [`TransportMessageIdStamp`] of an in-process transport's
     /// id, without making its text until it is read.
     #[must_use = "an envelope is immutable: `with_local_id` returns the stamped copy"]
@@ -316,12 +341,12 @@ impl Envelope {
     /// The [`TypeId`] of the message.
     #[inline]
     pub fn message_type_id(&self) -> TypeId {
-        self.body.meta.type_id
+        self.body.meta.ty.type_id
     }
 
     /// The message's stable name ([`Message::NAME`]).
     pub fn message_name(&self) -> &'static str {
-        self.body.meta.name
+        self.body.meta.ty.name
     }
 
     /// Whether the message was dispatched as a command, query or event.
@@ -414,8 +439,7 @@ impl Envelope {
         };
         let body: Arc<Body> = Arc::new(Body {
             meta: Meta {
-                name: self.body.meta.name,
-                type_id: self.body.meta.type_id,
+                ty: self.body.meta.ty,
                 kind: self.body.meta.kind,
                 stamps: SmallVec::new(),
                 kinds: 0,
@@ -441,7 +465,7 @@ impl fmt::Debug for Envelope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let m = &self.body.meta;
         f.debug_struct("Envelope")
-            .field("name", &m.name)
+            .field("name", &m.ty.name)
             .field("kind", &m.kind)
             .field("message", &&self.body.message)
             .field("stamps", &StampList(self))
@@ -557,8 +581,10 @@ mod tests {
     }
 
     #[test]
-    fn stamp_entries_stay_small() {
+    fn stamp_entries_and_bodies_stay_small() {
         assert!(std::mem::size_of::<StampEntry>() <= 40);
+        // What an in-memory queue holds per message, besides the message.
+        assert!(std::mem::size_of::<Meta>() <= 200);
     }
 
     #[test]
@@ -568,15 +594,17 @@ mod tests {
             .with_erased(Arc::new(BusNameStamp::new("bus")))
             .with_erased(Arc::new(ReceivedStamp::new("async")))
             .with_erased(Arc::new(TransportMessageIdStamp::new("9")))
-            .with_erased(Arc::new(DelayStamp { ms: 4 }));
+            .with_erased(Arc::new(DelayStamp { ms: 4 }))
+            .with_erased(Arc::new(SentStamp::new("async")));
         assert_eq!(e.last::<BusNameStamp>().unwrap().bus, "bus");
+        assert_eq!(e.last::<SentStamp>().unwrap().transport, "async");
         assert_eq!(&*e.last::<ReceivedStamp>().unwrap().transport, "async");
         assert_eq!(e.last::<TransportMessageIdStamp>().unwrap().id, "9");
         assert_eq!(e.last::<DelayStamp>().unwrap().ms, 4);
         let names: Vec<_> = e.stamps().map(|s| s.name()).collect();
         assert_eq!(
             names,
-            ["BusName", "Received", "TransportMessageId", "Delay"]
+            ["BusName", "Received", "TransportMessageId", "Delay", "Sent"]
         );
     }
 

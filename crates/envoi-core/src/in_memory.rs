@@ -37,9 +37,8 @@
 //! ```
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::fmt;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
@@ -127,24 +126,6 @@ impl InMemoryConfig {
     }
 }
 
-/// A multiplicative hasher for the sequential `u64` ids.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
 /// A stored message: a [`Payload`] in half the space (a queue may hold
 /// many).
 enum Stored {
@@ -157,6 +138,15 @@ impl Stored {
         match payload {
             Payload::Envelope(e) => Stored::Envelope(e),
             Payload::Raw(raw) => Stored::Raw(Box::new(raw)),
+        }
+    }
+
+    /// A copy to hand out, once [`make_sendable`](Self::make_sendable)
+    /// ran.
+    fn handout(&self) -> Payload {
+        match self {
+            Stored::Envelope(e) => Payload::Envelope(e.clone()),
+            Stored::Raw(raw) => Payload::Raw((**raw).clone()),
         }
     }
 
@@ -216,12 +206,103 @@ struct Lease {
     expires: Instant,
 }
 
+/// The leased messages, in key order. Messages are leased, and mostly
+/// acknowledged, in key order: a sorted deque finds them by binary search,
+/// adds them at its back and frees them from its front. A lease removed
+/// from the middle leaves a hole, until the holes before it are gone too or
+/// the holes outnumber the leases.
+#[derive(Default)]
+struct Leases {
+    slots: VecDeque<(u64, Option<Lease>)>,
+    live: usize,
+}
+
+impl Leases {
+    fn len(&self) -> usize {
+        self.live
+    }
+
+    fn position(&self, key: u64) -> Result<usize, usize> {
+        self.slots.binary_search_by_key(&key, |(k, _)| *k)
+    }
+
+    fn reserve(&mut self, n: usize) {
+        self.slots.reserve(n);
+    }
+
+    fn insert(&mut self, lease: Lease) {
+        let key = lease.entry.key();
+        match self.slots.back() {
+            Some((last, _)) if *last >= key => match self.position(key) {
+                // The hole the same message left when it was last leased.
+                Ok(at) => {
+                    if self.slots[at].1.replace(lease).is_none() {
+                        self.live += 1;
+                    }
+                }
+                Err(at) => {
+                    self.slots.insert(at, (key, Some(lease)));
+                    self.live += 1;
+                }
+            },
+            _ => {
+                self.slots.push_back((key, Some(lease)));
+                self.live += 1;
+            }
+        }
+    }
+
+    fn get_mut(&mut self, key: u64) -> Option<&mut Lease> {
+        let at = self.position(key).ok()?;
+        self.slots[at].1.as_mut()
+    }
+
+    fn remove(&mut self, key: u64) -> Option<Lease> {
+        let at = self.position(key).ok()?;
+        let lease = self.slots[at].1.take()?;
+        self.live -= 1;
+        self.tidy();
+        Some(lease)
+    }
+
+    /// Drops the holes at both ends, and all of them once they outnumber
+    /// the leases (so a lease held for long does not keep every later hole).
+    fn tidy(&mut self) {
+        while matches!(self.slots.front(), Some((_, None))) {
+            self.slots.pop_front();
+        }
+        while matches!(self.slots.back(), Some((_, None))) {
+            self.slots.pop_back();
+        }
+        if self.slots.len() > 2 * self.live + 64 {
+            self.slots.retain(|(_, l)| l.is_some());
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Lease> + '_ {
+        self.slots.iter().filter_map(|(_, l)| l.as_ref())
+    }
+
+    /// Removes and returns the leases expired at `now`.
+    fn take_expired(&mut self, now: Instant) -> Vec<Lease> {
+        let mut out = Vec::new();
+        for (_, slot) in self.slots.iter_mut() {
+            if slot.as_ref().is_some_and(|l| l.expires <= now) {
+                out.extend(slot.take());
+            }
+        }
+        self.live -= out.len();
+        self.tidy();
+        out
+    }
+}
+
 #[derive(Default)]
 struct State {
     /// Available now, sorted by id.
     ready: VecDeque<Entry>,
     delayed: BinaryHeap<Delayed>,
-    leased: HashMap<u64, Lease, BuildHasherDefault<IdHasher>>,
+    leased: Leases,
     /// No lease expires before this (a lower bound; `None` when none is held).
     earliest_expiry: Option<Instant>,
     /// The last id given out.
@@ -277,18 +358,10 @@ impl State {
             }
         }
         if self.earliest_expiry.is_some_and(|t| t <= now) {
-            let expired: Vec<u64> = self
-                .leased
-                .iter()
-                .filter(|(_, l)| l.expires <= now)
-                .map(|(key, _)| *key)
-                .collect();
-            for id in expired {
-                if let Some(lease) = self.leased.remove(&id) {
-                    self.insert_ready(lease.entry);
-                }
+            for lease in self.leased.take_expired(now) {
+                self.insert_ready(lease.entry);
             }
-            self.earliest_expiry = self.leased.values().map(|l| l.expires).min();
+            self.earliest_expiry = self.leased.iter().map(|l| l.expires).min();
         }
     }
 
@@ -308,7 +381,7 @@ impl State {
         for mut entry in self.ready.drain(..n) {
             entry.stored.make_sendable();
             out(&entry);
-            self.leased.insert(entry.key(), Lease { entry, expires });
+            self.leased.insert(Lease { entry, expires });
         }
         if self.earliest_expiry.is_none_or(|t| t > expires) {
             self.earliest_expiry = Some(expires);
@@ -324,7 +397,7 @@ impl State {
     /// Removes a message for good and returns it, to be dropped once the
     /// lock is released.
     fn take_out(&mut self, id: u64) -> Option<Entry> {
-        if let Some(lease) = self.leased.remove(&id) {
+        if let Some(lease) = self.leased.remove(id) {
             return Some(lease.entry);
         }
         if let Some(pos) = self.ready.iter().position(|e| e.key() == id) {
@@ -343,7 +416,7 @@ impl State {
             .ready
             .iter()
             .chain(self.delayed.iter().map(|d| &d.entry))
-            .chain(self.leased.values().map(|l| &l.entry))
+            .chain(self.leased.iter().map(|l| &l.entry))
             .map(|e| (e.id, e.stored.payload()))
             .collect();
         all.sort_unstable_by_key(|(id, _)| id.key());
@@ -560,7 +633,7 @@ impl Transport for InMemoryTransport {
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         let mut taken = Vec::new();
         self.lock().take(max, self.config.lease_timeout, |e| {
-            taken.push((e.id, e.stored.payload()))
+            taken.push((e.id, e.stored.handout()))
         });
         let out = taken
             .into_iter()
@@ -617,7 +690,7 @@ impl Transport for InMemoryTransport {
     fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
         let out = parse_id(id).and_then(|n| {
             let mut state = self.lock();
-            match state.leased.remove(&n) {
+            match state.leased.remove(n) {
                 Some(lease) => {
                     state.insert_ready(lease.entry);
                     Ok(())
@@ -637,7 +710,7 @@ impl Transport for InMemoryTransport {
         let out = parse_id(id).and_then(|n| {
             let mut state = self.lock();
             let expires = Instant::now() + self.config.lease_timeout;
-            match state.leased.get_mut(&n) {
+            match state.leased.get_mut(n) {
                 Some(lease) => {
                     lease.expires = expires;
                     Ok(())
@@ -726,7 +799,7 @@ impl LocalTransport for InMemoryTransport {
             }
             out.push(LocalDelivery {
                 id: e.id,
-                payload: e.stored.payload(),
+                payload: e.stored.handout(),
             })
         });
         LocalFuture::ready(Ok(out))
@@ -980,6 +1053,47 @@ mod tests {
         )
         .await;
         assert!(waited.is_err());
+    }
+
+    #[test]
+    fn leases_are_found_in_any_order_and_holes_do_not_pile_up() {
+        let now = Instant::now();
+        let lease = |k: u64| Lease {
+            entry: Entry {
+                id: LocalId::new(k),
+                stored: Stored::Raw(Box::new(raw(k as u8))),
+            },
+            expires: now + Duration::from_secs(k),
+        };
+        let mut leases = Leases::default();
+        for k in 1..=1000 {
+            leases.insert(lease(k));
+        }
+        // The first stays leased; the others go, newest first.
+        for k in (2..=1000).rev() {
+            assert_eq!(leases.remove(k).map(|l| l.entry.key()), Some(k));
+            assert!(leases.slots.len() <= 2 * leases.len() + 64 + 1);
+        }
+        assert!(leases.remove(500).is_none());
+        assert_eq!((leases.len(), leases.slots.len()), (1, 1));
+        // Out of order: an older key comes back while newer ones are held.
+        for k in [10, 20, 30] {
+            leases.insert(lease(k));
+        }
+        assert!(leases.remove(20).is_some());
+        leases.insert(lease(20));
+        leases.insert(lease(5));
+        let keys: Vec<u64> = leases.iter().map(|l| l.entry.key()).collect();
+        assert_eq!(keys, [1, 5, 10, 20, 30]);
+        leases.get_mut(30).unwrap().expires = now;
+        let expired: Vec<u64> = leases
+            .take_expired(now + Duration::from_secs(5))
+            .iter()
+            .map(|l| l.entry.key())
+            .collect();
+        assert_eq!(expired, [1, 5, 30]);
+        assert_eq!(leases.len(), 2);
+        assert!(leases.get_mut(1).is_none());
     }
 
     #[test]

@@ -103,6 +103,9 @@ pub(crate) enum StampEntry {
     /// envelope's local key (see [`Self::erased`]) when first read, which
     /// most messages never are.
     TransportId(OnceLock<TransportMessageIdStamp>),
+    /// A [`SentStamp`]: shared, as a send step makes one per transport and
+    /// adds it to every envelope it sends there.
+    Sent(Arc<SentStamp>),
     Other(Arc<dyn ErasedStamp>),
 }
 
@@ -128,6 +131,10 @@ impl StampEntry {
             if let Some(s) = s.take() {
                 return StampEntry::TransportId(OnceLock::from(s));
             }
+        } else if let Some(s) = any.downcast_mut::<Option<SentStamp>>() {
+            if let Some(s) = s.take() {
+                return StampEntry::Sent(Arc::new(s));
+            }
         }
         match slot {
             Some(stamp) => StampEntry::Other(Arc::new(stamp)),
@@ -148,7 +155,11 @@ impl StampEntry {
         } else if let Some(s) = any.downcast_ref::<TransportMessageIdStamp>() {
             StampEntry::TransportId(OnceLock::from(s.clone()))
         } else {
-            StampEntry::Other(stamp)
+            let any: Arc<dyn Any + Send + Sync> = stamp.clone();
+            match any.downcast::<SentStamp>() {
+                Ok(sent) => StampEntry::Sent(sent),
+                Err(_) => StampEntry::Other(stamp),
+            }
         }
     }
 
@@ -162,6 +173,7 @@ impl StampEntry {
             StampEntry::Received(_) => 4,
             StampEntry::Other(_) => 8,
             StampEntry::TransportId(_) => 16,
+            StampEntry::Sent(_) => 32,
         }
     }
 
@@ -177,6 +189,8 @@ impl StampEntry {
             4
         } else if id == TypeId::of::<TransportMessageIdStamp>() {
             16
+        } else if id == TypeId::of::<SentStamp>() {
+            32
         } else {
             8
         }
@@ -194,6 +208,7 @@ impl StampEntry {
                     local.map_or(0, NonZeroU64::get),
                 ))
             }),
+            StampEntry::Sent(s) => &**s,
             StampEntry::Other(s) => &**s,
         }
     }
@@ -207,6 +222,7 @@ impl StampEntry {
             StampEntry::Handled(_) => HandledStamp::SENDABLE,
             StampEntry::Received(_) => ReceivedStamp::SENDABLE,
             StampEntry::TransportId(_) => TransportMessageIdStamp::SENDABLE,
+            StampEntry::Sent(_) => SentStamp::SENDABLE,
             StampEntry::Other(s) => s.sendable(),
         }
     }
@@ -224,6 +240,7 @@ impl StampEntry {
             StampEntry::Handled(_) => TypeId::of::<HandledStamp>(),
             StampEntry::Received(_) => TypeId::of::<ReceivedStamp>(),
             StampEntry::TransportId(_) => TypeId::of::<TransportMessageIdStamp>(),
+            StampEntry::Sent(_) => TypeId::of::<SentStamp>(),
             StampEntry::Other(s) => (**s).as_any().type_id(),
         }
     }

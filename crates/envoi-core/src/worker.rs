@@ -1033,7 +1033,9 @@ enum Work {
     /// Dispatch the envelope (as the transport handed it out).
     Dispatch(Envelope),
     /// It did not decode: park it as it is.
-    Park(RawMessage, crate::error::SerializationError),
+    /// (Boxed: it is rare, and every started message's future holds a
+    /// `Work`.)
+    Park(Box<(RawMessage, crate::error::SerializationError)>),
 }
 
 /// A message being handled.
@@ -1358,7 +1360,7 @@ impl Ctx {
             Payload::Envelope(e) => (Work::Dispatch(e.clone()), Some(e)),
             Payload::Raw(raw) => match self.messenger.serializer().decode(&raw) {
                 Ok(e) => (Work::Dispatch(e.clone()), Some(e)),
-                Err(error) => (Work::Park(raw, error), None),
+                Err(error) => (Work::Park(Box::new((raw, error))), None),
             },
         };
         let task = TaskInfo {
@@ -1371,10 +1373,17 @@ impl Ctx {
     }
 
     /// Handles one started message.
+    ///
+    /// Parking (rare) is awaited through a box: a future holds the state of
+    /// everything it awaits inline, and this one is moved into its slot for
+    /// every message.
     async fn process(&self, receiver: usize, id: MessageId, work: Work) -> Done {
         match work {
             Work::Dispatch(envelope) => self.handle(receiver, id, envelope).await,
-            Work::Park(raw, error) => self.park_raw(receiver, &id.text(), raw, error).await,
+            Work::Park(parked) => {
+                let (raw, error) = *parked;
+                Box::pin(self.park_raw(receiver, &id.text(), raw, error)).await
+            }
         }
     }
 
@@ -1462,13 +1471,25 @@ impl Ctx {
                 });
                 Action::Release
             }
-            Err(error) => {
-                let details = ErrorDetailsStamp::from_error(error.kind(), &error);
-                let envelope = error.envelope().cloned().unwrap_or(envelope);
-                self.park(receiver, &id.text(), envelope, details).await
-            }
+            Err(error) => self.park_failed(receiver, &id, envelope, error).await,
         };
         Done { receiver, action }
+    }
+
+    /// Parks a message whose dispatch failed with `error` outside the
+    /// retry step. Boxed, and made without keeping the error: the future of
+    /// every message holds what this one awaits.
+    fn park_failed<'a>(
+        &'a self,
+        receiver: usize,
+        id: &MessageId,
+        envelope: Envelope,
+        error: BusError,
+    ) -> BoxFuture<'a, Action> {
+        let details = ErrorDetailsStamp::from_error(error.kind(), &error);
+        let envelope = error.envelope().cloned().unwrap_or(envelope);
+        let id = id.text().into_owned();
+        Box::pin(async move { self.park(receiver, &id, envelope, details).await })
     }
 
     /// Parks `envelope` (which failed outside the retry step) in its failure

@@ -9,7 +9,7 @@ use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
 use crate::handler::TypeMap;
 use crate::message::Message;
-use crate::stamp::{ErasedStamp, ReceivedStamp, SentStamp};
+use crate::stamp::{ReceivedStamp, SentStamp, StampEntry};
 use crate::transport::{SenderDispatcher, Transport};
 
 /// Which transports each message type is sent to.
@@ -65,7 +65,7 @@ impl Routes {
 pub(crate) struct Route {
     transport: Arc<str>,
     /// Its [`SentStamp`], made once and shared by every envelope sent there.
-    sent: Arc<dyn ErasedStamp>,
+    sent: StampEntry,
     /// The transport, when the dispatcher would send to it through its
     /// in-process side anyway: the step then does so itself, without a
     /// boxed future.
@@ -79,7 +79,7 @@ impl Route {
             .filter(|t| t.local().is_some_and(|l| !l.handles_on_send()));
         Self {
             transport: transport.clone(),
-            sent: Arc::new(SentStamp::new(transport.to_string())),
+            sent: StampEntry::new(SentStamp::new(transport.to_string())),
             local,
         }
     }
@@ -157,14 +157,14 @@ impl SendMessage {
                 // it hands it out), so a stamp added afterwards would copy
                 // the stamps of a shared envelope.
                 Some(local) => local
-                    .send_envelope(envelope.with_erased(route.sent.clone()))
+                    .send_envelope(envelope.with_entry(route.sent.clone()))
                     .await
                     .map_err(unsent)?,
                 None => self
                     .dispatcher
                     .send(&route.transport, envelope)
                     .await?
-                    .with_erased(route.sent.clone()),
+                    .with_entry(route.sent.clone()),
             };
         }
         Ok(envelope)
