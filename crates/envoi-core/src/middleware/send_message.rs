@@ -94,8 +94,47 @@ impl Route {
 #[derive(Clone)]
 pub struct SendMessage {
     routes: Arc<Routes>,
-    resolved: Arc<TypeMap<Vec<Route>>>,
+    resolved: Arc<Resolved>,
     dispatcher: Arc<dyn SenderDispatcher>,
+}
+
+/// The routes by message type: a few are found faster by comparing type
+/// ids than by hashing one (this runs for every dispatch).
+enum Resolved {
+    Few(Vec<(TypeId, Vec<Route>)>),
+    Many(TypeMap<Vec<Route>>),
+}
+
+impl Resolved {
+    /// Up to this many routed types are scanned.
+    const FEW: usize = 8;
+
+    fn new(routes: Vec<(TypeId, Vec<Route>)>) -> Self {
+        if routes.len() <= Self::FEW {
+            Resolved::Few(routes)
+        } else {
+            Resolved::Many(routes.into_iter().collect())
+        }
+    }
+
+    #[inline]
+    fn is_empty(&self) -> bool {
+        match self {
+            Resolved::Few(routes) => routes.is_empty(),
+            Resolved::Many(routes) => routes.is_empty(),
+        }
+    }
+
+    #[inline]
+    fn get(&self, type_id: TypeId) -> Option<&[Route]> {
+        match self {
+            Resolved::Few(routes) => routes
+                .iter()
+                .find(|(id, _)| *id == type_id)
+                .map(|(_, r)| r.as_slice()),
+            Resolved::Many(routes) => routes.get(&type_id).map(Vec::as_slice),
+        }
+    }
 }
 
 impl std::fmt::Debug for SendMessage {
@@ -109,7 +148,7 @@ impl std::fmt::Debug for SendMessage {
 impl SendMessage {
     /// The step with these routes and dispatcher.
     pub fn new(routes: Arc<Routes>, dispatcher: Arc<dyn SenderDispatcher>) -> Self {
-        let resolved = routes
+        let resolved: Vec<(TypeId, Vec<Route>)> = routes
             .by_type
             .iter()
             .map(|(id, (_, transports))| {
@@ -122,7 +161,7 @@ impl SendMessage {
             .collect();
         Self {
             routes,
-            resolved: Arc::new(resolved),
+            resolved: Arc::new(Resolved::new(resolved)),
             dispatcher,
         }
     }
@@ -144,9 +183,7 @@ impl SendMessage {
         if self.resolved.is_empty() || envelope.has::<ReceivedStamp>() {
             return None;
         }
-        self.resolved
-            .get(&envelope.message_type_id())
-            .map(Vec::as_slice)
+        self.resolved.get(envelope.message_type_id())
     }
 
     pub(crate) async fn send(&self, mut envelope: Envelope, targets: &[Route]) -> Result<Envelope> {
@@ -379,6 +416,47 @@ mod tests {
             .collect();
         assert_eq!(sent, ["earlier"]);
         assert!(end.calls().is_empty());
+    }
+
+    #[test]
+    fn routes_are_found_however_many_types_are_routed() {
+        macro_rules! messages {
+            ($($name:ident),*) => {$(
+                #[derive(Debug)]
+                struct $name;
+                impl Message for $name {
+                    const NAME: &'static str = stringify!($name);
+                }
+            )*};
+        }
+        messages!(A, B, C, D, E, F, G, H, I);
+        let mut few = Routes::new();
+        few.add::<A>("a");
+        few.add::<B>("b");
+        let mut many = few.clone();
+        many.add::<C>("c");
+        many.add::<D>("d");
+        many.add::<E>("e");
+        many.add::<F>("f");
+        many.add::<G>("g");
+        many.add::<H>("h");
+        many.add::<I>("i");
+        for routes in [few, many.clone()] {
+            let n = routes.by_type.len();
+            let step = SendMessage::new(Arc::new(routes), Arc::new(RecordingSenders::default()));
+            let to = |e: Envelope| step.targets(&e).map(|r| r[0].transport.to_string());
+            assert_eq!(to(Envelope::new(B)).as_deref(), Some("b"), "{n} routed");
+            assert_eq!(to(Envelope::new(Ping)), None, "{n} routed");
+            assert_eq!(to(Envelope::new(B).with(ReceivedStamp::new("b"))), None);
+        }
+        let step = SendMessage::new(Arc::new(many), Arc::new(RecordingSenders::default()));
+        assert!(matches!(*step.resolved, Resolved::Many(_)));
+        assert_eq!(
+            step.targets(&Envelope::new(I)).unwrap()[0]
+                .transport
+                .as_ref(),
+            "i"
+        );
     }
 
     #[tokio::test]
