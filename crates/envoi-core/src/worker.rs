@@ -726,34 +726,47 @@ struct Receiver {
 }
 
 impl Receiver {
-    /// Up to `max` messages, held by receiver number `index` from now.
-    async fn get(&self, index: usize, max: usize) -> Result<Vec<Held>, TransportError> {
+    /// Up to `max` messages.
+    async fn get(&self, max: usize) -> Result<Batch, TransportError> {
         Ok(match self.transport.local() {
-            Some(local) => {
-                let got = local.get_local(max).await?;
-                let since = Instant::now();
-                got.into_iter()
-                    .map(|d| Held {
-                        receiver: index,
-                        id: MessageId::Local(d.id),
-                        payload: d.payload,
-                        since,
-                    })
-                    .collect()
-            }
-            None => {
-                let got = self.transport.get(max).await?;
-                let since = Instant::now();
-                got.into_iter()
-                    .map(|d| Held {
-                        receiver: index,
-                        id: MessageId::Remote(d.id),
-                        payload: Payload::Raw(d.raw),
-                        since,
-                    })
-                    .collect()
-            }
+            Some(local) => Batch::Local(local.get_local(max).await?),
+            None => Batch::Remote(self.transport.get(max).await?),
         })
+    }
+}
+
+/// Messages as a receiver's transport handed them out.
+enum Batch {
+    Local(Vec<crate::transport::LocalDelivery>),
+    Remote(Vec<crate::transport::Delivery>),
+}
+
+impl Batch {
+    fn len(&self) -> usize {
+        match self {
+            Batch::Local(got) => got.len(),
+            Batch::Remote(got) => got.len(),
+        }
+    }
+
+    /// Adds the messages to `buffer`, held by receiver number `receiver`
+    /// from now.
+    fn hold(self, receiver: usize, buffer: &mut VecDeque<Held>) {
+        let since = Instant::now();
+        match self {
+            Batch::Local(got) => buffer.extend(got.into_iter().map(|d| Held {
+                receiver,
+                id: MessageId::Local(d.id),
+                payload: d.payload,
+                since,
+            })),
+            Batch::Remote(got) => buffer.extend(got.into_iter().map(|d| Held {
+                receiver,
+                id: MessageId::Remote(d.id),
+                payload: Payload::Raw(d.raw),
+                since,
+            })),
+        }
     }
 }
 
@@ -1751,7 +1764,7 @@ struct Run<'a, F> {
 struct Ahead<'a> {
     /// How many messages were asked for.
     want: usize,
-    get: BoxFuture<'a, Result<Vec<Held>, TransportError>>,
+    get: BoxFuture<'a, Result<Batch, TransportError>>,
 }
 
 /// Polls the batch asked for ahead of time, if any; once it arrives, its
@@ -1770,7 +1783,7 @@ fn poll_ahead(
     };
     *ahead = None;
     match got {
-        Ok(batch) => buffer.extend(batch),
+        Ok(batch) => batch.hold(0, buffer),
         Err(e) => ctx.events.emit(|| WorkerEvent::TransportFailed {
             transport: ctx.receivers[0].name.clone(),
             operation: "get",
@@ -2007,7 +2020,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 break;
             }
             let ctx = self.ctx;
-            let get = ctx.receivers[receiver].get(receiver, want);
+            let get = ctx.receivers[receiver].get(want);
             tokio::pin!(get);
             let got = loop {
                 tokio::select! {
@@ -2020,12 +2033,12 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 }
             };
             match got {
-                Ok(batch) if !batch.is_empty() => {
+                Ok(batch) if batch.len() > 0 => {
                     if let Some(bucket) = &mut self.buckets[receiver] {
                         bucket.take(batch.len());
                     }
                     let n = batch.len();
-                    self.buffer.extend(batch);
+                    batch.hold(receiver, &mut self.buffer);
                     return (n, wait);
                 }
                 Ok(_) => {}
@@ -2061,7 +2074,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         }
         self.ahead = Some(Ahead {
             want,
-            get: Box::pin(ctx.receivers[0].get(0, want)),
+            get: Box::pin(ctx.receivers[0].get(want)),
         });
     }
 
