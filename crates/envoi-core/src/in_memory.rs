@@ -3,7 +3,9 @@
 //!
 //! * **Not persistent**: messages live as long as the transport does.
 //! * **Ordered**: available messages are handed out in the order they were
-//!   sent (a released or redelivered message takes its old place).
+//!   sent (a released or redelivered message takes its old place; sends
+//!   made at the same time from several tasks are ordered by the ids they
+//!   were given).
 //! * **Delays** are honoured (with tokio's clock, so paused-time tests work).
 //! * **Leases**: a message handed out by `get` is leased; if it is neither
 //!   acknowledged, rejected nor released within the lease timeout (30 s by
@@ -39,7 +41,7 @@
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -310,8 +312,6 @@ struct State {
     leased: Leases,
     /// No lease expires before this (a lower bound; `None` when none is held).
     earliest_expiry: Option<Instant>,
-    /// The last id given out.
-    last_key: u64,
     acknowledged: u64,
     rejected: u64,
 }
@@ -330,21 +330,8 @@ impl State {
         }
     }
 
-    /// Stores a message under the next id, and returns the id.
-    fn store(&mut self, stored: Stored, delay: Option<Duration>) -> LocalId {
-        let id = self.next_id();
-        self.store_as(id, stored, delay);
-        id
-    }
-
-    /// The id the next stored message gets.
-    fn next_id(&mut self) -> LocalId {
-        self.last_key += 1;
-        LocalId::new(self.last_key)
-    }
-
-    /// Stores a message under `id`, from [`next_id`](Self::next_id).
-    fn store_as(&mut self, id: LocalId, stored: Stored, delay: Option<Duration>) {
+    /// Stores a message under `id` (see [`InMemoryTransport::next_id`]).
+    fn store(&mut self, id: LocalId, stored: Stored, delay: Option<Duration>) {
         let entry = Entry { id, stored };
         match delay.filter(|d| !d.is_zero()) {
             Some(d) => self.delayed.push(Delayed {
@@ -446,6 +433,9 @@ impl State {
 /// A queue in the process's memory; see the [module documentation](self).
 pub struct InMemoryTransport {
     state: Mutex<State>,
+    /// The last id given out. Ids are taken before the lock, so that a
+    /// send holds it only to queue the message.
+    last_key: AtomicU64,
     notify: Notify,
     /// How many [`Transport::wait_for_messages`] calls are checking or
     /// waiting: a send wakes them only when there is one.
@@ -484,6 +474,7 @@ impl InMemoryTransport {
     pub fn with_config(config: InMemoryConfig) -> Self {
         Self {
             state: Mutex::new(State::default()),
+            last_key: AtomicU64::new(0),
             notify: Notify::new(),
             waiting: AtomicUsize::new(0),
             config,
@@ -561,9 +552,15 @@ impl InMemoryTransport {
         }
     }
 
+    /// The id for the next message stored.
+    fn next_id(&self) -> LocalId {
+        LocalId::new(self.last_key.fetch_add(1, AtomicOrdering::Relaxed) + 1)
+    }
+
     fn store(&self, payload: Payload, delay: Option<Duration>) -> LocalId {
         let stored = Stored::new(payload);
-        let id = self.lock().store(stored, delay);
+        let id = self.next_id();
+        self.lock().store(id, stored, delay);
         self.wake();
         id
     }
@@ -580,13 +577,10 @@ impl InMemoryTransport {
             .last::<DelayStamp>()
             .map(DelayStamp::duration)
             .filter(|d| !d.is_zero());
-        let stamped = {
-            let mut state = self.lock();
-            let id = state.next_id();
-            let stamped = envelope.with_local_id(id);
-            state.store_as(id, Stored::Envelope(stamped.clone()), delay);
-            stamped
-        };
+        let id = self.next_id();
+        let stamped = envelope.with_local_id(id);
+        let stored = Stored::Envelope(stamped.clone());
+        self.lock().store(id, stored, delay);
         self.wake();
         stamped
     }
@@ -628,7 +622,14 @@ impl Transport for InMemoryTransport {
             .collect();
         let ids: Vec<LocalId> = {
             let mut state = self.lock();
-            stored.into_iter().map(|(s, d)| state.store(s, d)).collect()
+            stored
+                .into_iter()
+                .map(|(s, d)| {
+                    let id = self.next_id();
+                    state.store(id, s, d);
+                    id
+                })
+                .collect()
         };
         self.wake();
         let ids = ids.iter().map(LocalId::to_string).collect();
@@ -1058,6 +1059,19 @@ mod tests {
         )
         .await;
         assert!(waited.is_err());
+    }
+
+    #[tokio::test]
+    async fn messages_given_ids_concurrently_are_queued_in_id_order() {
+        // Ids are taken before the lock: a send may queue its message after
+        // one that took a later id.
+        let mut state = State::default();
+        for k in [2, 3, 1, 5, 4] {
+            state.store(LocalId::new(k), Stored::Raw(Box::new(raw(k as u8))), None);
+        }
+        let mut got = Vec::new();
+        state.take(10, Duration::from_secs(1), |e| got.push(e.key()));
+        assert_eq!(got, [1, 2, 3, 4, 5]);
     }
 
     #[test]
