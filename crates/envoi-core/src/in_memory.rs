@@ -11,12 +11,14 @@
 //!   acknowledged, rejected nor released within the lease timeout (30 s by
 //!   default, extended by `keepalive`), it is handed out again.
 //! * **No encoding by default**: messages sent through a messenger are
-//!   stored as envelopes (minus their non-sendable stamps, as a real
-//!   transport would drop them) and handed back as envelopes, which is what
-//!   makes it fast. A stored message costs its envelope and a number: its
-//!   id's text and stamp are made when needed. With `serialize` set (`in-memory://?serialize=true`) every
-//!   message is encoded by the serializer on the way in and decoded on the way
-//!   out, to prove the messages survive a real transport.
+//!   stored as envelopes and handed back (and listed) as envelopes without
+//!   their non-sendable stamps, as a real transport would drop them, which
+//!   is what makes it fast. A stored message costs its envelope (the one the
+//!   send returned, shared: its non-sendable stamps are dropped in place when
+//!   it is first handed out) and a number: its id's text is made when
+//!   needed. With `serialize` set (`in-memory://?serialize=true`) every
+//!   message is encoded by the serializer on the way in and decoded on the
+//!   way out, to prove the messages survive a real transport.
 //!
 //! Raw messages sent through [`Transport::send`] are stored as they are.
 //! Raw reads ([`Transport::get`], [`list`](Transport::list),
