@@ -3,12 +3,14 @@
 use std::any::{Any, TypeId};
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Arc;
+use std::num::NonZeroU64;
+use std::sync::{Arc, OnceLock};
 
 use smallvec::SmallVec;
 
 use crate::message::{Message, MessageKind};
-use crate::stamp::{Stamp, StampEntry};
+use crate::stamp::{Stamp, StampEntry, TransportMessageIdStamp};
+use crate::transport::LocalId;
 
 /// Object-safe view of a message inside an envelope.
 pub(crate) trait ErasedMessage: Any + fmt::Debug + Send + Sync {
@@ -68,17 +70,39 @@ pub(crate) struct Body<M: ?Sized = dyn ErasedMessage> {
     message: M,
 }
 
+/// The name and [`TypeId`] of a message type: one static per type, so an
+/// envelope holds one pointer for both.
+struct MessageType {
+    name: &'static str,
+    type_id: TypeId,
+}
+
+/// Gives every message type its [`MessageType`].
+trait HasMessageType {
+    const TYPE: &'static MessageType;
+}
+
+impl<M: Message> HasMessageType for M {
+    const TYPE: &'static MessageType = &MessageType {
+        name: M::NAME,
+        type_id: TypeId::of::<M>(),
+    };
+}
+
 #[derive(Clone)]
 struct Meta {
-    name: &'static str,
-    /// The message's type, kept here so the hot lookups by type (handlers,
-    /// routes) need no dynamic call.
-    type_id: TypeId,
+    /// The message's name and type, kept here so the hot lookups by type
+    /// (handlers, routes) need no dynamic call.
+    ty: &'static MessageType,
     kind: MessageKind,
     stamps: SmallVec<[StampEntry; 4]>,
     /// The union of the stamps' [`StampEntry::bit`]s: lets a lookup of a
     /// stamp type the envelope does not hold return without a scan.
     kinds: u8,
+    /// The key an in-process transport gave the message, which its empty
+    /// transport-id entry takes its text from (see
+    /// [`StampEntry::TransportId`]).
+    local: Option<NonZeroU64>,
     headers: Option<Arc<BTreeMap<String, String>>>,
 }
 
@@ -92,6 +116,27 @@ impl Meta {
     /// Recomputes `kinds` after stamps were removed.
     fn recount(&mut self) {
         self.kinds = self.stamps.iter().fold(0, |k, e| k | e.bit());
+        if !self.stamps.iter().any(StampEntry::is_unmade_id) {
+            self.local = None;
+        }
+    }
+
+    /// Adds the id `key` of an in-process transport, as an entry whose
+    /// text is made when first read.
+    fn push_local_id(&mut self, key: u64) {
+        let Some(key) = NonZeroU64::new(key) else {
+            self.push(StampEntry::new(TransportMessageIdStamp::new("0")));
+            return;
+        };
+        // One local key per envelope: an earlier id still waiting for its
+        // text gets it now, from the key it was given.
+        if let Some(old) = self.local {
+            for e in self.stamps.iter().filter(|e| e.is_unmade_id()) {
+                e.erased(Some(old));
+            }
+        }
+        self.local = Some(key);
+        self.push(StampEntry::TransportId(OnceLock::new()));
     }
 }
 
@@ -141,11 +186,11 @@ impl Envelope {
 
     fn meta_for<M: Message>(kind: MessageKind) -> Meta {
         Meta {
-            name: M::NAME,
-            type_id: TypeId::of::<M>(),
+            ty: M::TYPE,
             kind,
             stamps: SmallVec::new(),
             kinds: 0,
+            local: None,
             headers: None,
         }
     }
@@ -218,17 +263,19 @@ impl Envelope {
 
     /// The most recently added stamp of type `S`.
     pub fn last<S: Stamp>(&self) -> Option<&S> {
+        let local = self.body.meta.local;
         self.candidates::<S>()
             .iter()
             .rev()
-            .find_map(|e| e.downcast::<S>())
+            .find_map(|e| e.downcast::<S>(local))
     }
 
     /// Every stamp of type `S`, oldest first.
     pub fn all<S: Stamp>(&self) -> impl DoubleEndedIterator<Item = &S> + '_ {
+        let local = self.body.meta.local;
         self.candidates::<S>()
             .iter()
-            .filter_map(|e| e.downcast::<S>())
+            .filter_map(move |e| e.downcast::<S>(local))
     }
 
     /// Whether at least one stamp of type `S` is present.
@@ -253,13 +300,31 @@ impl Envelope {
     /// Every stamp, oldest first, as object-safe views (for serializers and
     /// debugging).
     pub fn stamps(&self) -> impl Iterator<Item = &dyn crate::stamp::ErasedStamp> + '_ {
-        self.body.meta.stamps.iter().map(|e| e.erased())
+        let local = self.body.meta.local;
+        self.body.meta.stamps.iter().map(move |e| e.erased(local))
     }
 
     /// Adds an already type-erased stamp (used by deserializers).
     #[must_use = "an envelope is immutable: `with_erased` returns the stamped copy"]
     pub fn with_erased(mut self, stamp: Arc<dyn crate::stamp::ErasedStamp>) -> Self {
-        self.meta_mut().push(StampEntry::Other(stamp));
+        self.meta_mut().push(StampEntry::from_erased(stamp));
+        self
+    }
+
+    /// Adds an entry made beforehand (a stamp shared by many envelopes).
+    #[must_use = "an envelope is immutable: `with_entry` returns the stamped copy"]
+    #[inline]
+    pub(crate) fn with_entry(mut self, entry: StampEntry) -> Self {
+        self.meta_mut().push(entry);
+        self
+    }
+
+    /// Adds the [`TransportMessageIdStamp`] of an in-process transport's
+    /// id, without making its text until it is read.
+    #[must_use = "an envelope is immutable: `with_local_id` returns the stamped copy"]
+    #[inline]
+    pub(crate) fn with_local_id(mut self, id: LocalId) -> Self {
+        self.meta_mut().push_local_id(id.key());
         self
     }
 
@@ -276,12 +341,12 @@ impl Envelope {
     /// The [`TypeId`] of the message.
     #[inline]
     pub fn message_type_id(&self) -> TypeId {
-        self.body.meta.type_id
+        self.body.meta.ty.type_id
     }
 
     /// The message's stable name ([`Message::NAME`]).
     pub fn message_name(&self) -> &'static str {
-        self.body.meta.name
+        self.body.meta.ty.name
     }
 
     /// Whether the message was dispatched as a command, query or event.
@@ -312,12 +377,33 @@ impl Envelope {
     /// a round trip through a transport. Used by in-process transports that
     /// store envelopes without encoding them.
     pub(crate) fn into_sendable(mut self) -> Self {
-        if self.body.meta.stamps.iter().any(|e| !e.erased().sendable()) {
+        self.make_sendable();
+        self
+    }
+
+    /// Removes the non-sendable stamps, in place when no clone shares
+    /// this envelope (see [`into_sendable`](Self::into_sendable)).
+    pub(crate) fn make_sendable(&mut self) {
+        if self.body.meta.stamps.iter().any(|e| !e.sendable()) {
             let meta = self.meta_mut();
-            meta.stamps.retain(|e| e.erased().sendable());
+            meta.stamps.retain(|e| e.sendable());
             meta.recount();
         }
-        self
+    }
+
+    /// Removes the last stamp of type `S`, if any.
+    pub(crate) fn remove_last<S: Stamp>(&mut self) {
+        let id = std::any::TypeId::of::<S>();
+        let Some(at) = self
+            .candidates::<S>()
+            .iter()
+            .rposition(|e| e.type_id() == id)
+        else {
+            return;
+        };
+        let meta = self.meta_mut();
+        meta.stamps.remove(at);
+        meta.recount();
     }
 
     /// Removes and returns the dispatches a handler deferred (internal to
@@ -331,8 +417,9 @@ impl Envelope {
         }
         let meta = self.meta_mut();
         let mut out = Vec::new();
+        let local = meta.local;
         meta.stamps
-            .retain(|e| match e.downcast::<DeferredDispatches>() {
+            .retain(|e| match e.downcast::<DeferredDispatches>(local) {
                 Some(d) => {
                     out.extend(d.0.iter().cloned());
                     false
@@ -352,11 +439,11 @@ impl Envelope {
         };
         let body: Arc<Body> = Arc::new(Body {
             meta: Meta {
-                name: self.body.meta.name,
-                type_id: self.body.meta.type_id,
+                ty: self.body.meta.ty,
                 kind: self.body.meta.kind,
                 stamps: SmallVec::new(),
                 kinds: 0,
+                local: None,
                 headers: self.body.meta.headers.clone(),
             },
             message: SharedMessage(root),
@@ -365,14 +452,23 @@ impl Envelope {
     }
 }
 
+/// The stamps of an envelope, for its `Debug` output.
+struct StampList<'a>(&'a Envelope);
+
+impl fmt::Debug for StampList<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.0.stamps()).finish()
+    }
+}
+
 impl fmt::Debug for Envelope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let m = &self.body.meta;
         f.debug_struct("Envelope")
-            .field("name", &m.name)
+            .field("name", &m.ty.name)
             .field("kind", &m.kind)
             .field("message", &&self.body.message)
-            .field("stamps", &m.stamps)
+            .field("stamps", &StampList(self))
             .field("headers", &m.headers)
             .finish()
     }
@@ -482,5 +578,89 @@ mod tests {
         assert_eq!(a.header("tenant"), Some("acme"));
         assert_eq!(b.header("tenant"), Some("other"));
         assert_eq!(a.kind(), MessageKind::Event);
+    }
+
+    #[test]
+    fn stamp_entries_and_bodies_stay_small() {
+        assert!(std::mem::size_of::<StampEntry>() <= 40);
+        // What an in-memory queue holds per message, besides the message.
+        assert!(std::mem::size_of::<Meta>() <= 200);
+    }
+
+    #[test]
+    fn built_in_stamps_added_type_erased_are_found_by_type() {
+        use crate::stamp::{ReceivedStamp, TransportMessageIdStamp};
+        let e = Envelope::new(Ping(1))
+            .with_erased(Arc::new(BusNameStamp::new("bus")))
+            .with_erased(Arc::new(ReceivedStamp::new("async")))
+            .with_erased(Arc::new(TransportMessageIdStamp::new("9")))
+            .with_erased(Arc::new(DelayStamp { ms: 4 }))
+            .with_erased(Arc::new(SentStamp::new("async")));
+        assert_eq!(e.last::<BusNameStamp>().unwrap().bus, "bus");
+        assert_eq!(e.last::<SentStamp>().unwrap().transport, "async");
+        assert_eq!(&*e.last::<ReceivedStamp>().unwrap().transport, "async");
+        assert_eq!(e.last::<TransportMessageIdStamp>().unwrap().id, "9");
+        assert_eq!(e.last::<DelayStamp>().unwrap().ms, 4);
+        let names: Vec<_> = e.stamps().map(|s| s.name()).collect();
+        assert_eq!(
+            names,
+            ["BusName", "Received", "TransportMessageId", "Delay", "Sent"]
+        );
+    }
+
+    #[test]
+    fn local_ids_read_as_transport_message_id_stamps() {
+        use crate::stamp::TransportMessageIdStamp;
+        let a = Envelope::new(Ping(1)).with_local_id(LocalId::new(42));
+        // A copy made before the text is read reads the same id.
+        let b = a.clone().with_local_id(LocalId::new(7));
+        let c = b.clone().with(TransportMessageIdStamp::new("remote"));
+        assert_eq!(a.last::<TransportMessageIdStamp>().unwrap().id, "42");
+        let ids: Vec<_> = c
+            .all::<TransportMessageIdStamp>()
+            .map(|s| s.id.as_str())
+            .collect();
+        assert_eq!(ids, ["42", "7", "remote"]);
+        let ids: Vec<_> = b
+            .all::<TransportMessageIdStamp>()
+            .map(|s| s.id.as_str())
+            .collect();
+        assert_eq!(ids, ["42", "7"]);
+        assert!(format!("{c:?}").contains("\"7\""));
+        assert!(!c.into_sendable().has::<TransportMessageIdStamp>());
+        let zero = Envelope::new(Ping(1)).with_local_id(LocalId::new(0));
+        assert_eq!(zero.last::<TransportMessageIdStamp>().unwrap().id, "0");
+    }
+
+    #[test]
+    fn making_an_unshared_envelope_sendable_keeps_its_body() {
+        use crate::stamp::{ReceivedStamp, TransportMessageIdStamp};
+        let mut e = Envelope::new(Ping(1))
+            .with(BusNameStamp::new("bus"))
+            .with(ReceivedStamp::new("async"))
+            .with_local_id(LocalId::new(3));
+        let before = Arc::as_ptr(&e.body);
+        e.make_sendable();
+        assert!(std::ptr::addr_eq(before, Arc::as_ptr(&e.body)));
+        assert!(!e.has::<ReceivedStamp>() && !e.has::<TransportMessageIdStamp>());
+        assert!(e.has::<BusNameStamp>());
+        // A shared one is copied, and the other clone keeps its stamps.
+        let other = e.clone().with(ReceivedStamp::new("b"));
+        let mut shared = other.clone();
+        shared.make_sendable();
+        assert!(other.has::<ReceivedStamp>() && !shared.has::<ReceivedStamp>());
+    }
+
+    #[test]
+    fn remove_last_removes_only_the_newest_of_its_type() {
+        let mut e = Envelope::new(Ping(1))
+            .with(SentStamp::new("a"))
+            .with(DelayStamp { ms: 1 })
+            .with(SentStamp::new("b"));
+        e.remove_last::<SentStamp>();
+        let sent: Vec<_> = e.all::<SentStamp>().map(|s| s.transport.as_str()).collect();
+        assert_eq!(sent, ["a"]);
+        e.remove_last::<HandledStamp>();
+        assert_eq!(e.stamps().count(), 2);
     }
 }

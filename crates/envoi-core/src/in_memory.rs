@@ -3,18 +3,22 @@
 //!
 //! * **Not persistent**: messages live as long as the transport does.
 //! * **Ordered**: available messages are handed out in the order they were
-//!   sent (a released or redelivered message takes its old place).
+//!   sent (a released or redelivered message takes its old place; sends
+//!   made at the same time from several tasks are ordered by the ids they
+//!   were given).
 //! * **Delays** are honoured (with tokio's clock, so paused-time tests work).
 //! * **Leases**: a message handed out by `get` is leased; if it is neither
 //!   acknowledged, rejected nor released within the lease timeout (30 s by
 //!   default, extended by `keepalive`), it is handed out again.
 //! * **No encoding by default**: messages sent through a messenger are
-//!   stored as envelopes (minus their non-sendable stamps, as a real
-//!   transport would drop them) and handed back as envelopes, which is what
-//!   makes it fast. A stored message costs its envelope and a number: its
-//!   id's text and stamp are made when needed. With `serialize` set (`in-memory://?serialize=true`) every
-//!   message is encoded by the serializer on the way in and decoded on the way
-//!   out, to prove the messages survive a real transport.
+//!   stored as envelopes and handed back (and listed) as envelopes without
+//!   their non-sendable stamps, as a real transport would drop them, which
+//!   is what makes it fast. A stored message costs its envelope (the one the
+//!   send returned, shared: its non-sendable stamps are dropped in place when
+//!   it is first handed out) and a number: its id's text is made when
+//!   needed. With `serialize` set (`in-memory://?serialize=true`) every
+//!   message is encoded by the serializer on the way in and decoded on the
+//!   way out, to prove the messages survive a real transport.
 //!
 //! Raw messages sent through [`Transport::send`] are stored as they are.
 //! Raw reads ([`Transport::get`], [`list`](Transport::list),
@@ -37,10 +41,9 @@
 //! ```
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::fmt;
-use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -127,24 +130,6 @@ impl InMemoryConfig {
     }
 }
 
-/// A multiplicative hasher for the sequential `u64` ids.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
 /// A stored message: a [`Payload`] in half the space (a queue may hold
 /// many).
 enum Stored {
@@ -160,10 +145,28 @@ impl Stored {
         }
     }
 
-    fn payload(&self) -> Payload {
+    /// A copy to hand out, once [`make_sendable`](Self::make_sendable)
+    /// ran.
+    fn handout(&self) -> Payload {
         match self {
             Stored::Envelope(e) => Payload::Envelope(e.clone()),
             Stored::Raw(raw) => Payload::Raw((**raw).clone()),
+        }
+    }
+
+    /// A copy to hand out: an envelope without its non-sendable stamps.
+    fn payload(&self) -> Payload {
+        match self {
+            Stored::Envelope(e) => Payload::Envelope(e.clone().into_sendable()),
+            Stored::Raw(raw) => Payload::Raw((**raw).clone()),
+        }
+    }
+
+    /// Drops the non-sendable stamps of a stored envelope (kept until it is
+    /// first handed out, so that storing it needs no copy of its stamps).
+    fn make_sendable(&mut self) {
+        if let Stored::Envelope(e) = self {
+            e.make_sendable();
         }
     }
 }
@@ -207,16 +210,110 @@ struct Lease {
     expires: Instant,
 }
 
+/// The leased messages, in key order. Messages are leased, and mostly
+/// acknowledged, in key order: a sorted deque finds them by binary search,
+/// adds them at its back and frees them from its front. A lease removed
+/// from the middle leaves a hole, until the holes before it are gone too or
+/// the holes outnumber the leases.
+#[derive(Default)]
+struct Leases {
+    slots: VecDeque<(u64, Option<Lease>)>,
+    live: usize,
+}
+
+impl Leases {
+    fn len(&self) -> usize {
+        self.live
+    }
+
+    fn position(&self, key: u64) -> Result<usize, usize> {
+        self.slots.binary_search_by_key(&key, |(k, _)| *k)
+    }
+
+    fn reserve(&mut self, n: usize) {
+        self.slots.reserve(n);
+    }
+
+    fn insert(&mut self, lease: Lease) {
+        let key = lease.entry.key();
+        match self.slots.back() {
+            Some((last, _)) if *last >= key => match self.position(key) {
+                // The hole the same message left when it was last leased.
+                Ok(at) => {
+                    if self.slots[at].1.replace(lease).is_none() {
+                        self.live += 1;
+                    }
+                }
+                Err(at) => {
+                    self.slots.insert(at, (key, Some(lease)));
+                    self.live += 1;
+                }
+            },
+            _ => {
+                self.slots.push_back((key, Some(lease)));
+                self.live += 1;
+            }
+        }
+    }
+
+    fn get_mut(&mut self, key: u64) -> Option<&mut Lease> {
+        let at = self.position(key).ok()?;
+        self.slots[at].1.as_mut()
+    }
+
+    fn remove(&mut self, key: u64) -> Option<Lease> {
+        // Most often the oldest lease: messages finish in about the order
+        // they were handed out.
+        let at = match self.slots.front() {
+            Some((first, _)) if *first == key => 0,
+            _ => self.position(key).ok()?,
+        };
+        let lease = self.slots[at].1.take()?;
+        self.live -= 1;
+        self.tidy();
+        Some(lease)
+    }
+
+    /// Drops the holes at both ends, and all of them once they outnumber
+    /// the leases (so a lease held for long does not keep every later hole).
+    fn tidy(&mut self) {
+        while matches!(self.slots.front(), Some((_, None))) {
+            self.slots.pop_front();
+        }
+        while matches!(self.slots.back(), Some((_, None))) {
+            self.slots.pop_back();
+        }
+        if self.slots.len() > 2 * self.live + 64 {
+            self.slots.retain(|(_, l)| l.is_some());
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Lease> + '_ {
+        self.slots.iter().filter_map(|(_, l)| l.as_ref())
+    }
+
+    /// Removes and returns the leases expired at `now`.
+    fn take_expired(&mut self, now: Instant) -> Vec<Lease> {
+        let mut out = Vec::new();
+        for (_, slot) in self.slots.iter_mut() {
+            if slot.as_ref().is_some_and(|l| l.expires <= now) {
+                out.extend(slot.take());
+            }
+        }
+        self.live -= out.len();
+        self.tidy();
+        out
+    }
+}
+
 #[derive(Default)]
 struct State {
     /// Available now, sorted by id.
     ready: VecDeque<Entry>,
     delayed: BinaryHeap<Delayed>,
-    leased: HashMap<u64, Lease, BuildHasherDefault<IdHasher>>,
+    leased: Leases,
     /// No lease expires before this (a lower bound; `None` when none is held).
     earliest_expiry: Option<Instant>,
-    /// The last id given out.
-    last_key: u64,
     acknowledged: u64,
     rejected: u64,
 }
@@ -235,10 +332,8 @@ impl State {
         }
     }
 
-    /// Stores a message under the next id, and returns the id.
-    fn store(&mut self, stored: Stored, delay: Option<Duration>) -> LocalId {
-        self.last_key += 1;
-        let id = LocalId::new(self.last_key);
+    /// Stores a message under `id` (see [`InMemoryTransport::next_id`]).
+    fn store(&mut self, id: LocalId, stored: Stored, delay: Option<Duration>) {
         let entry = Entry { id, stored };
         match delay.filter(|d| !d.is_zero()) {
             Some(d) => self.delayed.push(Delayed {
@@ -247,7 +342,6 @@ impl State {
             }),
             None => self.insert_ready(entry),
         }
-        id
     }
 
     /// Moves due delayed messages and expired leases to `ready`.
@@ -258,18 +352,10 @@ impl State {
             }
         }
         if self.earliest_expiry.is_some_and(|t| t <= now) {
-            let expired: Vec<u64> = self
-                .leased
-                .iter()
-                .filter(|(_, l)| l.expires <= now)
-                .map(|(key, _)| *key)
-                .collect();
-            for id in expired {
-                if let Some(lease) = self.leased.remove(&id) {
-                    self.insert_ready(lease.entry);
-                }
+            for lease in self.leased.take_expired(now) {
+                self.insert_ready(lease.entry);
             }
-            self.earliest_expiry = self.leased.values().map(|l| l.expires).min();
+            self.earliest_expiry = self.leased.iter().map(|l| l.expires).min();
         }
     }
 
@@ -286,9 +372,10 @@ impl State {
             return;
         }
         self.leased.reserve(n);
-        for entry in self.ready.drain(..n) {
+        for mut entry in self.ready.drain(..n) {
+            entry.stored.make_sendable();
             out(&entry);
-            self.leased.insert(entry.key(), Lease { entry, expires });
+            self.leased.insert(Lease { entry, expires });
         }
         if self.earliest_expiry.is_none_or(|t| t > expires) {
             self.earliest_expiry = Some(expires);
@@ -304,7 +391,7 @@ impl State {
     /// Removes a message for good and returns it, to be dropped once the
     /// lock is released.
     fn take_out(&mut self, id: u64) -> Option<Entry> {
-        if let Some(lease) = self.leased.remove(&id) {
+        if let Some(lease) = self.leased.remove(id) {
             return Some(lease.entry);
         }
         if let Some(pos) = self.ready.iter().position(|e| e.key() == id) {
@@ -323,7 +410,7 @@ impl State {
             .ready
             .iter()
             .chain(self.delayed.iter().map(|d| &d.entry))
-            .chain(self.leased.values().map(|l| &l.entry))
+            .chain(self.leased.iter().map(|l| &l.entry))
             .map(|e| (e.id, e.stored.payload()))
             .collect();
         all.sort_unstable_by_key(|(id, _)| id.key());
@@ -348,6 +435,9 @@ impl State {
 /// A queue in the process's memory; see the [module documentation](self).
 pub struct InMemoryTransport {
     state: Mutex<State>,
+    /// The last id given out. Ids are taken before the lock, so that a
+    /// send holds it only to queue the message.
+    last_key: AtomicU64,
     notify: Notify,
     /// How many [`Transport::wait_for_messages`] calls are checking or
     /// waiting: a send wakes them only when there is one.
@@ -386,6 +476,7 @@ impl InMemoryTransport {
     pub fn with_config(config: InMemoryConfig) -> Self {
         Self {
             state: Mutex::new(State::default()),
+            last_key: AtomicU64::new(0),
             notify: Notify::new(),
             waiting: AtomicUsize::new(0),
             config,
@@ -463,24 +554,37 @@ impl InMemoryTransport {
         }
     }
 
+    /// The id for the next message stored.
+    fn next_id(&self) -> LocalId {
+        LocalId::new(self.last_key.fetch_add(1, AtomicOrdering::Relaxed) + 1)
+    }
+
     fn store(&self, payload: Payload, delay: Option<Duration>) -> LocalId {
         let stored = Stored::new(payload);
-        let id = self.lock().store(stored, delay);
+        let id = self.next_id();
+        self.lock().store(id, stored, delay);
         self.wake();
         id
     }
 
-    /// Stores `envelope` without its non-sendable stamps and returns it
-    /// stamped with its new id.
+    /// Stores `envelope` and returns it stamped with its new id.
+    ///
+    /// The stored copy shares the returned envelope's body, stamps
+    /// included: its non-sendable stamps (the id, the sender's
+    /// [`SentStamp`](crate::stamp::SentStamp)) are dropped when it is first
+    /// handed out, by then usually in place. Stamping the envelope before it
+    /// is shared costs no copy.
     fn store_envelope(&self, envelope: Envelope) -> Envelope {
         let delay = envelope
             .last::<DelayStamp>()
             .map(DelayStamp::duration)
             .filter(|d| !d.is_zero());
-        let stored = Stored::Envelope(envelope.clone().into_sendable());
-        let id = self.lock().store(stored, delay);
+        let id = self.next_id();
+        let stamped = envelope.with_local_id(id);
+        let stored = Stored::Envelope(stamped.clone());
+        self.lock().store(id, stored, delay);
         self.wake();
-        envelope.with_erased(id.stamp())
+        stamped
     }
 }
 
@@ -520,7 +624,14 @@ impl Transport for InMemoryTransport {
             .collect();
         let ids: Vec<LocalId> = {
             let mut state = self.lock();
-            stored.into_iter().map(|(s, d)| state.store(s, d)).collect()
+            stored
+                .into_iter()
+                .map(|(s, d)| {
+                    let id = self.next_id();
+                    state.store(id, s, d);
+                    id
+                })
+                .collect()
         };
         self.wake();
         let ids = ids.iter().map(LocalId::to_string).collect();
@@ -530,7 +641,7 @@ impl Transport for InMemoryTransport {
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         let mut taken = Vec::new();
         self.lock().take(max, self.config.lease_timeout, |e| {
-            taken.push((e.id, e.stored.payload()))
+            taken.push((e.id, e.stored.handout()))
         });
         let out = taken
             .into_iter()
@@ -587,7 +698,7 @@ impl Transport for InMemoryTransport {
     fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
         let out = parse_id(id).and_then(|n| {
             let mut state = self.lock();
-            match state.leased.remove(&n) {
+            match state.leased.remove(n) {
                 Some(lease) => {
                     state.insert_ready(lease.entry);
                     Ok(())
@@ -607,7 +718,7 @@ impl Transport for InMemoryTransport {
         let out = parse_id(id).and_then(|n| {
             let mut state = self.lock();
             let expires = Instant::now() + self.config.lease_timeout;
-            match state.leased.get_mut(&n) {
+            match state.leased.get_mut(n) {
                 Some(lease) => {
                     lease.expires = expires;
                     Ok(())
@@ -696,7 +807,7 @@ impl LocalTransport for InMemoryTransport {
             }
             out.push(LocalDelivery {
                 id: e.id,
-                payload: e.stored.payload(),
+                payload: e.stored.handout(),
             })
         });
         LocalFuture::ready(Ok(out))
@@ -950,6 +1061,60 @@ mod tests {
         )
         .await;
         assert!(waited.is_err());
+    }
+
+    #[tokio::test]
+    async fn messages_given_ids_concurrently_are_queued_in_id_order() {
+        // Ids are taken before the lock: a send may queue its message after
+        // one that took a later id.
+        let mut state = State::default();
+        for k in [2, 3, 1, 5, 4] {
+            state.store(LocalId::new(k), Stored::Raw(Box::new(raw(k as u8))), None);
+        }
+        let mut got = Vec::new();
+        state.take(10, Duration::from_secs(1), |e| got.push(e.key()));
+        assert_eq!(got, [1, 2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn leases_are_found_in_any_order_and_holes_do_not_pile_up() {
+        let now = Instant::now();
+        let lease = |k: u64| Lease {
+            entry: Entry {
+                id: LocalId::new(k),
+                stored: Stored::Raw(Box::new(raw(k as u8))),
+            },
+            expires: now + Duration::from_secs(k),
+        };
+        let mut leases = Leases::default();
+        for k in 1..=1000 {
+            leases.insert(lease(k));
+        }
+        // The first stays leased; the others go, newest first.
+        for k in (2..=1000).rev() {
+            assert_eq!(leases.remove(k).map(|l| l.entry.key()), Some(k));
+            assert!(leases.slots.len() <= 2 * leases.len() + 64 + 1);
+        }
+        assert!(leases.remove(500).is_none());
+        assert_eq!((leases.len(), leases.slots.len()), (1, 1));
+        // Out of order: an older key comes back while newer ones are held.
+        for k in [10, 20, 30] {
+            leases.insert(lease(k));
+        }
+        assert!(leases.remove(20).is_some());
+        leases.insert(lease(20));
+        leases.insert(lease(5));
+        let keys: Vec<u64> = leases.iter().map(|l| l.entry.key()).collect();
+        assert_eq!(keys, [1, 5, 10, 20, 30]);
+        leases.get_mut(30).unwrap().expires = now;
+        let expired: Vec<u64> = leases
+            .take_expired(now + Duration::from_secs(5))
+            .iter()
+            .map(|l| l.entry.key())
+            .collect();
+        assert_eq!(expired, [1, 5, 30]);
+        assert_eq!(leases.len(), 2);
+        assert!(leases.get_mut(1).is_none());
     }
 
     #[test]

@@ -38,7 +38,8 @@
 use std::any::{Any, TypeId};
 use std::borrow::Cow;
 use std::fmt;
-use std::sync::Arc;
+use std::num::NonZeroU64;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::de::DeserializeOwned;
@@ -97,6 +98,14 @@ pub(crate) enum StampEntry {
     BusName(BusNameStamp),
     Handled(HandledStamp),
     Received(ReceivedStamp),
+    /// A [`TransportMessageIdStamp`]. An in-process transport's id is a
+    /// number: the entry is then left empty and its text is made from the
+    /// envelope's local key (see [`Self::erased`]) when first read, which
+    /// most messages never are.
+    TransportId(OnceLock<TransportMessageIdStamp>),
+    /// A [`SentStamp`]: shared, as a send step makes one per transport and
+    /// adds it to every envelope it sends there.
+    Sent(Arc<SentStamp>),
     Other(Arc<dyn ErasedStamp>),
 }
 
@@ -118,10 +127,39 @@ impl StampEntry {
             if let Some(s) = s.take() {
                 return StampEntry::Received(s);
             }
+        } else if let Some(s) = any.downcast_mut::<Option<TransportMessageIdStamp>>() {
+            if let Some(s) = s.take() {
+                return StampEntry::TransportId(OnceLock::from(s));
+            }
+        } else if let Some(s) = any.downcast_mut::<Option<SentStamp>>() {
+            if let Some(s) = s.take() {
+                return StampEntry::Sent(Arc::new(s));
+            }
         }
         match slot {
             Some(stamp) => StampEntry::Other(Arc::new(stamp)),
             None => unreachable!("a built-in stamp returned above"),
+        }
+    }
+
+    /// An already type-erased stamp: a built-in one goes to its inline
+    /// slot, so lookups by type find it whichever way it was added.
+    pub(crate) fn from_erased(stamp: Arc<dyn ErasedStamp>) -> Self {
+        let any = (*stamp).as_any();
+        if let Some(s) = any.downcast_ref::<BusNameStamp>() {
+            StampEntry::BusName(s.clone())
+        } else if let Some(s) = any.downcast_ref::<HandledStamp>() {
+            StampEntry::Handled(s.clone())
+        } else if let Some(s) = any.downcast_ref::<ReceivedStamp>() {
+            StampEntry::Received(s.clone())
+        } else if let Some(s) = any.downcast_ref::<TransportMessageIdStamp>() {
+            StampEntry::TransportId(OnceLock::from(s.clone()))
+        } else {
+            let any: Arc<dyn Any + Send + Sync> = stamp.clone();
+            match any.downcast::<SentStamp>() {
+                Ok(sent) => StampEntry::Sent(sent),
+                Err(_) => StampEntry::Other(stamp),
+            }
         }
     }
 
@@ -134,6 +172,8 @@ impl StampEntry {
             StampEntry::Handled(_) => 2,
             StampEntry::Received(_) => 4,
             StampEntry::Other(_) => 8,
+            StampEntry::TransportId(_) => 16,
+            StampEntry::Sent(_) => 32,
         }
     }
 
@@ -147,18 +187,50 @@ impl StampEntry {
             2
         } else if id == TypeId::of::<ReceivedStamp>() {
             4
+        } else if id == TypeId::of::<TransportMessageIdStamp>() {
+            16
+        } else if id == TypeId::of::<SentStamp>() {
+            32
         } else {
             8
         }
     }
 
-    pub(crate) fn erased(&self) -> &dyn ErasedStamp {
+    /// The stamp. `local` is the envelope's local key, which an empty
+    /// transport-id entry takes its text from.
+    pub(crate) fn erased(&self, local: Option<NonZeroU64>) -> &dyn ErasedStamp {
         match self {
             StampEntry::BusName(s) => s,
             StampEntry::Handled(s) => s,
             StampEntry::Received(s) => s,
+            StampEntry::TransportId(s) => s.get_or_init(|| {
+                TransportMessageIdStamp::new(crate::transport::decimal(
+                    local.map_or(0, NonZeroU64::get),
+                ))
+            }),
+            StampEntry::Sent(s) => &**s,
             StampEntry::Other(s) => &**s,
         }
+    }
+
+    /// Whether the stamp crosses a transport (without making the text of
+    /// an empty transport-id entry).
+    #[inline]
+    pub(crate) fn sendable(&self) -> bool {
+        match self {
+            StampEntry::BusName(_) => BusNameStamp::SENDABLE,
+            StampEntry::Handled(_) => HandledStamp::SENDABLE,
+            StampEntry::Received(_) => ReceivedStamp::SENDABLE,
+            StampEntry::TransportId(_) => TransportMessageIdStamp::SENDABLE,
+            StampEntry::Sent(_) => SentStamp::SENDABLE,
+            StampEntry::Other(s) => s.sendable(),
+        }
+    }
+
+    /// Whether this is a transport-id entry still waiting for its text.
+    #[inline]
+    pub(crate) fn is_unmade_id(&self) -> bool {
+        matches!(self, StampEntry::TransportId(s) if s.get().is_none())
     }
 
     #[inline]
@@ -167,22 +239,18 @@ impl StampEntry {
             StampEntry::BusName(_) => TypeId::of::<BusNameStamp>(),
             StampEntry::Handled(_) => TypeId::of::<HandledStamp>(),
             StampEntry::Received(_) => TypeId::of::<ReceivedStamp>(),
+            StampEntry::TransportId(_) => TypeId::of::<TransportMessageIdStamp>(),
+            StampEntry::Sent(_) => TypeId::of::<SentStamp>(),
             StampEntry::Other(s) => (**s).as_any().type_id(),
         }
     }
 
     #[inline]
-    pub(crate) fn downcast<S: Stamp>(&self) -> Option<&S> {
+    pub(crate) fn downcast<S: Stamp>(&self, local: Option<NonZeroU64>) -> Option<&S> {
         if self.type_id() != TypeId::of::<S>() {
             return None;
         }
-        self.erased().as_any().downcast_ref::<S>()
-    }
-}
-
-impl fmt::Debug for StampEntry {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(self.erased(), f)
+        self.erased(local).as_any().downcast_ref::<S>()
     }
 }
 

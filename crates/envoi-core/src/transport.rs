@@ -298,7 +298,7 @@ impl fmt::Display for LocalId {
 }
 
 /// `n` in decimal, without the formatting machinery (this runs per message).
-fn decimal(mut n: u64) -> String {
+pub(crate) fn decimal(mut n: u64) -> String {
     let mut buf = [0u8; 20];
     let mut i = buf.len();
     loop {
@@ -370,7 +370,7 @@ impl<T> fmt::Debug for LocalFuture<'_, T> {
 pub trait LocalTransport: Send + Sync {
     /// Stores `envelope` (honouring its last
     /// [`DelayStamp`](crate::stamp::DelayStamp)) and returns it with a
-    /// [`TransportMessageIdStamp`](crate::stamp::TransportMessageIdStamp);
+    /// [`TransportMessageIdStamp`];
     /// or, for a transport that [handles on send](Self::handles_on_send),
     /// handles it now and returns the result of that.
     fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>>;
@@ -416,7 +416,7 @@ pub struct SendError {
 /// Sends envelopes to one transport.
 pub trait Sender: Send + Sync + 'static {
     /// Sends `envelope`; on success returns it stamped with a
-    /// [`TransportMessageIdStamp`](crate::stamp::TransportMessageIdStamp).
+    /// [`TransportMessageIdStamp`].
     fn send(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope, SendError>>;
 }
 

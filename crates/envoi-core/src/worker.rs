@@ -115,8 +115,8 @@ use crate::error::{BusError, TransportError};
 use crate::middleware::BoxFuture;
 use crate::serializer::STAMP_HEADER_PREFIX;
 use crate::stamp::{
-    BusNameStamp, DelayStamp, ErasedStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp,
-    SentStamp, SentToFailureTransportStamp, Stamp, TransportMessageIdStamp,
+    BusNameStamp, DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
+    SentToFailureTransportStamp, Stamp, TransportMessageIdStamp,
 };
 use crate::transport::{LocalId, Payload, RawMessage, Transport};
 
@@ -726,34 +726,47 @@ struct Receiver {
 }
 
 impl Receiver {
-    /// Up to `max` messages, held by receiver number `index` from now.
-    async fn get(&self, index: usize, max: usize) -> Result<Vec<Held>, TransportError> {
+    /// Up to `max` messages.
+    async fn get(&self, max: usize) -> Result<Batch, TransportError> {
         Ok(match self.transport.local() {
-            Some(local) => {
-                let got = local.get_local(max).await?;
-                let since = Instant::now();
-                got.into_iter()
-                    .map(|d| Held {
-                        receiver: index,
-                        id: MessageId::Local(d.id),
-                        payload: d.payload,
-                        since,
-                    })
-                    .collect()
-            }
-            None => {
-                let got = self.transport.get(max).await?;
-                let since = Instant::now();
-                got.into_iter()
-                    .map(|d| Held {
-                        receiver: index,
-                        id: MessageId::Remote(d.id),
-                        payload: Payload::Raw(d.raw),
-                        since,
-                    })
-                    .collect()
-            }
+            Some(local) => Batch::Local(local.get_local(max).await?),
+            None => Batch::Remote(self.transport.get(max).await?),
         })
+    }
+}
+
+/// Messages as a receiver's transport handed them out.
+enum Batch {
+    Local(Vec<crate::transport::LocalDelivery>),
+    Remote(Vec<crate::transport::Delivery>),
+}
+
+impl Batch {
+    fn len(&self) -> usize {
+        match self {
+            Batch::Local(got) => got.len(),
+            Batch::Remote(got) => got.len(),
+        }
+    }
+
+    /// Adds the messages to `buffer`, held by receiver number `receiver`
+    /// from now.
+    fn hold(self, receiver: usize, buffer: &mut VecDeque<Held>) {
+        let since = Instant::now();
+        match self {
+            Batch::Local(got) => buffer.extend(got.into_iter().map(|d| Held {
+                receiver,
+                id: MessageId::Local(d.id),
+                payload: d.payload,
+                since,
+            })),
+            Batch::Remote(got) => buffer.extend(got.into_iter().map(|d| Held {
+                receiver,
+                id: MessageId::Remote(d.id),
+                payload: Payload::Raw(d.raw),
+                since,
+            })),
+        }
     }
 }
 
@@ -1011,11 +1024,11 @@ impl MessageId {
         }
     }
 
-    /// The [`TransportMessageIdStamp`] of the received envelope.
-    fn stamp(&self) -> Arc<dyn ErasedStamp> {
+    /// `envelope` with the [`TransportMessageIdStamp`] of this id.
+    fn stamp(&self, envelope: Envelope) -> Envelope {
         match self {
-            MessageId::Local(id) => id.stamp(),
-            MessageId::Remote(id) => Arc::new(TransportMessageIdStamp::new(id.clone())),
+            MessageId::Local(id) => envelope.with_local_id(*id),
+            MessageId::Remote(id) => envelope.with(TransportMessageIdStamp::new(id.clone())),
         }
     }
 }
@@ -1033,7 +1046,9 @@ enum Work {
     /// Dispatch the envelope (as the transport handed it out).
     Dispatch(Envelope),
     /// It did not decode: park it as it is.
-    Park(RawMessage, crate::error::SerializationError),
+    /// (Boxed: it is rare, and every started message's future holds a
+    /// `Work`.)
+    Park(Box<(RawMessage, crate::error::SerializationError)>),
 }
 
 /// A message being handled.
@@ -1358,7 +1373,7 @@ impl Ctx {
             Payload::Envelope(e) => (Work::Dispatch(e.clone()), Some(e)),
             Payload::Raw(raw) => match self.messenger.serializer().decode(&raw) {
                 Ok(e) => (Work::Dispatch(e.clone()), Some(e)),
-                Err(error) => (Work::Park(raw, error), None),
+                Err(error) => (Work::Park(Box::new((raw, error))), None),
             },
         };
         let task = TaskInfo {
@@ -1371,10 +1386,17 @@ impl Ctx {
     }
 
     /// Handles one started message.
+    ///
+    /// Parking (rare) is awaited through a box: a future holds the state of
+    /// everything it awaits inline, and this one is moved into its slot for
+    /// every message.
     async fn process(&self, receiver: usize, id: MessageId, work: Work) -> Done {
         match work {
             Work::Dispatch(envelope) => self.handle(receiver, id, envelope).await,
-            Work::Park(raw, error) => self.park_raw(receiver, &id.text(), raw, error).await,
+            Work::Park(parked) => {
+                let (raw, error) = *parked;
+                Box::pin(self.park_raw(receiver, &id.text(), raw, error)).await
+            }
         }
     }
 
@@ -1391,12 +1413,9 @@ impl Ctx {
         // kept in case the handler panics) and is kept as received; the
         // dispatched copy takes the stamps of the receipt (one copy of the
         // stamps, which the pipeline then adds to in place).
-        let stamped = envelope
-            .clone()
-            .with(ReceivedStamp {
-                transport: transport.clone(),
-            })
-            .with_erased(id.stamp());
+        let stamped = id.stamp(envelope.clone().with(ReceivedStamp {
+            transport: transport.clone(),
+        }));
         let started = self.events.enabled().then(Instant::now);
         let result = self.bus_for(&stamped).dispatch(stamped).await;
         let duration = started.map(|s| s.elapsed()).unwrap_or_default();
@@ -1465,13 +1484,25 @@ impl Ctx {
                 });
                 Action::Release
             }
-            Err(error) => {
-                let details = ErrorDetailsStamp::from_error(error.kind(), &error);
-                let envelope = error.envelope().cloned().unwrap_or(envelope);
-                self.park(receiver, &id.text(), envelope, details).await
-            }
+            Err(error) => self.park_failed(receiver, &id, envelope, error).await,
         };
         Done { receiver, action }
+    }
+
+    /// Parks a message whose dispatch failed with `error` outside the
+    /// retry step. Boxed, and made without keeping the error: the future of
+    /// every message holds what this one awaits.
+    fn park_failed<'a>(
+        &'a self,
+        receiver: usize,
+        id: &MessageId,
+        envelope: Envelope,
+        error: BusError,
+    ) -> BoxFuture<'a, Action> {
+        let details = ErrorDetailsStamp::from_error(error.kind(), &error);
+        let envelope = error.envelope().cloned().unwrap_or(envelope);
+        let id = id.text().into_owned();
+        Box::pin(async move { self.park(receiver, &id, envelope, details).await })
     }
 
     /// Parks `envelope` (which failed outside the retry step) in its failure
@@ -1733,7 +1764,7 @@ struct Run<'a, F> {
 struct Ahead<'a> {
     /// How many messages were asked for.
     want: usize,
-    get: BoxFuture<'a, Result<Vec<Held>, TransportError>>,
+    get: BoxFuture<'a, Result<Batch, TransportError>>,
 }
 
 /// Polls the batch asked for ahead of time, if any; once it arrives, its
@@ -1752,7 +1783,7 @@ fn poll_ahead(
     };
     *ahead = None;
     match got {
-        Ok(batch) => buffer.extend(batch),
+        Ok(batch) => batch.hold(0, buffer),
         Err(e) => ctx.events.emit(|| WorkerEvent::TransportFailed {
             transport: ctx.receivers[0].name.clone(),
             operation: "get",
@@ -1989,7 +2020,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 break;
             }
             let ctx = self.ctx;
-            let get = ctx.receivers[receiver].get(receiver, want);
+            let get = ctx.receivers[receiver].get(want);
             tokio::pin!(get);
             let got = loop {
                 tokio::select! {
@@ -2002,12 +2033,12 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 }
             };
             match got {
-                Ok(batch) if !batch.is_empty() => {
+                Ok(batch) if batch.len() > 0 => {
                     if let Some(bucket) = &mut self.buckets[receiver] {
                         bucket.take(batch.len());
                     }
                     let n = batch.len();
-                    self.buffer.extend(batch);
+                    batch.hold(receiver, &mut self.buffer);
                     return (n, wait);
                 }
                 Ok(_) => {}
@@ -2043,7 +2074,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         }
         self.ahead = Some(Ahead {
             want,
-            get: Box::pin(ctx.receivers[0].get(0, want)),
+            get: Box::pin(ctx.receivers[0].get(want)),
         });
     }
 

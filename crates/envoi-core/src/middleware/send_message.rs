@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
-use crate::error::Result;
+use crate::error::{BusError, Result};
 use crate::handler::TypeMap;
 use crate::message::Message;
-use crate::stamp::{ErasedStamp, ReceivedStamp, SentStamp};
+use crate::stamp::{ReceivedStamp, SentStamp, StampEntry};
 use crate::transport::{SenderDispatcher, Transport};
 
 /// Which transports each message type is sent to.
@@ -65,7 +65,7 @@ impl Routes {
 pub(crate) struct Route {
     transport: Arc<str>,
     /// Its [`SentStamp`], made once and shared by every envelope sent there.
-    sent: Arc<dyn ErasedStamp>,
+    sent: StampEntry,
     /// The transport, when the dispatcher would send to it through its
     /// in-process side anyway: the step then does so itself, without a
     /// boxed future.
@@ -79,7 +79,7 @@ impl Route {
             .filter(|t| t.local().is_some_and(|l| !l.handles_on_send()));
         Self {
             transport: transport.clone(),
-            sent: Arc::new(SentStamp::new(transport.to_string())),
+            sent: StampEntry::new(SentStamp::new(transport.to_string())),
             local,
         }
     }
@@ -94,8 +94,47 @@ impl Route {
 #[derive(Clone)]
 pub struct SendMessage {
     routes: Arc<Routes>,
-    resolved: Arc<TypeMap<Vec<Route>>>,
+    resolved: Arc<Resolved>,
     dispatcher: Arc<dyn SenderDispatcher>,
+}
+
+/// The routes by message type: a few are found faster by comparing type
+/// ids than by hashing one (this runs for every dispatch).
+enum Resolved {
+    Few(Vec<(TypeId, Vec<Route>)>),
+    Many(TypeMap<Vec<Route>>),
+}
+
+impl Resolved {
+    /// Up to this many routed types are scanned.
+    const FEW: usize = 8;
+
+    fn new(routes: Vec<(TypeId, Vec<Route>)>) -> Self {
+        if routes.len() <= Self::FEW {
+            Resolved::Few(routes)
+        } else {
+            Resolved::Many(routes.into_iter().collect())
+        }
+    }
+
+    #[inline]
+    fn is_empty(&self) -> bool {
+        match self {
+            Resolved::Few(routes) => routes.is_empty(),
+            Resolved::Many(routes) => routes.is_empty(),
+        }
+    }
+
+    #[inline]
+    fn get(&self, type_id: TypeId) -> Option<&[Route]> {
+        match self {
+            Resolved::Few(routes) => routes
+                .iter()
+                .find(|(id, _)| *id == type_id)
+                .map(|(_, r)| r.as_slice()),
+            Resolved::Many(routes) => routes.get(&type_id).map(Vec::as_slice),
+        }
+    }
 }
 
 impl std::fmt::Debug for SendMessage {
@@ -109,7 +148,7 @@ impl std::fmt::Debug for SendMessage {
 impl SendMessage {
     /// The step with these routes and dispatcher.
     pub fn new(routes: Arc<Routes>, dispatcher: Arc<dyn SenderDispatcher>) -> Self {
-        let resolved = routes
+        let resolved: Vec<(TypeId, Vec<Route>)> = routes
             .by_type
             .iter()
             .map(|(id, (_, transports))| {
@@ -122,7 +161,7 @@ impl SendMessage {
             .collect();
         Self {
             routes,
-            resolved: Arc::new(resolved),
+            resolved: Arc::new(Resolved::new(resolved)),
             dispatcher,
         }
     }
@@ -144,27 +183,45 @@ impl SendMessage {
         if self.resolved.is_empty() || envelope.has::<ReceivedStamp>() {
             return None;
         }
-        self.resolved
-            .get(&envelope.message_type_id())
-            .map(Vec::as_slice)
+        self.resolved.get(envelope.message_type_id())
     }
 
     pub(crate) async fn send(&self, mut envelope: Envelope, targets: &[Route]) -> Result<Envelope> {
         for route in targets {
             envelope = match route.local.as_ref().and_then(|t| t.local()) {
+                // Stamped before it is sent: the transport stores the
+                // envelope it returns (dropping the non-sendable stamps when
+                // it hands it out), so a stamp added afterwards would copy
+                // the stamps of a shared envelope.
                 Some(local) => local
-                    .send_envelope(envelope)
-                    .await?
-                    .with_erased(route.sent.clone()),
+                    .send_envelope(envelope.with_entry(route.sent.clone()))
+                    .await
+                    .map_err(unsent)?,
                 None => self
                     .dispatcher
                     .send(&route.transport, envelope)
                     .await?
-                    .with_erased(route.sent.clone()),
+                    .with_entry(route.sent.clone()),
             };
         }
         Ok(envelope)
     }
+}
+
+/// A failed send's error, its envelope without the [`SentStamp`] added
+/// before the send.
+#[cold]
+fn unsent(mut error: BusError) -> BusError {
+    match &mut error {
+        BusError::HandlerFailed { envelope, .. }
+        | BusError::DelayedHandlingFailed { envelope, .. }
+        | BusError::Transport {
+            envelope: Some(envelope),
+            ..
+        } => envelope.remove_last::<SentStamp>(),
+        _ => {}
+    }
+    error
 }
 
 impl Middleware for SendMessage {
@@ -245,11 +302,161 @@ mod tests {
         let got = queue.get_local(10).await.unwrap();
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].id.to_string(), id);
+        let Payload::Envelope(handed_out) = &got[0].payload else {
+            panic!("expected an envelope")
+        };
+        assert!(!handed_out.has::<SentStamp>());
+        assert!(!handed_out.has::<TransportMessageIdStamp>());
         let Payload::Envelope(stored) = &queue.stored()[0].payload else {
             panic!("expected an envelope")
         };
         assert!(!stored.has::<SentStamp>());
+        assert!(!stored.has::<TransportMessageIdStamp>());
         assert!(stored.message::<Ping>().is_some());
+        // The envelope the step returned keeps its stamps.
+        assert_eq!(out.last::<SentStamp>().unwrap().transport, "async");
+        assert_eq!(out.last::<TransportMessageIdStamp>().unwrap().id, id);
+    }
+
+    /// An in-process transport whose sends fail, handing the envelope back.
+    struct Refusing;
+
+    impl crate::transport::LocalTransport for Refusing {
+        fn send_envelope(
+            &self,
+            envelope: Envelope,
+        ) -> crate::transport::LocalFuture<'_, Result<Envelope>> {
+            crate::transport::LocalFuture::ready(Err(BusError::Transport {
+                transport: "refusing".into(),
+                envelope: Some(Box::new(envelope)),
+                source: crate::error::TransportError::Unsupported("send"),
+            }))
+        }
+
+        fn get_local(
+            &self,
+            _max: usize,
+        ) -> crate::transport::LocalFuture<
+            '_,
+            Result<Vec<crate::transport::LocalDelivery>, crate::error::TransportError>,
+        > {
+            crate::transport::LocalFuture::ready(Ok(Vec::new()))
+        }
+    }
+
+    impl Transport for Refusing {
+        fn send(
+            &self,
+            _message: crate::transport::RawMessage,
+            _delay: Option<std::time::Duration>,
+        ) -> BoxFuture<'_, Result<String, crate::error::TransportError>> {
+            Box::pin(async { Err(crate::error::TransportError::Unsupported("send")) })
+        }
+
+        fn get(
+            &self,
+            _max: usize,
+        ) -> BoxFuture<'_, Result<Vec<crate::transport::Delivery>, crate::error::TransportError>>
+        {
+            Box::pin(async { Ok(Vec::new()) })
+        }
+
+        fn ack<'a>(
+            &'a self,
+            _id: &'a str,
+        ) -> BoxFuture<'a, Result<(), crate::error::TransportError>> {
+            Box::pin(async { Ok(()) })
+        }
+
+        fn release<'a>(
+            &'a self,
+            _id: &'a str,
+        ) -> BoxFuture<'a, Result<(), crate::error::TransportError>> {
+            Box::pin(async { Ok(()) })
+        }
+
+        fn capabilities(&self) -> crate::transport::Capabilities {
+            crate::transport::Capabilities::new(false, true, false, false)
+        }
+
+        fn local(&self) -> Option<&dyn crate::transport::LocalTransport> {
+            Some(self)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_local_send_hands_back_the_envelope_without_its_sent_stamp() {
+        use crate::transports::{Senders, TransportSender};
+
+        let mut senders = Senders::new();
+        senders.insert_transport(
+            "refusing",
+            TransportSender::new(
+                "refusing",
+                Arc::new(Refusing),
+                crate::serializer::Serializer::builder().build().unwrap(),
+            ),
+        );
+        let mut routes = Routes::new();
+        routes.add::<Ping>("refusing");
+        let step = SendMessage::new(Arc::new(routes), Arc::new(senders));
+        let end = RecordingEndpoint::new();
+        let sent_before = Envelope::new(Ping).with(SentStamp::new("earlier"));
+        let err = step.handle(sent_before, end.next()).await.unwrap_err();
+        let BusError::Transport {
+            envelope: Some(envelope),
+            ..
+        } = err
+        else {
+            panic!("expected a transport error, got {err:?}")
+        };
+        let sent: Vec<_> = envelope
+            .all::<SentStamp>()
+            .map(|s| s.transport.as_str())
+            .collect();
+        assert_eq!(sent, ["earlier"]);
+        assert!(end.calls().is_empty());
+    }
+
+    #[test]
+    fn routes_are_found_however_many_types_are_routed() {
+        macro_rules! messages {
+            ($($name:ident),*) => {$(
+                #[derive(Debug)]
+                struct $name;
+                impl Message for $name {
+                    const NAME: &'static str = stringify!($name);
+                }
+            )*};
+        }
+        messages!(A, B, C, D, E, F, G, H, I);
+        let mut few = Routes::new();
+        few.add::<A>("a");
+        few.add::<B>("b");
+        let mut many = few.clone();
+        many.add::<C>("c");
+        many.add::<D>("d");
+        many.add::<E>("e");
+        many.add::<F>("f");
+        many.add::<G>("g");
+        many.add::<H>("h");
+        many.add::<I>("i");
+        for routes in [few, many.clone()] {
+            let n = routes.by_type.len();
+            let step = SendMessage::new(Arc::new(routes), Arc::new(RecordingSenders::default()));
+            let to = |e: Envelope| step.targets(&e).map(|r| r[0].transport.to_string());
+            assert_eq!(to(Envelope::new(B)).as_deref(), Some("b"), "{n} routed");
+            assert_eq!(to(Envelope::new(Ping)), None, "{n} routed");
+            assert_eq!(to(Envelope::new(B).with(ReceivedStamp::new("b"))), None);
+        }
+        let step = SendMessage::new(Arc::new(many), Arc::new(RecordingSenders::default()));
+        assert!(matches!(*step.resolved, Resolved::Many(_)));
+        assert_eq!(
+            step.targets(&Envelope::new(I)).unwrap()[0]
+                .transport
+                .as_ref(),
+            "i"
+        );
     }
 
     #[tokio::test]
