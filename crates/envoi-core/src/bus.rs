@@ -288,6 +288,28 @@ impl BusInner {
             }
             return Box::pin(dispatch_after_current_bus::settle(out)).await;
         }
+        if self.user_empty.load(Ordering::Relaxed)
+            && !envelope.has::<DispatchAfterCurrentBusStamp>()
+        {
+            // No user middleware and nothing to defer: sent (step 5) or,
+            // once received, steps 3, 6 and 7 here, and step 2 settles what
+            // the handlers deferred.
+            if !envelope.has::<ReceivedStamp>() {
+                if let Some(send) = &self.send {
+                    if let Some(targets) = send.targets(&envelope) {
+                        return Box::pin(send.send(envelope, targets))
+                            .await
+                            .map_err(Box::new);
+                    }
+                }
+            }
+            let envelope = FailedMessageProcessing::apply(envelope);
+            let out = Box::pin(self.core(envelope)).await?;
+            if !out.has::<DeferredDispatches>() {
+                return Ok(out);
+            }
+            return Box::pin(dispatch_after_current_bus::settle(out)).await;
+        }
         if !self.user_empty.load(Ordering::Relaxed)
             && !envelope.has::<DispatchAfterCurrentBusStamp>()
         {
