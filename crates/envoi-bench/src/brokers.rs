@@ -232,6 +232,18 @@ fn rounds() -> u32 {
         .unwrap_or(1)
 }
 
+/// Messages each side moves once, untimed, before the timed rounds:
+/// `ENVOI_BENCH_WARMUP`, 5,000 by default (at most N), 0 for none. A broker
+/// that has been idle (files to create, caches to fill) would otherwise
+/// slow down whichever side runs first.
+fn warmup(n: u64) -> u64 {
+    std::env::var("ENVOI_BENCH_WARMUP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5_000)
+        .min(n)
+}
+
 /// One side of a scenario: moves `n` messages through the broker at the
 /// URL and returns messages per second.
 type Side =
@@ -254,7 +266,12 @@ fn run_scenario(broker: Broker) -> Result<(), String> {
     };
     let n = n_messages();
     let rounds = rounds();
+    let warmup = warmup(n);
     runtime()?.block_on(async {
+        if warmup > 0 {
+            (broker.envoi)(&url, warmup).await?;
+            (broker.baseline)(&url, warmup).await?;
+        }
         let (mut envoi, mut baseline, mut rss) = (0.0f64, 0.0f64, None);
         for _ in 0..rounds {
             envoi = envoi.max((broker.envoi)(&url, n).await?);
@@ -271,6 +288,7 @@ fn run_scenario(broker: Broker) -> Result<(), String> {
                 ("peak_rss_mb", format!("{:.0}", rss.unwrap_or(0.0))),
                 ("n", n.to_string()),
                 ("rounds", rounds.to_string()),
+                ("warmup", warmup.to_string()),
             ],
         );
         Ok(())
