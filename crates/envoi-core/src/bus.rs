@@ -41,7 +41,7 @@ use crate::middleware::dispatch_after_current_bus::{scope, take_deferred};
 use crate::middleware::failed_message_processing::FailedMessageProcessing;
 use crate::middleware::handle_message::{single_failed, with_deferred, HandleMessage};
 use crate::middleware::retry::Retry;
-use crate::middleware::send_message::SendMessage;
+use crate::middleware::send_message::{Route, SendMessage};
 use crate::middleware::{BoxFuture, Endpoint, Middleware, Next};
 use crate::stamp::{DispatchAfterCurrentBusStamp, HandledStamp, ReceivedStamp};
 
@@ -260,8 +260,6 @@ impl BusInner {
             self.user_chain(&envelope)
         };
         if user.is_none() && self.is_plain(&envelope) {
-            // (Nothing to keep across the awaits below.)
-            drop(user);
             // Steps 2 to 6 have nothing to do: go straight to the handlers
             // and settle what they deferred, as step 2 would. The common
             // case, one handler, runs right here: the same code as the end
@@ -288,49 +286,37 @@ impl BusInner {
             }
             return Box::pin(dispatch_after_current_bus::settle(out)).await;
         }
-        if self.user_empty.load(Ordering::Relaxed)
-            && !envelope.has::<DispatchAfterCurrentBusStamp>()
-        {
-            // No user middleware and nothing to defer: sent (step 5) or,
-            // once received, steps 3, 6 and 7 here, and step 2 settles what
-            // the handlers deferred.
-            if !envelope.has::<ReceivedStamp>() {
-                if let Some(send) = &self.send {
-                    if let Some(targets) = send.targets(&envelope) {
+        if !envelope.has::<DispatchAfterCurrentBusStamp>() {
+            // Step 2 has nothing to defer: the steps after it run here, and
+            // step 2 settles what the handlers deferred afterwards.
+            let out = match &user {
+                // No user middleware with work to do: sent (step 5) or,
+                // once received, steps 3, 6 and 7.
+                None => match self.route(&envelope) {
+                    Some((send, targets)) => {
                         return Box::pin(send.send(envelope, targets))
                             .await
-                            .map_err(Box::new);
+                            .map_err(Box::new)
                     }
+                    None => {
+                        let envelope = FailedMessageProcessing::apply(envelope);
+                        Box::pin(self.core(envelope)).await?
+                    }
+                },
+                // Steps 3 and 4 from the first middleware that takes part.
+                Some((chain, start)) => {
+                    let envelope = FailedMessageProcessing::apply(envelope);
+                    let next = Next::after_asking(&chain.items[start + 1..], Some(&**self));
+                    chain.items[*start]
+                        .handle(envelope, next)
+                        .await
+                        .map_err(Box::new)?
                 }
-            }
-            let envelope = FailedMessageProcessing::apply(envelope);
-            let out = Box::pin(self.core(envelope)).await?;
+            };
             if !out.has::<DeferredDispatches>() {
                 return Ok(out);
             }
             return Box::pin(dispatch_after_current_bus::settle(out)).await;
-        }
-        if !self.user_empty.load(Ordering::Relaxed)
-            && !envelope.has::<DispatchAfterCurrentBusStamp>()
-        {
-            {
-                // Step 2 has nothing to defer: steps 3 and 4 run here, and
-                // step 2 settles what the handlers deferred afterwards.
-                let envelope = FailedMessageProcessing::apply(envelope);
-                // No middleware taking part: none to run.
-                let rest: &[Arc<dyn Middleware>] = match &user {
-                    Some((chain, start)) => &chain.items[*start..],
-                    None => &[],
-                };
-                let out = Next::after_asking(rest, Some(&**self))
-                    .run(envelope)
-                    .await
-                    .map_err(Box::new)?;
-                if !out.has::<DeferredDispatches>() {
-                    return Ok(out);
-                }
-                return Box::pin(dispatch_after_current_bus::settle(out)).await;
-            }
         }
         // 2. DispatchAfterCurrentBus
         Box::pin(dispatch_after_current_bus::run(
@@ -358,10 +344,15 @@ impl BusInner {
     fn is_plain(&self, envelope: &Envelope) -> bool {
         !envelope.has::<ReceivedStamp>()
             && !envelope.has::<DispatchAfterCurrentBusStamp>()
-            && self
-                .send
-                .as_ref()
-                .is_none_or(|s| s.targets(envelope).is_none())
+            && self.route(envelope).is_none()
+    }
+
+    /// Step 5's send step and the transports it sends `envelope` to, if it
+    /// sends it (routed and not received).
+    #[inline]
+    fn route(&self, envelope: &Envelope) -> Option<(&SendMessage, &[Route])> {
+        let send = self.send.as_ref()?;
+        Some((send, send.targets(envelope)?))
     }
 
     /// Steps 3 and 4, then the core.
@@ -382,12 +373,10 @@ impl BusInner {
     /// Steps 5 to 7.
     async fn core(&self, envelope: Envelope) -> StepResult {
         // 5. SendMessage
-        if let Some(send) = &self.send {
-            if let Some(targets) = send.targets(&envelope) {
-                return Box::pin(send.send(envelope, targets))
-                    .await
-                    .map_err(Box::new);
-            }
+        if let Some((send, targets)) = self.route(&envelope) {
+            return Box::pin(send.send(envelope, targets))
+                .await
+                .map_err(Box::new);
         }
         // 6. Retry, 7. HandleMessage
         if self.retry.config().is_some() && envelope.has::<ReceivedStamp>() {
@@ -414,9 +403,7 @@ impl Endpoint for BusInner {
     }
 
     fn sends(&self, envelope: &Envelope) -> bool {
-        self.send
-            .as_ref()
-            .is_some_and(|s| s.targets(envelope).is_some())
+        self.route(envelope).is_some()
     }
 }
 

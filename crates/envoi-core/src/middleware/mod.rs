@@ -171,8 +171,6 @@ pub trait Endpoint: Send + Sync {
 pub struct Next<'a> {
     chain: &'a [Arc<dyn Middleware>],
     endpoint: Option<&'a dyn Endpoint>,
-    /// The first middleware of `chain` already said it takes part.
-    first_takes_part: bool,
     /// The middleware this was handed to already said it takes part.
     caller_takes_part: bool,
 }
@@ -184,20 +182,19 @@ impl<'a> Next<'a> {
         Self {
             chain,
             endpoint,
-            first_takes_part: false,
             caller_takes_part: false,
         }
     }
 
-    /// Like [`new`](Self::new), for a `chain` whose first middleware's
+    /// Like [`new`](Self::new), handed to a middleware whose
     /// [`takes_part`](Middleware::takes_part) just returned `true` for the
-    /// envelope about to run.
+    /// envelope it is about to handle.
     pub(crate) fn after_asking(
         chain: &'a [Arc<dyn Middleware>],
         endpoint: Option<&'a dyn Endpoint>,
     ) -> Self {
         Self {
-            first_takes_part: !chain.is_empty(),
+            caller_takes_part: true,
             ..Self::new(chain, endpoint)
         }
     }
@@ -229,15 +226,9 @@ impl<'a> Next<'a> {
     /// Runs the rest of the pipeline with `envelope`.
     pub fn run(self, envelope: Envelope) -> NextFuture<'a> {
         match self.chain.split_first() {
-            Some((first, rest)) => NextFuture(Inner::Boxed(first.handle(
-                envelope,
-                Next {
-                    chain: rest,
-                    endpoint: self.endpoint,
-                    first_takes_part: false,
-                    caller_takes_part: self.first_takes_part,
-                },
-            ))),
+            Some((first, rest)) => NextFuture(Inner::Boxed(
+                first.handle(envelope, Next::new(rest, self.endpoint)),
+            )),
             None => match self.endpoint {
                 Some(endpoint) => NextFuture(Inner::Boxed(endpoint.call(envelope))),
                 None => NextFuture(Inner::Ready(Some(envelope))),
