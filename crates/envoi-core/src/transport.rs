@@ -298,20 +298,8 @@ impl fmt::Display for LocalId {
 }
 
 /// `n` in decimal, without the formatting machinery (this runs per message).
-pub(crate) fn decimal(mut n: u64) -> String {
-    let mut buf = [0u8; 20];
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    let mut out = String::with_capacity(buf.len() - i);
-    out.extend(buf[i..].iter().map(|b| char::from(*b)));
-    out
+pub(crate) fn decimal(n: u64) -> String {
+    itoa::Buffer::new().format(n).to_owned()
 }
 
 /// The future of a [`LocalTransport`] method: already complete (what an

@@ -77,18 +77,8 @@ fn reconnect_delay(attempts: usize) -> Duration {
 
 /// The message id of stream sequence `sequence`: its decimal digits
 /// (what `to_string` gives, without the formatting machinery).
-fn sequence_id(mut sequence: u64) -> String {
-    let mut digits = [0u8; 20];
-    let mut start = digits.len();
-    loop {
-        start -= 1;
-        digits[start] = b'0' + (sequence % 10) as u8;
-        sequence /= 10;
-        if sequence == 0 {
-            break;
-        }
-    }
-    String::from_utf8_lossy(&digits[start..]).into_owned()
+fn sequence_id(sequence: u64) -> String {
+    itoa::Buffer::new().format(sequence).to_owned()
 }
 
 /// The stream sequence and delivery count in a JetStream ack subject:
