@@ -190,7 +190,19 @@ impl SqliteTransport {
                 e,
             )
         };
-        let conn: SqliteConnection = connect.connect().await.map_err(opening)?;
+        // Switching a file to WAL while other connections use it can report
+        // the database as locked without waiting on the busy handler: such
+        // an open is retried for up to `busy_timeout`, like any busy write.
+        let started = std::time::Instant::now();
+        let conn: SqliteConnection = loop {
+            match connect.connect().await {
+                Ok(conn) => break conn,
+                Err(e) if is_busy(&e) && started.elapsed() < options.busy_timeout => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(opening(e)),
+            }
+        };
         let reader = SqlitePoolOptions::new()
             .max_connections(2)
             .acquire_timeout(Duration::from_secs(60))
@@ -622,4 +634,13 @@ impl Transport for SqliteTransport {
             let _ = tokio::time::timeout(timeout, notified).await;
         })
     }
+}
+
+/// Whether `e` is SQLite's "database is locked" (`SQLITE_BUSY`, any of its
+/// extended codes).
+fn is_busy(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .and_then(|code| code.parse::<u32>().ok())
+        .is_some_and(|code| code & 0xff == 5)
 }
