@@ -14,3 +14,12 @@ pub(crate) fn count<R>(f: impl FnOnce() -> R) -> (R, usize) {
     let stats = region.change();
     (r, stats.allocations + stats.reallocations)
 }
+
+/// Counts heap allocations made while `f` runs to completion (all
+/// threads, so everything else the process does meanwhile counts too).
+pub(crate) async fn count_async<R>(f: impl std::future::Future<Output = R>) -> (R, usize) {
+    let region = Region::new(GLOBAL);
+    let r = f.await;
+    let stats = region.change();
+    (r, stats.allocations + stats.reallocations)
+}

@@ -50,7 +50,8 @@ use envoi_core::TransportError;
 use futures_util::StreamExt;
 
 use crate::e2e::{
-    envoi_round_trip, job, job_messenger, n_messages, peak_rss_mb, runtime, Job, PRODUCERS,
+    envoi_round_trip, job, job_messenger, n_messages, peak_rss_mb, rounds, runtime, warmup, Job,
+    PRODUCERS,
 };
 use crate::report;
 
@@ -219,29 +220,6 @@ async fn and_then_clean<T>(
     let value = result?;
     cleaned?;
     Ok(value)
-}
-
-/// How many times each side runs: `ENVOI_BENCH_ROUNDS`, 1 by default. The
-/// sides alternate and each keeps its best round, which filters out the
-/// moments a shared machine is busy elsewhere.
-fn rounds() -> u32 {
-    std::env::var("ENVOI_BENCH_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&r| r > 0)
-        .unwrap_or(1)
-}
-
-/// Messages each side moves once, untimed, before the timed rounds:
-/// `ENVOI_BENCH_WARMUP`, 5,000 by default (at most N), 0 for none. A broker
-/// that has been idle (files to create, caches to fill) would otherwise
-/// slow down whichever side runs first.
-fn warmup(n: u64) -> u64 {
-    std::env::var("ENVOI_BENCH_WARMUP")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(5_000)
-        .min(n)
 }
 
 /// One side of a scenario: moves `n` messages through the broker at the

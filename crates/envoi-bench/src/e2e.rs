@@ -13,7 +13,7 @@ use envoi_core::worker::Worker;
 use envoi_core::{Command, Message, Messenger};
 use serde::{Deserialize, Serialize};
 
-use crate::report;
+use crate::{alloc, report};
 
 /// The message every end-to-end scenario sends.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -44,6 +44,29 @@ pub(crate) fn n_messages() -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100_000)
+}
+
+/// How many times each side runs: `ENVOI_BENCH_ROUNDS`, 1 by default. The
+/// sides alternate and each keeps its best round, which filters out the
+/// moments a shared machine is busy elsewhere.
+pub(crate) fn rounds() -> u32 {
+    std::env::var("ENVOI_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&r| r > 0)
+        .unwrap_or(1)
+}
+
+/// Messages each side moves once, untimed, before the timed rounds:
+/// `ENVOI_BENCH_WARMUP`, 5,000 by default (at most N), 0 for none. A broker
+/// that has been idle (files to create, caches to fill), or a heap not yet
+/// grown, would otherwise slow down whichever side runs first.
+pub(crate) fn warmup(n: u64) -> u64 {
+    std::env::var("ENVOI_BENCH_WARMUP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5_000)
+        .min(n)
 }
 
 /// How many dispatches run at once on the sending side.
@@ -150,51 +173,101 @@ pub(crate) fn job_messenger(
 }
 
 /// `memory_e2e`: the in-memory transport against a plain tokio mpsc loop.
+///
+/// Both sides first move a warm-up batch untimed (`ENVOI_BENCH_WARMUP`),
+/// then run [`rounds`] timed rounds alternately, each keeping its best: a
+/// run this short is otherwise dominated by whichever side first grows the
+/// process's heap, and envoi runs first.
 pub(crate) fn memory() -> Result<(), String> {
     let rt = runtime()?;
     let n = n_messages();
+    let rounds = rounds();
+    let warmup = warmup(n);
     rt.block_on(async {
-        let (messenger, handled) = job_messenger("memory", Arc::new(InMemoryTransport::new()))?;
-        let envoi = envoi_round_trip(&messenger, "memory", &handled, n, 64, 256).await?;
-
-        // Baseline: the same jobs through an unbounded channel, consumed by
-        // one task that "handles" each by counting it.
-        let start = Instant::now();
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
-        let mut producers = Vec::new();
-        for p in 0..PRODUCERS {
-            let tx = tx.clone();
-            producers.push(tokio::spawn(async move {
-                let mut id = p;
-                while id < n {
-                    tx.send(job(id)).map_err(|e| e.to_string())?;
-                    id += PRODUCERS;
-                }
-                Ok::<_, String>(())
-            }));
+        if warmup > 0 {
+            memory_envoi(warmup).await?;
+            memory_baseline(warmup).await?;
         }
-        drop(tx);
-        for p in producers {
-            p.await.map_err(|e| e.to_string())??;
+        let (mut envoi, mut baseline) = (0.0f64, 0.0f64);
+        let (mut envoi_allocs, mut baseline_allocs) = (0, 0);
+        for _ in 0..rounds {
+            let (rate, allocs) = alloc::count_async(memory_envoi(n)).await;
+            envoi = envoi.max(rate?);
+            envoi_allocs = allocs;
+            let (rate, allocs) = alloc::count_async(memory_baseline(n)).await;
+            baseline = baseline.max(rate?);
+            baseline_allocs = allocs;
         }
-        let mut count = 0u64;
-        while let Some(j) = rx.recv().await {
-            std::hint::black_box(j.id);
-            count += 1;
-        }
-        if count != n {
-            return Err(format!("baseline received {count} of {n}"));
-        }
-        let baseline = n as f64 / start.elapsed().as_secs_f64();
+        let per_message = |allocs: usize| format!("{:.1}", allocs as f64 / n as f64);
         report::line(
             "memory_e2e",
             envoi,
             baseline,
             "msg/s",
-            &[("n", n.to_string())],
+            &[
+                ("allocs", per_message(envoi_allocs)),
+                ("baseline_allocs", per_message(baseline_allocs)),
+                ("n", n.to_string()),
+                ("rounds", rounds.to_string()),
+                ("warmup", warmup.to_string()),
+            ],
         );
         Ok(())
     })
+}
+
+/// Profiling aid: only envoi's side of `memory_e2e`, once, with
+/// `ENVOI_BENCH_N` messages.
+pub(crate) fn profile_memory() -> Result<(), String> {
+    let n = n_messages();
+    let (rate, allocs) = runtime()?.block_on(alloc::count_async(memory_envoi(n)));
+    println!(
+        "profile_memory: {:.0} msg/s allocs={:.2} n={n}",
+        rate?,
+        allocs as f64 / n as f64
+    );
+    Ok(())
+}
+
+/// envoi's side of `memory_e2e`: a fresh messenger on a fresh in-memory
+/// transport, [`envoi_round_trip`] with 64 handlers at once and batches of
+/// 256.
+async fn memory_envoi(n: u64) -> Result<f64, String> {
+    let (messenger, handled) = job_messenger("memory", Arc::new(InMemoryTransport::new()))?;
+    envoi_round_trip(&messenger, "memory", &handled, n, 64, 256).await
+}
+
+/// The baseline of `memory_e2e`: the same jobs through an unbounded
+/// channel from the same producers, consumed by one task that "handles"
+/// each by counting it.
+async fn memory_baseline(n: u64) -> Result<f64, String> {
+    let start = Instant::now();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
+    let mut producers = Vec::new();
+    for p in 0..PRODUCERS {
+        let tx = tx.clone();
+        producers.push(tokio::spawn(async move {
+            let mut id = p;
+            while id < n {
+                tx.send(job(id)).map_err(|e| e.to_string())?;
+                id += PRODUCERS;
+            }
+            Ok::<_, String>(())
+        }));
+    }
+    drop(tx);
+    for p in producers {
+        p.await.map_err(|e| e.to_string())??;
+    }
+    let mut count = 0u64;
+    while let Some(j) = rx.recv().await {
+        std::hint::black_box(j.id);
+        count += 1;
+    }
+    if count != n {
+        return Err(format!("baseline received {count} of {n}"));
+    }
+    Ok(n as f64 / start.elapsed().as_secs_f64())
 }
 
 /// `sqlite_e2e`: the SQLite transport against plain sqlx statements on the

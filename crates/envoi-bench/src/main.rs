@@ -104,6 +104,11 @@ const SCENARIOS: &[Scenario] = &[
             "(profiling aid) the observed side of dispatch_observed only, ENVOI_BENCH_ITERS times",
         run: dispatch::profile_observed,
     },
+    Scenario {
+        name: "profile_memory",
+        about: "(profiling aid) the envoi side of memory_e2e only, ENVOI_BENCH_N messages",
+        run: e2e::profile_memory,
+    },
 ];
 
 fn usage() -> String {

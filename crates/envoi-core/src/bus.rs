@@ -294,9 +294,7 @@ impl BusInner {
                 // once received, steps 3, 6 and 7.
                 None => match self.route(&envelope) {
                     Some((send, targets)) => {
-                        return Box::pin(send.send(envelope, targets))
-                            .await
-                            .map_err(Box::new)
+                        return send.start(envelope, targets).finish().await.map_err(Box::new)
                     }
                     None => {
                         let envelope = FailedMessageProcessing::apply(envelope);
@@ -374,13 +372,12 @@ impl BusInner {
     async fn core(&self, envelope: Envelope) -> StepResult {
         // 5. SendMessage
         if let Some((send, targets)) = self.route(&envelope) {
-            return Box::pin(send.send(envelope, targets))
-                .await
-                .map_err(Box::new);
+            return send.start(envelope, targets).finish().await.map_err(Box::new);
         }
-        // 6. Retry, 7. HandleMessage
+        // 6. Retry, 7. HandleMessage. Retrying is awaited inline: every
+        // caller boxes this future already.
         if self.retry.config().is_some() && envelope.has::<ReceivedStamp>() {
-            return Box::pin(self.retry.process(envelope, |e| self.handle.process(e))).await;
+            return self.retry.process(envelope, |e| self.handle.process(e)).await;
         }
         // 7. HandleMessage; one handler (the common case) runs inline.
         let Some(handler) = self.handle.single(&envelope) else {

@@ -47,6 +47,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
+use crossbeam_queue::SegQueue;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -435,6 +436,10 @@ impl State {
 /// A queue in the process's memory; see the [module documentation](self).
 pub struct InMemoryTransport {
     state: Mutex<State>,
+    /// Messages sent for now, not yet in `state`: a send queues its message
+    /// here without the lock, which takes them in (in id order) the next
+    /// time it is held.
+    inbox: SegQueue<Entry>,
     /// The last id given out. Ids are taken before the lock, so that a
     /// send holds it only to queue the message.
     last_key: AtomicU64,
@@ -476,6 +481,7 @@ impl InMemoryTransport {
     pub fn with_config(config: InMemoryConfig) -> Self {
         Self {
             state: Mutex::new(State::default()),
+            inbox: SegQueue::new(),
             last_key: AtomicU64::new(0),
             notify: Notify::new(),
             waiting: AtomicUsize::new(0),
@@ -523,10 +529,41 @@ impl InMemoryTransport {
             .collect()
     }
 
+    /// The state, with every message sent so far in it.
     fn lock(&self) -> MutexGuard<'_, State> {
+        let mut state = self.lock_only();
+        while let Some(entry) = self.inbox.pop() {
+            state.insert_ready(entry);
+        }
+        state
+    }
+
+    /// The state, with at least `max` messages available if that many
+    /// were sent: taking a batch moves no more than it needs out of the
+    /// inbox.
+    fn lock_to_take(&self, max: usize) -> MutexGuard<'_, State> {
+        let mut state = self.lock_only();
+        while state.ready.len() < max {
+            let Some(entry) = self.inbox.pop() else { break };
+            state.insert_ready(entry);
+        }
+        state
+    }
+
+    /// The state as it is.
+    fn lock_only(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave the state half-updated
         // in a way that matters more than losing the queue; keep going.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stores a message under `id`: one available now goes through the
+    /// inbox, without waiting for the lock.
+    fn put(&self, id: LocalId, stored: Stored, delay: Option<Duration>) {
+        match delay.filter(|d| !d.is_zero()) {
+            None => self.inbox.push(Entry { id, stored }),
+            delay => self.lock().store(id, stored, delay),
+        }
     }
 
     fn raw(&self, id: &LocalId, payload: Payload) -> Result<Delivery, TransportError> {
@@ -549,6 +586,10 @@ impl InMemoryTransport {
 
     /// Wakes a [`Transport::wait_for_messages`] call, if one is waiting.
     fn wake(&self) {
+        // Orders the message just queued before the check, as the waiter
+        // orders its count before looking at the queue: one of the two
+        // sees the other.
+        std::sync::atomic::fence(AtomicOrdering::SeqCst);
         if self.waiting.load(AtomicOrdering::SeqCst) > 0 {
             self.notify.notify_one();
         }
@@ -562,7 +603,7 @@ impl InMemoryTransport {
     fn store(&self, payload: Payload, delay: Option<Duration>) -> LocalId {
         let stored = Stored::new(payload);
         let id = self.next_id();
-        self.lock().store(id, stored, delay);
+        self.put(id, stored, delay);
         self.wake();
         id
     }
@@ -582,7 +623,7 @@ impl InMemoryTransport {
         let id = self.next_id();
         let stamped = envelope.with_local_id(id);
         let stored = Stored::Envelope(stamped.clone());
-        self.lock().store(id, stored, delay);
+        self.put(id, stored, delay);
         self.wake();
         stamped
     }
@@ -640,7 +681,7 @@ impl Transport for InMemoryTransport {
 
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         let mut taken = Vec::new();
-        self.lock().take(max, self.config.lease_timeout, |e| {
+        self.lock_to_take(max).take(max, self.config.lease_timeout, |e| {
             taken.push((e.id, e.stored.handout()))
         });
         let out = taken
@@ -801,7 +842,7 @@ impl LocalTransport for InMemoryTransport {
 
     fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
         let mut out = Vec::new();
-        self.lock().take(max, self.config.lease_timeout, |e| {
+        self.lock_to_take(max).take(max, self.config.lease_timeout, |e| {
             if out.capacity() == 0 {
                 out.reserve_exact(max);
             }
@@ -1074,6 +1115,61 @@ mod tests {
         let mut got = Vec::new();
         state.take(10, Duration::from_secs(1), |e| got.push(e.key()));
         assert_eq!(got, [1, 2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn sends_from_many_threads_are_all_counted_and_handed_out_once_each_batch_in_id_order() {
+        let t = std::sync::Arc::new(InMemoryTransport::new());
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let t = t.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..500 {
+                        let _ = t.send_envelope(Envelope::new(Ping));
+                    }
+                })
+            })
+            .collect();
+        // Batches taken while the senders run come out in id order too.
+        let mut keys = Vec::new();
+        while keys.len() < 2000 {
+            let LocalFuture::Ready(Some(Ok(got))) = t.get_local(64) else {
+                panic!("the in-memory transport answers at once");
+            };
+            let batch: Vec<u64> = got.iter().map(|d| d.id.key()).collect();
+            assert!(batch.windows(2).all(|w| w[0] < w[1]), "{batch:?}");
+            keys.extend(batch);
+            if threads.iter().all(|h| h.is_finished()) && got.is_empty() {
+                break;
+            }
+        }
+        for h in threads {
+            h.join().unwrap();
+        }
+        let LocalFuture::Ready(Some(Ok(rest))) = t.get_local(10_000) else {
+            panic!("the in-memory transport answers at once");
+        };
+        keys.extend(rest.iter().map(|d| d.id.key()));
+        assert_eq!(keys.len(), 2000, "every message, once");
+        let mut sorted = keys.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 2000, "no message twice");
+        assert_eq!(t.lock().count(), 2000, "all leased until acknowledged");
+        t.ack_local(&keys).unwrap();
+        assert_eq!(t.lock().count(), 0);
+    }
+
+    #[test]
+    fn a_message_sent_but_not_yet_taken_in_is_counted_listed_and_acknowledgeable() {
+        let t = InMemoryTransport::new();
+        let _ = t.send_envelope(Envelope::new(Ping));
+        let _ = t.send_envelope(Envelope::new(Ping));
+        assert_eq!(t.inbox.len(), 2, "both wait in the inbox");
+        assert_eq!(t.stored().len(), 2);
+        t.ack_local(&[1]).unwrap();
+        assert_eq!(t.lock().count(), 1);
+        assert_eq!(t.acknowledged(), 1);
     }
 
     #[test]

@@ -245,12 +245,24 @@ impl StampEntry {
         }
     }
 
+    /// The stamp if it is an `S`. The inline kinds are told apart by
+    /// their variant, with no dynamic call.
     #[inline]
     pub(crate) fn downcast<S: Stamp>(&self, local: Option<NonZeroU64>) -> Option<&S> {
-        if self.type_id() != TypeId::of::<S>() {
-            return None;
-        }
-        self.erased(local).as_any().downcast_ref::<S>()
+        let any: &dyn Any = match self {
+            StampEntry::BusName(s) => s,
+            StampEntry::Handled(s) => s,
+            StampEntry::Received(s) => s,
+            StampEntry::Sent(s) => &**s,
+            StampEntry::TransportId(_) => {
+                if TypeId::of::<S>() != TypeId::of::<TransportMessageIdStamp>() {
+                    return None;
+                }
+                return self.erased(local).as_any().downcast_ref::<S>();
+            }
+            StampEntry::Other(s) => return (**s).as_any().downcast_ref::<S>(),
+        };
+        any.downcast_ref::<S>()
     }
 }
 

@@ -10,7 +10,7 @@ use crate::error::{BusError, Result};
 use crate::handler::TypeMap;
 use crate::message::Message;
 use crate::stamp::{ReceivedStamp, SentStamp, StampEntry};
-use crate::transport::{SenderDispatcher, Transport};
+use crate::transport::{LocalFuture, SenderDispatcher, Transport};
 
 /// Which transports each message type is sent to.
 #[derive(Debug, Default, Clone)]
@@ -186,6 +186,25 @@ impl SendMessage {
         self.resolved.get(envelope.message_type_id())
     }
 
+    /// Starts sending `envelope` to `targets`. One transport in this
+    /// process that stores the envelope at once (the in-memory transport)
+    /// is sent to right here, with nothing to box; anything else is left
+    /// to a boxed [`Self::send`].
+    #[inline]
+    pub(crate) fn start<'a>(&'a self, envelope: Envelope, targets: &'a [Route]) -> Started<'a> {
+        if let [route] = targets {
+            if let Some(local) = route.local.as_ref().and_then(|t| t.local()) {
+                return match local.send_envelope(envelope.with_entry(route.sent.clone())) {
+                    LocalFuture::Ready(Some(result)) => Started::Done(result.map_err(unsent)),
+                    pending => Started::Pending(Box::pin(async move {
+                        pending.await.map_err(unsent)
+                    })),
+                };
+            }
+        }
+        Started::Pending(Box::pin(self.send(envelope, targets)))
+    }
+
     pub(crate) async fn send(&self, mut envelope: Envelope, targets: &[Route]) -> Result<Envelope> {
         for route in targets {
             envelope = match route.local.as_ref().and_then(|t| t.local()) {
@@ -205,6 +224,24 @@ impl SendMessage {
             };
         }
         Ok(envelope)
+    }
+}
+
+/// What [`SendMessage::start`] left to do.
+pub(crate) enum Started<'a> {
+    /// Sent: the envelope as sent, or why it was not.
+    Done(Result<Envelope>),
+    /// Still sending.
+    Pending(BoxFuture<'a, Result<Envelope>>),
+}
+
+impl Started<'_> {
+    /// The envelope as sent, or why it was not.
+    pub(crate) async fn finish(self) -> Result<Envelope> {
+        match self {
+            Started::Done(result) => result,
+            Started::Pending(sending) => sending.await,
+        }
     }
 }
 
