@@ -41,7 +41,7 @@ use crate::middleware::dispatch_after_current_bus::{scope, take_deferred};
 use crate::middleware::failed_message_processing::FailedMessageProcessing;
 use crate::middleware::handle_message::{single_failed, with_deferred, HandleMessage};
 use crate::middleware::retry::Retry;
-use crate::middleware::send_message::{Route, SendMessage};
+use crate::middleware::send_message::{Route, SendMessage, Started};
 use crate::middleware::{BoxFuture, Endpoint, Middleware, Next};
 use crate::stamp::{DispatchAfterCurrentBusStamp, HandledStamp, ReceivedStamp};
 
@@ -294,7 +294,11 @@ impl BusInner {
                 // once received, steps 3, 6 and 7.
                 None => match self.route(&envelope) {
                     Some((send, targets)) => {
-                        return send.start(envelope, targets).finish().await.map_err(Box::new)
+                        let sending = match send.start(envelope, targets) {
+                            Started::Done(result) => return result.map_err(Box::new),
+                            Started::Pending(sending) => sending,
+                        };
+                        return sending.await.map_err(Box::new);
                     }
                     None => {
                         let envelope = FailedMessageProcessing::apply(envelope);
@@ -372,7 +376,11 @@ impl BusInner {
     async fn core(&self, envelope: Envelope) -> StepResult {
         // 5. SendMessage
         if let Some((send, targets)) = self.route(&envelope) {
-            return send.start(envelope, targets).finish().await.map_err(Box::new);
+            let sending = match send.start(envelope, targets) {
+                Started::Done(result) => return result.map_err(Box::new),
+                Started::Pending(sending) => sending,
+            };
+            return sending.await.map_err(Box::new);
         }
         // 6. Retry, 7. HandleMessage. Retrying is awaited inline: every
         // caller boxes this future already.

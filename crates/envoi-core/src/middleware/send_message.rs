@@ -235,16 +235,6 @@ pub(crate) enum Started<'a> {
     Pending(BoxFuture<'a, Result<Envelope>>),
 }
 
-impl Started<'_> {
-    /// The envelope as sent, or why it was not.
-    pub(crate) async fn finish(self) -> Result<Envelope> {
-        match self {
-            Started::Done(result) => result,
-            Started::Pending(sending) => sending.await,
-        }
-    }
-}
-
 /// A failed send's error, its envelope without the [`SentStamp`] added
 /// before the send.
 #[cold]
