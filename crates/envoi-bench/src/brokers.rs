@@ -222,6 +222,18 @@ async fn and_then_clean<T>(
     Ok(value)
 }
 
+/// `ENVOI_BENCH_ONLY`: `envoi` or `baseline` runs only that side of a
+/// broker scenario, once and without a warm-up, to profile it.
+fn only_side() -> Result<Option<String>, String> {
+    match std::env::var("ENVOI_BENCH_ONLY") {
+        Err(_) => Ok(None),
+        Ok(side) if side == "envoi" || side == "baseline" => Ok(Some(side)),
+        Ok(other) => Err(format!(
+            "ENVOI_BENCH_ONLY must be `envoi` or `baseline`, not `{other}`"
+        )),
+    }
+}
+
 /// One side of a scenario: moves `n` messages through the broker at the
 /// URL and returns messages per second.
 type Side =
@@ -245,6 +257,17 @@ fn run_scenario(broker: Broker) -> Result<(), String> {
     let n = n_messages();
     let rounds = rounds();
     let warmup = warmup(n);
+    if let Some(side) = only_side()? {
+        // A profiling aid: one side, once, and no summary line.
+        let run = if side == "envoi" {
+            broker.envoi
+        } else {
+            broker.baseline
+        };
+        let rate = runtime()?.block_on(run(&url, n))?;
+        println!("{}: only {side}: {rate:.0}msg/s n={n}", broker.scenario);
+        return Ok(());
+    }
     runtime()?.block_on(async {
         if warmup > 0 {
             (broker.envoi)(&url, warmup).await?;

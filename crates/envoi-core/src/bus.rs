@@ -385,7 +385,10 @@ impl BusInner {
         // 6. Retry, 7. HandleMessage. Retrying is awaited inline: every
         // caller boxes this future already.
         if self.retry.config().is_some() && envelope.has::<ReceivedStamp>() {
-            return self.retry.process(envelope, |e| self.handle.process(e)).await;
+            return self
+                .retry
+                .process(envelope, |e| self.handle.process(e))
+                .await;
         }
         // 7. HandleMessage; one handler (the common case) runs inline.
         let Some(handler) = self.handle.single(&envelope) else {

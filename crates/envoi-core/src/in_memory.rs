@@ -681,9 +681,10 @@ impl Transport for InMemoryTransport {
 
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         let mut taken = Vec::new();
-        self.lock_to_take(max).take(max, self.config.lease_timeout, |e| {
-            taken.push((e.id, e.stored.handout()))
-        });
+        self.lock_to_take(max)
+            .take(max, self.config.lease_timeout, |e| {
+                taken.push((e.id, e.stored.handout()))
+            });
         let out = taken
             .into_iter()
             .map(|(id, p)| self.raw(&id, p))
@@ -842,15 +843,16 @@ impl LocalTransport for InMemoryTransport {
 
     fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
         let mut out = Vec::new();
-        self.lock_to_take(max).take(max, self.config.lease_timeout, |e| {
-            if out.capacity() == 0 {
-                out.reserve_exact(max);
-            }
-            out.push(LocalDelivery {
-                id: e.id,
-                payload: e.stored.handout(),
-            })
-        });
+        self.lock_to_take(max)
+            .take(max, self.config.lease_timeout, |e| {
+                if out.capacity() == 0 {
+                    out.reserve_exact(max);
+                }
+                out.push(LocalDelivery {
+                    id: e.id,
+                    payload: e.stored.handout(),
+                })
+            });
         LocalFuture::ready(Ok(out))
     }
 
@@ -1117,6 +1119,13 @@ mod tests {
         assert_eq!(got, [1, 2, 3, 4, 5]);
     }
 
+    /// Sends `envelope`, which the in-memory transport stores at once.
+    fn send_now(t: &InMemoryTransport, envelope: Envelope) {
+        let LocalFuture::Ready(Some(Ok(_))) = t.send_envelope(envelope) else {
+            panic!("the in-memory transport stores a message at once");
+        };
+    }
+
     #[test]
     fn sends_from_many_threads_are_all_counted_and_handed_out_once_each_batch_in_id_order() {
         let t = std::sync::Arc::new(InMemoryTransport::new());
@@ -1125,7 +1134,7 @@ mod tests {
                 let t = t.clone();
                 std::thread::spawn(move || {
                     for _ in 0..500 {
-                        let _ = t.send_envelope(Envelope::new(Ping));
+                        send_now(&t, Envelope::new(Ping));
                     }
                 })
             })
@@ -1163,8 +1172,8 @@ mod tests {
     #[test]
     fn a_message_sent_but_not_yet_taken_in_is_counted_listed_and_acknowledgeable() {
         let t = InMemoryTransport::new();
-        let _ = t.send_envelope(Envelope::new(Ping));
-        let _ = t.send_envelope(Envelope::new(Ping));
+        send_now(&t, Envelope::new(Ping));
+        send_now(&t, Envelope::new(Ping));
         assert_eq!(t.inbox.len(), 2, "both wait in the inbox");
         assert_eq!(t.stored().len(), 2);
         t.ack_local(&[1]).unwrap();

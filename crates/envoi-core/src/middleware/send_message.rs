@@ -196,9 +196,9 @@ impl SendMessage {
             if let Some(local) = route.local.as_ref().and_then(|t| t.local()) {
                 return match local.send_envelope(envelope.with_entry(route.sent.clone())) {
                     LocalFuture::Ready(Some(result)) => Started::Done(result.map_err(unsent)),
-                    pending => Started::Pending(Box::pin(async move {
-                        pending.await.map_err(unsent)
-                    })),
+                    pending => {
+                        Started::Pending(Box::pin(async move { pending.await.map_err(unsent) }))
+                    }
                 };
             }
         }
