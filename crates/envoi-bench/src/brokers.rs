@@ -597,10 +597,16 @@ async fn redis_envoi(url: &str, n: u64) -> Result<f64, String> {
     .await
 }
 
+/// The `headers` field of the baseline's entries: [`KIND`] and [`TYPE`]
+/// laid out as envoi's Redis transport lays out headers (netstrings, name
+/// then value), written once rather than per message.
+const REDIS_HEADERS: &str = "4:kind7:command4:type3:Job";
+
 /// Entries of one `XREADGROUP` reply: `[[stream, [[id, [field, value, …]], …]]]`.
 type StreamReply = Option<Vec<(String, Vec<(String, Vec<Vec<u8>>)>)>>;
 
-/// [`PRODUCERS`] concurrent `XADD`s on one multiplexed connection, then
+/// [`PRODUCERS`] concurrent `XADD`s of a `body` and a `headers` field (the
+/// layout of envoi's entries) on one multiplexed connection, then
 /// `XREADGROUP COUNT` [`BATCH`] each followed by one `XACK` of the batch.
 async fn redis_baseline(url: &str, n: u64) -> Result<f64, String> {
     let stream: &str = &format!("envoi-bench:{}:raw", unique());
@@ -631,10 +637,8 @@ async fn redis_baseline(url: &str, n: u64) -> Result<f64, String> {
                     .arg("*")
                     .arg("body")
                     .arg(body(id)?)
-                    .arg("h:type")
-                    .arg(TYPE)
-                    .arg("h:kind")
-                    .arg(KIND)
+                    .arg("headers")
+                    .arg(REDIS_HEADERS)
                     .query_async::<String>(&mut c)
                     .await
                     .map(drop)
@@ -994,6 +998,20 @@ async fn nats_baseline(url: &str, n: u64) -> Result<f64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_redis_baseline_writes_the_headers_envoi_writes() {
+        assert_eq!(
+            REDIS_HEADERS,
+            format!(
+                "{}:kind{}:{KIND}{}:type{}:{TYPE}",
+                4,
+                KIND.len(),
+                4,
+                TYPE.len()
+            )
+        );
+    }
 
     #[test]
     fn options_are_appended_to_the_query_string() {

@@ -24,7 +24,7 @@
 //! | operation | Redis |
 //! |---|---|
 //! | `setup` | `XGROUP CREATE <stream> <group> 0 MKSTREAM` (an existing group is fine) |
-//! | `send` | `XADD <stream> [MAXLEN ~ n] * body <bytes> h:<header> <value> ...` |
+//! | `send` | `XADD <stream> [MAXLEN ~ n] * body <bytes> headers <netstrings>` |
 //! | `send` with a delay | script: `HSET <stream>:delayed:<id>` + `ZADD <stream>:delayed <due ms> <id>` |
 //! | `get` | `XAUTOCLAIM` (expired leases), script moving due delayed messages, `XREADGROUP ... BLOCK` on a dedicated connection |
 //! | `ack` / `reject` | `XACK`; every second `get` trims what every group acknowledged (`XTRIM MINID`) |
