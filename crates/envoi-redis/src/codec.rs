@@ -87,15 +87,21 @@ fn unpack_headers(mut bytes: &[u8]) -> Option<BTreeMap<String, String>> {
 
 /// Takes one `<length>:<text>` off the front of `bytes`.
 fn netstring(bytes: &mut &[u8]) -> Option<String> {
-    let colon = bytes.iter().take(11).position(|&b| b == b':')?;
-    let (digits, rest) = bytes.split_at(colon);
-    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
+    // At most ten digits: no length of a Redis value has more.
+    let mut len = 0usize;
+    let mut digits = 0;
+    loop {
+        match bytes.get(digits)? {
+            b':' if digits > 0 => break,
+            d @ b'0'..=b'9' if digits < 10 => len = len * 10 + usize::from(d - b'0'),
+            _ => return None,
+        }
+        digits += 1;
     }
-    let len: usize = std::str::from_utf8(digits).ok()?.parse().ok()?;
-    let text = rest.get(1..1 + len)?;
+    let rest = &bytes[digits + 1..];
+    let text = rest.get(..len)?;
     let text = std::str::from_utf8(text).ok()?.to_owned();
-    *bytes = &rest[1 + len..];
+    *bytes = &rest[len..];
     Some(text)
 }
 
