@@ -129,6 +129,20 @@ impl MessageBus {
             .map(|out: StepResult| out.map_err(|e| *e))
     }
 
+    /// [`dispatch`](Self::dispatch) for an envelope a worker received: the
+    /// same steps, with retrying and handling awaited inline when no user
+    /// middleware is registered. The worker keeps this future in its own
+    /// slot, so it may be larger than [`dispatch`](Self::dispatch)'s, which
+    /// boxes those steps to stay small for every caller.
+    pub(crate) fn dispatch_received(
+        &self,
+        envelope: Envelope,
+    ) -> impl Future<Output = Result<Envelope>> + Send + '_ {
+        self.inner
+            .dispatch_received(envelope)
+            .map(|out: StepResult| out.map_err(|e| *e))
+    }
+
     /// Dispatches `message` as a command.
     pub async fn dispatch_message<M: Message>(&self, message: M) -> Result<Envelope> {
         self.dispatch(Envelope::new(message)).await
@@ -327,6 +341,25 @@ impl BusInner {
             |e| self.after_deferral(e),
         ))
         .await
+    }
+
+    /// [`MessageBus::dispatch_received`]: with no user middleware and
+    /// nothing to defer, steps 1, 3 and 5 to 7 run here, the core awaited
+    /// inline; anything else takes [`Self::dispatch`].
+    async fn dispatch_received(self: &Arc<Self>, envelope: Envelope) -> StepResult {
+        if self.disposed.load(Ordering::Relaxed)
+            || !self.user_empty.load(Ordering::Relaxed)
+            || envelope.has::<DispatchAfterCurrentBusStamp>()
+        {
+            return Box::pin(self.dispatch(envelope)).await;
+        }
+        // 1. AddBusNameStamp, 3. FailedMessageProcessing, then the core.
+        let envelope = FailedMessageProcessing::apply(self.add_bus_name.apply(envelope));
+        let out = self.core(envelope).await?;
+        if !out.has::<DeferredDispatches>() {
+            return Ok(out);
+        }
+        Box::pin(dispatch_after_current_bus::settle(out)).await
     }
 
     /// The user middleware chain and the position of its first middleware

@@ -1417,7 +1417,7 @@ impl Ctx {
             transport: transport.clone(),
         }));
         let started = self.events.enabled().then(Instant::now);
-        let result = self.bus_for(&stamped).dispatch(stamped).await;
+        let result = self.bus_for(&stamped).dispatch_received(stamped).await;
         let duration = started.map(|s| s.elapsed()).unwrap_or_default();
         let action = match result {
             Ok(after) => {

@@ -787,3 +787,98 @@ async fn an_undecodable_message_retried_from_the_failure_transport_keeps_its_ori
     assert_eq!(origins.len(), 2);
     assert!(origins.iter().all(|o| o.original_transport == "async"));
 }
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Audit {
+    n: u32,
+}
+impl Message for Audit {
+    const NAME: &'static str = "Audit";
+}
+impl Command for Audit {
+    type Output = ();
+    type Error = JobFailed;
+}
+
+/// A messenger routing [`Job`] to `queue`, whose handler defers an
+/// [`Audit`] (handled in process) until it has finished; with a middleware
+/// that records both, when `with_middleware`.
+fn deferring_messenger(queue: Arc<InMemoryTransport>, with_middleware: bool) -> (Messenger, Log) {
+    let log: Log = Arc::default();
+    let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
+    let (l1, l2, slot) = (log.clone(), log.clone(), bus.clone());
+    let mut builder = Messenger::builder()
+        .command_handler(move |job: Job| {
+            let (log, slot) = (l1.clone(), slot.clone());
+            async move {
+                let bus = slot.lock().unwrap().clone().expect("bus set");
+                bus.dispatch_after_current(Envelope::new(Audit { n: job.n }))
+                    .await
+                    .expect("a deferred dispatch is accepted");
+                log.lock().unwrap().push(format!("job {} done", job.n));
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .command_handler(move |audit: Audit| {
+            let log = l2.clone();
+            async move {
+                log.lock().unwrap().push(format!("audit {}", audit.n));
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .transport("queue", queue)
+        .route::<Job>("queue");
+    if with_middleware {
+        builder = builder.middleware(Recorder(log.clone()));
+    }
+    let messenger = builder.build().unwrap();
+    *bus.lock().unwrap() = Some(messenger.bus().clone());
+    (messenger, log)
+}
+
+type Log = Arc<Mutex<Vec<String>>>;
+
+/// Records the name of every message it sees.
+struct Recorder(Log);
+
+impl envoi_core::middleware::Middleware for Recorder {
+    fn handle<'a>(
+        &'a self,
+        envelope: Envelope,
+        next: envoi_core::middleware::Next<'a>,
+    ) -> envoi_core::middleware::BoxFuture<'a, envoi_core::Result<Envelope>> {
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("middleware {}", envelope.message_name()));
+        Box::pin(next.run(envelope))
+    }
+}
+
+#[tokio::test]
+async fn a_received_message_s_handler_can_defer_a_dispatch_until_it_has_finished() {
+    for with_middleware in [false, true] {
+        let queue = memory();
+        let (messenger, log) = deferring_messenger(queue.clone(), with_middleware);
+        messenger.dispatcher().dispatch(Job { n: 7 }).await.unwrap();
+        log.lock().unwrap().clear();
+        let report = drain(Worker::builder(&messenger).receiver("queue")).await;
+        assert_eq!(report.stats.handled, 1);
+        let expected: &[&str] = if with_middleware {
+            &[
+                "middleware Job",
+                "job 7 done",
+                "middleware Audit",
+                "audit 7",
+            ]
+        } else {
+            &["job 7 done", "audit 7"]
+        };
+        assert_eq!(
+            *log.lock().unwrap(),
+            expected,
+            "middleware: {with_middleware}"
+        );
+        assert_eq!(queue.message_count().await.unwrap(), 0);
+    }
+}
