@@ -11,8 +11,7 @@ static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 pub(crate) fn count<R>(f: impl FnOnce() -> R) -> (R, usize) {
     let region = Region::new(GLOBAL);
     let r = f();
-    let stats = region.change();
-    (r, stats.allocations + stats.reallocations)
+    (r, made_since(&region))
 }
 
 /// Counts heap allocations made while `f` runs to completion (all
@@ -20,6 +19,11 @@ pub(crate) fn count<R>(f: impl FnOnce() -> R) -> (R, usize) {
 pub(crate) async fn count_async<R>(f: impl std::future::Future<Output = R>) -> (R, usize) {
     let region = Region::new(GLOBAL);
     let r = f.await;
+    (r, made_since(&region))
+}
+
+/// Allocations and reallocations since `region` began.
+fn made_since(region: &Region<'_, System>) -> usize {
     let stats = region.change();
-    (r, stats.allocations + stats.reallocations)
+    stats.allocations + stats.reallocations
 }

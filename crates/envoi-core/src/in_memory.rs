@@ -440,8 +440,8 @@ pub struct InMemoryTransport {
     /// here without the lock, which takes them in (in id order) the next
     /// time it is held.
     inbox: SegQueue<Entry>,
-    /// The last id given out. Ids are taken before the lock, so that a
-    /// send holds it only to queue the message.
+    /// The last id given out. A send takes its id without the lock and
+    /// queues its message in the inbox, so it never waits for the lock.
     last_key: AtomicU64,
     notify: Notify,
     /// How many [`Transport::wait_for_messages`] calls are checking or
@@ -531,30 +531,21 @@ impl InMemoryTransport {
 
     /// The state, with every message sent so far in it.
     fn lock(&self) -> MutexGuard<'_, State> {
-        let mut state = self.lock_only();
-        while let Some(entry) = self.inbox.pop() {
-            state.insert_ready(entry);
-        }
-        state
+        self.lock_to_take(usize::MAX)
     }
 
     /// The state, with at least `max` messages available if that many
     /// were sent: taking a batch moves no more than it needs out of the
     /// inbox.
     fn lock_to_take(&self, max: usize) -> MutexGuard<'_, State> {
-        let mut state = self.lock_only();
+        // A panic while holding the lock cannot leave the state half-updated
+        // in a way that matters more than losing the queue; keep going.
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         while state.ready.len() < max {
             let Some(entry) = self.inbox.pop() else { break };
             state.insert_ready(entry);
         }
         state
-    }
-
-    /// The state as it is.
-    fn lock_only(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock cannot leave the state half-updated
-        // in a way that matters more than losing the queue; keep going.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Stores a message under `id`: one available now goes through the
