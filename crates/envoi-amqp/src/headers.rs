@@ -5,8 +5,8 @@
 //! (dead-lettering and quorum queue bookkeeping) are dropped on the way in,
 //! so a message comes back with exactly the headers it was sent with.
 
-use std::collections::BTreeMap;
-
+use envoi_core::headers::header_text;
+use envoi_core::Headers;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use crate::error::AmqpError;
@@ -25,15 +25,15 @@ pub(crate) fn is_broker_header(name: &str) -> bool {
 }
 
 /// Encodes `headers`; returns the table and its encoded size in bytes.
-pub(crate) fn encode(headers: &BTreeMap<String, String>) -> Result<(FieldTable, usize), AmqpError> {
+pub(crate) fn encode(headers: &Headers) -> Result<(FieldTable, usize), AmqpError> {
     let mut table = FieldTable::default();
     let mut size = 4;
     for (name, value) in headers {
         if is_broker_header(name) {
-            return Err(AmqpError::ReservedHeader(name.clone()));
+            return Err(AmqpError::ReservedHeader(name.to_string()));
         }
-        let key = ShortString::try_new(name.as_str())
-            .map_err(|_| AmqpError::HeaderNameTooLong(name.len()))?;
+        let key =
+            ShortString::try_new(name).map_err(|_| AmqpError::HeaderNameTooLong(name.len()))?;
         size += PER_HEADER + name.len() + value.len();
         table.insert(
             key,
@@ -46,15 +46,25 @@ pub(crate) fn encode(headers: &BTreeMap<String, String>) -> Result<(FieldTable, 
 /// Decodes a received header table. String values (long or short) are kept;
 /// values of other types (set by other producers) are rendered as text;
 /// broker bookkeeping headers are dropped.
-pub(crate) fn decode(table: Option<&FieldTable>) -> BTreeMap<String, String> {
+pub(crate) fn decode(table: Option<&FieldTable>) -> Headers {
     let Some(table) = table else {
-        return BTreeMap::new();
+        return Headers::new();
     };
-    table
-        .into_iter()
-        .filter(|(k, _)| !is_broker_header(k.as_str()))
-        .map(|(k, v)| (k.as_str().to_string(), text(v)))
-        .collect()
+    let mut headers = Headers::with_capacity(table.inner().len());
+    for (k, v) in table {
+        if is_broker_header(k.as_str()) {
+            continue;
+        }
+        match v {
+            AMQPValue::LongString(s) => match std::str::from_utf8(s.as_bytes()) {
+                Ok(s) => headers.insert_copy(k.as_str(), s),
+                Err(_) => headers.insert(header_text(k.as_str()), text(v)),
+            },
+            AMQPValue::ShortString(s) => headers.insert_copy(k.as_str(), s.as_str()),
+            _ => headers.insert(header_text(k.as_str()), text(v)),
+        };
+    }
+    headers
 }
 
 fn text(value: &AMQPValue) -> String {
@@ -84,17 +94,14 @@ mod tests {
 
     #[test]
     fn headers_round_trip_and_broker_headers_are_dropped() {
-        let headers: BTreeMap<String, String> = [
+        let headers = Headers::from([
             ("type", "App.Order"),
             ("Type", "other case"),
             ("empty", ""),
             ("multi", "a\nb\r\nc\td \"q\" \\ 🎉"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+        ]);
         let (mut table, size) = encode(&headers).unwrap();
-        assert!(size > headers.values().map(String::len).sum::<usize>());
+        assert!(size > headers.values().map(str::len).sum::<usize>());
         table.insert("x-delivery-count".into(), AMQPValue::LongLongInt(2));
         table.insert(
             "x-first-death-reason".into(),
@@ -107,15 +114,12 @@ mod tests {
 
     #[test]
     fn reserved_and_overlong_header_names_are_refused() {
-        let reserved: BTreeMap<String, String> = [("x-death".to_string(), String::new())]
-            .into_iter()
-            .collect();
+        let reserved = Headers::from([("x-death", "")]);
         assert!(matches!(
             encode(&reserved),
             Err(AmqpError::ReservedHeader(_))
         ));
-        let long: BTreeMap<String, String> =
-            [("k".repeat(256), String::new())].into_iter().collect();
+        let long = Headers::from([("k".repeat(256), String::new())]);
         assert!(matches!(
             encode(&long),
             Err(AmqpError::HeaderNameTooLong(256))
@@ -129,8 +133,8 @@ mod tests {
         table.insert("b".into(), AMQPValue::Boolean(true));
         table.insert("s".into(), AMQPValue::ShortString("short".into()));
         let decoded = decode(Some(&table));
-        assert_eq!(decoded["n"], "-4");
-        assert_eq!(decoded["b"], "true");
-        assert_eq!(decoded["s"], "short");
+        assert_eq!(&decoded["n"], "-4");
+        assert_eq!(&decoded["b"], "true");
+        assert_eq!(&decoded["s"], "short");
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
-use envoi_core::TransportError;
+use envoi_core::{Headers, TransportError};
 use futures_util::future::join_all;
 use futures_util::StreamExt;
 use lapin::options::{
@@ -138,7 +138,7 @@ impl Names {
 struct Outgoing {
     body: Vec<u8>,
     /// The message's headers, encoded again for a second attempt.
-    headers: BTreeMap<String, String>,
+    headers: Headers,
     /// The encoded headers of the first attempt.
     table: Option<FieldTable>,
     header_size: usize,

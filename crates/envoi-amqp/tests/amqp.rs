@@ -1,13 +1,12 @@
 //! Behaviour specific to the RabbitMQ transport: DSN errors, topology,
 //! delay queues, dead-lettering, idle consumers, header limits.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_amqp::{AmqpError, AmqpTransport, AmqpTransportFactory};
 use envoi_core::transport::{Delivery, RawMessage, Transport, TransportFactory};
-use envoi_core::TransportError;
+use envoi_core::{Headers, TransportError};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
@@ -273,7 +272,7 @@ async fn headers_that_cannot_travel_are_refused_and_the_transport_keeps_working(
         .expect("connect");
     t.setup().await.expect("setup");
 
-    let huge: BTreeMap<String, String> = (0..4)
+    let huge: Headers = (0..4)
         .map(|i| (format!("h{i}"), "v".repeat(64 * 1024)))
         .collect();
     let too_large = RawMessage {

@@ -143,7 +143,7 @@ pub(crate) async fn envoi_round_trip(
         ));
     }
     eprintln!(
-        "  envoi: sent {n} in {:.2}s, consumed in {:.2}s",
+        "  envoi: sent {n} in {:.3}s, consumed in {:.3}s",
         sent.as_secs_f64(),
         (total - sent).as_secs_f64()
     );
@@ -259,6 +259,7 @@ async fn memory_baseline(n: u64) -> Result<f64, String> {
     for p in producers {
         p.await.map_err(|e| e.to_string())??;
     }
+    let sent = start.elapsed();
     let mut count = 0u64;
     while let Some(j) = rx.recv().await {
         std::hint::black_box(j.id);
@@ -267,6 +268,11 @@ async fn memory_baseline(n: u64) -> Result<f64, String> {
     if count != n {
         return Err(format!("baseline received {count} of {n}"));
     }
+    eprintln!(
+        "  baseline: sent in {:.3}s, consumed in {:.3}s",
+        sent.as_secs_f64(),
+        (start.elapsed() - sent).as_secs_f64()
+    );
     Ok(n as f64 / start.elapsed().as_secs_f64())
 }
 

@@ -43,10 +43,10 @@ pub(crate) fn inspect(delivery: &Delivery) -> Inspected {
     for (key, value) in &delivery.raw.headers {
         if let Some(name) = key.strip_prefix(STAMP_HEADER_PREFIX) {
             let parsed = serde_json::from_str::<Value>(value)
-                .unwrap_or_else(|_| Value::String(value.clone()));
+                .unwrap_or_else(|_| Value::String(value.to_string()));
             stamps.push((name.to_string(), parsed));
         } else if key != TYPE_HEADER && key != KIND_HEADER {
-            headers.push((key.clone(), value.clone()));
+            headers.push((key.to_string(), value.to_string()));
         }
     }
     let body = match serde_json::from_slice::<Value>(&delivery.raw.body) {

@@ -583,7 +583,7 @@ async fn failed_retry_with_retries_left_sends_the_message_back_to_its_transport(
 async fn failed_retry_keeps_a_message_that_does_not_decode() {
     let app = app().await;
     let mut raw = RawMessage::default();
-    raw.headers.insert("type".into(), "Refund".into());
+    raw.headers.insert("type", "Refund");
     raw.body = b"{}".to_vec();
     let id = app.transport("failed").send(raw, None).await.unwrap();
     let out = app.ok(&["failed", "show"]).await;

@@ -44,6 +44,7 @@ pub mod bus;
 pub mod envelope;
 pub mod error;
 pub mod handler;
+pub mod headers;
 pub mod in_memory;
 pub mod message;
 pub mod middleware;
@@ -64,6 +65,7 @@ pub use error::{
     TransportError, Unrecoverable,
 };
 pub use handler::{Handler, IntoHandler};
+pub use headers::Headers;
 pub use message::{Command, Event, Message, MessageKind, Query};
 pub use middleware::span::{SpanAttributeValue, SpanAttributes};
 pub use middleware::{Middleware, MiddlewareStack, Next};

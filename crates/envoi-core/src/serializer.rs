@@ -63,7 +63,7 @@
 
 use std::any::TypeId;
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::marker::PhantomData;
@@ -75,6 +75,7 @@ use serde::{Deserialize, Serialize};
 use crate::envelope::Envelope;
 use crate::error::SerializationError;
 use crate::handler::TypeMap;
+use crate::headers::Headers;
 use crate::message::{Message, MessageKind};
 use crate::middleware::correlation::{CausationIdStamp, CorrelationIdStamp};
 use crate::stamp::{
@@ -478,7 +479,7 @@ impl Serializer {
                 limit: self.inner.max_body_size,
             });
         }
-        let mut headers = BTreeMap::new();
+        let mut headers = Headers::with_capacity(2 + envelope.headers().count());
         for (key, value) in envelope.headers() {
             if is_reserved(key) {
                 return Err(SerializationError::InvalidHeader {
@@ -488,11 +489,8 @@ impl Serializer {
             }
             headers.insert(key.to_string(), value.to_string());
         }
-        headers.insert(TYPE_HEADER.to_string(), name.to_string());
-        headers.insert(
-            KIND_HEADER.to_string(),
-            envelope.kind().as_str().to_string(),
-        );
+        headers.insert(TYPE_HEADER, name);
+        headers.insert(KIND_HEADER, envelope.kind().as_str());
         encode_stamps(envelope, &mut headers)?;
         Ok(RawMessage { body, headers })
     }
@@ -530,7 +528,7 @@ impl Serializer {
                 continue;
             }
             let Some(stamp) = key.strip_prefix(STAMP_HEADER_PREFIX) else {
-                envelope = envelope.with_header(key.clone(), value.clone());
+                envelope = envelope.with_header(key, value);
                 continue;
             };
             if stamp == BusNameStamp::NAME {
@@ -542,13 +540,13 @@ impl Serializer {
             envelope = match self.inner.stamps.get(stamp) {
                 Some(decode) => {
                     decode(envelope, value).map_err(|e| SerializationError::MalformedStamp {
-                        header: key.clone(),
+                        header: key.to_string(),
                         reason: e.to_string(),
                     })?
                 }
                 None => envelope.with(OpaqueStamp {
                     name: stamp.to_string(),
-                    value: value.clone(),
+                    value: value.to_string(),
                 }),
             };
         }
@@ -566,10 +564,7 @@ fn is_reserved(header: &str) -> bool {
 /// Each group is written straight into the buffer that becomes the header's
 /// value: no intermediate `serde_json::Value`s or strings for the stamps the
 /// serializer knows to write directly (see [`write_stamp`]).
-fn encode_stamps(
-    envelope: &Envelope,
-    headers: &mut BTreeMap<String, String>,
-) -> Result<(), SerializationError> {
+fn encode_stamps(envelope: &Envelope, headers: &mut Headers) -> Result<(), SerializationError> {
     let mut opaque = false;
     for (index, stamp) in envelope.stamps().enumerate() {
         if !stamp.sendable() {
@@ -612,14 +607,13 @@ fn encode_stamps(
         .filter_map(|s| s.as_any().downcast_ref::<OpaqueStamp>())
     {
         let key = stamp_header(&o.name);
-        match headers.get_mut(&key) {
-            None => {
-                headers.insert(key, o.value.clone());
-            }
-            // The same name twice: merge the arrays when both are arrays,
-            // otherwise keep what is there and append the opaque value.
-            Some(existing) => *existing = merge_arrays(existing, &o.value),
-        }
+        // The same name twice: merge the arrays when both are arrays,
+        // otherwise keep what is there and append the opaque value.
+        let value = match headers.get(&key) {
+            None => o.value.clone(),
+            Some(existing) => merge_arrays(existing, &o.value),
+        };
+        headers.insert(key, value);
     }
     Ok(())
 }
@@ -753,7 +747,7 @@ mod tests {
         let mut raw = raw;
         raw.headers.remove(KIND_HEADER);
         assert_eq!(s.decode(&raw).unwrap().kind(), MessageKind::Command);
-        raw.headers.insert(KIND_HEADER.into(), "rumour".into());
+        raw.headers.insert(KIND_HEADER, "rumour");
         assert!(matches!(
             s.decode(&raw),
             Err(SerializationError::InvalidHeader { .. })
@@ -795,7 +789,7 @@ mod tests {
     fn a_missing_type_header_is_reported() {
         let raw = RawMessage {
             body: b"{}".to_vec(),
-            headers: BTreeMap::new(),
+            headers: Headers::new(),
         };
         assert!(matches!(
             serializer().decode(&raw),
@@ -902,8 +896,7 @@ mod tests {
             ("[{\"bus\":\"raw tab\tinside\"}]", None),
             (r#"[{"bus":"x"}"#, None),
         ] {
-            raw.headers
-                .insert("X-Message-Stamp-BusName".into(), value.into());
+            raw.headers.insert("X-Message-Stamp-BusName", value);
             match (s.decode(&raw), bus) {
                 (Ok(e), Some(bus)) => assert_eq!(&*e.last::<BusNameStamp>().unwrap().bus, bus),
                 (Err(e), None) => assert_eq!(e.kind(), "malformed_stamp"),
@@ -916,7 +909,7 @@ mod tests {
     fn a_stamp_header_with_trailing_garbage_is_malformed() {
         let mut raw = serializer().encode(&Envelope::new(order())).unwrap();
         raw.headers
-            .insert("X-Message-Stamp-Delay".into(), r#"[{"ms":1}] x"#.into());
+            .insert("X-Message-Stamp-Delay", r#"[{"ms":1}] x"#);
         assert_eq!(
             serializer().decode(&raw).unwrap_err().kind(),
             "malformed_stamp"

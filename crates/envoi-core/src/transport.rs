@@ -32,6 +32,7 @@ use std::time::Duration;
 use crate::builder::WeakMessenger;
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, TransportError};
+use crate::headers::Headers;
 use crate::middleware::BoxFuture;
 use crate::serializer::Serializer;
 use crate::stamp::{ErasedStamp, TransportMessageIdStamp};
@@ -42,13 +43,13 @@ pub struct RawMessage {
     /// The encoded message.
     pub body: Vec<u8>,
     /// `type`, `kind` and one `X-Message-Stamp-<name>` header per stamp type.
-    pub headers: BTreeMap<String, String>,
+    pub headers: Headers,
 }
 
 impl RawMessage {
     /// Header `key`, if present.
     pub fn header(&self, key: &str) -> Option<&str> {
-        self.headers.get(key).map(String::as_str)
+        self.headers.get(key)
     }
 }
 

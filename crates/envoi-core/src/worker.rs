@@ -2343,15 +2343,13 @@ mod tests {
     #[test]
     fn appending_a_stamp_header_keeps_what_was_there() {
         let mut raw = RawMessage::default();
-        raw.headers
-            .insert("X-Message-Stamp-Delay".into(), r#"[{"ms":1}]"#.into());
+        raw.headers.insert("X-Message-Stamp-Delay", r#"[{"ms":1}]"#);
         append_stamp_header(&mut raw, &DelayStamp { ms: 2 });
         assert_eq!(
             raw.header("X-Message-Stamp-Delay"),
             Some(r#"[{"ms":1},{"ms":2}]"#)
         );
-        raw.headers
-            .insert("X-Message-Stamp-Delay".into(), "garbage".into());
+        raw.headers.insert("X-Message-Stamp-Delay", "garbage");
         append_stamp_header(&mut raw, &DelayStamp { ms: 3 });
         assert_eq!(raw.header("X-Message-Stamp-Delay"), Some(r#"[{"ms":3}]"#));
         assert_eq!(raw.header("X-Malformed-Stamp-Delay"), Some("garbage"));

@@ -763,8 +763,8 @@ async fn an_undecodable_message_retried_from_the_failure_transport_keeps_its_ori
     );
     let mut message = raw("Unknown", b"{}");
     message.headers.insert(
-        "X-Message-Stamp-SentToFailureTransport".into(),
-        r#"[{"original_transport":"async"}]"#.into(),
+        "X-Message-Stamp-SentToFailureTransport",
+        r#"[{"original_transport":"async"}]"#,
     );
     failed.send(message, None).await.unwrap();
     let report = Worker::builder(&messenger)

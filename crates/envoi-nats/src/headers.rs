@@ -1,6 +1,6 @@
 //! How envoi headers travel as NATS headers.
 //!
-//! NATS headers cannot carry everything a `BTreeMap<String, String>` can:
+//! NATS headers cannot carry every envoi header:
 //! names must be printable ASCII without `:`, values cannot hold line breaks
 //! and lose leading and trailing whitespace, and `Nats-*` names steer the
 //! server. Headers that would not survive (or would steer the server) travel
@@ -12,6 +12,7 @@ use std::str::FromStr;
 
 use async_nats::header::{HeaderMap, HeaderName, HeaderValue};
 use envoi_core::transport::RawMessage;
+use envoi_core::Headers;
 
 /// The time (milliseconds since the Unix epoch) before which a delayed
 /// message must not be handed out.
@@ -60,7 +61,7 @@ fn header_name(name: &str) -> Result<HeaderName, async_nats::header::ParseHeader
 /// Builds the NATS headers for `headers`, plus the de-duplication id (if
 /// any) and the due time of a delayed message.
 pub(crate) fn encode(
-    headers: &BTreeMap<String, String>,
+    headers: &Headers,
     msg_id: Option<uuid::Uuid>,
     not_before_ms: Option<u128>,
 ) -> Result<HeaderMap, serde_json::Error> {
@@ -107,7 +108,7 @@ pub(crate) fn decode_delivered(
     headers: Option<&HeaderMap>,
     payload: &[u8],
 ) -> (RawMessage, Option<u128>) {
-    let mut out = BTreeMap::new();
+    let mut out = Headers::new();
     let mut due = None;
     if let Some(headers) = headers {
         let mut extra = None;
@@ -124,15 +125,15 @@ pub(crate) fn decode_delivered(
                 continue;
             }
             if let Some(value) = values.last() {
-                out.insert(name.to_string(), value.as_str().to_string());
+                out.insert_copy(name, value.as_str());
             }
         }
         if let Some(extra) = extra {
-            match serde_json::from_str::<BTreeMap<String, String>>(extra.as_str()) {
+            match serde_json::from_str::<Headers>(extra.as_str()) {
                 Ok(extra) => out.extend(extra),
                 Err(error) => {
                     tracing::warn!(%error, "header `{EXTRA_HEADERS}` is not a JSON object of strings");
-                    out.insert(EXTRA_HEADERS.to_string(), extra.as_str().to_string());
+                    out.insert(EXTRA_HEADERS, extra.as_str().to_string());
                 }
             }
         }
@@ -148,8 +149,8 @@ pub(crate) fn decode_delivered(
 mod tests {
     use super::*;
 
-    fn roundtrip(headers: &[(&str, &str)]) -> BTreeMap<String, String> {
-        let headers: BTreeMap<String, String> = headers
+    fn roundtrip(headers: &[(&str, &str)]) -> Headers {
+        let headers: Headers = headers
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
@@ -159,8 +160,7 @@ mod tests {
 
     #[test]
     fn ordinary_headers_travel_as_nats_headers() {
-        let headers: BTreeMap<String, String> =
-            [("type".to_string(), "App\\Order".to_string())].into();
+        let headers = Headers::from([("type", "App\\Order")]);
         let id = uuid::Uuid::from_u128(0xabc);
         let map = encode(&headers, Some(id), Some(42)).unwrap();
         assert_eq!(map.get("type").map(|v| v.as_str()), Some("App\\Order"));
@@ -190,7 +190,7 @@ mod tests {
             ("empty", ""),
         ];
         let back = roundtrip(&headers);
-        let expected: BTreeMap<String, String> = headers
+        let expected: Headers = headers
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
@@ -211,11 +211,7 @@ mod tests {
 
     #[test]
     fn the_due_time_is_found_with_the_headers() {
-        let headers: BTreeMap<String, String> = [
-            ("type".to_string(), "Order".to_string()),
-            ("multi".to_string(), "a\r\nb".to_string()),
-        ]
-        .into();
+        let headers = Headers::from([("type", "Order"), ("multi", "a\r\nb")]);
         let map = encode(&headers, Some(uuid::Uuid::nil()), Some(1234)).unwrap();
         let (raw, due) = decode_delivered(Some(&map), b"b");
         assert_eq!(raw.headers, headers);

@@ -1,6 +1,6 @@
 //! [`NatsTransport`]: a JetStream stream and a durable pull consumer.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -17,7 +17,7 @@ use async_nats::{ConnectOptions, RequestErrorKind, StatusCode, Subject};
 use bytes::Bytes;
 use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{mask_dsn, Capabilities, Delivery, RawMessage, Transport};
-use envoi_core::{BoxError, TransportError};
+use envoi_core::{BoxError, Headers, TransportError};
 use futures_util::StreamExt;
 use serde::Deserialize;
 use tokio::sync::OnceCell;
@@ -407,7 +407,7 @@ struct Prepared {
     /// The headers of the first attempt; a retry encodes them again from
     /// `source` (cheaper than copying them for every publish).
     headers: Option<async_nats::HeaderMap>,
-    source: BTreeMap<String, String>,
+    source: Headers,
     /// The de-duplication id every attempt carries (with `dedup`).
     msg_id: Option<uuid::Uuid>,
     not_before: Option<u128>,

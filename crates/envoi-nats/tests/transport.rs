@@ -2,17 +2,17 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use common::{get_n, nats_url, transport, unique_name};
 use envoi_core::transport::{RawMessage, Transport};
-use envoi_core::TransportError;
+use envoi_core::{Headers, TransportError};
 
 fn message(body: &str) -> RawMessage {
     RawMessage {
         body: body.as_bytes().to_vec(),
-        headers: BTreeMap::from([
+        headers: Headers::from([
             ("type".to_string(), "App\\Order".to_string()),
             ("kind".to_string(), "command".to_string()),
         ]),
@@ -26,12 +26,10 @@ async fn a_sent_message_arrives_intact_and_an_acked_one_never_returns() {
     };
     let t = transport(&url, &unique_name("intact"), "lease=1s&wait=200ms").await;
     let mut raw = message("{\"id\":1}");
-    raw.headers.insert(
-        "X-Message-Stamp-Bus".into(),
-        "[{\"name\":\"default\"}]".into(),
-    );
-    raw.headers.insert("multi".into(), "line\r\nbreak".into());
-    raw.headers.insert("padded".into(), " x ".into());
+    raw.headers
+        .insert("X-Message-Stamp-Bus", "[{\"name\":\"default\"}]");
+    raw.headers.insert("multi", "line\r\nbreak");
+    raw.headers.insert("padded", " x ");
     raw.body.extend_from_slice(&[0, 159, 255]);
 
     let id = t.send(raw.clone(), None).await.unwrap();
@@ -406,7 +404,7 @@ async fn an_oversized_payload_is_refused_with_its_size() {
         .send(
             RawMessage {
                 body,
-                headers: BTreeMap::new(),
+                headers: Headers::new(),
             },
             None,
         )

@@ -1,6 +1,6 @@
 //! [`PostgresTransport`]: the [`Transport`] implementation.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
-use envoi_core::TransportError;
+use envoi_core::{Headers, TransportError};
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 use tokio::sync::{mpsc, oneshot};
@@ -316,8 +316,8 @@ fn delay_secs(delay: Option<Duration>) -> f64 {
     delay.map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn decode_headers(text: &str) -> BTreeMap<String, String> {
-    if let Ok(headers) = serde_json::from_str::<BTreeMap<String, String>>(text) {
+fn decode_headers(text: &str) -> Headers {
+    if let Ok(headers) = serde_json::from_str::<Headers>(text) {
         return headers;
     }
     match serde_json::from_str::<serde_json::Value>(text) {
@@ -328,7 +328,7 @@ fn decode_headers(text: &str) -> BTreeMap<String, String> {
                 other => (k, other.to_string()),
             })
             .collect(),
-        _ => BTreeMap::from([(INVALID_HEADERS_HEADER.to_string(), text.to_string())]),
+        _ => Headers::from([(INVALID_HEADERS_HEADER, text.to_string())]),
     }
 }
 
@@ -567,7 +567,7 @@ impl Inner {
         self.notify_signal.notify_one();
     }
 
-    fn encode_headers(&self, headers: &BTreeMap<String, String>) -> Result<String, TransportError> {
+    fn encode_headers(&self, headers: &Headers) -> Result<String, TransportError> {
         if let Some((key, _)) = headers
             .iter()
             .find(|(k, v)| k.contains('\0') || v.contains('\0'))
@@ -1162,15 +1162,15 @@ mod tests {
     fn stored_headers_decode_leniently_and_never_vanish() {
         assert_eq!(
             decode_headers(r#"{"type":"A","n":"1"}"#),
-            BTreeMap::from([("type".into(), "A".into()), ("n".into(), "1".into())])
+            Headers::from([("type", "A"), ("n", "1")])
         );
         assert_eq!(
             decode_headers(r#"{"n":1,"ok":true}"#),
-            BTreeMap::from([("n".into(), "1".into()), ("ok".into(), "true".into())])
+            Headers::from([("n", "1"), ("ok", "true")])
         );
         assert_eq!(
             decode_headers("[1,2]"),
-            BTreeMap::from([(INVALID_HEADERS_HEADER.into(), "[1,2]".into())])
+            Headers::from([(INVALID_HEADERS_HEADER, "[1,2]")])
         );
     }
 }

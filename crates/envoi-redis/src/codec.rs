@@ -13,10 +13,10 @@
 //! well-formed list of netstrings, so a foreign entry still reaches the
 //! worker, which can then park it with a reason.
 
-use std::collections::BTreeMap;
 use std::io::Write;
 
 use envoi_core::transport::{Delivery, RawMessage};
+use envoi_core::Headers;
 use redis::{Cmd, RedisWrite, ToRedisArgs, Value};
 
 /// The field holding the body.
@@ -56,7 +56,7 @@ fn netstring_len(text: &str) -> usize {
 
 /// The headers as netstrings, written into the command without building
 /// the string first.
-struct PackedHeaders<'a>(&'a BTreeMap<String, String>);
+struct PackedHeaders<'a>(&'a Headers);
 
 impl ToRedisArgs for PackedHeaders<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
@@ -75,18 +75,18 @@ impl ToRedisArgs for PackedHeaders<'_> {
 
 /// Reads the headers [`PackedHeaders`] wrote; `None` unless `bytes` is a
 /// whole number of well-formed name and value netstrings.
-fn unpack_headers(mut bytes: &[u8]) -> Option<BTreeMap<String, String>> {
-    let mut headers = BTreeMap::new();
+fn unpack_headers(mut bytes: &[u8]) -> Option<Headers> {
+    let mut headers = Headers::with_capacity(4);
     while !bytes.is_empty() {
         let key = netstring(&mut bytes)?;
         let value = netstring(&mut bytes)?;
-        headers.insert(key, value);
+        headers.insert_copy(key, value);
     }
     Some(headers)
 }
 
 /// Takes one `<length>:<text>` off the front of `bytes`.
-fn netstring(bytes: &mut &[u8]) -> Option<String> {
+fn netstring<'a>(bytes: &mut &'a [u8]) -> Option<&'a str> {
     // At most ten digits: no length of a Redis value has more.
     let mut len = 0usize;
     let mut digits = 0;
@@ -100,7 +100,7 @@ fn netstring(bytes: &mut &[u8]) -> Option<String> {
     }
     let rest = &bytes[digits + 1..];
     let text = rest.get(..len)?;
-    let text = std::str::from_utf8(text).ok()?.to_owned();
+    let text = std::str::from_utf8(text).ok()?;
     *bytes = &rest[len..];
     Some(text)
 }
@@ -158,7 +158,7 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
     }
     let mut raw = RawMessage {
         body: Vec::new(),
-        headers: BTreeMap::new(),
+        headers: Headers::new(),
     };
     let mut items = fields.into_iter();
     while let (Some(field), Some(value)) = (items.next(), items.next()) {
@@ -367,7 +367,7 @@ mod tests {
         let mut bare = redis::cmd("XADD");
         let no_headers = RawMessage {
             body: b"x".to_vec(),
-            headers: BTreeMap::new(),
+            headers: Headers::new(),
         };
         push_fields(&mut bare, &no_headers);
         assert_eq!(bare.args_iter().count(), 3, "no headers field");
@@ -392,15 +392,12 @@ mod tests {
 
     #[test]
     fn headers_of_any_text_round_trip() {
-        let headers: BTreeMap<String, String> = [
+        let headers = Headers::from([
             ("", ""),
             ("a:b", "12:not a length"),
             ("ünïcode", "💥"),
             ("empty", ""),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+        ]);
         let mut cmd = redis::cmd("XADD");
         cmd.arg(PackedHeaders(&headers));
         let packed: Vec<u8> = match cmd.args_iter().nth(1) {

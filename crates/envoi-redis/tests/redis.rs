@@ -3,12 +3,11 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_core::transport::{Delivery, RawMessage, Transport};
-use envoi_core::TransportError;
+use envoi_core::{Headers, TransportError};
 use envoi_redis::RedisTransport;
 use redis::aio::MultiplexedConnection;
 use redis::Value;
@@ -16,7 +15,7 @@ use redis::Value;
 fn text(body: &str) -> RawMessage {
     RawMessage {
         body: body.as_bytes().to_vec(),
-        headers: BTreeMap::new(),
+        headers: Headers::new(),
     }
 }
 

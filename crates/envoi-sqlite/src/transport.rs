@@ -1,6 +1,6 @@
 //! [`SqliteTransport`]: the queue in a SQLite table.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
-use envoi_core::TransportError;
+use envoi_core::{Headers, TransportError};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
@@ -90,7 +90,7 @@ fn parse_id(id: &str) -> Option<i64> {
     id.parse().ok()
 }
 
-fn encode_headers(headers: &BTreeMap<String, String>) -> Result<String, TransportError> {
+fn encode_headers(headers: &Headers) -> Result<String, TransportError> {
     if headers.is_empty() {
         return Ok("{}".to_string());
     }

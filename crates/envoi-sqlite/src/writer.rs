@@ -4,10 +4,10 @@
 //! transaction (group commit), so concurrent sends, claims and acks share
 //! commits instead of taking turns on the write lock.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use envoi_core::transport::{Delivery, RawMessage};
+use envoi_core::Headers;
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
 use sqlx::{AssertSqlSafe, Connection, Row};
 use tokio::sync::{mpsc, oneshot};
@@ -84,11 +84,11 @@ pub(crate) fn decode_row(row: &SqliteRow) -> Result<Delivery, sqlx::Error> {
     let body: Vec<u8> = row.try_get(1)?;
     let headers: &str = row.try_get(2)?;
     let headers = if headers == "{}" {
-        BTreeMap::new()
+        Headers::new()
     } else {
         serde_json::from_str(headers).unwrap_or_else(|e| {
-            BTreeMap::from([(
-                INVALID_HEADERS.to_string(),
+            Headers::from([(
+                INVALID_HEADERS,
                 format!("stored headers are not a JSON object of strings: {e}"),
             )])
         })

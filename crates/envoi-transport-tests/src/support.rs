@@ -65,7 +65,7 @@ pub(crate) fn message(body: impl Into<Vec<u8>>, headers: &[(&str, &str)]) -> Raw
         headers: headers
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect::<BTreeMap<_, _>>(),
+            .collect(),
     }
 }
 

@@ -97,9 +97,11 @@ impl Transport for Reference {
                 return Ok(id.to_string());
             }
             if self.fault == Fault::TrimsHeaders {
-                for v in message.headers.values_mut() {
-                    *v = v.trim_end().to_string();
-                }
+                message.headers = message
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.trim_end().to_string()))
+                    .collect();
             }
             let delay = if self.fault == Fault::DelayIgnored {
                 Duration::ZERO
