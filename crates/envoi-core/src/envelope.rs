@@ -304,6 +304,11 @@ impl Envelope {
         self.body.meta.stamps.iter().map(move |e| e.erased(local))
     }
 
+    /// How many stamps the envelope carries.
+    pub(crate) fn stamp_count(&self) -> usize {
+        self.body.meta.stamps.len()
+    }
+
     /// Adds an already type-erased stamp (used by deserializers).
     #[must_use = "an envelope is immutable: `with_erased` returns the stamped copy"]
     pub fn with_erased(mut self, stamp: Arc<dyn crate::stamp::ErasedStamp>) -> Self {

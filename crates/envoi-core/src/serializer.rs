@@ -479,7 +479,10 @@ impl Serializer {
                 limit: self.inner.max_body_size,
             });
         }
-        let mut headers = Headers::with_capacity(2 + envelope.headers().count());
+        // Room for every header at once: the two fixed ones, the envelope's,
+        // and at most one per stamp.
+        let mut headers =
+            Headers::with_capacity(2 + envelope.headers().count() + envelope.stamp_count());
         for (key, value) in envelope.headers() {
             if is_reserved(key) {
                 return Err(SerializationError::InvalidHeader {
@@ -489,9 +492,11 @@ impl Serializer {
             }
             headers.insert(key.to_string(), value.to_string());
         }
-        headers.insert(TYPE_HEADER, name);
-        headers.insert(KIND_HEADER, envelope.kind().as_str());
+        // Stamp headers (`X-…`) sort before `kind`, which sorts before
+        // `type`: added in that order, each header goes at the end.
         encode_stamps(envelope, &mut headers)?;
+        headers.insert(KIND_HEADER, envelope.kind().as_str());
+        headers.insert(TYPE_HEADER, name);
         Ok(RawMessage { body, headers })
     }
 
