@@ -21,6 +21,7 @@ use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer,
     ExchangeKind,
 };
+use smallvec::SmallVec;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -311,6 +312,9 @@ fn retryable(error: &lapin::Error) -> bool {
         _ => false,
     }
 }
+
+/// Positions in a batch of outgoing messages.
+type Indices = SmallVec<[usize; 1]>;
 
 fn short(s: &str) -> Result<ShortString, TransportError> {
     ShortString::try_new(s).map_err(|e| backend(format!("name `{s}`"), e))
@@ -846,7 +850,9 @@ impl Shared {
             return Ok(());
         }
         let deadline = Instant::now() + self.config.reconnect_timeout;
-        let mut pending: Vec<usize> = (0..outgoing.len()).collect();
+        // Most sends publish one message: the bookkeeping below then stays
+        // on the stack.
+        let mut pending: Indices = (0..outgoing.len()).collect();
         let mut unroutable_rounds = 0;
         let mut backoff = Duration::from_millis(50);
         loop {
@@ -862,8 +868,8 @@ impl Shared {
                     limit,
                 });
             }
-            let mut failed: Vec<usize> = Vec::new();
-            let mut returned: Vec<usize> = Vec::new();
+            let mut failed = Indices::new();
+            let mut returned = Indices::new();
             let mut last_error: Option<TransportError> = None;
             let mut nacked = false;
             let mut reply = None;
@@ -891,7 +897,7 @@ impl Shared {
             }
 
             // Pipeline every publish, then collect the confirms.
-            let mut confirms = Vec::with_capacity(pending.len());
+            let mut confirms: SmallVec<[_; 1]> = SmallVec::with_capacity(pending.len());
             for (n, &i) in pending.iter().enumerate() {
                 let o = &mut outgoing[i];
                 let (exchange, routing_key) = self.names.route(o.delay_ms)?;
