@@ -41,6 +41,10 @@ pub fn header_text(text: &str) -> HeaderText {
 /// allocating. A message has a handful of headers; they are kept in one
 /// sorted vector, which is cheaper to build, search and drop than a tree.
 ///
+/// [`insert`](Self::insert) takes `&'static str`s and `String`s; text
+/// borrowed for less than `'static` goes in with
+/// [`insert_copy`](Self::insert_copy).
+///
 /// ```
 /// use envoi_core::Headers;
 ///
@@ -340,6 +344,22 @@ mod tests {
         let back: Headers = serde_json::from_str(&json).unwrap();
         assert_eq!(back, h);
         assert!(serde_json::from_str::<Headers>(r#"{"type":1}"#).is_err());
+        // Escaped text is unescaped, and not mistaken for a well-known name.
+        let escaped: Headers =
+            serde_json::from_str(r#"{"ty\u0070e":"a\"b","k\nind":"x"}"#).unwrap();
+        assert_eq!(escaped.get("type"), Some("a\"b"));
+        assert_eq!(escaped.get("k\nind"), Some("x"));
+    }
+
+    #[test]
+    fn well_known_texts_are_borrowed_and_others_copied() {
+        let mut h = Headers::new();
+        let name = String::from("kind");
+        let value = String::from("X-Custom-Value");
+        h.insert_copy(&name, &value);
+        assert!(matches!(h.entries[0].0, Cow::Borrowed("kind")));
+        assert!(matches!(h.entries[0].1, Cow::Owned(_)));
+        assert_eq!(h.get("kind"), Some("X-Custom-Value"));
     }
 
     #[test]
