@@ -129,10 +129,19 @@ impl MessageBus {
             .map(|out: StepResult| out.map_err(|e| *e))
     }
 
-    /// [`dispatch`](Self::dispatch) for an envelope a worker received: the
-    /// same steps, with retrying and handling awaited inline when no user
-    /// middleware is registered. The worker keeps this future in its own
-    /// slot, so it may be larger than [`dispatch`](Self::dispatch)'s, which
+    /// Whether [`dispatch_received`](Self::dispatch_received) can take
+    /// `envelope`, a message a worker received: when the bus has no user
+    /// middleware and nothing waits for the current dispatch, its steps
+    /// run without the boxes [`dispatch`](Self::dispatch) keeps its own
+    /// future small with. Anything else goes through `dispatch`.
+    pub(crate) fn receives_inline(&self, envelope: &Envelope) -> bool {
+        self.inner.receives_inline(envelope)
+    }
+
+    /// [`dispatch`](Self::dispatch) for an envelope a worker received and
+    /// [`receives_inline`](Self::receives_inline) accepted: the same steps,
+    /// with retrying and handling awaited inline. The worker keeps this
+    /// future in its own slot, so it may be larger than `dispatch`'s, which
     /// boxes those steps to stay small for every caller.
     pub(crate) fn dispatch_received(
         &self,
@@ -343,16 +352,20 @@ impl BusInner {
         .await
     }
 
-    /// [`MessageBus::dispatch_received`]: with no user middleware and
-    /// nothing to defer, steps 1, 3 and 5 to 7 run here, the core awaited
-    /// inline; anything else takes [`Self::dispatch`].
+    /// [`MessageBus::receives_inline`].
+    fn receives_inline(&self, envelope: &Envelope) -> bool {
+        !self.disposed.load(Ordering::Relaxed)
+            && self.user_empty.load(Ordering::Relaxed)
+            && !envelope.has::<DispatchAfterCurrentBusStamp>()
+    }
+
+    /// [`MessageBus::dispatch_received`]: steps 1, 3 and 5 to 7, the core
+    /// awaited inline, then step 2 settles what the handlers deferred.
+    ///
+    /// It does not fall back on [`Self::dispatch`] itself: a second caller
+    /// of that future would keep it from being inlined into the one every
+    /// dispatch takes.
     async fn dispatch_received(self: &Arc<Self>, envelope: Envelope) -> StepResult {
-        if self.disposed.load(Ordering::Relaxed)
-            || !self.user_empty.load(Ordering::Relaxed)
-            || envelope.has::<DispatchAfterCurrentBusStamp>()
-        {
-            return Box::pin(self.dispatch(envelope)).await;
-        }
         // 1. AddBusNameStamp, 3. FailedMessageProcessing, then the core.
         let envelope = FailedMessageProcessing::apply(self.add_bus_name.apply(envelope));
         let out = self.core(envelope).await?;

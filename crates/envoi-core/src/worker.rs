@@ -1417,7 +1417,12 @@ impl Ctx {
             transport: transport.clone(),
         }));
         let started = self.events.enabled().then(Instant::now);
-        let result = self.bus_for(&stamped).dispatch_received(stamped).await;
+        let bus = self.bus_for(&stamped);
+        let result = if bus.receives_inline(&stamped) {
+            bus.dispatch_received(stamped).await
+        } else {
+            bus.dispatch(stamped).await
+        };
         let duration = started.map(|s| s.elapsed()).unwrap_or_default();
         let action = match result {
             Ok(after) => {
