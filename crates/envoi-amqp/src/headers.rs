@@ -55,13 +55,15 @@ pub(crate) fn decode(table: Option<&FieldTable>) -> Headers {
         if is_broker_header(k.as_str()) {
             continue;
         }
-        match v {
-            AMQPValue::LongString(s) => match std::str::from_utf8(s.as_bytes()) {
-                Ok(s) => headers.insert_copy(k.as_str(), s),
-                Err(_) => headers.insert(header_text(k.as_str()), text(v)),
-            },
-            AMQPValue::ShortString(s) => headers.insert_copy(k.as_str(), s.as_str()),
-            _ => headers.insert(header_text(k.as_str()), text(v)),
+        // String values as they are; anything else rendered as text.
+        let plain = match v {
+            AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+            AMQPValue::ShortString(s) => Some(s.as_str()),
+            _ => None,
+        };
+        match plain {
+            Some(value) => headers.insert_copy(k.as_str(), value),
+            None => headers.insert(header_text(k.as_str()), text(v)),
         };
     }
     headers

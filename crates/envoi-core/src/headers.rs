@@ -99,22 +99,16 @@ impl Headers {
         let name = name.into();
         let value = value.into();
         // Headers mostly arrive in name order: check the end first.
-        match self.entries.last() {
-            Some((last, _)) if **last < *name => {
-                self.entries.push((name, value));
+        if self.entries.last().is_none_or(|(last, _)| **last < *name) {
+            self.entries.push((name, value));
+            return None;
+        }
+        match self.position(&name) {
+            Ok(i) => Some(std::mem::replace(&mut self.entries[i].1, value)),
+            Err(i) => {
+                self.entries.insert(i, (name, value));
                 None
             }
-            None => {
-                self.entries.push((name, value));
-                None
-            }
-            Some(_) => match self.position(&name) {
-                Ok(i) => Some(std::mem::replace(&mut self.entries[i].1, value)),
-                Err(i) => {
-                    self.entries.insert(i, (name, value));
-                    None
-                }
-            },
         }
     }
 
