@@ -350,6 +350,7 @@ impl SerializerBuilder {
                     .collect(),
                 max_body_size: self.max_body_size,
                 bus_names: RwLock::new(Vec::new()),
+                bus_headers: RwLock::new(Vec::new()),
             }),
         })
     }
@@ -362,6 +363,9 @@ struct Inner {
     max_body_size: usize,
     /// Bus names decoded so far, shared by the stamps naming them.
     bus_names: RwLock<Vec<&'static str>>,
+    /// The `BusName` stamp header written so far for each bus name, shared
+    /// by the messages that carry it.
+    bus_headers: RwLock<Vec<(&'static str, &'static str)>>,
 }
 
 impl Inner {
@@ -392,6 +396,41 @@ impl Inner {
         } else {
             Cow::Owned(name.to_owned())
         }
+    }
+
+    /// The `BusName` stamp header of a message whose one bus-name stamp
+    /// names `bus`, `[{"bus":"<bus>"}]`, written once per bus and then
+    /// shared. `None` for a name JSON would escape (written as any other
+    /// stamp), and past the first [`BUS_NAMES`] names.
+    fn bus_header(&self, bus: &str) -> Option<&'static str> {
+        let known = |headers: &[(&'static str, &'static str)]| {
+            headers.iter().find(|(n, _)| *n == bus).map(|(_, h)| *h)
+        };
+        if let Some(header) = known(
+            &self
+                .bus_headers
+                .read()
+                .unwrap_or_else(PoisonError::into_inner),
+        ) {
+            return Some(header);
+        }
+        if bus.contains(['"', '\\']) || bus.chars().any(char::is_control) {
+            return None;
+        }
+        let mut headers = self
+            .bus_headers
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(header) = known(&headers) {
+            return Some(header);
+        }
+        if headers.len() >= BUS_NAMES {
+            return None;
+        }
+        let name = crate::middleware::add_bus_name::intern(bus);
+        let header: &'static str = Box::leak(format!(r#"[{{"bus":"{bus}"}}]"#).into_boxed_str());
+        headers.push((name, header));
+        Some(header)
     }
 
     /// The bus of a `BusName` stamp header holding one plain stamp,
@@ -494,7 +533,7 @@ impl Serializer {
         }
         // Stamp headers (`X-…`) sort before `kind`, which sorts before
         // `type`: added in that order, each header goes at the end.
-        encode_stamps(envelope, &mut headers)?;
+        encode_stamps(&self.inner, envelope, &mut headers)?;
         headers.insert(KIND_HEADER, envelope.kind().as_str());
         headers.insert(TYPE_HEADER, name);
         Ok(RawMessage { body, headers })
@@ -569,7 +608,11 @@ fn is_reserved(header: &str) -> bool {
 /// Each group is written straight into the buffer that becomes the header's
 /// value: no intermediate `serde_json::Value`s or strings for the stamps the
 /// serializer knows to write directly (see [`write_stamp`]).
-fn encode_stamps(envelope: &Envelope, headers: &mut Headers) -> Result<(), SerializationError> {
+fn encode_stamps(
+    inner: &Inner,
+    envelope: &Envelope,
+    headers: &mut Headers,
+) -> Result<(), SerializationError> {
     let mut opaque = false;
     for (index, stamp) in envelope.stamps().enumerate() {
         if !stamp.sendable() {
@@ -587,6 +630,18 @@ fn encode_stamps(envelope: &Envelope, headers: &mut Headers) -> Result<(), Seria
             .any(|s| s.sendable() && s.name() == name && !s.as_any().is::<OpaqueStamp>())
         {
             continue;
+        }
+        // The bus-name stamp every dispatched message carries, alone under
+        // its name: its header was written before.
+        if let Some(bus) = stamp.as_any().downcast_ref::<BusNameStamp>() {
+            let alone = !envelope
+                .stamps()
+                .skip(index + 1)
+                .any(|s| s.sendable() && s.name() == name);
+            if let Some(value) = alone.then(|| inner.bus_header(&bus.bus)).flatten() {
+                headers.insert(BUS_NAME_HEADER, value);
+                continue;
+            }
         }
         let mut json = Vec::with_capacity(32);
         json.push(b'[');
@@ -622,6 +677,9 @@ fn encode_stamps(envelope: &Envelope, headers: &mut Headers) -> Result<(), Seria
     }
     Ok(())
 }
+
+/// The header of [`BusNameStamp`]s: `X-Message-Stamp-BusName`.
+const BUS_NAME_HEADER: &str = "X-Message-Stamp-BusName";
 
 /// `X-Message-Stamp-<name>`.
 fn stamp_header(name: &str) -> String {
@@ -865,6 +923,45 @@ mod tests {
         let back = serializer().decode(&raw).unwrap();
         let delays: Vec<u64> = back.all::<DelayStamp>().map(|d| d.ms).collect();
         assert_eq!(delays, [1, 2]);
+    }
+
+    #[test]
+    fn a_bus_name_header_is_written_once_per_bus_and_shared() {
+        assert_eq!(BUS_NAME_HEADER, stamp_header(BusNameStamp::NAME));
+        let s = serializer();
+        let header = |envelope: Envelope| {
+            let raw = s.encode(&envelope).unwrap();
+            let value = raw.header(BUS_NAME_HEADER).unwrap().to_string();
+            (raw, value)
+        };
+        for name in [
+            "command.bus",
+            "ünï",
+            "",
+            "b\u{e9}\"q\"\\",
+            "x\ty",
+            "del\u{7f}",
+        ] {
+            let stamp = BusNameStamp::new(name);
+            let (raw, value) = header(Envelope::new(order()).with(stamp.clone()));
+            assert_eq!(value, serde_json::to_string(&[&stamp]).unwrap(), "{name:?}");
+            assert_eq!(s.decode(&raw).unwrap().last::<BusNameStamp>(), Some(&stamp));
+        }
+        // Two messages of one bus share the header's text.
+        let (a, _) = header(Envelope::new(order()).with(BusNameStamp::new("shared")));
+        let (b, _) = header(Envelope::new(order()).with(BusNameStamp::new("shared")));
+        let (a, b) = (
+            a.header(BUS_NAME_HEADER).unwrap(),
+            b.header(BUS_NAME_HEADER).unwrap(),
+        );
+        assert!(std::ptr::eq(a.as_ptr(), b.as_ptr()));
+        // Two bus-name stamps are both written, in order.
+        let (_, both) = header(
+            Envelope::new(order())
+                .with(BusNameStamp::new("first"))
+                .with(BusNameStamp::new("second")),
+        );
+        assert_eq!(both, r#"[{"bus":"first"},{"bus":"second"}]"#);
     }
 
     #[test]
