@@ -326,6 +326,18 @@ fn forget_declarations(known: &Mutex<HashMap<u64, Option<Instant>>>) {
     }
 }
 
+/// The id of the delivery `tag` of connection `epoch`: `<epoch>:<tag>`,
+/// written without the formatting machinery (this runs per message).
+fn delivery_id(epoch: u64, tag: u64) -> String {
+    let (mut e, mut t) = (itoa::Buffer::new(), itoa::Buffer::new());
+    let (e, t) = (e.format(epoch), t.format(tag));
+    let mut id = String::with_capacity(e.len() + 1 + t.len());
+    id.push_str(e);
+    id.push(':');
+    id.push_str(t);
+    id
+}
+
 fn parse_id(id: &str) -> Option<(u64, u64)> {
     let (epoch, tag) = id.split_once(':')?;
     Some((epoch.parse().ok()?, tag.parse().ok()?))
@@ -1079,7 +1091,7 @@ impl Shared {
                         };
                         state.leased.insert(d.delivery_tag, lease_end);
                         out.push(Delivery {
-                            id: format!("{}:{}", link.epoch, d.delivery_tag),
+                            id: delivery_id(link.epoch, d.delivery_tag),
                             raw: RawMessage {
                                 headers: headers::decode(d.properties.headers().as_ref()),
                                 body: d.data,
@@ -1554,6 +1566,17 @@ impl Transport for AmqpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn delivery_ids_parse_back_to_their_epoch_and_tag() {
+        for (epoch, tag) in [(1, 1), (0, 0), (7, 1_234_567), (u64::MAX, u64::MAX)] {
+            let id = delivery_id(epoch, tag);
+            assert_eq!(id, format!("{epoch}:{tag}"));
+            assert_eq!(parse_id(&id), Some((epoch, tag)));
+        }
+        assert_eq!(parse_id("7"), None);
+        assert_eq!(parse_id("a:1"), None);
+    }
 
     #[test]
     fn the_floor_is_the_lowest_tag_that_may_be_unsettled() {
