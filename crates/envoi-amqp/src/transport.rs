@@ -162,7 +162,12 @@ impl Outgoing {
             table: Some(table),
             header_size,
             delay_ms,
-            id: uuid::Uuid::now_v7().to_string(),
+            // Encoded directly: `to_string` would go through the formatting
+            // machinery, once per message.
+            id: uuid::Uuid::now_v7()
+                .hyphenated()
+                .encode_lower(&mut uuid::Uuid::encode_buffer())
+                .to_owned(),
         })
     }
 
