@@ -632,7 +632,7 @@ fn encode_stamps(
             continue;
         }
         // The bus-name stamp every dispatched message carries, alone under
-        // its name: its header was written before.
+        // its name: its header is written once per bus and then shared.
         if let Some(bus) = stamp.as_any().downcast_ref::<BusNameStamp>() {
             let alone = !envelope
                 .stamps()
