@@ -12,8 +12,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub type HeaderText = Cow<'static, str>;
 
 /// `text` as a [`HeaderText`]: borrowed when it is one of the texts the
-/// headers of every message hold (the names `type` and `kind`, and the
-/// message kinds), copied otherwise. Transports decoding headers from the
+/// headers of every message hold (the names `type`, `kind` and
+/// `X-Message-Stamp-BusName`, and the message kinds), copied otherwise. Transports decoding headers from the
 /// wire use it (through [`Headers::insert_copy`]) to allocate less.
 ///
 /// ```
@@ -21,6 +21,10 @@ pub type HeaderText = Cow<'static, str>;
 /// use envoi_core::headers::header_text;
 ///
 /// assert!(matches!(header_text("kind"), Cow::Borrowed("kind")));
+/// assert!(matches!(
+///     header_text("X-Message-Stamp-BusName"),
+///     Cow::Borrowed(_)
+/// ));
 /// assert!(matches!(header_text("X-Trace"), Cow::Owned(_)));
 /// ```
 pub fn header_text(text: &str) -> HeaderText {
@@ -30,6 +34,8 @@ pub fn header_text(text: &str) -> HeaderText {
         "command" => Cow::Borrowed("command"),
         "event" => Cow::Borrowed("event"),
         "query" => Cow::Borrowed("query"),
+        // Every dispatched message carries a bus-name stamp.
+        "X-Message-Stamp-BusName" => Cow::Borrowed("X-Message-Stamp-BusName"),
         _ => Cow::Owned(text.to_owned()),
     }
 }
@@ -354,6 +360,16 @@ mod tests {
         assert!(matches!(h.entries[0].0, Cow::Borrowed("kind")));
         assert!(matches!(h.entries[0].1, Cow::Owned(_)));
         assert_eq!(h.get("kind"), Some("X-Custom-Value"));
+        for text in [
+            "type",
+            "kind",
+            "command",
+            "event",
+            "query",
+            "X-Message-Stamp-BusName",
+        ] {
+            assert!(matches!(header_text(&String::from(text)), Cow::Borrowed(t) if t == text));
+        }
     }
 
     #[test]

@@ -928,6 +928,11 @@ mod tests {
     #[test]
     fn a_bus_name_header_is_written_once_per_bus_and_shared() {
         assert_eq!(BUS_NAME_HEADER, stamp_header(BusNameStamp::NAME));
+        // Transports decoding it from the wire keep the name borrowed.
+        assert!(matches!(
+            crate::headers::header_text(&stamp_header(BusNameStamp::NAME)),
+            Cow::Borrowed(BUS_NAME_HEADER)
+        ));
         let s = serializer();
         let header = |envelope: Envelope| {
             let raw = s.encode(&envelope).unwrap();
