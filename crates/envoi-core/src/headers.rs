@@ -7,14 +7,17 @@ use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::serializer::BUS_NAME_HEADER;
+
 /// A header name or value: borrowed for the fixed ones (`type`, `kind`, a
 /// message's name), owned for the rest.
 pub type HeaderText = Cow<'static, str>;
 
 /// `text` as a [`HeaderText`]: borrowed when it is one of the texts the
 /// headers of every message hold (the names `type`, `kind` and
-/// `X-Message-Stamp-BusName`, and the message kinds), copied otherwise. Transports decoding headers from the
-/// wire use it (through [`Headers::insert_copy`]) to allocate less.
+/// `X-Message-Stamp-BusName`, and the message kinds), copied otherwise.
+/// Transports decoding headers from the wire use it (through
+/// [`Headers::insert_copy`]) to allocate less.
 ///
 /// ```
 /// use std::borrow::Cow;
@@ -35,7 +38,7 @@ pub fn header_text(text: &str) -> HeaderText {
         "event" => Cow::Borrowed("event"),
         "query" => Cow::Borrowed("query"),
         // Every dispatched message carries a bus-name stamp.
-        "X-Message-Stamp-BusName" => Cow::Borrowed("X-Message-Stamp-BusName"),
+        BUS_NAME_HEADER => Cow::Borrowed(BUS_NAME_HEADER),
         _ => Cow::Owned(text.to_owned()),
     }
 }

@@ -349,8 +349,7 @@ impl SerializerBuilder {
                     .map(|(name, (_, decode))| (name, decode))
                     .collect(),
                 max_body_size: self.max_body_size,
-                bus_names: RwLock::new(Vec::new()),
-                bus_headers: RwLock::new(Vec::new()),
+                buses: RwLock::new(Vec::new()),
             }),
         })
     }
@@ -361,76 +360,38 @@ struct Inner {
     by_type: TypeMap<(&'static str, MessageCodec)>,
     stamps: NameMap<StampDecodeFn>,
     max_body_size: usize,
-    /// Bus names decoded so far, shared by the stamps naming them.
-    bus_names: RwLock<Vec<&'static str>>,
-    /// The `BusName` stamp header written so far for each bus name, shared
-    /// by the messages that carry it.
-    bus_headers: RwLock<Vec<(&'static str, &'static str)>>,
+    /// The bus names read or written so far, each with its `BusName` stamp
+    /// header: shared by the stamps and messages naming that bus.
+    buses: RwLock<Vec<(&'static str, &'static str)>>,
 }
 
 impl Inner {
-    /// `name` as a shared `'static` string: the one decoded before, if any.
-    /// Only the first [`BUS_NAMES`] distinct names are kept; others are
-    /// decoded as owned strings.
-    fn bus_name(&self, name: &str) -> Cow<'static, str> {
-        let known = |names: &[&'static str]| names.iter().find(|n| **n == name).copied();
-        if let Some(shared) = known(
-            &self
-                .bus_names
-                .read()
-                .unwrap_or_else(PoisonError::into_inner),
-        ) {
-            return Cow::Borrowed(shared);
-        }
-        let mut names = self
-            .bus_names
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(shared) = known(&names) {
-            return Cow::Borrowed(shared);
-        }
-        if names.len() < BUS_NAMES {
-            let shared = crate::middleware::add_bus_name::intern(name);
-            names.push(shared);
-            Cow::Borrowed(shared)
-        } else {
-            Cow::Owned(name.to_owned())
-        }
-    }
-
-    /// The `BusName` stamp header of a message whose one bus-name stamp
-    /// names `bus`, `[{"bus":"<bus>"}]`, written once per bus and then
-    /// shared. `None` for a name JSON would escape (written as any other
-    /// stamp), and past the first [`BUS_NAMES`] names.
-    fn bus_header(&self, bus: &str) -> Option<&'static str> {
-        let known = |headers: &[(&'static str, &'static str)]| {
-            headers.iter().find(|(n, _)| *n == bus).map(|(_, h)| *h)
+    /// Bus `name` as a shared `'static` string, with the `BusName` stamp
+    /// header of a message whose one bus-name stamp names it,
+    /// `[{"bus":"<name>"}]`: kept on first use, for decoding and encoding
+    /// alike. `None` for a name JSON would escape, and past the first
+    /// [`BUS_NAMES`] names.
+    fn known_bus(&self, name: &str) -> Option<(&'static str, &'static str)> {
+        let known = |buses: &[(&'static str, &'static str)]| {
+            buses.iter().find(|(n, _)| *n == name).copied()
         };
-        if let Some(header) = known(
-            &self
-                .bus_headers
-                .read()
-                .unwrap_or_else(PoisonError::into_inner),
-        ) {
-            return Some(header);
+        if let Some(bus) = known(&self.buses.read().unwrap_or_else(PoisonError::into_inner)) {
+            return Some(bus);
         }
-        if bus.contains(['"', '\\']) || bus.chars().any(char::is_control) {
+        if !is_plain(name) {
             return None;
         }
-        let mut headers = self
-            .bus_headers
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(header) = known(&headers) {
-            return Some(header);
+        let mut buses = self.buses.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(bus) = known(&buses) {
+            return Some(bus);
         }
-        if headers.len() >= BUS_NAMES {
+        if buses.len() >= BUS_NAMES {
             return None;
         }
-        let name = crate::middleware::add_bus_name::intern(bus);
-        let header: &'static str = Box::leak(format!(r#"[{{"bus":"{bus}"}}]"#).into_boxed_str());
-        headers.push((name, header));
-        Some(header)
+        let shared = crate::middleware::add_bus_name::intern(name);
+        let header: &'static str = Box::leak(format!(r#"[{{"bus":"{name}"}}]"#).into_boxed_str());
+        buses.push((shared, header));
+        Some((shared, header))
     }
 
     /// The bus of a `BusName` stamp header holding one plain stamp,
@@ -438,8 +399,13 @@ impl Inner {
     /// anything else, which then goes through the stamp's `Deserialize`.
     fn plain_bus_name(json: &str) -> Option<&str> {
         let name = json.strip_prefix(r#"[{"bus":""#)?.strip_suffix(r#""}]"#)?;
-        (!name.contains(['"', '\\']) && !name.chars().any(char::is_control)).then_some(name)
+        is_plain(name).then_some(name)
     }
+}
+
+/// Whether JSON writes `text` as it is, with no escapes.
+fn is_plain(text: &str) -> bool {
+    !text.contains(['"', '\\']) && !text.chars().any(char::is_control)
 }
 
 /// Encodes envelopes as JSON [`RawMessage`]s and decodes them back; see the
@@ -577,7 +543,11 @@ impl Serializer {
             };
             if stamp == BusNameStamp::NAME {
                 if let Some(bus) = Inner::plain_bus_name(value) {
-                    envelope = envelope.with(BusNameStamp::new(self.inner.bus_name(bus)));
+                    let bus = match self.inner.known_bus(bus) {
+                        Some((shared, _)) => Cow::Borrowed(shared),
+                        None => Cow::Owned(bus.to_owned()),
+                    };
+                    envelope = envelope.with(BusNameStamp::new(bus));
                     continue;
                 }
             }
@@ -638,7 +608,7 @@ fn encode_stamps(
                 .stamps()
                 .skip(index + 1)
                 .any(|s| s.sendable() && s.name() == name);
-            if let Some(value) = alone.then(|| inner.bus_header(&bus.bus)).flatten() {
+            if let Some((_, value)) = alone.then(|| inner.known_bus(&bus.bus)).flatten() {
                 headers.insert(BUS_NAME_HEADER, value);
                 continue;
             }
@@ -679,7 +649,7 @@ fn encode_stamps(
 }
 
 /// The header of [`BusNameStamp`]s: `X-Message-Stamp-BusName`.
-const BUS_NAME_HEADER: &str = "X-Message-Stamp-BusName";
+pub(crate) const BUS_NAME_HEADER: &str = "X-Message-Stamp-BusName";
 
 /// `X-Message-Stamp-<name>`.
 fn stamp_header(name: &str) -> String {
