@@ -100,7 +100,7 @@ use std::fmt;
 use std::future::{poll_fn, Future};
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
@@ -993,7 +993,17 @@ struct Ctx {
     receivers: Vec<Receiver>,
     /// The messenger has only the default bus: every message goes there.
     single_bus: bool,
+    /// Parking attempts that failed in a row (reset by one that works).
+    park_failures: AtomicU32,
+    /// Whether a park failed since [`Ctx::park_backoff`] last looked.
+    park_failed: AtomicBool,
 }
+
+/// The first pause in fetching after a message could not be parked; it
+/// doubles with each failure in a row, up to [`MAX_PARK_BACKOFF`].
+const PARK_BACKOFF: Duration = Duration::from_millis(100);
+/// The longest pause in fetching while parking keeps failing.
+const MAX_PARK_BACKOFF: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Action {
@@ -1346,7 +1356,32 @@ impl Ctx {
             events,
             counters,
             receivers,
+            park_failures: AtomicU32::new(0),
+            park_failed: AtomicBool::new(false),
         }
+    }
+
+    /// Notes whether parking a message worked.
+    fn parked(&self, worked: bool) {
+        if worked {
+            self.park_failures.store(0, Ordering::Relaxed);
+        } else {
+            self.park_failures.fetch_add(1, Ordering::Relaxed);
+            self.park_failed.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// How long to pause fetching when parking failed since the last call:
+    /// a message that could not be parked is released, and fetched again at
+    /// once it would fail again at once, in a loop as fast as the transports
+    /// go.
+    fn park_backoff(&self) -> Option<Duration> {
+        if !self.park_failed.swap(false, Ordering::Relaxed) {
+            return None;
+        }
+        let failures = self.park_failures.load(Ordering::Relaxed).max(1);
+        let factor = 1u32 << (failures - 1).min(16);
+        Some((PARK_BACKOFF * factor).min(MAX_PARK_BACKOFF))
     }
 
     fn bus_for(&self, envelope: &Envelope) -> &MessageBus {
@@ -1530,7 +1565,17 @@ impl Ctx {
         let mut released = false;
         let mut error = details.message.clone();
         let action = match failure {
-            None => Action::Reject,
+            None => {
+                tracing::warn!(
+                    transport = %transport,
+                    id,
+                    message = envelope.message_name(),
+                    kind = %details.kind,
+                    error = %error,
+                    "message rejected: it failed and no failure transport is configured"
+                );
+                Action::Reject
+            }
             Some(failure) => {
                 let parked = envelope
                     .clone()
@@ -1545,11 +1590,20 @@ impl Ctx {
                     .await
                 {
                     Ok(_) => {
+                        self.parked(true);
                         parked_in = Some(failure.to_string());
                         Action::Ack
                     }
                     Err(e) => {
+                        self.parked(false);
                         error = format!("{error}; parking in `{failure}` failed: {e}");
+                        tracing::error!(
+                            transport = %transport,
+                            id,
+                            message = envelope.message_name(),
+                            error = %error,
+                            "message released: it could not be parked"
+                        );
                         released = true;
                         Action::Release
                     }
@@ -1599,18 +1653,37 @@ impl Ctx {
         let mut released = false;
         let mut text = error.to_string();
         let action = match target {
-            None => Action::Reject,
+            None => {
+                tracing::warn!(
+                    transport = %transport,
+                    id,
+                    message = %message,
+                    kind = %details.kind,
+                    error = %text,
+                    "message rejected: it did not decode and no failure transport is configured"
+                );
+                Action::Reject
+            }
             Some((name, failure)) => {
                 append_stamp_header(&mut raw, &details);
                 append_stamp_header(&mut raw, &SentToFailureTransportStamp::new(origin));
                 append_stamp_header(&mut raw, &RedeliveryStamp::new(0));
                 match failure.send(raw, None).await {
                     Ok(_) => {
+                        self.parked(true);
                         parked_in = Some(name.to_string());
                         Action::Ack
                     }
                     Err(e) => {
+                        self.parked(false);
                         text = format!("{text}; parking in `{name}` failed: {e}");
+                        tracing::error!(
+                            transport = %transport,
+                            id,
+                            message = %message,
+                            error = %text,
+                            "message released: it did not decode and could not be parked"
+                        );
                         released = true;
                         Action::Release
                     }
@@ -1763,6 +1836,8 @@ struct Run<'a, F> {
     ahead: Option<Ahead<'a>>,
     processed: u64,
     started: Instant,
+    /// No fetching before this: parking failed (see [`Ctx::park_backoff`]).
+    fetch_after: Option<Instant>,
 }
 
 /// A batch asked for ahead of time.
@@ -1821,6 +1896,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             panicked: Vec::new(),
             processed: 0,
             started: now,
+            fetch_after: None,
         }
     }
 
@@ -1891,6 +1967,9 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             if let Err(e) = transport.release(&id.text()).await {
                 self.transport_failed(receiver, "release", &e);
             }
+        }
+        if let Some(pause) = self.ctx.park_backoff() {
+            self.fetch_after = Some(Instant::now() + pause);
         }
     }
 
@@ -2209,6 +2288,20 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 continue;
             }
             if fetching {
+                if let Some(until) = self.fetch_after.take() {
+                    if Instant::now() < until {
+                        // Parking failed: wait before fetching (the message
+                        // given back) again, handling what is in flight.
+                        self.fetch_after = Some(until);
+                        tokio::select! {
+                            finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
+                            _ = stopped.changed() => {}
+                            _ = &mut deadline, if self.options.time_limit.is_some() => {}
+                            _ = tokio::time::sleep_until(until) => {}
+                        }
+                        continue;
+                    }
+                }
                 let (n, token_wait) = self.fetch(budget).await;
                 if n > 0 {
                     continue;

@@ -882,3 +882,84 @@ async fn a_received_message_s_handler_can_defer_a_dispatch_until_it_has_finished
         assert_eq!(queue.message_count().await.unwrap(), 0);
     }
 }
+
+/// A failure transport that refuses every message.
+struct Refusing;
+
+impl Transport for Refusing {
+    fn send(
+        &self,
+        _message: RawMessage,
+        _delay: Option<Duration>,
+    ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
+        Box::pin(async { Err(envoi_core::TransportError::backend("sending", "refused")) })
+    }
+
+    fn get(
+        &self,
+        _max: usize,
+    ) -> envoi_core::middleware::BoxFuture<
+        '_,
+        Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
+    > {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+
+    fn ack<'a>(
+        &'a self,
+        _id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn release<'a>(
+        &'a self,
+        _id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn capabilities(&self) -> envoi_core::transport::Capabilities {
+        envoi_core::transport::Capabilities::ALL
+    }
+}
+
+#[tokio::test]
+async fn a_message_that_cannot_be_parked_is_kept_and_retried_with_a_growing_pause() {
+    let seen = Seen::default();
+    let queue = memory();
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(Duration::ZERO))
+        .transport("async", queue.clone())
+        .transport("failed", Arc::new(Refusing))
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    queue.send(raw("Unknown", b"{}"), None).await.unwrap();
+    let released = Arc::new(AtomicUsize::new(0));
+    let count = released.clone();
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .idle_sleep(Duration::from_millis(5))
+        .time_limit(Duration::from_secs(1))
+        .listener(move |e: &WorkerEvent| {
+            if let WorkerEvent::Failed { released: true, .. } = e {
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::TimeLimit);
+    // Pauses of 100, 200, 400 and 800 ms: a handful of attempts in the
+    // second, not one per round trip of the transports.
+    let attempts = released.load(Ordering::Relaxed);
+    assert!((2..=8).contains(&attempts), "{attempts} attempts");
+    assert_eq!(
+        queue.message_count().await.unwrap(),
+        1,
+        "the message is kept, not lost"
+    );
+}
