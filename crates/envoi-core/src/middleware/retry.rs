@@ -232,7 +232,8 @@ impl RetryConfig {
         let attempt = envelope
             .last::<RedeliveryStamp>()
             .map_or(0, |r| r.retry_count)
-            + 1;
+            // A count read from a header may be anything: never wrap.
+            .saturating_add(1);
         let hint = combined_hint(&errors);
         let strategy = self.strategy_for(transport);
         let retry =
@@ -439,6 +440,21 @@ mod tests {
             .contains("boom"));
         assert_eq!(parked.last::<RedeliveryStamp>().unwrap().retry_count, 0);
         assert_eq!(parked.last::<DelayStamp>().unwrap().ms, 0);
+    }
+
+    #[tokio::test]
+    async fn a_retry_count_at_its_maximum_is_out_of_budget_instead_of_wrapping() {
+        // A count read from a header can be anything; adding one must not
+        // overflow (a panic in debug builds, a fresh budget in release).
+        let senders = RecordingSenders::default();
+        let e = Envelope::new(Ping)
+            .with(ReceivedStamp::new("async"))
+            .with(RedeliveryStamp::new(u32::MAX));
+        retry(&senders, 3)
+            .handle(e, FailingEndpoint::plain().next())
+            .await
+            .unwrap_err();
+        assert_eq!(senders.sent_to(), ["failed"]);
     }
 
     #[tokio::test]
