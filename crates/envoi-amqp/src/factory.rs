@@ -17,6 +17,7 @@ use crate::AmqpTransport;
 /// let factory = AmqpTransportFactory;
 /// assert!(factory.supports("amqp://guest:guest@127.0.0.1:5672/%2f"));
 /// assert!(factory.supports("amqps://broker.example/%2f"));
+/// assert!(factory.supports("AMQP://guest:guest@127.0.0.1:5672/%2f"));
 /// assert!(!factory.supports("redis://127.0.0.1:6379"));
 /// ```
 #[derive(Debug, Clone, Copy, Default)]
@@ -24,7 +25,11 @@ pub struct AmqpTransportFactory;
 
 impl TransportFactory for AmqpTransportFactory {
     fn supports(&self, dsn: &str) -> bool {
-        dsn.starts_with("amqp://") || dsn.starts_with("amqps://")
+        let scheme = |s: &str| {
+            dsn.get(..s.len())
+                .is_some_and(|p| p.eq_ignore_ascii_case(s))
+        };
+        scheme("amqp://") || scheme("amqps://")
     }
 
     fn create<'a>(

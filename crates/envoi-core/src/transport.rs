@@ -513,8 +513,13 @@ pub fn mask_dsn(dsn: &str) -> String {
         return dsn.to_string();
     };
     let rest = &dsn[scheme_end + 3..];
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
+    // The user information ends at the last `@` before the query: a
+    // password may hold a `/` (or an `@`) that was not percent-encoded.
+    let before_query = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
+    let authority = match before_query.rfind('@') {
+        Some(at) => &rest[..=at],
+        None => &rest[..rest.find('/').unwrap_or(rest.len())],
+    };
     match (authority.rfind('@'), authority.find(':')) {
         (Some(at), Some(colon)) if colon < at => format!(
             "{}{}:***{}",
@@ -542,5 +547,23 @@ mod tests {
             mask_dsn("postgres://postgres@h/db"),
             "postgres://postgres@h/db"
         );
+    }
+
+    #[test]
+    fn mask_dsn_hides_a_password_holding_a_slash_or_an_at_sign() {
+        assert_eq!(
+            mask_dsn("redis://user:pa/ss@h:6379"),
+            "redis://user:***@h:6379"
+        );
+        assert_eq!(
+            mask_dsn("amqp://guest:p@ss/w@127.0.0.1:5672/%2f?heartbeat=5"),
+            "amqp://guest:***@127.0.0.1:5672/%2f?heartbeat=5"
+        );
+        // An `@` in the query is not the end of a password.
+        assert_eq!(
+            mask_dsn("postgres://h:5432/db?application_name=a@b"),
+            "postgres://h:5432/db?application_name=a@b"
+        );
+        assert_eq!(mask_dsn("sqlite:///var/a@b.db"), "sqlite:///var/a@b.db");
     }
 }

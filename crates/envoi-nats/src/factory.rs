@@ -23,7 +23,8 @@ pub struct NatsTransportFactory;
 
 impl TransportFactory for NatsTransportFactory {
     fn supports(&self, dsn: &str) -> bool {
-        dsn.len() >= 7 && dsn[..7].eq_ignore_ascii_case("nats://")
+        dsn.get(..7)
+            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("nats://"))
     }
 
     fn create<'a>(
@@ -42,6 +43,14 @@ impl TransportFactory for NatsTransportFactory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dsns_of_other_schemes_are_not_supported_whatever_their_characters() {
+        for dsn in ["", "nats:/", "€€€://x", "nats:/é", "naté://x", "redis://h"] {
+            assert!(!NatsTransportFactory.supports(dsn), "{dsn}");
+        }
+        assert!(NatsTransportFactory.supports("NATS://127.0.0.1:4222"));
+    }
 
     #[tokio::test]
     async fn a_bad_dsn_fails_before_connecting_and_masks_the_password() {

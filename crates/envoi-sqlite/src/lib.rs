@@ -148,7 +148,8 @@ pub struct SqliteTransportFactory;
 
 impl TransportFactory for SqliteTransportFactory {
     fn supports(&self, dsn: &str) -> bool {
-        dsn.starts_with("sqlite:")
+        dsn.get(..7)
+            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("sqlite:"))
     }
 
     fn create<'a>(

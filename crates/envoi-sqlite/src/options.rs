@@ -78,9 +78,12 @@ impl SqliteOptions {
             dsn: mask_dsn(dsn),
             reason,
         };
+        // The scheme, in any case, then `//` if present.
         let rest = dsn
-            .strip_prefix("sqlite://")
-            .or_else(|| dsn.strip_prefix("sqlite:"))
+            .get(..7)
+            .filter(|scheme| scheme.eq_ignore_ascii_case("sqlite:"))
+            .map(|_| &dsn[7..])
+            .map(|rest| rest.strip_prefix("//").unwrap_or(rest))
             .ok_or_else(|| invalid("expected `sqlite://<path>`".into()))?;
         let (path, query) = match rest.split_once('?') {
             Some((p, q)) => (p, Some(q)),
@@ -230,6 +233,17 @@ mod tests {
         assert!(!o.auto_setup);
         let o = SqliteOptions::from_dsn("sqlite:envoi.db").unwrap();
         assert_eq!(o, SqliteOptions::new("envoi.db"));
+    }
+
+    #[test]
+    fn the_scheme_is_read_in_any_case() {
+        for dsn in ["SQLITE://envoi.db", "Sqlite:envoi.db"] {
+            let o = SqliteOptions::from_dsn(dsn).unwrap();
+            assert_eq!(o, SqliteOptions::new("envoi.db"), "{dsn}");
+        }
+        for dsn in ["sqlit://envoi.db", "sqlite", "é"] {
+            assert!(SqliteOptions::from_dsn(dsn).is_err(), "{dsn}");
+        }
     }
 
     #[test]
