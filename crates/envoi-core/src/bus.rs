@@ -115,7 +115,7 @@ impl MessageBus {
     }
 
     /// Runs `envelope` through the pipeline and returns it with the stamps
-    /// the steps added (a [`HandledStamp`](crate::stamp::HandledStamp) per
+    /// the steps added (a [`HandledStamp`] per
     /// handler, or a [`SentStamp`](crate::stamp::SentStamp) per transport).
     pub fn dispatch(
         &self,
@@ -159,7 +159,7 @@ impl MessageBus {
 
     /// Dispatches `envelope` after the dispatch currently running on this
     /// task has finished (at once if none is running). See
-    /// [`dispatch_after_current_bus`](crate::middleware::dispatch_after_current_bus).
+    /// [`crate::middleware::dispatch_after_current_bus`].
     pub async fn dispatch_after_current(&self, envelope: Envelope) -> Result<Envelope> {
         self.dispatch(envelope.with(DispatchAfterCurrentBusStamp))
             .await

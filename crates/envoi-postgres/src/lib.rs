@@ -46,8 +46,10 @@
 //!
 //! ## Performance notes
 //!
-//! * `send` is one `INSERT`; `send_batch` is one multi-row
-//!   `INSERT … SELECT … FROM UNNEST($bodies, $headers, $delays)`.
+//! * Concurrent `send`s are grouped by a background writer into one
+//!   multi-row `INSERT … SELECT … FROM UNNEST($bodies, $headers, $delays)`
+//!   per round trip (a lone send is not delayed), as is `send_batch`; each
+//!   send is acknowledged once its statement has committed.
 //! * The `NOTIFY` that follows runs in a transaction of its own, sent by a
 //!   background task that coalesces: however many sends finish while one
 //!   notification is on its way, one more follows. (A transaction that

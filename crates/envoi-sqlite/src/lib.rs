@@ -26,7 +26,7 @@
 //! `sqlite:///abs/path.db` is absolute, `sqlite://var/envoi.db` relative to
 //! the working directory; the file and its directory are created if
 //! missing. In-memory databases (`sqlite::memory:`) are rejected with
-//! [`TransportError::InvalidDsn`](envoi_core::TransportError::InvalidDsn):
+//! [`envoi_core::TransportError::InvalidDsn`]:
 //! every pooled connection would see a database of its own; use the
 //! `in-memory://` transport instead.
 //!
@@ -50,6 +50,14 @@
 //! );
 //! CREATE INDEX IF NOT EXISTS "envoi_<name>_claim" ON "envoi_<name>" (queue_name, available_at, id);
 //! ```
+//!
+//! A row written by something else, whose body is not a BLOB or TEXT or
+//! whose headers are not TEXT holding a JSON object of strings, is handed
+//! out all the same, as well as it can be read: the body a number renders
+//! as, the headers that are strings, the stored headers in
+//! [`STORED_HEADERS`], and what is wrong in [`INVALID_BODY`] or
+//! [`INVALID_HEADERS`]. The worker then moves it to the failure transport
+//! when it does not decode, instead of the row coming back on every claim.
 //!
 //! The statements, with `?now` the current Unix time in milliseconds:
 //!
@@ -132,7 +140,7 @@ use envoi_core::TransportError;
 
 pub use options::SqliteOptions;
 pub use transport::SqliteTransport;
-pub use writer::INVALID_HEADERS;
+pub use writer::{INVALID_BODY, INVALID_HEADERS, STORED_HEADERS};
 
 /// Creates [`SqliteTransport`]s from `sqlite://` DSNs.
 ///
