@@ -1,7 +1,7 @@
 //! The [`MessageBus`]: wraps a message in an envelope and runs it through the
 //! canonical pipeline.
 //!
-//! The canonical order (seed 000, as Symfony Messenger has it):
+//! The canonical order (as Symfony Messenger has it):
 //!
 //! 1. `AddBusNameStamp`
 //! 2. `DispatchAfterCurrentBus`

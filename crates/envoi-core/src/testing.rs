@@ -1,6 +1,6 @@
 //! Helpers for testing middlewares and transports without a broker.
 //!
-//! Seed 000's advice: test a middleware in isolation with a fake `next` that
+//! Symfony Messenger's advice: test a middleware in isolation with a fake `next` that
 //! records whether and with which envelope it was called, using real
 //! envelopes and stamps.
 //!

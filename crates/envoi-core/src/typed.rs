@@ -105,7 +105,7 @@ impl<E: fmt::Display> fmt::Display for EventErrors<E> {
 
 impl<E: std::error::Error> std::error::Error for EventErrors<E> {}
 
-/// `tag` and `side` of a typed dispatch, as seed-001 middleware sees them.
+/// `tag` and `side` of a typed dispatch, as Effect-style middleware sees them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DispatchContext {
     /// The message name.
@@ -114,7 +114,7 @@ pub struct DispatchContext {
     pub side: MessageKind,
 }
 
-/// A seed-001 middleware: wraps a whole typed dispatch.
+/// An Effect-style middleware: wraps a whole typed dispatch.
 ///
 /// It receives the dispatch context and a [`DispatchNext`] it may run (more
 /// than once, to retry; or not at all, to short-circuit with an
@@ -250,7 +250,7 @@ struct Options {
     layers: Arc<[Arc<dyn DispatchMiddleware>]>,
 }
 
-/// Dispatches typed messages on a [`MessageBus`] through seed-001
+/// Dispatches typed messages on a [`MessageBus`] through Effect-style
 /// middleware.
 ///
 /// * The dispatch span ([`crate::middleware::span`]) is installed by

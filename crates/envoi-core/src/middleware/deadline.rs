@@ -1,4 +1,4 @@
-//! `deadline(duration)` (seed 001): a time limit for every dispatch.
+//! `deadline(duration)` (Effect): a time limit for every dispatch.
 //!
 //! When the limit passes, the future running the rest of the dispatch — the
 //! handler's included — is dropped, so the work in progress stops at its

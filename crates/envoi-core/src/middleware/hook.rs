@@ -1,4 +1,4 @@
-//! Hook middleware (seed 003): `can_handle`, `before`, `after` and
+//! Hook middleware (Postboy): `can_handle`, `before`, `after` and
 //! `dispose` instead of an onion with `next`.
 //!
 //! A [`Hook`] says whether it takes part in an operation
@@ -175,7 +175,7 @@ impl<'a> HookContext<'a> {
     }
 }
 
-/// A seed-003 middleware: filter, pre-hook, post-hook, cleanup.
+/// A Postboy-style middleware: filter, pre-hook, post-hook, cleanup.
 ///
 /// Every method has a default, so a hook implements only what it needs.
 /// Keep `can_handle` fast and free of side effects: it is called for every

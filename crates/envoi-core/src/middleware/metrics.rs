@@ -1,4 +1,4 @@
-//! `metrics()` (seed 001): counts and times every dispatch through the
+//! `metrics()` (Effect): counts and times every dispatch through the
 //! [`metrics` crate](::metrics)'s facade, tagged by message and outcome.
 //!
 //! | metric | type | labels |
@@ -133,7 +133,7 @@ pub struct Metrics {
     keys: Arc<RwLock<KeyCache>>,
 }
 
-/// The `metrics()` layer of seed 001.
+/// The `metrics()` layer, as Effect has it.
 pub fn metrics() -> Metrics {
     Metrics::default()
 }

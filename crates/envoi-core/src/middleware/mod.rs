@@ -293,7 +293,7 @@ impl fmt::Debug for NextFuture<'_> {
 
 /// Runs a fixed list of middlewares in order, then returns the envelope.
 ///
-/// This is the plain runner of seed 000: `MiddlewareStack::new(list).run(e)`.
+/// This is Symfony Messenger's plain runner: `MiddlewareStack::new(list).run(e)`.
 /// A [`MessageBus`](crate::MessageBus) assembles its own, faster pipeline in
 /// the canonical order; use a stack to test middlewares together or to build
 /// a pipeline by hand.

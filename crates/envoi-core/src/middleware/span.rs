@@ -1,4 +1,4 @@
-//! The dispatch span (seed 001): one `tracing` span per typed dispatch,
+//! The dispatch span (Effect): one `tracing` span per typed dispatch,
 //! named `<side>.<tag>` (`command.PlaceOrder`, `query.OrderTotal`).
 //!
 //! The typed [`Dispatcher`](crate::Dispatcher) opens it outermost for every
@@ -183,7 +183,7 @@ impl From<bool> for SpanAttributeValue {
 type Attributes = SmallVec<[(&'static str, SpanAttributeValue); 4]>;
 type Extractor = dyn Fn(&Envelope, &mut Attributes) + Send + Sync;
 
-/// Per-tag attribute extractors (seed 001's `AttributeExtractors`): which
+/// Per-tag attribute extractors (Effect's `AttributeExtractors`): which
 /// audited payload fields reach the dispatch span of each message type.
 #[derive(Clone, Default)]
 pub struct SpanAttributes {

@@ -1,4 +1,4 @@
-//! The stage pipeline (seed 004): filters and middleware attached to the
+//! The stage pipeline (ServiceConnect): filters and middleware attached to the
 //! four stages a message passes through.
 //!
 //! | stage | runs | a filter's `Stop` |
@@ -47,7 +47,7 @@ use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
 use crate::stamp::ReceivedStamp;
 
-/// One of the four stages of seed 004.
+/// One of the four stages, as ServiceConnect has them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum PipelineStage {

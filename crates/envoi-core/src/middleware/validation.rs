@@ -5,8 +5,8 @@
 //! checks and, placed in a bus's middleware, fails an invalid message with
 //! [`BusError::Invalid`] naming the message and the reason. The typed
 //! dispatcher reports it as an infrastructure error: validation is a
-//! property of the bus, not part of the message's own error type (see seed
-//! 001 on why a middleware may not widen that type).
+//! property of the bus, not part of the message's own error type (a
+//! middleware may not widen that type, as in Effect).
 //!
 //! Where the bus sends a message to a transport, validation runs before the
 //! send, so an invalid message never leaves the producer; on the receiving

@@ -1,4 +1,4 @@
-//! Seed 003: hook middleware on a real bus — the behavioural matrix, the
+//! Postboy-style hook middleware on a real bus — the behavioural matrix, the
 //! cancellation error, runtime add/remove and disposal.
 
 use std::borrow::Cow;

@@ -1,4 +1,4 @@
-//! Seed 001: typed dispatchers with the default span, `metrics()`,
+//! Effect-style typed dispatchers with the default span, `metrics()`,
 //! `deadline(d)` and custom middleware, through a real bus.
 
 use std::collections::BTreeMap;
@@ -609,7 +609,7 @@ async fn dropping_the_dispatch_future_cancels_the_handler() {
 
 // ----- custom middleware -----
 
-/// The seed's audit-log example: records tag and side after each success.
+/// The audit-log example of the specification: records tag and side after each success.
 #[derive(Clone, Default)]
 struct AuditSink(Arc<Mutex<Vec<String>>>);
 

@@ -1,4 +1,4 @@
-//! Seed 004: the stage pipeline on a real bus — the seed's example word for
+//! The ServiceConnect-style stage pipeline on a real bus — the specification's example word for
 //! word, `Stop` semantics per stage, and which stages run on the sender and
 //! on the receiver side of a transport.
 
@@ -33,7 +33,7 @@ impl Command for Invoice {
     type Error = Rejected;
 }
 
-/// The `metrics` object of the seed's example: collects observations.
+/// The `metrics` object of the specification's example: collects observations.
 #[derive(Clone, Default)]
 struct Metrics(Arc<Mutex<Vec<Duration>>>);
 
@@ -58,7 +58,7 @@ fn invoice_handler(log: &Log) -> impl Fn(Invoice) -> std::future::Ready<Result<(
     }
 }
 
-/// The seed's example: middleware first, filter second in the call.
+/// The specification's example: middleware first, filter second in the call.
 fn seed_example(metrics: &Metrics, log: &Log) -> StagePipeline {
     let metrics = metrics.clone();
     let (log_m, log_f) = (log.clone(), log.clone());
