@@ -168,7 +168,7 @@ pub enum StopReason {
 impl fmt::Display for StopReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            StopReason::Stopped => "stopped",
+            StopReason::Stopped => "stop requested",
             StopReason::MessageLimit => "message limit reached",
             StopReason::TimeLimit => "time limit reached",
             StopReason::MemoryLimit => "memory limit exceeded",
@@ -2406,6 +2406,23 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_stop_reason_reads_as_a_reason() {
+        // Shown as "Stopped (<reason>)": no reason may just repeat the verb.
+        let reasons = [
+            StopReason::Stopped,
+            StopReason::MessageLimit,
+            StopReason::TimeLimit,
+            StopReason::MemoryLimit,
+            StopReason::FailureLimit,
+            StopReason::Empty,
+        ];
+        for reason in reasons {
+            let text = reason.to_string();
+            assert!(text.contains(' ') && text != "stopped", "{text}");
+        }
+    }
 
     fn assert_send<T: Send>(_: &T) {}
 
