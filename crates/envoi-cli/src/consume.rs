@@ -12,7 +12,10 @@ use envoi_core::worker::{Worker, WorkerEvent, WorkerListener, WorkerReport, Work
 use envoi_core::Messenger;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::parse::{parse_duration, parse_positive, parse_size};
+use crate::parse::{
+    parse_duration, parse_positive, parse_positive_duration, parse_positive_size,
+    parse_positive_u64,
+};
 use crate::{unknown_transport, CliError, Console};
 
 /// Arguments of `consume`.
@@ -20,19 +23,22 @@ use crate::{unknown_transport, CliError, Console};
 #[non_exhaustive]
 pub struct ConsumeArgs {
     /// The transports to consume, in priority order (first given, first read).
+    ///
+    /// A failure transport can be consumed, but a message that fails there
+    /// again is parked in it again: `failed retry` handles each once.
     #[arg(required = true, value_name = "TRANSPORT")]
     pub transports: Vec<String>,
     /// Stop after this many messages.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", value_parser = parse_positive_u64)]
     pub limit: Option<u64>,
     /// Stop after running this long (500ms, 30s, 5m, 1h30m).
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = parse_positive_duration)]
     pub time_limit: Option<Duration>,
     /// Stop when the process uses more memory than this (128MB, 1G; Linux).
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = parse_positive_size)]
     pub memory_limit: Option<u64>,
     /// Stop after this many failed messages.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", value_parser = parse_positive_u64)]
     pub failure_limit: Option<u64>,
     /// Handle up to this many messages at once.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_positive)]
@@ -167,6 +173,40 @@ async fn waiting(transports: &[Arc<dyn Transport>]) -> u64 {
     total
 }
 
+/// The warning printed when `consume` reads failure transports, or `None`
+/// when none of `consumed` is one of `failure`.
+fn failure_transport_warning(
+    consumed: &[String],
+    failure: &[&str],
+    stop_when_empty: bool,
+) -> Option<String> {
+    let mut named: Vec<&str> = Vec::new();
+    for name in consumed {
+        if failure.contains(&name.as_str()) && !named.contains(&name.as_str()) {
+            named.push(name);
+        }
+    }
+    let list = named
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (what, it) = match named.len() {
+        0 => return None,
+        1 => (format!("{list} is a failure transport"), "it"),
+        _ => (format!("{list} are failure transports"), "them"),
+    };
+    let never = if stop_when_empty {
+        ", so --stop-when-empty may never stop"
+    } else {
+        ""
+    };
+    Some(format!(
+        "warning: {what}: messages that fail again go back to {it} under a new id{never}; \
+         use `failed retry` to handle each failed message once"
+    ))
+}
+
 fn flush(console: &mut Console<'_>, bar: Option<&ProgressBar>, log: &FailureLog) {
     let lines = log.take();
     if lines.is_empty() {
@@ -228,6 +268,14 @@ pub(crate) async fn run(
     }
     let worker = builder.build()?;
     let progress = worker.progress();
+    if let Some(warning) = failure_transport_warning(
+        &args.transports,
+        &messenger.failure_transports(),
+        args.stop_when_empty,
+    ) {
+        let _ = writeln!(console.warnings, "{warning}");
+        let _ = console.warnings.flush();
+    }
     writeln!(
         console.out,
         "Consuming {} (concurrency {}). Stop with Ctrl-C.",
@@ -331,6 +379,32 @@ mod tests {
         // Ten seconds later only the recent samples count.
         let rate = r.record(t0 + Duration::from_secs(12), 1300);
         assert_eq!(rate, 100.0);
+    }
+
+    #[test]
+    fn consuming_a_failure_transport_is_warned_about_once_in_one_line() {
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            failure_transport_warning(&names(&["orders"]), &["failed"], true),
+            None
+        );
+        let one =
+            failure_transport_warning(&names(&["orders", "failed"]), &["failed"], true).unwrap();
+        assert_eq!(
+            one,
+            "warning: `failed` is a failure transport: messages that fail again go back to it \
+             under a new id, so --stop-when-empty may never stop; use `failed retry` to handle \
+             each failed message once"
+        );
+        let two =
+            failure_transport_warning(&names(&["dlq", "failed", "dlq"]), &["dlq", "failed"], false)
+                .unwrap();
+        assert_eq!(
+            two,
+            "warning: `dlq`, `failed` are failure transports: messages that fail again go back \
+             to them under a new id; use `failed retry` to handle each failed message once"
+        );
+        assert!(!two.contains('\n'));
     }
 
     #[test]

@@ -91,22 +91,35 @@ pub(crate) async fn run(
 
 /// The failure transport to work on: `--transport`, or the only one
 /// configured.
+///
+/// When failure transports are configured, `--transport` must name one of
+/// them: the commands delete and re-dispatch messages, which must not
+/// happen to the waiting work of an ordinary transport. A messenger without
+/// failure transports cannot tell, and accepts any transport.
 fn failure_transport<'m>(
     messenger: &'m Messenger,
     chosen: Option<&str>,
 ) -> Result<crate::Named<'m>, CliError> {
+    let failure = messenger.failure_transports();
     let name = match chosen {
         Some(name) => name,
-        None => match messenger.failure_transports().as_slice() {
+        None => match failure.as_slice() {
             [] => return Err(CliError::NoFailureTransport),
             [one] => *one,
             many => return Err(CliError::AmbiguousFailureTransport(many.join(", "))),
         },
     };
-    messenger
+    let found = messenger
         .transports()
         .find(|(n, _)| *n == name)
-        .ok_or_else(|| unknown_transport(messenger, name))
+        .ok_or_else(|| unknown_transport(messenger, name))?;
+    if !failure.is_empty() && !failure.contains(&name) {
+        return Err(CliError::NotAFailureTransport {
+            name: name.to_string(),
+            failure: failure.join(", "),
+        });
+    }
+    Ok(found)
 }
 
 async fn find(name: &str, transport: &Arc<dyn Transport>, id: &str) -> Result<Delivery, CliError> {
@@ -122,6 +135,10 @@ async fn find(name: &str, transport: &Arc<dyn Transport>, id: &str) -> Result<De
 
 /// The messages `ids` name (all found, or an error before anything is
 /// done), or every message with `all`.
+///
+/// Each message is selected once, however many of `ids` name it: repeats
+/// are recognised by the id of the message found, as the transport may read
+/// different texts as the same id (SQLite reads `6`, `06` and `+6` as 6).
 async fn select(
     name: &str,
     transport: &Arc<dyn Transport>,
@@ -143,10 +160,10 @@ async fn select(
     }
     let mut found = Vec::with_capacity(ids.len());
     for id in ids {
-        if found.iter().any(|d: &Delivery| d.id == *id) {
-            continue;
+        let delivery = find(name, transport, id).await?;
+        if !found.iter().any(|d: &Delivery| d.id == delivery.id) {
+            found.push(delivery);
         }
-        found.push(find(name, transport, id).await?);
     }
     Ok(found)
 }
@@ -390,26 +407,32 @@ async fn retry(
             truncate(&text, 100),
         ]);
     }
-    write!(out, "{}", table.render())?;
-    writeln!(
-        out,
-        "Retried {} message(s) from `{name}`: {handled} handled, {rescheduled} sent for another try, {failed_again} failed again, {kept} kept.",
-        selected.len()
-    )?;
-    if !destinations.is_empty() {
-        writeln!(
-            out,
-            "Run `consume {}` to handle the messages sent for another try.",
-            destinations.join(" ")
-        )?;
-    }
+    let written = write!(out, "{}", table.render())
+        .and_then(|()| {
+            writeln!(
+                out,
+                "Retried {} message(s) from `{name}`: {handled} handled, {rescheduled} sent for another try, {failed_again} failed again, {kept} kept.",
+                selected.len()
+            )
+        })
+        .and_then(|()| {
+            if destinations.is_empty() {
+                return Ok(());
+            }
+            writeln!(
+                out,
+                "Run `consume {}` to handle the messages sent for another try.",
+                destinations.join(" ")
+            )
+        });
+    // Messages left behind matter more than output nobody reads any more.
     if kept > 0 {
         return Err(CliError::RetryIncomplete {
             kept,
             transport: name.to_string(),
         });
     }
-    Ok(())
+    Ok(written?)
 }
 
 async fn remove(

@@ -28,9 +28,23 @@
 //! | `setup-transports [transports…]` | creates tables, queues and streams |
 //! | `debug` | each bus's pipeline, the routes, transports and handlers |
 //!
-//! Errors — an unknown transport, a missing id, a bad duration, a transport
-//! that cannot be reached — print one line to standard error and exit with
-//! status 1; a command line clap cannot parse exits with status 2.
+//! Errors — an unknown transport, a missing id, a transport that cannot be
+//! reached — print one line to standard error and exit with status 1; a
+//! command line clap cannot parse (an unknown flag, a bad duration or
+//! number, a zero limit) prints clap's message and exits with status 2. Output
+//! written into a closed pipe (`failed show | head -1`) is not an error: the
+//! command ends there and exits with status 0.
+//!
+//! The `failed` commands work on a failure transport: the only one
+//! configured, or the one `--transport` names. When the messenger has
+//! failure transports, naming any other transport is an error, so `failed
+//! remove --all --transport orders` cannot delete waiting work; a messenger
+//! without any accepts the transport `--transport` names.
+//!
+//! `consume` on a failure transport prints a warning on standard error:
+//! messages that fail there again are parked in it again under a new id, so
+//! they keep coming back (and `--stop-when-empty` may never stop);
+//! `failed retry` handles each failed message once.
 //!
 //! ## Retrying failed messages
 //!
@@ -166,6 +180,15 @@ pub enum CliError {
     /// Several failure transports and no `--transport`.
     #[error("several failure transports are configured ({0}); choose one with --transport")]
     AmbiguousFailureTransport(String),
+    /// `--transport` names a transport that is not a configured failure
+    /// transport.
+    #[error("`{name}` is not a failure transport (failure transports: {failure})")]
+    NotAFailureTransport {
+        /// The name given.
+        name: String,
+        /// The configured failure transports, comma-separated.
+        failure: String,
+    },
     /// No message has this id.
     #[error("no message with id `{id}` in `{transport}`")]
     MessageNotFound {
@@ -203,12 +226,20 @@ pub enum CliError {
         /// The failure transport.
         transport: String,
     },
-    /// Writing the output failed.
+    /// Writing the output failed. [`execute`] never returns it for a
+    /// closed pipe (see [`CliError::is_closed_output`]).
     #[error("writing the output failed: {0}")]
     Output(#[from] std::io::Error),
 }
 
 impl CliError {
+    /// Whether this is output written into a closed pipe (the reader, such
+    /// as `head`, stopped reading): the normal end of a command whose output
+    /// nobody wants any more, not a failure.
+    pub fn is_closed_output(&self) -> bool {
+        matches!(self, CliError::Output(e) if e.kind() == std::io::ErrorKind::BrokenPipe)
+    }
+
     pub(crate) fn transport(transport: &str) -> impl FnOnce(TransportError) -> CliError + '_ {
         move |source| CliError::Transport {
             transport: transport.to_string(),
@@ -219,10 +250,13 @@ impl CliError {
 
 /// Where a command writes, and whether it draws progress bars.
 ///
-/// Results (tables, summaries, JSON) go to the writer; progress bars are
-/// drawn on standard error, only when enabled.
+/// Results (tables, summaries, JSON) go to the writer; warnings go to
+/// standard error (or the writer given to
+/// [`with_warnings`](Self::with_warnings)); progress bars are drawn on
+/// standard error, only when enabled.
 pub struct Console<'a> {
     pub(crate) out: Box<dyn Write + Send + 'a>,
+    pub(crate) warnings: Box<dyn Write + Send + 'a>,
     pub(crate) progress: bool,
     pub(crate) stop: Option<StopHandle>,
 }
@@ -236,11 +270,12 @@ impl fmt::Debug for Console<'_> {
 }
 
 impl Console<'static> {
-    /// Standard output, with progress bars when standard error is a
-    /// terminal.
+    /// Standard output, with warnings on standard error and progress bars
+    /// when standard error is a terminal.
     pub fn stdout() -> Self {
         Console {
             out: Box::new(std::io::stdout()),
+            warnings: Box::new(std::io::stderr()),
             progress: std::io::stderr().is_terminal(),
             stop: None,
         }
@@ -248,13 +283,23 @@ impl Console<'static> {
 }
 
 impl<'a> Console<'a> {
-    /// Writes to `out`, without progress bars.
+    /// Writes to `out`, without progress bars; warnings go to standard
+    /// error.
     pub fn new(out: impl Write + Send + 'a) -> Self {
         Console {
             out: Box::new(out),
+            warnings: Box::new(std::io::stderr()),
             progress: false,
             stop: None,
         }
+    }
+
+    /// Writes warnings (one line each) to `warnings` instead of standard
+    /// error.
+    #[must_use]
+    pub fn with_warnings(mut self, warnings: impl Write + Send + 'a) -> Self {
+        self.warnings = Box::new(warnings);
+        self
     }
 
     /// Draws progress bars on standard error (or not).
@@ -298,9 +343,9 @@ where
     ExitCode::from(code)
 }
 
-/// Like [`run`], writing results to `out` and errors to `err` (no progress
-/// bars); returns the exit status. For tests and for applications that
-/// capture the output.
+/// Like [`run`], writing results to `out` and warnings and errors to `err`
+/// (no progress bars); returns the exit status. For tests and for
+/// applications that capture the output.
 pub async fn run_with<I, T>(
     messenger: &Messenger,
     args: I,
@@ -312,13 +357,18 @@ where
     T: Into<OsString> + Clone,
 {
     match Cli::try_parse_from(args) {
-        Ok(cli) => match execute(messenger, cli.command, &mut Console::new(out)).await {
-            Ok(()) => 0,
-            Err(e) => {
-                let _ = writeln!(err, "error: {e}");
-                1
+        Ok(cli) => {
+            let mut console = Console::new(out).with_warnings(&mut *err);
+            let result = execute(messenger, cli.command, &mut console).await;
+            drop(console);
+            match result {
+                Ok(()) => 0,
+                Err(e) => {
+                    let _ = writeln!(err, "error: {e}");
+                    1
+                }
             }
-        },
+        }
         Err(e) => {
             let code = exit_status(&e);
             let text = e.render().to_string();
@@ -342,11 +392,25 @@ fn exit_status(e: &clap::Error) -> u8 {
 
 /// Runs one command.
 ///
+/// Output written into a closed pipe ends the command without an error: a
+/// reader such as `head` that stopped reading is not a failure.
+///
 /// # Errors
 ///
 /// See [`CliError`]; everything the command managed to do before failing
 /// is written to the console first.
 pub async fn execute(
+    messenger: &Messenger,
+    command: Command,
+    console: &mut Console<'_>,
+) -> Result<(), CliError> {
+    match run_command(messenger, command, console).await {
+        Err(e) if e.is_closed_output() => Ok(()),
+        result => result,
+    }
+}
+
+async fn run_command(
     messenger: &Messenger,
     command: Command,
     console: &mut Console<'_>,
@@ -409,5 +473,19 @@ mod tests {
     #[test]
     fn the_command_line_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn only_a_broken_pipe_counts_as_a_closed_output() {
+        use std::io::{Error, ErrorKind};
+        assert!(CliError::Output(Error::from(ErrorKind::BrokenPipe)).is_closed_output());
+        for kind in [
+            ErrorKind::WriteZero,
+            ErrorKind::PermissionDenied,
+            ErrorKind::Other,
+        ] {
+            assert!(!CliError::Output(Error::from(kind)).is_closed_output());
+        }
+        assert!(!CliError::NoFailureTransport.is_closed_output());
     }
 }

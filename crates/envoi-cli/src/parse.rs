@@ -111,11 +111,38 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
-/// Parses a whole number of at least 1.
+/// Parses a whole number of at least 1 (a count such as `--concurrency`).
 pub(crate) fn parse_positive(text: &str) -> Result<usize, String> {
-    match text.trim().parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
+    positive(text)
+}
+
+/// Parses a whole number of at least 1 (a limit such as `--limit`).
+pub(crate) fn parse_positive_u64(text: &str) -> Result<u64, String> {
+    positive(text)
+}
+
+fn positive<N: std::str::FromStr + Default + PartialEq>(text: &str) -> Result<N, String> {
+    match text.trim().parse::<N>() {
+        Ok(n) if n != N::default() => Ok(n),
         _ => Err(format!("`{text}` is not a whole number of at least 1")),
+    }
+}
+
+/// Parses a duration greater than zero (`--time-limit`): a zero limit would
+/// stop at once.
+pub(crate) fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        Duration::ZERO => Err(format!("`{text}` is not a duration greater than zero")),
+        d => Ok(d),
+    }
+}
+
+/// Parses a size greater than zero (`--memory-limit`): a zero limit would
+/// stop at once.
+pub(crate) fn parse_positive_size(text: &str) -> Result<u64, String> {
+    match parse_size(text)? {
+        0 => Err(format!("`{text}` is not a size greater than zero")),
+        n => Ok(n),
     }
 }
 
@@ -164,5 +191,42 @@ mod tests {
         assert!(parse_positive("0").is_err());
         assert!(parse_positive("-2").is_err());
         assert!(parse_positive("many").is_err());
+        assert_eq!(parse_positive_u64("1"), Ok(1));
+        assert_eq!(parse_positive_u64("18446744073709551615"), Ok(u64::MAX));
+    }
+
+    #[test]
+    fn every_positive_count_refuses_zero_with_the_same_words() {
+        let expected = "`0` is not a whole number of at least 1";
+        assert_eq!(parse_positive("0").unwrap_err(), expected);
+        assert_eq!(parse_positive_u64("0").unwrap_err(), expected);
+        assert_eq!(
+            parse_positive_u64("-1"),
+            Err("`-1` is not a whole number of at least 1".to_string())
+        );
+    }
+
+    #[test]
+    fn limits_refuse_a_zero_duration_or_size() {
+        assert_eq!(
+            parse_positive_duration("0s"),
+            Err("`0s` is not a duration greater than zero".to_string())
+        );
+        assert_eq!(
+            parse_positive_duration("0"),
+            Err("`0` is not a duration greater than zero".to_string())
+        );
+        assert_eq!(
+            parse_positive_duration("250ms"),
+            Ok(Duration::from_millis(250))
+        );
+        assert_eq!(
+            parse_positive_size("0MB"),
+            Err("`0MB` is not a size greater than zero".to_string())
+        );
+        assert_eq!(parse_positive_size("1K"), Ok(1024));
+        // A bad text keeps its own explanation.
+        assert!(parse_positive_size("lots").unwrap_err().contains("128MB"));
+        assert!(parse_positive_duration("soon").unwrap_err().contains("30s"));
     }
 }

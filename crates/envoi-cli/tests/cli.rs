@@ -307,15 +307,33 @@ async fn consume_stops_at_its_message_limit_and_leaves_the_rest() {
 #[tokio::test]
 async fn consume_stops_at_its_time_limit_when_nothing_comes() {
     let app = app().await;
-    let out = app
-        .ok(&["consume", "orders", "failed", "--time-limit", "300ms"])
+    let (code, out, _) = app
+        .cli(&["consume", "orders", "failed", "--time-limit", "300ms"])
         .await;
+    assert_eq!(code, 0, "{out}");
     assert!(
         out.starts_with("Consuming orders, failed (concurrency 1)."),
         "{out}"
     );
     assert!(out.contains("Stopped (time limit reached)"), "{out}");
     assert!(out.contains("handled 0, retried 0, failed 0"), "{out}");
+}
+
+#[tokio::test]
+async fn consume_of_a_failure_transport_warns_in_one_line_that_failures_come_back() {
+    let app = app().await;
+    let (code, out, err) = app.cli(&["consume", "failed", "--stop-when-empty"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("Stopped (no more messages)"), "{out}");
+    assert_eq!(
+        err,
+        "warning: `failed` is a failure transport: messages that fail again go back to it \
+         under a new id, so --stop-when-empty may never stop; use `failed retry` to handle \
+         each failed message once\n"
+    );
+    // Ordinary transports get no warning (`ok` checks that nothing is on
+    // standard error).
+    app.ok(&["consume", "orders", "--stop-when-empty"]).await;
 }
 
 #[tokio::test]
@@ -351,7 +369,7 @@ async fn consume_stops_gracefully_when_asked_and_loses_nothing() {
         .unwrap();
     drop(console);
     let out = String::from_utf8(out).unwrap();
-    assert!(out.contains("Stopped (stopped)"), "{out}");
+    assert!(out.contains("Stopped (stop requested)"), "{out}");
     let handled: u64 = out
         .split("handled ")
         .nth(1)
@@ -388,7 +406,22 @@ async fn consume_refuses_bad_limits_as_usage_errors() {
             &["consume", "orders", "--concurrency", "0"][..],
             "`0` is not a whole number of at least 1",
         ),
-        (&["consume", "orders", "--limit", "0"][..], "--limit"),
+        (
+            &["consume", "orders", "--limit", "0"][..],
+            "invalid value '0' for '--limit <N>': `0` is not a whole number of at least 1",
+        ),
+        (
+            &["consume", "orders", "--failure-limit", "0"][..],
+            "invalid value '0' for '--failure-limit <N>': `0` is not a whole number of at least 1",
+        ),
+        (
+            &["consume", "orders", "--time-limit", "0s"][..],
+            "`0s` is not a duration greater than zero",
+        ),
+        (
+            &["consume", "orders", "--memory-limit", "0"][..],
+            "`0` is not a size greater than zero",
+        ),
         (&["consume"][..], "TRANSPORT"),
     ] {
         let (code, out, err) = app.cli(args).await;
@@ -622,6 +655,130 @@ async fn failed_remove_deletes_the_named_messages_or_all_of_them() {
     assert_eq!(app.count("failed").await, 0);
     let out = app.ok(&["failed", "remove", "--all"]).await;
     assert_eq!(out, "No failed messages in `failed`.\n");
+}
+
+#[tokio::test]
+async fn failed_remove_counts_a_message_named_by_several_spellings_of_its_id_once() {
+    let app = app().await;
+    app.place(&[(9, Fate::Declined), (10, Fate::Declined)])
+        .await;
+    app.ok(DRAIN).await;
+    let ids = app.failed_ids().await;
+    assert_eq!(ids.len(), 2);
+    let (padded, signed) = (format!("0{}", ids[0]), format!("+{}", ids[0]));
+    let out = app
+        .ok(&["failed", "remove", &ids[0], &padded, &signed])
+        .await;
+    let rows: Vec<&str> = out.lines().filter(|l| l.contains("PlaceOrder")).collect();
+    assert_eq!(rows.len(), 1, "one row for the one message: {out}");
+    assert!(rows[0].starts_with(&format!("{} ", ids[0])), "{out}");
+    assert!(
+        out.ends_with("Removed 1 message(s) from `failed`.\n"),
+        "{out}"
+    );
+    assert_eq!(app.failed_ids().await, vec![ids[1].clone()]);
+}
+
+#[tokio::test]
+async fn failed_retry_handles_a_message_named_by_several_spellings_of_its_id_once() {
+    let app = app().await;
+    app.place(&[(9, Fate::Warehouse)]).await;
+    app.ok(DRAIN).await;
+    let ids = app.failed_ids().await;
+    assert_eq!(ids.len(), 1);
+    app.fixed.store(true, Ordering::Relaxed);
+    let (padded, signed) = (format!("0{}", ids[0]), format!("+{}", ids[0]));
+    let out = app
+        .ok(&["failed", "retry", &ids[0], &padded, &signed])
+        .await;
+    let rows: Vec<&str> = out.lines().filter(|l| l.contains("PlaceOrder")).collect();
+    assert_eq!(rows.len(), 1, "retried once: {out}");
+    assert!(
+        out.contains(
+            "Retried 1 message(s) from `failed`: 1 handled, 0 sent for another try, 0 failed again, 0 kept."
+        ),
+        "{out}"
+    );
+    assert_eq!(app.count("failed").await, 0);
+    assert_eq!(app.count("orders").await, 0);
+}
+
+#[tokio::test]
+async fn failed_commands_refuse_a_transport_that_is_not_a_failure_transport() {
+    let app = app().await;
+    app.place(&[(1, Fate::Fine), (2, Fate::Fine)]).await;
+    for args in [
+        &["failed", "remove", "--all", "--transport", "orders"][..],
+        &["failed", "retry", "--all", "--transport", "orders"][..],
+        &["failed", "show", "--transport", "orders"][..],
+    ] {
+        let (code, out, err) = app.cli(args).await;
+        assert_eq!((code, out.as_str()), (1, ""), "{args:?}");
+        assert_eq!(
+            err, "error: `orders` is not a failure transport (failure transports: failed)\n",
+            "{args:?}"
+        );
+    }
+    assert_eq!(
+        app.count("orders").await,
+        2,
+        "the waiting work is untouched"
+    );
+    let out = app.ok(&["failed", "show", "--transport", "failed"]).await;
+    assert_eq!(out, "No failed messages in `failed`.\n");
+}
+
+/// A pipe whose reader is gone (`… | head -1`): every write fails.
+struct ClosedPipe;
+
+impl std::io::Write for ClosedPipe {
+    fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+        Err(std::io::ErrorKind::BrokenPipe.into())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Err(std::io::ErrorKind::BrokenPipe.into())
+    }
+}
+
+/// Output that cannot be written for another reason (a full disk).
+struct FullDisk;
+
+impl std::io::Write for FullDisk {
+    fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+        Err(std::io::Error::other("no space left on device"))
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn output_into_a_closed_pipe_ends_the_command_quietly_with_status_zero() {
+    let app = app().await;
+    app.place(&[(10, Fate::Declined)]).await;
+    app.ok(DRAIN).await;
+    let id = app.failed_ids().await.remove(0);
+    for args in [
+        vec!["app", "failed", "show", id.as_str()],
+        vec!["app", "failed", "show", "--format", "json"],
+        vec!["app", "stats", "--format", "json"],
+        vec!["app", "stats"],
+        vec!["app", "debug"],
+    ] {
+        let mut err = Vec::new();
+        let code = envoi_cli::run_with(&app.messenger, &args, &mut ClosedPipe, &mut err).await;
+        assert_eq!(code, 0, "{args:?}");
+        assert_eq!(String::from_utf8(err).unwrap(), "", "{args:?}");
+    }
+    // Other write errors still fail the command, in one line.
+    let mut err = Vec::new();
+    let args = ["app", "stats"];
+    let code = envoi_cli::run_with(&app.messenger, args, &mut FullDisk, &mut err).await;
+    assert_eq!(code, 1);
+    assert_eq!(
+        String::from_utf8(err).unwrap(),
+        "error: writing the output failed: no space left on device\n"
+    );
 }
 
 #[tokio::test]
