@@ -4,22 +4,37 @@
 //! transaction (group commit), so concurrent sends, claims and acks share
 //! commits instead of taking turns on the write lock.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use envoi_core::transport::{Delivery, RawMessage};
 use envoi_core::Headers;
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
-use sqlx::{AssertSqlSafe, Connection, Row};
+use sqlx::{AssertSqlSafe, Connection, Row, TypeInfo, ValueRef};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::sql::Statements;
 use crate::transport::Signal;
 
-/// The header set on a delivery whose stored headers are not a JSON object
-/// of strings (the row was written by something else). The message is still
-/// handed out, so the worker can move it to the failure transport instead
-/// of the row blocking the queue.
+/// The header set on a delivery whose stored headers are not TEXT holding a
+/// JSON object of strings (the row was written by something else): it says
+/// what is wrong. The headers that could be read (every string value of a
+/// JSON object) are kept, and the stored text in [`STORED_HEADERS`]. The
+/// message is still handed out, so the worker can move it to the failure
+/// transport instead of the row blocking the queue.
 pub const INVALID_HEADERS: &str = "X-Envoi-Invalid-Headers";
+
+/// The header holding a delivery's headers as they were stored, set with
+/// [`INVALID_HEADERS`] (unless the stored value is NULL): the text as it
+/// is or, when it is not UTF-8, as an SQL blob literal (`x'7b22ff…'`), so
+/// nothing of it is lost.
+pub const STORED_HEADERS: &str = "X-Envoi-Stored-Headers";
+
+/// The header set on a delivery whose stored body is neither a BLOB nor
+/// TEXT (the row was written by something else): it says what was stored.
+/// The body handed out is the value as SQLite renders it as text (`5` for
+/// the integer 5; empty for NULL).
+pub const INVALID_BODY: &str = "X-Envoi-Invalid-Body";
 
 /// Most operations committed together.
 const MAX_GROUP: usize = 256;
@@ -79,24 +94,156 @@ fn q(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(Arc::clone(sql))
 }
 
+/// Reads a claimed, listed or found row (`id, body, headers`) as a
+/// delivery. Only an unreadable id fails: a body or headers of the wrong
+/// storage type, not UTF-8 or not a JSON object of strings are handed out
+/// as well as they can be read, with [`INVALID_BODY`] or
+/// [`INVALID_HEADERS`] saying what is wrong, so the worker parks the
+/// message instead of the row coming back on every claim.
 pub(crate) fn decode_row(row: &SqliteRow) -> Result<Delivery, sqlx::Error> {
+    read_row(row).map(|(delivery, _)| delivery)
+}
+
+/// [`decode_row`], and whether the row was not stored as envoi stores rows
+/// (the delivery then carries [`INVALID_BODY`] or [`INVALID_HEADERS`]).
+fn read_row(row: &SqliteRow) -> Result<(Delivery, bool), sqlx::Error> {
     let id: i64 = row.try_get(0)?;
-    let body: Vec<u8> = row.try_get(1)?;
-    let headers: &str = row.try_get(2)?;
-    let headers = if headers == "{}" {
-        Headers::new()
-    } else {
-        serde_json::from_str(headers).unwrap_or_else(|e| {
-            Headers::from([(
-                INVALID_HEADERS,
-                format!("stored headers are not a JSON object of strings: {e}"),
-            )])
-        })
-    };
-    Ok(Delivery {
+    // The storage classes first: reading a value as bytes may convert it.
+    let body_class = storage_class(row, 1)?;
+    let headers_class = storage_class(row, 2)?;
+    // Unchecked: any storage class reads as bytes (a number as its text,
+    // NULL as nothing); the classes above say whether that was expected.
+    let body: Vec<u8> = row.try_get_unchecked(1)?;
+    let stored: &[u8] = row.try_get_unchecked(2)?;
+    let (mut headers, mut invalid) = read_headers(headers_class, stored);
+    if !matches!(body_class, "BLOB" | "TEXT") {
+        invalid = true;
+        let handed_out = if body_class == "NULL" {
+            "handed out empty"
+        } else {
+            "handed out as its text"
+        };
+        headers.insert(
+            INVALID_BODY,
+            format!("body stored as {body_class}, not BLOB: {handed_out}"),
+        );
+    }
+    let delivery = Delivery {
         id: id.to_string(),
         raw: RawMessage { body, headers },
+    };
+    Ok((delivery, invalid))
+}
+
+/// The SQLite storage class of column `index`: `NULL`, `INTEGER`, `REAL`,
+/// `TEXT` or `BLOB`.
+fn storage_class(row: &SqliteRow, index: usize) -> Result<&'static str, sqlx::Error> {
+    let value = row.try_get_raw(index)?;
+    if value.is_null() {
+        return Ok("NULL");
+    }
+    Ok(match value.type_info().name() {
+        "INTEGER" => "INTEGER",
+        "REAL" => "REAL",
+        "TEXT" => "TEXT",
+        "BLOB" => "BLOB",
+        _ => "an unknown storage class",
     })
+}
+
+/// The headers of a row, stored as `class` holding `stored`, and whether
+/// they were invalid.
+fn read_headers(class: &str, stored: &[u8]) -> (Headers, bool) {
+    if class == "TEXT" {
+        if let Ok(text) = std::str::from_utf8(stored) {
+            if text == "{}" {
+                return (Headers::new(), false);
+            }
+            if let Ok(headers) = serde_json::from_str::<Headers>(text) {
+                return (headers, false);
+            }
+        }
+    }
+    salvage_headers(class, stored)
+}
+
+/// The headers of a row that are not TEXT holding a JSON object of
+/// strings: every string value of a JSON object, with [`INVALID_HEADERS`]
+/// saying what is wrong and [`STORED_HEADERS`] keeping what was stored.
+#[cold]
+fn salvage_headers(class: &str, stored: &[u8]) -> (Headers, bool) {
+    let mut problems = Vec::new();
+    let mut headers = Headers::new();
+    if class != "TEXT" {
+        problems.push(format!("headers stored as {class}, not TEXT"));
+    }
+    if class != "NULL" {
+        let text = match std::str::from_utf8(stored) {
+            Ok(text) => Cow::Borrowed(text),
+            Err(e) => {
+                problems.push(format!(
+                    "stored headers are not UTF-8 ({e}); `{STORED_HEADERS}` holds them as a blob literal"
+                ));
+                String::from_utf8_lossy(stored)
+            }
+        };
+        const NOT_AN_OBJECT: &str = "stored headers are not a JSON object of strings";
+        match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(serde_json::Value::Object(map)) => {
+                let mut not_strings = Vec::new();
+                for (name, value) in map {
+                    match value {
+                        serde_json::Value::String(value) => {
+                            headers.insert(name, value);
+                        }
+                        other => not_strings.push(format!("`{name}` holds {}", json_kind(&other))),
+                    }
+                }
+                if !not_strings.is_empty() {
+                    problems.push(format!("{NOT_AN_OBJECT}: {}", not_strings.join(", ")));
+                }
+            }
+            Ok(other) => problems.push(format!("{NOT_AN_OBJECT}: they are {}", json_kind(&other))),
+            Err(e) => problems.push(format!("{NOT_AN_OBJECT}: {e}")),
+        }
+        if !problems.is_empty() {
+            let kept = match std::str::from_utf8(stored) {
+                Ok(text) => text.to_owned(),
+                Err(_) => blob_literal(stored),
+            };
+            headers.insert(STORED_HEADERS, kept);
+        }
+    }
+    if problems.is_empty() {
+        return (headers, false);
+    }
+    headers.insert(INVALID_HEADERS, problems.join("; "));
+    (headers, true)
+}
+
+/// What a JSON value is, for an error message.
+fn json_kind(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// `bytes` as an SQL blob literal: `x'7b22ff'`.
+fn blob_literal(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2 + 3);
+    s.push_str("x'");
+    for b in bytes {
+        s.push(char::from(HEX[usize::from(b >> 4)]));
+        s.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+    s.push('\'');
+    s
 }
 
 fn id_list(ids: &[i64]) -> String {
@@ -302,27 +449,34 @@ async fn apply(
                 .fetch_all(&mut *conn)
                 .await?;
             let mut deliveries = Vec::with_capacity(rows.len());
-            let mut broken = Vec::new();
             for row in &rows {
-                match decode_row(row) {
-                    Ok(d) => deliveries.push(d),
-                    Err(e) => {
-                        // A row that does not decode cannot be handed out: give
-                        // it back and say so, rather than hold it in silence.
-                        if let Ok(id) = row.try_get::<i64, _>(0) {
-                            broken.push(id);
+                match read_row(row) {
+                    Ok((d, invalid)) => {
+                        if invalid {
+                            // Handed out all the same, with the reason, so
+                            // the worker parks it: given back, it would be
+                            // claimed again on every poll.
+                            let reason =
+                                d.raw.header(INVALID_HEADERS).or(d.raw.header(INVALID_BODY));
+                            tracing::warn!(
+                                queue,
+                                id = %d.id,
+                                reason,
+                                "a claimed row was not stored as envoi stores rows; it is handed out with the reason"
+                            );
                         }
-                        tracing::error!(queue, error = %e, "a claimed row does not decode");
+                        deliveries.push(d);
                     }
+                    // Only the id can fail, and it is the table's integer
+                    // primary key; a row without one could be neither
+                    // acknowledged nor released, so it stays leased and
+                    // comes back once per lease, reported each time.
+                    Err(e) => tracing::error!(
+                        queue,
+                        error = %e,
+                        "a claimed row has no readable id; it stays leased"
+                    ),
                 }
-            }
-            if !broken.is_empty() {
-                sqlx::query(q(&sql.release_many))
-                    .bind(id_list(&broken))
-                    .bind(queue)
-                    .bind(*now)
-                    .execute(&mut *conn)
-                    .await?;
             }
             // RETURNING gives no order: oldest first.
             deliveries.sort_by_key(|d| d.id.parse::<i64>().unwrap_or(i64::MAX));
@@ -379,5 +533,135 @@ async fn apply(
                 .await?;
             Ok(Outcome::Done)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The delivery `decode_row` makes of `SELECT 1, <body>, <headers>`.
+    async fn decoded(body: &str, headers: &str) -> Delivery {
+        let mut conn = SqliteConnection::connect("sqlite::memory:")
+            .await
+            .expect("memory db");
+        let row = sqlx::query(AssertSqlSafe(format!("SELECT 1, {body}, {headers}")))
+            .fetch_one(&mut conn)
+            .await
+            .expect("select");
+        decode_row(&row).expect("a row with an id decodes")
+    }
+
+    #[tokio::test]
+    async fn rows_stored_as_envoi_stores_them_decode_without_a_reason() {
+        let d = decoded("x'7b7d'", r#"'{"type":"Job","kind":"command"}'"#).await;
+        assert_eq!(d.id, "1");
+        assert_eq!(d.raw.body, b"{}");
+        assert_eq!(
+            d.raw.headers,
+            Headers::from([("kind", "command"), ("type", "Job")])
+        );
+        // A TEXT body is read as its bytes, as before.
+        let d = decoded("'{}'", "'{}'").await;
+        assert_eq!(
+            (d.raw.body.as_slice(), d.raw.headers.len()),
+            (&b"{}"[..], 0)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_of_the_wrong_storage_class_is_read_as_its_text_with_the_reason() {
+        for (body, bytes, reason) in [
+            (
+                "5",
+                &b"5"[..],
+                "body stored as INTEGER, not BLOB: handed out as its text",
+            ),
+            (
+                "2.5",
+                b"2.5",
+                "body stored as REAL, not BLOB: handed out as its text",
+            ),
+            (
+                "NULL",
+                b"",
+                "body stored as NULL, not BLOB: handed out empty",
+            ),
+        ] {
+            let d = decoded(body, r#"'{"type":"Job"}'"#).await;
+            assert_eq!(d.raw.body, bytes, "{body}");
+            assert_eq!(d.raw.header(INVALID_BODY), Some(reason), "{body}");
+            assert_eq!(d.raw.header("type"), Some("Job"), "{body}");
+            assert_eq!(d.raw.header(INVALID_HEADERS), None, "{body}");
+        }
+    }
+
+    #[tokio::test]
+    async fn invalid_headers_keep_their_strings_and_the_stored_text_with_the_reason() {
+        /// Stored headers, the headers read, the stored text kept, the reason.
+        type Case = (
+            &'static str,
+            &'static [(&'static str, &'static str)],
+            Option<&'static str>,
+            &'static str,
+        );
+        let cases: [Case; 7] = [
+            (
+                r#"CAST('{"type":"Job"}' AS BLOB)"#,
+                &[("type", "Job")],
+                Some(r#"{"type":"Job"}"#),
+                "headers stored as BLOB, not TEXT",
+            ),
+            (
+                "CAST(x'7b22ff223a2231227d' AS TEXT)",
+                &[("\u{fffd}", "1")],
+                Some("x'7b22ff223a2231227d'"),
+                "stored headers are not UTF-8 (invalid utf-8 sequence of 1 bytes from index 2); \
+                 `X-Envoi-Stored-Headers` holds them as a blob literal",
+            ),
+            (
+                r#"'{"type":"Job","n":1,"tags":["a"]}'"#,
+                &[("type", "Job")],
+                Some(r#"{"type":"Job","n":1,"tags":["a"]}"#),
+                "stored headers are not a JSON object of strings: `n` holds a number, \
+                 `tags` holds an array",
+            ),
+            (
+                "'not json'",
+                &[],
+                Some("not json"),
+                "stored headers are not a JSON object of strings: expected ident at line 1 column 2",
+            ),
+            (
+                "'[1,2]'",
+                &[],
+                Some("[1,2]"),
+                "stored headers are not a JSON object of strings: they are an array",
+            ),
+            (
+                "7",
+                &[],
+                Some("7"),
+                "headers stored as INTEGER, not TEXT; \
+                 stored headers are not a JSON object of strings: they are a number",
+            ),
+            ("NULL", &[], None, "headers stored as NULL, not TEXT"),
+        ];
+        for (stored, read, kept, reason) in cases {
+            let d = decoded("x'7b7d'", stored).await;
+            let mut expected: Headers = read.iter().copied().collect();
+            expected.insert(INVALID_HEADERS, reason);
+            if let Some(kept) = kept {
+                expected.insert(STORED_HEADERS, kept);
+            }
+            assert_eq!(d.raw.headers, expected, "{stored}");
+            assert_eq!(d.raw.body, b"{}", "{stored}");
+        }
+    }
+
+    #[test]
+    fn a_blob_literal_spells_every_byte_in_lowercase_hex() {
+        assert_eq!(blob_literal(&[0x7b, 0x00, 0xff, 0x0a]), "x'7b00ff0a'");
+        assert_eq!(blob_literal(&[]), "x''");
     }
 }
