@@ -92,6 +92,15 @@ pub const KIND_HEADER: &str = "kind";
 pub const STAMP_HEADER_PREFIX: &str = "X-Message-Stamp-";
 /// The default limit of a body's size: 16 MiB.
 pub const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
+/// The header a transport sets on a message whose stored headers it could
+/// not read as they should be, saying what was wrong: the message does not
+/// decode (the error names this header and its text), so the worker parks
+/// it with the reason instead of handling what was recovered of it.
+pub const INVALID_HEADERS_HEADER: &str = "X-Envoi-Invalid-Headers";
+/// The header a transport sets on a message whose stored body it could not
+/// read as it should be, saying what was wrong; the message does not
+/// decode, like one with [`INVALID_HEADERS_HEADER`].
+pub const INVALID_BODY_HEADER: &str = "X-Envoi-Invalid-Body";
 
 /// A stamp header that named no registered stamp type, kept verbatim.
 ///
@@ -515,6 +524,14 @@ impl Serializer {
                 limit: self.inner.max_body_size,
             });
         }
+        for marker in [INVALID_HEADERS_HEADER, INVALID_BODY_HEADER] {
+            if let Some(reason) = raw.header(marker) {
+                return Err(SerializationError::InvalidHeader {
+                    header: marker.into(),
+                    reason: reason.to_string(),
+                });
+            }
+        }
         let Some(name) = raw.header(TYPE_HEADER) else {
             return Err(SerializationError::MissingHeader(TYPE_HEADER));
         };
@@ -785,6 +802,24 @@ mod tests {
             s.decode(&raw),
             Err(SerializationError::InvalidHeader { .. })
         ));
+    }
+
+    #[test]
+    fn a_message_a_transport_marked_as_misread_does_not_decode_however_good_the_rest() {
+        let s = serializer();
+        for marker in [INVALID_HEADERS_HEADER, INVALID_BODY_HEADER] {
+            let mut raw = s.encode(&Envelope::new(order())).unwrap();
+            assert!(s.decode(&raw).is_ok());
+            raw.headers
+                .insert(marker, "headers stored as BLOB, not TEXT");
+            match s.decode(&raw) {
+                Err(SerializationError::InvalidHeader { header, reason }) => {
+                    assert_eq!(header, marker);
+                    assert_eq!(reason, "headers stored as BLOB, not TEXT");
+                }
+                other => panic!("{marker}: expected InvalidHeader, got {other:?}"),
+            }
+        }
     }
 
     #[test]

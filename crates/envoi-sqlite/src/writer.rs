@@ -22,7 +22,7 @@ use crate::transport::Signal;
 /// JSON object) are kept, and the stored text in [`STORED_HEADERS`]. The
 /// message is still handed out, so the worker can move it to the failure
 /// transport instead of the row blocking the queue.
-pub const INVALID_HEADERS: &str = "X-Envoi-Invalid-Headers";
+pub const INVALID_HEADERS: &str = envoi_core::serializer::INVALID_HEADERS_HEADER;
 
 /// The header holding a delivery's headers as they were stored, set with
 /// [`INVALID_HEADERS`] (unless the stored value is NULL): the text as it
@@ -34,7 +34,7 @@ pub const STORED_HEADERS: &str = "X-Envoi-Stored-Headers";
 /// TEXT (the row was written by something else): it says what was stored.
 /// The body handed out is the value as SQLite renders it as text (`5` for
 /// the integer 5; empty for NULL).
-pub const INVALID_BODY: &str = "X-Envoi-Invalid-Body";
+pub const INVALID_BODY: &str = envoi_core::serializer::INVALID_BODY_HEADER;
 
 /// Most operations committed together.
 const MAX_GROUP: usize = 256;

@@ -53,17 +53,19 @@ struct Row {
 
 const ROWS: [Row; 5] = [
     Row {
-        body: "x'7b7d'",
+        // `{"n":1}`: a body that decodes, so only the reason parks it.
+        body: "x'7b226e223a317d'",
         headers: r#"CAST('{"type":"Job"}' AS BLOB)"#,
-        delivered_body: b"{}",
+        delivered_body: br#"{"n":1}"#,
         delivered_type: Some("Job"),
         reason: (INVALID_HEADERS, "headers stored as BLOB, not TEXT"),
         stored: Some(r#"{"type":"Job"}"#),
     },
     Row {
-        body: "x'7b7d'",
+        // `{"n":1}`: a body that decodes, so only the reason parks it.
+        body: "x'7b226e223a317d'",
         headers: "CAST(x'7b22ff223a2231227d' AS TEXT)",
-        delivered_body: b"{}",
+        delivered_body: br#"{"n":1}"#,
         delivered_type: None,
         reason: (INVALID_HEADERS, "stored headers are not UTF-8"),
         stored: Some("x'7b22ff223a2231227d'"),
@@ -77,9 +79,10 @@ const ROWS: [Row; 5] = [
         stored: None,
     },
     Row {
-        body: "x'7b7d'",
+        // `{"n":1}`: a body that decodes, so only the reason parks it.
+        body: "x'7b226e223a317d'",
         headers: "'not json'",
-        delivered_body: b"{}",
+        delivered_body: br#"{"n":1}"#,
         delivered_type: None,
         reason: (
             INVALID_HEADERS,
@@ -88,9 +91,10 @@ const ROWS: [Row; 5] = [
         stored: Some("not json"),
     },
     Row {
-        body: "x'7b7d'",
+        // `{"n":1}`: a body that decodes, so only the reason parks it.
+        body: "x'7b226e223a317d'",
         headers: r#"'{"type":"Job","n":1}'"#,
-        delivered_body: b"{}",
+        delivered_body: br#"{"n":1}"#,
         delivered_type: Some("Job"),
         reason: (
             INVALID_HEADERS,
@@ -269,23 +273,14 @@ async fn a_worker_parks_each_malformed_row_once_with_the_reason_and_acks_it() {
         let [details] = details.as_slice() else {
             panic!("{}: one ErrorDetails stamp: {details:?}", row.headers);
         };
+        // The serializer refuses what the transport marked, naming the
+        // marker and its reason, however well the rest decodes.
+        assert_eq!(details.kind, "decode:invalid_header", "{}", row.headers);
+        let (header, says) = row.reason;
         assert!(
-            details.kind.starts_with("decode:") && !details.message.is_empty(),
+            details.message.contains(header) && details.message.contains(says),
             "{}: {details:?}",
             row.headers
         );
     }
-    // The stored integer body is what the decoder reports.
-    let body_error: Vec<ErrorDetailsStamp> = serde_json::from_str(
-        parked[2]
-            .raw
-            .header("X-Message-Stamp-ErrorDetails")
-            .expect("ErrorDetails"),
-    )
-    .expect("ErrorDetails stamps");
-    assert_eq!(body_error[0].kind, "decode:malformed");
-    assert!(
-        body_error[0].message.contains("integer `5`"),
-        "{body_error:?}"
-    );
 }
