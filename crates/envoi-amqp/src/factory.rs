@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use envoi_core::middleware::BoxFuture;
-use envoi_core::transport::{Transport, TransportFactory};
+use envoi_core::transport::{dsn_has_scheme, Transport, TransportFactory};
 use envoi_core::TransportError;
 
 use crate::AmqpTransport;
@@ -25,11 +25,7 @@ pub struct AmqpTransportFactory;
 
 impl TransportFactory for AmqpTransportFactory {
     fn supports(&self, dsn: &str) -> bool {
-        let scheme = |s: &str| {
-            dsn.get(..s.len())
-                .is_some_and(|p| p.eq_ignore_ascii_case(s))
-        };
-        scheme("amqp://") || scheme("amqps://")
+        dsn_has_scheme(dsn, "amqp://") || dsn_has_scheme(dsn, "amqps://")
     }
 
     fn create<'a>(

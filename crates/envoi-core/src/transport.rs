@@ -506,6 +506,22 @@ pub trait TransportFactory: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Arc<dyn Transport>, TransportError>>;
 }
 
+/// Whether `dsn` starts with `scheme` (`"redis://"`, `"sqlite:"`), in any
+/// case: how a [`TransportFactory`] recognises its DSNs. Never panics,
+/// whatever characters the DSN holds.
+///
+/// ```
+/// use envoi_core::transport::dsn_has_scheme;
+///
+/// assert!(dsn_has_scheme("REDIS://127.0.0.1:6379", "redis://"));
+/// assert!(!dsn_has_scheme("nats:/é", "nats://"));
+/// assert!(!dsn_has_scheme("", "nats://"));
+/// ```
+pub fn dsn_has_scheme(dsn: &str, scheme: &str) -> bool {
+    dsn.get(..scheme.len())
+        .is_some_and(|start| start.eq_ignore_ascii_case(scheme))
+}
+
 /// Masks the password in a DSN (`scheme://user:secret@host` →
 /// `scheme://user:***@host`) for error messages and listings.
 pub fn mask_dsn(dsn: &str) -> String {

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use envoi_core::middleware::BoxFuture;
-use envoi_core::transport::{Transport, TransportFactory};
+use envoi_core::transport::{dsn_has_scheme, Transport, TransportFactory};
 use envoi_core::TransportError;
 
 use crate::{NatsConfig, NatsTransport};
@@ -23,8 +23,7 @@ pub struct NatsTransportFactory;
 
 impl TransportFactory for NatsTransportFactory {
     fn supports(&self, dsn: &str) -> bool {
-        dsn.get(..7)
-            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("nats://"))
+        dsn_has_scheme(dsn, "nats://")
     }
 
     fn create<'a>(

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use envoi_core::middleware::BoxFuture;
-use envoi_core::transport::{Transport, TransportFactory};
+use envoi_core::transport::{dsn_has_scheme, Transport, TransportFactory};
 use envoi_core::TransportError;
 
 use crate::RedisTransport;
@@ -25,8 +25,7 @@ pub struct RedisTransportFactory;
 
 impl TransportFactory for RedisTransportFactory {
     fn supports(&self, dsn: &str) -> bool {
-        dsn.get(..8)
-            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("redis://"))
+        dsn_has_scheme(dsn, "redis://")
     }
 
     fn create<'a>(

@@ -135,7 +135,7 @@ mod writer;
 use std::sync::Arc;
 
 use envoi_core::middleware::BoxFuture;
-use envoi_core::transport::{Transport, TransportFactory};
+use envoi_core::transport::{dsn_has_scheme, Transport, TransportFactory};
 use envoi_core::TransportError;
 
 pub use options::SqliteOptions;
@@ -156,8 +156,7 @@ pub struct SqliteTransportFactory;
 
 impl TransportFactory for SqliteTransportFactory {
     fn supports(&self, dsn: &str) -> bool {
-        dsn.get(..7)
-            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("sqlite:"))
+        dsn_has_scheme(dsn, "sqlite:")
     }
 
     fn create<'a>(

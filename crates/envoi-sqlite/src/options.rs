@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use envoi_core::transport::mask_dsn;
+use envoi_core::transport::{dsn_has_scheme, mask_dsn};
 use envoi_core::TransportError;
 
 /// How a [`SqliteTransport`](crate::SqliteTransport) is configured; parsed
@@ -79,12 +79,11 @@ impl SqliteOptions {
             reason,
         };
         // The scheme, in any case, then `//` if present.
-        let rest = dsn
-            .get(..7)
-            .filter(|scheme| scheme.eq_ignore_ascii_case("sqlite:"))
-            .map(|_| &dsn[7..])
-            .map(|rest| rest.strip_prefix("//").unwrap_or(rest))
-            .ok_or_else(|| invalid("expected `sqlite://<path>`".into()))?;
+        if !dsn_has_scheme(dsn, "sqlite:") {
+            return Err(invalid("expected `sqlite://<path>`".into()));
+        }
+        let rest = &dsn["sqlite:".len()..];
+        let rest = rest.strip_prefix("//").unwrap_or(rest);
         let (path, query) = match rest.split_once('?') {
             Some((p, q)) => (p, Some(q)),
             None => (rest, None),

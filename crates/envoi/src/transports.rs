@@ -42,7 +42,7 @@
 use std::sync::Arc;
 
 use envoi_core::middleware::BoxFuture;
-use envoi_core::transport::{mask_dsn, Transport, TransportFactory};
+use envoi_core::transport::{dsn_has_scheme, mask_dsn, Transport, TransportFactory};
 use envoi_core::{MessengerBuilder, TransportError};
 
 pub use envoi_core::transports::*;
@@ -92,11 +92,6 @@ pub fn supported_schemes() -> Vec<&'static str> {
     schemes
 }
 
-fn has_prefix(dsn: &str, prefix: &str) -> bool {
-    dsn.get(..prefix.len())
-        .is_some_and(|p| p.eq_ignore_ascii_case(prefix))
-}
-
 /// Answers for the schemes of transports whose feature is off, with an
 /// error naming the feature.
 #[derive(Debug, Clone, Copy, Default)]
@@ -106,7 +101,7 @@ impl DisabledFeatures {
     fn feature_for(dsn: &str) -> Option<&'static str> {
         FEATURES
             .iter()
-            .find(|(_, prefixes, on)| !*on && prefixes.iter().any(|p| has_prefix(dsn, p)))
+            .find(|(_, prefixes, on)| !*on && prefixes.iter().any(|p| dsn_has_scheme(dsn, p)))
             .map(|(name, _, _)| *name)
     }
 }
