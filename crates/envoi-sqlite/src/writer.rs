@@ -101,12 +101,6 @@ fn q(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
 /// [`INVALID_HEADERS`] saying what is wrong, so the worker parks the
 /// message instead of the row coming back on every claim.
 pub(crate) fn decode_row(row: &SqliteRow) -> Result<Delivery, sqlx::Error> {
-    read_row(row).map(|(delivery, _)| delivery)
-}
-
-/// [`decode_row`], and whether the row was not stored as envoi stores rows
-/// (the delivery then carries [`INVALID_BODY`] or [`INVALID_HEADERS`]).
-fn read_row(row: &SqliteRow) -> Result<(Delivery, bool), sqlx::Error> {
     let id: i64 = row.try_get(0)?;
     // The storage classes first: reading a value as bytes may convert it.
     let body_class = storage_class(row, 1)?;
@@ -115,9 +109,8 @@ fn read_row(row: &SqliteRow) -> Result<(Delivery, bool), sqlx::Error> {
     // NULL as nothing); the classes above say whether that was expected.
     let body: Vec<u8> = row.try_get_unchecked(1)?;
     let stored: &[u8] = row.try_get_unchecked(2)?;
-    let (mut headers, mut invalid) = read_headers(headers_class, stored);
+    let mut headers = read_headers(headers_class, stored);
     if !matches!(body_class, "BLOB" | "TEXT") {
-        invalid = true;
         let handed_out = if body_class == "NULL" {
             "handed out empty"
         } else {
@@ -128,11 +121,17 @@ fn read_row(row: &SqliteRow) -> Result<(Delivery, bool), sqlx::Error> {
             format!("body stored as {body_class}, not BLOB: {handed_out}"),
         );
     }
-    let delivery = Delivery {
+    Ok(Delivery {
         id: id.to_string(),
         raw: RawMessage { body, headers },
-    };
-    Ok((delivery, invalid))
+    })
+}
+
+/// What [`INVALID_HEADERS`] or [`INVALID_BODY`] says is wrong with the row
+/// `delivery` was read from; `None` when it was stored as envoi stores rows.
+fn invalid_reason(delivery: &Delivery) -> Option<&str> {
+    let raw = &delivery.raw;
+    raw.header(INVALID_HEADERS).or(raw.header(INVALID_BODY))
 }
 
 /// The SQLite storage class of column `index`: `NULL`, `INTEGER`, `REAL`,
@@ -151,16 +150,15 @@ fn storage_class(row: &SqliteRow, index: usize) -> Result<&'static str, sqlx::Er
     })
 }
 
-/// The headers of a row, stored as `class` holding `stored`, and whether
-/// they were invalid.
-fn read_headers(class: &str, stored: &[u8]) -> (Headers, bool) {
+/// The headers of a row, stored as `class` holding `stored`.
+fn read_headers(class: &str, stored: &[u8]) -> Headers {
     if class == "TEXT" {
         if let Ok(text) = std::str::from_utf8(stored) {
             if text == "{}" {
-                return (Headers::new(), false);
+                return Headers::new();
             }
             if let Ok(headers) = serde_json::from_str::<Headers>(text) {
-                return (headers, false);
+                return headers;
             }
         }
     }
@@ -171,7 +169,7 @@ fn read_headers(class: &str, stored: &[u8]) -> (Headers, bool) {
 /// strings: every string value of a JSON object, with [`INVALID_HEADERS`]
 /// saying what is wrong and [`STORED_HEADERS`] keeping what was stored.
 #[cold]
-fn salvage_headers(class: &str, stored: &[u8]) -> (Headers, bool) {
+fn salvage_headers(class: &str, stored: &[u8]) -> Headers {
     let mut problems = Vec::new();
     let mut headers = Headers::new();
     if class != "TEXT" {
@@ -207,18 +205,18 @@ fn salvage_headers(class: &str, stored: &[u8]) -> (Headers, bool) {
             Err(e) => problems.push(format!("{NOT_AN_OBJECT}: {e}")),
         }
         if !problems.is_empty() {
-            let kept = match std::str::from_utf8(stored) {
-                Ok(text) => text.to_owned(),
-                Err(_) => blob_literal(stored),
+            let kept = match text {
+                Cow::Borrowed(text) => text.to_owned(),
+                // Not UTF-8: read lossily above, kept exactly here.
+                Cow::Owned(_) => blob_literal(stored),
             };
             headers.insert(STORED_HEADERS, kept);
         }
     }
-    if problems.is_empty() {
-        return (headers, false);
+    if !problems.is_empty() {
+        headers.insert(INVALID_HEADERS, problems.join("; "));
     }
-    headers.insert(INVALID_HEADERS, problems.join("; "));
-    (headers, true)
+    headers
 }
 
 /// What a JSON value is, for an error message.
@@ -450,14 +448,12 @@ async fn apply(
                 .await?;
             let mut deliveries = Vec::with_capacity(rows.len());
             for row in &rows {
-                match read_row(row) {
-                    Ok((d, invalid)) => {
-                        if invalid {
+                match decode_row(row) {
+                    Ok(d) => {
+                        if let Some(reason) = invalid_reason(&d) {
                             // Handed out all the same, with the reason, so
                             // the worker parks it: given back, it would be
                             // claimed again on every poll.
-                            let reason =
-                                d.raw.header(INVALID_HEADERS).or(d.raw.header(INVALID_BODY));
                             tracing::warn!(
                                 queue,
                                 id = %d.id,

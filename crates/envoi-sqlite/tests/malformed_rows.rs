@@ -4,7 +4,7 @@
 //! be read of it and the reason, and a worker parks it in the failure
 //! transport instead of the row coming back on every claim.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,6 +16,9 @@ use envoi_sqlite::{
     SqliteTransport, SqliteTransportFactory, INVALID_BODY, INVALID_HEADERS, STORED_HEADERS,
 };
 use serde::{Deserialize, Serialize};
+
+mod common;
+use common::db_path;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Job {
@@ -103,16 +106,6 @@ const ROWS: [Row; 5] = [
         stored: Some(r#"{"type":"Job","n":1}"#),
     },
 ];
-
-fn db_path(test: &str) -> PathBuf {
-    std::env::temp_dir()
-        .join("envoi-sqlite-tests")
-        .join(format!(
-            "{test}-{}-{}.db",
-            std::process::id(),
-            uuid::Uuid::new_v4().simple()
-        ))
-}
 
 /// Inserts [`ROWS`] into `table` for queue `jobs`, as another program would.
 async fn insert_rows(path: &Path, table: &str) {

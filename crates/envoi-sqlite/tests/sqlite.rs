@@ -1,7 +1,6 @@
 //! SQLite-specific behaviour: leases across pools and processes, keepalive,
 //! restarts, prefetching, wake-ups, DSNs and the schema.
 
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,15 +9,8 @@ use envoi_core::transport::{RawMessage, Transport, TransportFactory};
 use envoi_core::TransportError;
 use envoi_sqlite::{SqliteTransport, SqliteTransportFactory, INVALID_HEADERS};
 
-fn db_path(test: &str) -> PathBuf {
-    std::env::temp_dir()
-        .join("envoi-sqlite-tests")
-        .join(format!(
-            "{test}-{}-{}.db",
-            std::process::id(),
-            uuid::Uuid::new_v4().simple()
-        ))
-}
+mod common;
+use common::db_path;
 
 fn dsn(path: &std::path::Path, options: &str) -> String {
     format!("sqlite://{}?{options}", path.display())
