@@ -327,20 +327,61 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let code = match Cli::try_parse_from(args) {
-        Ok(cli) => match execute(messenger, cli.command, &mut Console::stdout()).await {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!("error: {e}");
-                1
-            }
-        },
-        Err(e) => {
+    match Cli::parse_args(args) {
+        Ok(cli) => cli.run(messenger).await,
+        Err(code) => ExitCode::from(code),
+    }
+}
+
+impl Cli {
+    /// Parses `args` (the first is the program name) without running
+    /// anything, so an application can build its [`Messenger`] — open
+    /// databases, connect to brokers — only for a command that will run:
+    ///
+    /// ```no_run
+    /// use envoi_cli::Cli;
+    /// use std::process::ExitCode;
+    ///
+    /// # async fn connect() -> envoi_core::Messenger { envoi_core::Messenger::builder().build().unwrap() }
+    /// # async fn main_() -> ExitCode {
+    /// let cli = match Cli::parse_args(std::env::args_os()) {
+    ///     Ok(cli) => cli,
+    ///     Err(status) => return ExitCode::from(status), // --help, or a bad command line
+    /// };
+    /// let messenger = connect().await;
+    /// cli.run(&messenger).await
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// For `--help`, `--version` or a command line that does not parse,
+    /// prints clap's text (help on standard output, errors on standard
+    /// error) and returns the exit status to end with: 0 for help, 2 for an
+    /// error.
+    pub fn parse_args<I, T>(args: I) -> Result<Cli, u8>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        Cli::try_parse_from(args).map_err(|e| {
             let _ = e.print();
             exit_status(&e)
+        })
+    }
+
+    /// Runs the parsed command on standard output, as [`run`] does: prints
+    /// an error as one line on standard error and returns 1, or 0 on
+    /// success.
+    pub async fn run(self, messenger: &Messenger) -> ExitCode {
+        match execute(messenger, self.command, &mut Console::stdout()).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
         }
-    };
-    ExitCode::from(code)
+    }
 }
 
 /// Like [`run`], writing results to `out` and warnings and errors to `err`

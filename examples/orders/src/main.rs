@@ -40,8 +40,13 @@ macro_rules! say {
 async fn main() -> ExitCode {
     let database = database_path();
     if std::env::args_os().len() > 1 {
+        // Parsed first: `--help` or a bad command line needs no database.
+        let cli = match envoi_cli::Cli::parse_args(std::env::args_os()) {
+            Ok(cli) => cli,
+            Err(status) => return ExitCode::from(status),
+        };
         return match messenger(&database, Duration::from_millis(100)).await {
-            Ok(messenger) => envoi_cli::run(&messenger, std::env::args_os()).await,
+            Ok(messenger) => cli.run(&messenger).await,
             Err(e) => {
                 eprintln!("error: {e}");
                 ExitCode::FAILURE

@@ -191,3 +191,19 @@ fn a_database_path_sqlite_cannot_use_is_one_error_line() {
     );
     assert_eq!(err.lines().count(), 1, "{err}");
 }
+
+#[test]
+fn help_and_a_bad_command_line_need_no_database() {
+    // A path SQLite cannot use: only a command that runs opens it.
+    let unusable = std::path::Path::new("");
+    let (code, out, err) = binary(unusable, &["--help"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("failed"), "{out}");
+    assert!(out.contains("consume"), "{out}");
+    assert_eq!(err, "");
+
+    let (code, out, err) = binary(unusable, &["consume", "orders", "--limit", "0"]);
+    assert_eq!((code, out.as_str()), (2, ""));
+    assert!(err.contains("--limit"), "{err}");
+    assert!(!err.contains("DSN"), "{err}");
+}
