@@ -1561,66 +1561,40 @@ impl Ctx {
             .last::<SentToFailureTransportStamp>()
             .map(|s| s.original_transport.clone());
         let (origin, failure) = failure_target(&self.messenger, transport, origin);
-        let mut parked_in = None;
-        let mut released = false;
-        let mut error = details.message.clone();
-        let action = match failure {
-            None => {
-                tracing::warn!(
-                    transport = %transport,
+        let message = envelope.message_name();
+        let outcome = self
+            .settle_failure(
+                Failure {
+                    transport,
                     id,
-                    message = envelope.message_name(),
-                    kind = %details.kind,
-                    error = %error,
-                    "message rejected: it failed and no failure transport is configured"
-                );
-                Action::Reject
-            }
-            Some(failure) => {
-                let parked = envelope
-                    .clone()
-                    .with(details.clone())
-                    .with(SentToFailureTransportStamp::new(origin))
-                    .with(RedeliveryStamp::new(0))
-                    .with(DelayStamp { ms: 0 });
-                match self
-                    .messenger
-                    .sender_dispatcher()
-                    .send(failure, parked)
-                    .await
-                {
-                    Ok(_) => {
-                        self.parked(true);
-                        parked_in = Some(failure.to_string());
-                        Action::Ack
-                    }
-                    Err(e) => {
-                        self.parked(false);
-                        error = format!("{error}; parking in `{failure}` failed: {e}");
-                        tracing::error!(
-                            transport = %transport,
-                            id,
-                            message = envelope.message_name(),
-                            error = %error,
-                            "message released: it could not be parked"
-                        );
-                        released = true;
-                        Action::Release
-                    }
-                }
-            }
-        };
+                    message,
+                    kind: &details.kind,
+                    error: details.message.clone(),
+                    what: "failed",
+                },
+                failure.map(|failure| {
+                    let parked = envelope
+                        .clone()
+                        .with(details.clone())
+                        .with(SentToFailureTransportStamp::new(origin))
+                        .with(RedeliveryStamp::new(0))
+                        .with(DelayStamp { ms: 0 });
+                    let sent = self.messenger.sender_dispatcher().send(failure, parked);
+                    (failure, async move { sent.await.map(drop) })
+                }),
+            )
+            .await;
         self.events.emit(|| WorkerEvent::Failed {
             transport: transport.clone(),
             id: id.to_string(),
-            message: Cow::Borrowed(envelope.message_name()),
-            kind: Cow::Owned(details.kind.clone()),
-            error,
-            parked_in,
-            released,
+            message: Cow::Borrowed(message),
+            kind: Cow::Owned(details.kind),
+            error: outcome.error,
+            parked_in: outcome.parked_in,
+            released: outcome.released,
             envelope: Some(envelope),
         });
-        action
+        outcome.action
     }
 
     /// Moves a message that did not decode to the failure transport as it
@@ -1649,58 +1623,102 @@ impl Ctx {
             .and_then(|v| v.last().map(|s| s.original_transport.clone()));
         let (origin, failure) = failure_target(&self.messenger, transport, origin);
         let target = failure.and_then(|f| self.messenger.transport(f).map(|t| (f, t)));
-        let mut parked_in = None;
-        let mut released = false;
-        let mut text = error.to_string();
-        let action = match target {
-            None => {
-                tracing::warn!(
-                    transport = %transport,
+        let outcome = self
+            .settle_failure(
+                Failure {
+                    transport,
                     id,
-                    message = %message,
-                    kind = %details.kind,
-                    error = %text,
-                    "message rejected: it did not decode and no failure transport is configured"
-                );
-                Action::Reject
-            }
-            Some((name, failure)) => {
-                append_stamp_header(&mut raw, &details);
-                append_stamp_header(&mut raw, &SentToFailureTransportStamp::new(origin));
-                append_stamp_header(&mut raw, &RedeliveryStamp::new(0));
-                match failure.send(raw, None).await {
-                    Ok(_) => {
-                        self.parked(true);
-                        parked_in = Some(name.to_string());
-                        Action::Ack
-                    }
-                    Err(e) => {
-                        self.parked(false);
-                        text = format!("{text}; parking in `{name}` failed: {e}");
-                        tracing::error!(
-                            transport = %transport,
-                            id,
-                            message = %message,
-                            error = %text,
-                            "message released: it did not decode and could not be parked"
-                        );
-                        released = true;
-                        Action::Release
-                    }
-                }
-            }
-        };
+                    message: &message,
+                    kind: &details.kind,
+                    error: error.to_string(),
+                    what: "did not decode",
+                },
+                target.map(|(name, failure)| {
+                    append_stamp_header(&mut raw, &details);
+                    append_stamp_header(&mut raw, &SentToFailureTransportStamp::new(origin));
+                    append_stamp_header(&mut raw, &RedeliveryStamp::new(0));
+                    let sent = failure.send(raw, None);
+                    (name, async move { sent.await.map(drop) })
+                }),
+            )
+            .await;
         self.events.emit(|| WorkerEvent::Failed {
             transport: transport.clone(),
             id: id.to_string(),
             message: Cow::Owned(message),
-            kind: Cow::Owned(details.kind.clone()),
-            error: text,
-            parked_in,
-            released,
+            kind: Cow::Owned(details.kind),
+            error: outcome.error,
+            parked_in: outcome.parked_in,
+            released: outcome.released,
             envelope: None,
         });
-        Done { receiver, action }
+        Done {
+            receiver,
+            action: outcome.action,
+        }
+    }
+
+    /// The ending both kinds of parking share: without a failure transport
+    /// the message is rejected (with a warning); otherwise `send` parks it
+    /// and it is acknowledged, or, when that fails, released (with an
+    /// error) and fetching pauses.
+    async fn settle_failure<E: fmt::Display>(
+        &self,
+        failed: Failure<'_>,
+        send: Option<(&str, impl Future<Output = Result<(), E>>)>,
+    ) -> Settled {
+        let Failure {
+            transport,
+            id,
+            message,
+            kind,
+            mut error,
+            what,
+        } = failed;
+        let Some((name, send)) = send else {
+            tracing::warn!(
+                transport = %transport,
+                id,
+                message,
+                kind,
+                error = %error,
+                "message rejected: it {what} and no failure transport is configured"
+            );
+            return Settled {
+                action: Action::Reject,
+                parked_in: None,
+                released: false,
+                error,
+            };
+        };
+        match send.await {
+            Ok(()) => {
+                self.parked(true);
+                Settled {
+                    action: Action::Ack,
+                    parked_in: Some(name.to_string()),
+                    released: false,
+                    error,
+                }
+            }
+            Err(e) => {
+                self.parked(false);
+                error = format!("{error}; parking in `{name}` failed: {e}");
+                tracing::error!(
+                    transport = %transport,
+                    id,
+                    message,
+                    error = %error,
+                    "message released: it {what} and could not be parked"
+                );
+                Settled {
+                    action: Action::Release,
+                    parked_in: None,
+                    released: true,
+                    error,
+                }
+            }
+        }
     }
 
     /// Parks the envelope of a handler that panicked.
@@ -1724,6 +1742,26 @@ impl Ctx {
         };
         Done { receiver, action }
     }
+}
+
+/// A message that failed, as the worker logs it.
+struct Failure<'a> {
+    transport: &'a str,
+    id: &'a str,
+    message: &'a str,
+    kind: &'a str,
+    error: String,
+    /// What went wrong, for the log: "failed", "did not decode".
+    what: &'static str,
+}
+
+/// What became of a message that failed.
+struct Settled {
+    action: Action,
+    parked_in: Option<String>,
+    released: bool,
+    /// The error, with why parking failed when it did.
+    error: String,
 }
 
 /// Adds `stamp` to its `X-Message-Stamp-<name>` header's array. A header
