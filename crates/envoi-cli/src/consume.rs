@@ -202,8 +202,8 @@ fn failure_transport_warning(
         ""
     };
     Some(format!(
-        "warning: {what}: messages that fail again go back to {it} under a new id{never}; \
-         use `failed retry` to handle each failed message once"
+        "warning: {what}: messages that fail again go back to {it} under a new id, due 1 s \
+         later, doubling each time{never}; use `failed retry` to handle each failed message once"
     ))
 }
 
@@ -393,8 +393,8 @@ mod tests {
         assert_eq!(
             one,
             "warning: `failed` is a failure transport: messages that fail again go back to it \
-             under a new id, so --stop-when-empty may never stop; use `failed retry` to handle \
-             each failed message once"
+             under a new id, due 1 s later, doubling each time, so --stop-when-empty may never \
+             stop; use `failed retry` to handle each failed message once"
         );
         let two =
             failure_transport_warning(&names(&["dlq", "failed", "dlq"]), &["dlq", "failed"], false)
@@ -402,7 +402,8 @@ mod tests {
         assert_eq!(
             two,
             "warning: `dlq`, `failed` are failure transports: messages that fail again go back \
-             to them under a new id; use `failed retry` to handle each failed message once"
+             to them under a new id, due 1 s later, doubling each time; use `failed retry` to \
+             handle each failed message once"
         );
         assert!(!two.contains('\n'));
     }

@@ -42,9 +42,10 @@
 //! without any accepts the transport `--transport` names.
 //!
 //! `consume` on a failure transport prints a warning on standard error:
-//! messages that fail there again are parked in it again under a new id, so
-//! they keep coming back (and `--stop-when-empty` may never stop);
-//! `failed retry` handles each failed message once.
+//! messages that fail there again are parked in it again under a new id, due
+//! 1 s later, then 2 s, 4 s … up to an hour, so they keep coming back (and
+//! `--stop-when-empty` may never stop); `failed retry` handles each failed
+//! message once.
 //!
 //! ## Retrying failed messages
 //!
@@ -59,7 +60,8 @@
 //!   transport with a delay (a worker consuming that transport handles it),
 //!   and it is removed from the failure transport;
 //! * failed for good — the retry step parks it in the failure transport
-//!   again (under a new id) and the old copy is removed;
+//!   again (under a new id, due 1 s later, doubling each time it comes
+//!   back) and the old copy is removed;
 //! * anything else (it does not decode, no handler, a transport error, a
 //!   panic) — it stays where it is and the command exits with status 1.
 //!

@@ -112,6 +112,7 @@ use crate::builder::Messenger;
 use crate::bus::MessageBus;
 use crate::envelope::Envelope;
 use crate::error::{BusError, TransportError};
+use crate::middleware::retry::parked_again_delay;
 use crate::middleware::BoxFuture;
 use crate::serializer::STAMP_HEADER_PREFIX;
 use crate::stamp::{
@@ -1573,12 +1574,19 @@ impl Ctx {
                     what: "failed",
                 },
                 failure.map(|failure| {
+                    // Back into the transport it came from: later, not at
+                    // once, or a worker consuming it would spin on it.
+                    let delay = if failure == &**transport {
+                        parked_again_delay(envelope.all::<SentToFailureTransportStamp>().count())
+                    } else {
+                        Duration::ZERO
+                    };
                     let parked = envelope
                         .clone()
                         .with(details.clone())
                         .with(SentToFailureTransportStamp::new(origin))
                         .with(RedeliveryStamp::new(0))
-                        .with(DelayStamp { ms: 0 });
+                        .with(DelayStamp::new(delay));
                     let sent = self.messenger.sender_dispatcher().send(failure, parked);
                     (failure, async move { sent.await.map(drop) })
                 }),
@@ -1614,13 +1622,14 @@ impl Ctx {
             .header(crate::serializer::TYPE_HEADER)
             .unwrap_or("?")
             .to_string();
-        let origin = raw
+        let parks = raw
             .header(&format!(
                 "{STAMP_HEADER_PREFIX}{}",
                 SentToFailureTransportStamp::NAME
             ))
             .and_then(|v| serde_json::from_str::<Vec<SentToFailureTransportStamp>>(v).ok())
-            .and_then(|v| v.last().map(|s| s.original_transport.clone()));
+            .unwrap_or_default();
+        let origin = parks.last().map(|s| s.original_transport.clone());
         let (origin, failure) = failure_target(&self.messenger, transport, origin);
         let target = failure.and_then(|f| self.messenger.transport(f).map(|t| (f, t)));
         let outcome = self
@@ -1637,7 +1646,9 @@ impl Ctx {
                     append_stamp_header(&mut raw, &details);
                     append_stamp_header(&mut raw, &SentToFailureTransportStamp::new(origin));
                     append_stamp_header(&mut raw, &RedeliveryStamp::new(0));
-                    let sent = failure.send(raw, None);
+                    // Back into the transport it came from: later.
+                    let delay = (name == &**transport).then(|| parked_again_delay(parks.len()));
+                    let sent = failure.send(raw, delay);
                     (name, async move { sent.await.map(drop) })
                 }),
             )

@@ -633,6 +633,67 @@ async fn a_message_retried_from_the_failure_transport_gets_a_fresh_budget_and_re
 }
 
 #[tokio::test]
+async fn a_message_failing_for_good_again_from_the_failure_transport_goes_back_there_for_later() {
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    struct Refund;
+    impl Message for Refund {
+        const NAME: &'static str = "Refund";
+    }
+    impl Command for Refund {
+        type Output = ();
+        type Error = Unrecoverable;
+    }
+    let calls = Arc::new(AtomicU32::new(0));
+    let counted = calls.clone();
+    let failed = memory();
+    let messenger = Messenger::builder()
+        .command_handler(move |_: Refund| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Err::<(), _>(Unrecoverable::new("card stolen")) }
+        })
+        .transport("async", memory())
+        .transport("failed", failed.clone())
+        .route::<Refund>("async")
+        .default_retry_strategy(fast_retries(3))
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    messenger.dispatcher().dispatch(Refund).await.unwrap();
+    drain(&messenger, &["async"]).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let delay_of_parked = || {
+        let stored = failed.stored();
+        assert_eq!(stored.len(), 1);
+        let Payload::Envelope(e) = &stored[0].payload else {
+            panic!("expected an envelope")
+        };
+        (
+            e.all::<SentToFailureTransportStamp>().count(),
+            e.last::<DelayStamp>().unwrap().duration(),
+        )
+    };
+    // Parked from its own transport: available at once.
+    assert_eq!(delay_of_parked(), (1, Duration::ZERO));
+
+    // A worker on the failure transport for half a second tries it once:
+    // it goes back there, due in a second, instead of being handed out
+    // again and again.
+    let report = Worker::builder(&messenger)
+        .receiver("failed")
+        .time_limit(Duration::from_millis(500))
+        .idle_sleep(Duration::from_millis(5))
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(report.stats.failed, 1);
+    assert_eq!(delay_of_parked(), (2, Duration::from_secs(1)));
+    assert!(failed.get(1).await.unwrap().is_empty(), "not due yet");
+    assert_eq!(failed.message_count().await.unwrap(), 1, "nothing lost");
+}
+
+#[tokio::test]
 async fn a_retry_that_cannot_be_sent_releases_the_message_for_redelivery() {
     let flaky = Flaky::new();
     let messenger = Messenger::builder()

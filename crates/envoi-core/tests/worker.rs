@@ -752,7 +752,7 @@ async fn consume_one_retries_a_parked_message_as_a_worker_would() {
 }
 
 #[tokio::test]
-async fn an_undecodable_message_retried_from_the_failure_transport_keeps_its_origin() {
+async fn an_undecodable_message_retried_from_the_failure_transport_keeps_its_origin_and_waits() {
     let seen = Seen::default();
     let failed = memory();
     let messenger = messenger_with(
@@ -786,6 +786,10 @@ async fn an_undecodable_message_retried_from_the_failure_transport_keeps_its_ori
     .unwrap();
     assert_eq!(origins.len(), 2);
     assert!(origins.iter().all(|o| o.original_transport == "async"));
+    // Back in the transport it came from, for later: a worker consuming it
+    // does not get it again at once.
+    assert!(failed.get(1).await.unwrap().is_empty(), "not due yet");
+    assert_eq!(failed.message_count().await.unwrap(), 1);
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

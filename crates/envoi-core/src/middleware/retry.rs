@@ -13,6 +13,12 @@
 //! with a count of zero, so when it is retried from there it starts with a
 //! fresh budget — and if it fails again, it returns there.
 //!
+//! It returns there later, not at once, when it was received from that very
+//! failure transport (a worker consuming it, or `failed retry`): available
+//! again after [`parked_again_delay`] — 1 s the first time, doubling each
+//! time it comes back, up to an hour — so a worker consuming a failure
+//! transport does not spin on a message that keeps failing for good.
+//!
 //! Errors can steer this: an [`Unrecoverable`](crate::Unrecoverable) anywhere
 //! in every failing handler's `source()` chain skips the retries; a
 //! [`Recoverable`](crate::Recoverable) is retried (within the budget) after
@@ -255,17 +261,51 @@ impl RetryConfig {
                 errors,
             });
         };
+        // Received from `failure` itself (the newest `ReceivedStamp` names
+        // the original transport, added by `FailedMessageProcessing`).
+        let again = envelope
+            .all::<ReceivedStamp>()
+            .any(|r| &*r.transport == failure);
+        let delay = if again {
+            parked_again_delay(envelope.all::<SentToFailureTransportStamp>().count())
+        } else {
+            Duration::ZERO
+        };
         let parked = envelope
             .with(error_details(&errors))
             .with(SentToFailureTransportStamp::new(transport))
             .with(RedeliveryStamp::new(0))
-            .with(DelayStamp { ms: 0 });
+            .with(DelayStamp::new(delay));
         let sent = self.dispatcher.send(failure, parked).await?;
         Err(BusError::HandlerFailed {
             envelope: Box::new(sent.with(SentStamp::new(failure))),
             errors,
         })
     }
+}
+
+/// The longest [`parked_again_delay`].
+pub const MAX_PARKED_AGAIN_DELAY: Duration = Duration::from_secs(3600);
+
+/// How long a message that failed again after being received from its
+/// failure transport waits there before it is handed out again, given how
+/// many times it was parked before (its [`SentToFailureTransportStamp`]s):
+/// 1 s after one, 2 s after two, doubling up to
+/// [`MAX_PARKED_AGAIN_DELAY`].
+///
+/// ```
+/// use envoi_core::middleware::retry::parked_again_delay;
+/// use std::time::Duration;
+///
+/// assert_eq!(parked_again_delay(1), Duration::from_secs(1));
+/// assert_eq!(parked_again_delay(3), Duration::from_secs(4));
+/// assert_eq!(parked_again_delay(40), Duration::from_secs(3600));
+/// ```
+pub fn parked_again_delay(times_parked: usize) -> Duration {
+    let doublings = u32::try_from(times_parked.saturating_sub(1))
+        .unwrap_or(u32::MAX)
+        .min(12);
+    Duration::from_secs(1u64 << doublings).min(MAX_PARKED_AGAIN_DELAY)
 }
 
 /// Unrecoverable only when every error is; otherwise the first recoverable
