@@ -196,14 +196,14 @@ fn failure_transport_warning(
         1 => (format!("{list} is a failure transport"), "it"),
         _ => (format!("{list} are failure transports"), "them"),
     };
-    let never = if stop_when_empty {
-        ", so --stop-when-empty may never stop"
+    let once = if stop_when_empty {
+        "; --stop-when-empty stops once each has been tried"
     } else {
         ""
     };
     Some(format!(
         "warning: {what}: messages that fail again go back to {it} under a new id, due 1 s \
-         later, doubling each time{never}; use `failed retry` to handle each failed message once"
+         later, doubling each time{once}; use `failed retry` to handle each failed message once"
     ))
 }
 
@@ -393,8 +393,8 @@ mod tests {
         assert_eq!(
             one,
             "warning: `failed` is a failure transport: messages that fail again go back to it \
-             under a new id, due 1 s later, doubling each time, so --stop-when-empty may never \
-             stop; use `failed retry` to handle each failed message once"
+             under a new id, due 1 s later, doubling each time; --stop-when-empty stops once \
+             each has been tried; use `failed retry` to handle each failed message once"
         );
         let two =
             failure_transport_warning(&names(&["dlq", "failed", "dlq"]), &["dlq", "failed"], false)

@@ -43,9 +43,9 @@
 //!
 //! `consume` on a failure transport prints a warning on standard error:
 //! messages that fail there again are parked in it again under a new id, due
-//! 1 s later, then 2 s, 4 s … up to an hour, so they keep coming back (and
-//! `--stop-when-empty` may never stop); `failed retry` handles each failed
-//! message once.
+//! 1 s later, then 2 s, 4 s … up to an hour, so they keep coming back, less
+//! and less often; with `--stop-when-empty` it stops once each message there
+//! has been tried. `failed retry` handles each failed message once.
 //!
 //! ## Retrying failed messages
 //!

@@ -328,8 +328,8 @@ async fn consume_of_a_failure_transport_warns_in_one_line_that_failures_come_bac
     assert_eq!(
         err,
         "warning: `failed` is a failure transport: messages that fail again go back to it \
-         under a new id, due 1 s later, doubling each time, so --stop-when-empty may never \
-         stop; use `failed retry` to handle each failed message once\n"
+         under a new id, due 1 s later, doubling each time; --stop-when-empty stops once \
+         each has been tried; use `failed retry` to handle each failed message once\n"
     );
     // Ordinary transports get no warning (`ok` checks that nothing is on
     // standard error).

@@ -95,7 +95,7 @@
 //! [`Worker::progress`] is cheaper.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::fmt;
 use std::future::{poll_fn, Future};
 use std::panic::AssertUnwindSafe;
@@ -629,6 +629,11 @@ impl WorkerBuilder {
 
     /// Stops once every receiver is empty (no message waiting, delayed or
     /// leased) and nothing is in flight.
+    ///
+    /// Messages this worker parked back into a receiver they came from — a
+    /// failure transport it consumes, where a message failing for good again
+    /// returns for later — do not count: consuming a failure transport with
+    /// this option tries each message there once, then stops.
     pub fn stop_when_empty(mut self) -> Self {
         self.options.stop_when_empty = true;
         self
@@ -1016,6 +1021,19 @@ enum Action {
 struct Done {
     receiver: usize,
     action: Action,
+    /// The id of the copy parked back into the transport the message came
+    /// from (a failure transport being consumed).
+    again: Option<String>,
+}
+
+impl Done {
+    fn new(receiver: usize, action: Action) -> Self {
+        Done {
+            receiver,
+            action,
+            again: None,
+        }
+    }
 }
 
 /// The id of a held message.
@@ -1460,6 +1478,7 @@ impl Ctx {
             bus.dispatch(stamped).await
         };
         let duration = started.map(|s| s.elapsed()).unwrap_or_default();
+        let mut again = None;
         let action = match result {
             Ok(after) => {
                 if after.all::<RedeliveryStamp>().count() > redeliveries {
@@ -1495,6 +1514,11 @@ impl Ctx {
                 } else {
                     Action::Reject
                 };
+                if parked_in.as_deref() == Some(&**transport) {
+                    again = failed
+                        .last::<TransportMessageIdStamp>()
+                        .map(|s| s.id.clone());
+                }
                 self.events.emit(|| WorkerEvent::Failed {
                     transport: transport.clone(),
                     id: id.text().into_owned(),
@@ -1525,9 +1549,17 @@ impl Ctx {
                 });
                 Action::Release
             }
-            Err(error) => self.park_failed(receiver, &id, envelope, error).await,
+            Err(error) => {
+                let (action, parked_again) = self.park_failed(receiver, &id, envelope, error).await;
+                again = parked_again;
+                action
+            }
         };
-        Done { receiver, action }
+        Done {
+            receiver,
+            action,
+            again,
+        }
     }
 
     /// Parks a message whose dispatch failed with `error` outside the
@@ -1539,7 +1571,7 @@ impl Ctx {
         id: &MessageId,
         envelope: Envelope,
         error: BusError,
-    ) -> BoxFuture<'a, Action> {
+    ) -> BoxFuture<'a, (Action, Option<String>)> {
         let details = ErrorDetailsStamp::from_error(error.kind(), &error);
         let envelope = error.envelope().cloned().unwrap_or(envelope);
         let id = id.text().into_owned();
@@ -1548,14 +1580,15 @@ impl Ctx {
 
     /// Parks `envelope` (which failed outside the retry step) in its failure
     /// transport; rejects it when there is none; releases it when parking
-    /// fails.
+    /// fails. Also returns the id of the parked copy when it went back into
+    /// the transport it came from.
     async fn park(
         &self,
         receiver: usize,
         id: &str,
         envelope: Envelope,
         details: ErrorDetailsStamp,
-    ) -> Action {
+    ) -> (Action, Option<String>) {
         bump(&self.counters.failed);
         let transport = &self.receivers[receiver].name;
         let origin = envelope
@@ -1563,7 +1596,7 @@ impl Ctx {
             .map(|s| s.original_transport.clone());
         let (origin, failure) = failure_target(&self.messenger, transport, origin);
         let message = envelope.message_name();
-        let outcome = self
+        let mut outcome = self
             .settle_failure(
                 Failure {
                     transport,
@@ -1588,10 +1621,14 @@ impl Ctx {
                         .with(RedeliveryStamp::new(0))
                         .with(DelayStamp::new(delay));
                     let sent = self.messenger.sender_dispatcher().send(failure, parked);
-                    (failure, async move { sent.await.map(drop) })
+                    (failure, async move {
+                        sent.await
+                            .map(|e| e.last::<TransportMessageIdStamp>().map(|s| s.id.clone()))
+                    })
                 }),
             )
             .await;
+        let again = outcome.again(transport);
         self.events.emit(|| WorkerEvent::Failed {
             transport: transport.clone(),
             id: id.to_string(),
@@ -1602,7 +1639,7 @@ impl Ctx {
             released: outcome.released,
             envelope: Some(envelope),
         });
-        outcome.action
+        (outcome.action, again)
     }
 
     /// Moves a message that did not decode to the failure transport as it
@@ -1632,7 +1669,7 @@ impl Ctx {
         let origin = parks.last().map(|s| s.original_transport.clone());
         let (origin, failure) = failure_target(&self.messenger, transport, origin);
         let target = failure.and_then(|f| self.messenger.transport(f).map(|t| (f, t)));
-        let outcome = self
+        let mut outcome = self
             .settle_failure(
                 Failure {
                     transport,
@@ -1649,10 +1686,11 @@ impl Ctx {
                     // Back into the transport it came from: later.
                     let delay = (name == &**transport).then(|| parked_again_delay(parks.len()));
                     let sent = failure.send(raw, delay);
-                    (name, async move { sent.await.map(drop) })
+                    (name, async move { sent.await.map(Some) })
                 }),
             )
             .await;
+        let again = outcome.again(transport);
         self.events.emit(|| WorkerEvent::Failed {
             transport: transport.clone(),
             id: id.to_string(),
@@ -1666,6 +1704,7 @@ impl Ctx {
         Done {
             receiver,
             action: outcome.action,
+            again,
         }
     }
 
@@ -1676,7 +1715,7 @@ impl Ctx {
     async fn settle_failure<E: fmt::Display>(
         &self,
         failed: Failure<'_>,
-        send: Option<(&str, impl Future<Output = Result<(), E>>)>,
+        send: Option<(&str, impl Future<Output = Result<Option<String>, E>>)>,
     ) -> Settled {
         let Failure {
             transport,
@@ -1698,16 +1737,18 @@ impl Ctx {
             return Settled {
                 action: Action::Reject,
                 parked_in: None,
+                id: None,
                 released: false,
                 error,
             };
         };
         match send.await {
-            Ok(()) => {
+            Ok(id) => {
                 self.parked(true);
                 Settled {
                     action: Action::Ack,
                     parked_in: Some(name.to_string()),
+                    id,
                     released: false,
                     error,
                 }
@@ -1725,6 +1766,7 @@ impl Ctx {
                 Settled {
                     action: Action::Release,
                     parked_in: None,
+                    id: None,
                     released: true,
                     error,
                 }
@@ -1740,18 +1782,32 @@ impl Ctx {
         envelope: Option<Envelope>,
         message: String,
     ) -> Done {
-        let action = match envelope {
+        match envelope {
             Some(envelope) => {
                 let details = ErrorDetailsStamp::new("panic", message);
-                self.park(receiver, id, envelope, details).await
+                let (action, again) = self.park(receiver, id, envelope, details).await;
+                Done {
+                    receiver,
+                    action,
+                    again,
+                }
             }
-            None => {
-                // Only a raw park can have no envelope; it does not run user
-                // code, so give the message back rather than lose it.
-                Action::Release
-            }
-        };
-        Done { receiver, action }
+            // Only a raw park can have no envelope; it does not run user
+            // code, so give the message back rather than lose it.
+            None => Done::new(receiver, Action::Release),
+        }
+    }
+}
+
+impl Settled {
+    /// The id of the copy parked back into `transport`, the transport the
+    /// message came from.
+    fn again(&mut self, transport: &str) -> Option<String> {
+        if self.parked_in.as_deref() == Some(transport) {
+            self.id.take()
+        } else {
+            None
+        }
     }
 }
 
@@ -1770,6 +1826,8 @@ struct Failure<'a> {
 struct Settled {
     action: Action,
     parked_in: Option<String>,
+    /// The id of the parked copy, when the transport told it.
+    id: Option<String>,
     released: bool,
     /// The error, with why parking failed when it did.
     error: String,
@@ -1887,6 +1945,10 @@ struct Run<'a, F> {
     started: Instant,
     /// No fetching before this: parking failed (see [`Ctx::park_backoff`]).
     fetch_after: Option<Instant>,
+    /// Per receiver, the ids of messages this run parked back into it (a
+    /// failure transport being consumed) and has not fetched again: they
+    /// do not count as waiting work for [`WorkerBuilder::stop_when_empty`].
+    again: Vec<HashSet<String>>,
 }
 
 /// A batch asked for ahead of time.
@@ -1946,12 +2008,17 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             processed: 0,
             started: now,
             fetch_after: None,
+            again: ctx.receivers.iter().map(|_| HashSet::new()).collect(),
         }
     }
 
     /// Starts handling `held`; records it at once if it finished.
     fn start(&mut self, held: Held) {
         let ctx = self.ctx;
+        let again = &mut self.again[held.receiver];
+        if !again.is_empty() {
+            again.remove(&*held.id.text());
+        }
         let (task, work) = ctx.begin(held);
         let future = (self.start)(ctx, task.receiver, task.id.clone(), work);
         if let Some(finished) = self.in_flight.start(task, future) {
@@ -1963,6 +2030,9 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         match finished {
             Finished::Done(done, id) => {
                 self.processed += 1;
+                if let (Some(again), Action::Ack) = (done.again, done.action) {
+                    self.again[done.receiver].insert(again);
+                }
                 match done.action {
                     Action::Ack => self.acks[done.receiver].push(id),
                     Action::Reject => self.rejects.push((done.receiver, id)),
@@ -2216,7 +2286,10 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
     async fn all_empty(&mut self) -> bool {
         for (i, r) in self.ctx.receivers.iter().enumerate() {
             match r.transport.message_count().await {
-                Ok(0) | Err(TransportError::Unsupported(_)) => {}
+                // What this run parked back into the transport waits there
+                // for later; it is not work left to do now.
+                Ok(n) if n <= self.again[i].len() as u64 => {}
+                Err(TransportError::Unsupported(_)) => {}
                 Ok(_) => return false,
                 Err(e) => {
                     self.transport_failed(i, "count", &e);
@@ -2529,10 +2602,7 @@ mod tests {
     }
 
     fn done() -> Done {
-        Done {
-            receiver: 0,
-            action: Action::Ack,
-        }
+        Done::new(0, Action::Ack)
     }
 
     fn finished_key(finished: Finished) -> String {

@@ -694,6 +694,53 @@ async fn a_message_failing_for_good_again_from_the_failure_transport_goes_back_t
 }
 
 #[tokio::test]
+async fn stop_when_empty_on_the_failure_transport_tries_each_message_once_then_stops() {
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    struct Refund(u32);
+    impl Message for Refund {
+        const NAME: &'static str = "Refund";
+    }
+    impl Command for Refund {
+        type Output = ();
+        type Error = Unrecoverable;
+    }
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let counted = calls.clone();
+    let failed = memory();
+    let messenger = Messenger::builder()
+        .command_handler(move |r: Refund| {
+            counted.lock().unwrap().push(r.0);
+            async { Err::<(), _>(Unrecoverable::new("card stolen")) }
+        })
+        .transport("async", memory())
+        .transport("failed", failed.clone())
+        .route::<Refund>("async")
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    for n in 0..3 {
+        messenger.dispatcher().dispatch(Refund(n)).await.unwrap();
+    }
+    drain(&messenger, &["async"]).await;
+    assert_eq!(failed.message_count().await.unwrap(), 3);
+    calls.lock().unwrap().clear();
+
+    let report = tokio::time::timeout(Duration::from_secs(5), drain(&messenger, &["failed"]))
+        .await
+        .expect("the worker stops");
+    assert_eq!(report.reason, StopReason::Empty);
+    let mut tried = calls.lock().unwrap().clone();
+    tried.sort_unstable();
+    assert_eq!(tried, [0, 1, 2], "each tried once");
+    assert_eq!(report.stats.failed, 3);
+    assert_eq!(
+        failed.message_count().await.unwrap(),
+        3,
+        "all kept for later"
+    );
+}
+
+#[tokio::test]
 async fn a_retry_that_cannot_be_sent_releases_the_message_for_redelivery() {
     let flaky = Flaky::new();
     let messenger = Messenger::builder()

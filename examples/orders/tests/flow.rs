@@ -169,6 +169,17 @@ fn the_binary_runs_the_flow_then_its_command_line_shows_and_retries_the_failures
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("1 failed again"), "{out}");
 
+    // A worker on the failure transport tries it once more, parks it again
+    // for later, and stops.
+    let (code, out, err) = binary(&database, &["consume", "failed", "--stop-when-empty"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("Stopped (no more messages)"), "{out}");
+    assert!(out.contains("failed 1"), "{out}");
+    assert!(err.contains("`failed` is a failure transport"), "{err}");
+    let (code, out, err) = binary(&database, &["stats"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("failed     1"), "{out}");
+
     let (code, out, err) = binary(&database, &["failed", "show", "424242"]);
     assert_eq!((code, out.as_str()), (1, ""));
     assert_eq!(err, "error: no message with id `424242` in `failed`\n");
