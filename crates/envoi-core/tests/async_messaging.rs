@@ -553,37 +553,46 @@ async fn a_permanent_failure_lands_in_the_failure_transport_and_the_original_is_
     );
 }
 
-#[tokio::test]
-async fn an_unrecoverable_error_skips_the_retries() {
-    // A handler error wrapped in `Unrecoverable` anywhere in its chain.
-    #[derive(Debug, Clone, Serialize, Deserialize)]
-    struct Refund;
-    impl Message for Refund {
-        const NAME: &'static str = "Refund";
-    }
-    impl Command for Refund {
-        type Output = ();
-        type Error = Unrecoverable;
-    }
-    let calls = Arc::new(AtomicU32::new(0));
+/// A refund whose handler always fails for good (an `Unrecoverable` error).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Refund(u32);
+impl Message for Refund {
+    const NAME: &'static str = "Refund";
+}
+impl Command for Refund {
+    type Output = ();
+    type Error = Unrecoverable;
+}
+
+/// A messenger routing [`Refund`] to `async`, parking in `failed`, and the
+/// refunds its handler was called with, in order.
+fn refund_messenger(failed: Arc<InMemoryTransport>) -> (Messenger, Arc<Mutex<Vec<u32>>>) {
+    let calls = Arc::new(Mutex::new(Vec::new()));
     let counted = calls.clone();
     let messenger = Messenger::builder()
-        .command_handler(move |_: Refund| {
-            counted.fetch_add(1, Ordering::SeqCst);
+        .command_handler(move |r: Refund| {
+            counted.lock().unwrap().push(r.0);
+            // `Unrecoverable`: the retry step skips the retries.
             async { Err::<(), _>(Unrecoverable::new("card stolen")) }
         })
         .transport("async", memory())
-        .transport("failed", memory())
+        .transport("failed", failed)
         .route::<Refund>("async")
         .default_retry_strategy(fast_retries(3))
         .failure_transport("failed")
         .build()
         .unwrap();
-    messenger.dispatcher().dispatch(Refund).await.unwrap();
+    (messenger, calls)
+}
+
+#[tokio::test]
+async fn an_unrecoverable_error_skips_the_retries() {
+    let failed = memory();
+    let (messenger, calls) = refund_messenger(failed.clone());
+    messenger.dispatcher().dispatch(Refund(1)).await.unwrap();
     let report = drain(&messenger, &["async"]).await;
-    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(*calls.lock().unwrap(), [1]);
     assert_eq!((report.stats.retried, report.stats.failed), (0, 1));
-    let failed = messenger.transport("failed").unwrap();
     assert_eq!(failed.message_count().await.unwrap(), 1);
 }
 
@@ -634,33 +643,11 @@ async fn a_message_retried_from_the_failure_transport_gets_a_fresh_budget_and_re
 
 #[tokio::test]
 async fn a_message_failing_for_good_again_from_the_failure_transport_goes_back_there_for_later() {
-    #[derive(Debug, Clone, Serialize, Deserialize)]
-    struct Refund;
-    impl Message for Refund {
-        const NAME: &'static str = "Refund";
-    }
-    impl Command for Refund {
-        type Output = ();
-        type Error = Unrecoverable;
-    }
-    let calls = Arc::new(AtomicU32::new(0));
-    let counted = calls.clone();
     let failed = memory();
-    let messenger = Messenger::builder()
-        .command_handler(move |_: Refund| {
-            counted.fetch_add(1, Ordering::SeqCst);
-            async { Err::<(), _>(Unrecoverable::new("card stolen")) }
-        })
-        .transport("async", memory())
-        .transport("failed", failed.clone())
-        .route::<Refund>("async")
-        .default_retry_strategy(fast_retries(3))
-        .failure_transport("failed")
-        .build()
-        .unwrap();
-    messenger.dispatcher().dispatch(Refund).await.unwrap();
+    let (messenger, calls) = refund_messenger(failed.clone());
+    messenger.dispatcher().dispatch(Refund(1)).await.unwrap();
     drain(&messenger, &["async"]).await;
-    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(calls.lock().unwrap().len(), 1);
     let delay_of_parked = || {
         let stored = failed.stored();
         assert_eq!(stored.len(), 1);
@@ -686,7 +673,7 @@ async fn a_message_failing_for_good_again_from_the_failure_transport_goes_back_t
         .unwrap()
         .run()
         .await;
-    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(calls.lock().unwrap().len(), 2);
     assert_eq!(report.stats.failed, 1);
     assert_eq!(delay_of_parked(), (2, Duration::from_secs(1)));
     assert!(failed.get(1).await.unwrap().is_empty(), "not due yet");
@@ -695,29 +682,8 @@ async fn a_message_failing_for_good_again_from_the_failure_transport_goes_back_t
 
 #[tokio::test]
 async fn stop_when_empty_on_the_failure_transport_tries_each_message_once_then_stops() {
-    #[derive(Debug, Clone, Serialize, Deserialize)]
-    struct Refund(u32);
-    impl Message for Refund {
-        const NAME: &'static str = "Refund";
-    }
-    impl Command for Refund {
-        type Output = ();
-        type Error = Unrecoverable;
-    }
-    let calls = Arc::new(Mutex::new(Vec::new()));
-    let counted = calls.clone();
     let failed = memory();
-    let messenger = Messenger::builder()
-        .command_handler(move |r: Refund| {
-            counted.lock().unwrap().push(r.0);
-            async { Err::<(), _>(Unrecoverable::new("card stolen")) }
-        })
-        .transport("async", memory())
-        .transport("failed", failed.clone())
-        .route::<Refund>("async")
-        .failure_transport("failed")
-        .build()
-        .unwrap();
+    let (messenger, calls) = refund_messenger(failed.clone());
     for n in 0..3 {
         messenger.dispatcher().dispatch(Refund(n)).await.unwrap();
     }
