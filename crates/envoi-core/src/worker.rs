@@ -1947,7 +1947,8 @@ struct Run<'a, F> {
     fetch_after: Option<Instant>,
     /// Per receiver, the ids of messages this run parked back into it (a
     /// failure transport being consumed) and has not fetched again: they
-    /// do not count as waiting work for [`WorkerBuilder::stop_when_empty`].
+    /// do not count as waiting work for [`WorkerBuilder::stop_when_empty`]
+    /// (and are kept only with that option).
     again: Vec<HashSet<String>>,
 }
 
@@ -2030,7 +2031,11 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         match finished {
             Finished::Done(done, id) => {
                 self.processed += 1;
-                if let (Some(again), Action::Ack) = (done.again, done.action) {
+                // Only a worker that stops when empty needs them; one that
+                // runs on would keep ids of messages others may delete.
+                if let (Some(again), Action::Ack, true) =
+                    (done.again, done.action, self.options.stop_when_empty)
+                {
                     self.again[done.receiver].insert(again);
                 }
                 match done.action {
