@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use envoi_core::middleware::BoxFuture;
@@ -214,23 +215,28 @@ struct ConsumeState {
     /// Its consumer tag.
     tag: Option<ShortString>,
     next_generation: u64,
+    /// The running `basic.consume` (of generation `active`). Fetches poll
+    /// it themselves, so a delivery goes from the connection's I/O thread
+    /// to the fetching task without a hop through another task.
+    consumer: Option<Consumer>,
     /// Delivered by the broker, not yet handed out (unsettled on the channel).
     buffer: VecDeque<lapin::message::Delivery>,
     /// Handed out, unsettled: delivery tag → lease deadline.
     leased: BTreeMap<u64, Instant>,
     /// Taken out of `buffer` or `leased`, their settlement being sent.
     settling: BTreeSet<u64>,
-    /// Every delivery tag up to this one has reached a pump. (The broker
-    /// numbers the deliveries of a channel 1, 2, 3, …)
+    /// Every delivery tag up to this one has been taken from a consumer.
+    /// (The broker numbers the deliveries of a channel 1, 2, 3, …)
     seen_upto: u64,
-    /// Tags beyond `seen_upto + 1` that reached a pump first.
+    /// Tags beyond `seen_upto + 1` taken from a consumer first.
     seen_ahead: BTreeSet<u64>,
     last_get: Option<Instant>,
-    pumps: Vec<JoinHandle<()>>,
+    /// Tasks giving back what a cancelled consumer still delivers.
+    give_backs: Vec<JoinHandle<()>>,
 }
 
 impl ConsumeState {
-    /// Records that delivery `tag` reached a pump.
+    /// Records that delivery `tag` was taken from a consumer.
     fn seen(&mut self, tag: u64) {
         if tag == self.seen_upto + 1 {
             self.seen_upto = tag;
@@ -263,6 +269,36 @@ impl ConsumeState {
         floor
     }
 
+    /// Moves what the running consumer has delivered into `buffer`. When
+    /// nothing is left, `waker` is registered to be woken by the next
+    /// delivery. A consumer that ended (cancelled by the broker, connection
+    /// lost) is forgotten, so the next fetch starts another.
+    fn drain(&mut self, waker: &Waker, name: &str) {
+        let Some(mut consumer) = self.consumer.take() else {
+            return;
+        };
+        let mut cx = Context::from_waker(waker);
+        loop {
+            match consumer.poll_next_unpin(&mut cx) {
+                Poll::Ready(Some(Ok(delivery))) => {
+                    self.seen(delivery.delivery_tag);
+                    self.buffer.push_back(delivery);
+                }
+                Poll::Ready(Some(Err(error))) => {
+                    tracing::debug!(transport = %name, %error, "AMQP consumer stopped");
+                    break;
+                }
+                Poll::Ready(None) => break,
+                Poll::Pending => {
+                    self.consumer = Some(consumer);
+                    return;
+                }
+            }
+        }
+        self.active = None;
+        self.tag = None;
+    }
+
     /// Forgets `tags` as being settled, if they are of link `epoch`.
     fn settled(&mut self, epoch: u64, tags: &[u64]) {
         if self.epoch == epoch {
@@ -283,7 +319,10 @@ struct Shared {
     epochs: AtomicU64,
     consume: Mutex<ConsumeState>,
     consume_switch: tokio::sync::Mutex<()>,
-    arrived: Notify,
+    /// Notified when a delivery arrives (or the consumer ends).
+    arrived: Arc<Notify>,
+    /// Wakes every task waiting on `arrived`: the waker the consumer holds.
+    on_arrival: Waker,
     /// Delay (ms) → when this handle last declared its queue (`None`: must
     /// be declared again before use, after a reconnection).
     delay_queues: Mutex<HashMap<u64, Option<Instant>>>,
@@ -291,6 +330,19 @@ struct Shared {
     closed: AtomicBool,
     /// When this handle last acknowledged, rejected or released a message.
     last_settle: Mutex<Option<Instant>>,
+}
+
+/// Wakes every task waiting for a delivery.
+struct ArrivalWaker(Arc<Notify>);
+
+impl Wake for ArrivalWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.notify_waiters();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.notify_waiters();
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -375,6 +427,7 @@ impl AmqpTransport {
         let exchange = config.exchange.clone().unwrap_or_else(|| queue.clone());
         let names = Names::new(queue, exchange);
         let handle_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
+        let arrived = Arc::new(Notify::new());
         let shared = Arc::new(Shared {
             name: name.to_string(),
             config,
@@ -385,7 +438,8 @@ impl AmqpTransport {
             epochs: AtomicU64::new(0),
             consume: Mutex::new(ConsumeState::default()),
             consume_switch: tokio::sync::Mutex::new(()),
-            arrived: Notify::new(),
+            arrived: Arc::clone(&arrived),
+            on_arrival: Waker::from(Arc::new(ArrivalWaker(arrived))),
             delay_queues: Mutex::new(HashMap::new()),
             setup_done: AtomicBool::new(false),
             closed: AtomicBool::new(false),
@@ -473,8 +527,8 @@ impl Drop for AmqpTransport {
             // Without a runtime, dropping the last handle on the connection
             // closes it.
             Err(_) => {
-                for pump in std::mem::take(&mut lock(&self.shared.consume).pumps) {
-                    pump.abort();
+                for task in std::mem::take(&mut lock(&self.shared.consume).give_backs) {
+                    task.abort();
                 }
             }
         }
@@ -514,11 +568,17 @@ impl Shared {
     /// broker would hand those messages out again. Waiting
     /// [`SETTLE_GRACE`] after the last settlement avoids that.
     async fn shutdown(&self, link: Arc<Link>) -> Result<(), TransportError> {
-        let (tag, pumps) = {
+        // The consumer lives until the connection closes: dropping it
+        // earlier would let it cancel itself while acknowledgements settle.
+        let (tag, give_backs, _consumer) = {
             let mut state = lock(&self.consume);
             state.active = None;
             state.buffer.clear();
-            (state.tag.take(), std::mem::take(&mut state.pumps))
+            (
+                state.tag.take(),
+                std::mem::take(&mut state.give_backs),
+                state.consumer.take(),
+            )
         };
         if let Some(tag) = tag {
             let _ = link
@@ -532,8 +592,8 @@ impl Shared {
         {
             tokio::time::sleep(wait).await;
         }
-        for pump in pumps {
-            pump.abort();
+        for task in give_backs {
+            task.abort();
         }
         link.connection
             .close(200, "closed".into())
@@ -554,6 +614,13 @@ impl Shared {
         if let Some(link) = self.current().filter(|l| l.healthy()) {
             return Ok(link);
         }
+        // Boxed: every send and fetch awaits `link`, and reconnecting
+        // needs far more state than the healthy path.
+        Box::pin(self.relink()).await
+    }
+
+    /// The slow path of [`Shared::link`]: replaces a lost connection.
+    async fn relink(&self) -> Result<Arc<Link>, TransportError> {
         let _guard = self.reconnect.lock().await;
         if self.closed.load(Ordering::SeqCst) {
             return Err(TransportError::Closed);
@@ -652,12 +719,13 @@ impl Shared {
     /// unsettled deliveries are back in the queue since it closed.
     fn install(&self, link: Arc<Link>) {
         let mut state = lock(&self.consume);
-        for pump in state.pumps.drain(..) {
-            pump.abort();
+        for task in state.give_backs.drain(..) {
+            task.abort();
         }
         state.epoch = link.epoch;
         state.active = None;
         state.tag = None;
+        state.consumer = None;
         state.buffer.clear();
         state.leased.clear();
         state.settling.clear();
@@ -900,7 +968,9 @@ impl Shared {
             delays.dedup();
             let mut delay_error = None;
             for ms in delays {
-                if let Err(e) = self.ensure_delay_queue(&link, ms).await {
+                // Boxed, like every rare path here, to keep the future of
+                // a send small.
+                if let Err(e) = Box::pin(self.ensure_delay_queue(&link, ms)).await {
                     delay_error = Some(e);
                     break;
                 }
@@ -983,7 +1053,7 @@ impl Shared {
                     ));
                 }
                 forget_declarations(&self.delay_queues);
-                if let Err(e) = self.declare(&link).await {
+                if let Err(e) = Box::pin(self.declare(&link)).await {
                     if link.healthy() {
                         return Err(e);
                     }
@@ -1019,6 +1089,13 @@ impl Shared {
         if running(&lock(&self.consume)) {
             return Ok(());
         }
+        // Boxed: every fetch awaits this, and starting a consumer is rare.
+        Box::pin(self.start_consuming(link)).await
+    }
+
+    /// The slow path of [`Shared::ensure_consuming`].
+    async fn start_consuming(self: &Arc<Self>, link: &Arc<Link>) -> Result<(), TransportError> {
+        let running = |s: &ConsumeState| s.epoch == link.epoch && s.active.is_some();
         let _switch = self.consume_switch.lock().await;
         let generation = {
             let mut state = lock(&self.consume);
@@ -1060,15 +1137,8 @@ impl Shared {
         }
         state.active = Some(generation);
         state.tag = Some(short(&tag)?);
+        state.consumer = Some(consumer);
         state.last_get = Some(Instant::now());
-        let pump = tokio::spawn(pump(
-            Arc::downgrade(self),
-            Arc::clone(link),
-            generation,
-            consumer,
-        ));
-        state.pumps.retain(|p| !p.is_finished());
-        state.pumps.push(pump);
         Ok(())
     }
 
@@ -1089,6 +1159,7 @@ impl Shared {
                 let now = Instant::now();
                 state.last_get = Some(now);
                 if state.epoch == link.epoch {
+                    state.drain(&self.on_arrival, &self.name);
                     let lease_end = now + self.lease().unwrap_or(Duration::MAX / 4);
                     while out.len() < max {
                         let Some(d) = state.buffer.pop_front() else {
@@ -1144,6 +1215,9 @@ impl Shared {
             {
                 let mut state = lock(&self.consume);
                 state.last_get = Some(Instant::now());
+                if state.epoch == link.epoch {
+                    state.drain(&self.on_arrival, &self.name);
+                }
                 if state.epoch != link.epoch || !state.buffer.is_empty() || state.active.is_none() {
                     return;
                 }
@@ -1306,7 +1380,7 @@ impl Shared {
     // ----- housekeeping -----------------------------------------------------
 
     /// Gives back expired leases and stops an idle consumer.
-    async fn housekeep(&self) {
+    async fn housekeep(self: &Arc<Self>) {
         let Some(link) = self.current().filter(|l| l.healthy()) else {
             return;
         };
@@ -1341,7 +1415,7 @@ impl Shared {
         self.cancel_if_idle(&link).await;
     }
 
-    async fn cancel_if_idle(&self, link: &Link) {
+    async fn cancel_if_idle(self: &Arc<Self>, link: &Arc<Link>) {
         let idle = |s: &ConsumeState| {
             s.epoch == link.epoch
                 && s.active.is_some()
@@ -1352,21 +1426,34 @@ impl Shared {
             return;
         }
         let _switch = self.consume_switch.lock().await;
-        let (tag, buffered) = {
+        let (tag, consumer, buffered) = {
             let mut state = lock(&self.consume);
             if !idle(&state) {
                 return;
             }
+            state.drain(&self.on_arrival, &self.name);
             state.active = None;
             let buffered: Vec<u64> = state.buffer.drain(..).map(|d| d.delivery_tag).collect();
             state.settling.extend(buffered.iter().copied());
-            (state.tag.take(), buffered)
+            (state.tag.take(), state.consumer.take(), buffered)
         };
         if let Some(tag) = tag {
             let _ = link
                 .consumer
                 .basic_cancel(tag, BasicCancelOptions::default())
                 .await;
+        }
+        if let Some(consumer) = consumer {
+            // What it delivered between the drain above and the broker
+            // taking the cancellation.
+            let rest = tokio::spawn(give_back_rest(
+                Arc::downgrade(self),
+                Arc::clone(link),
+                consumer,
+            ));
+            let mut state = lock(&self.consume);
+            state.give_backs.retain(|p| !p.is_finished());
+            state.give_backs.push(rest);
         }
         let _ = join_all(
             buffered
@@ -1378,56 +1465,26 @@ impl Shared {
     }
 }
 
-/// Moves deliveries of consumer `generation` into the buffer while it is the
-/// active one; gives back anything arriving after it was cancelled.
-async fn pump(shared: Weak<Shared>, link: Arc<Link>, generation: u64, mut consumer: Consumer) {
-    while let Some(item) = consumer.next().await {
+/// Gives back everything a cancelled consumer still delivers, until the
+/// broker confirms the cancellation and the stream ends.
+async fn give_back_rest(shared: Weak<Shared>, link: Arc<Link>, mut consumer: Consumer) {
+    while let Some(Ok(delivery)) = consumer.next().await {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        match item {
-            Ok(delivery) => {
-                let tag = delivery.delivery_tag;
-                // Whether it was kept, or must be given back (arrived for a
-                // cancelled consumer), or belongs to a link that is gone.
-                let (kept, give_back) = {
-                    let mut state = lock(&shared.consume);
-                    if state.epoch != link.epoch {
-                        (false, false)
-                    } else {
-                        state.seen(tag);
-                        if state.active == Some(generation) {
-                            state.buffer.push_back(delivery);
-                            (true, false)
-                        } else {
-                            state.settling.insert(tag);
-                            (false, true)
-                        }
-                    }
-                };
-                if kept {
-                    shared.arrived.notify_waiters();
-                } else if give_back {
-                    let _ = Settle::Release.send(&link.consumer, tag).await;
-                    lock(&shared.consume).settled(link.epoch, &[tag]);
-                }
+        let tag = delivery.delivery_tag;
+        {
+            let mut state = lock(&shared.consume);
+            if state.epoch != link.epoch {
+                // The connection that delivered it is gone, and with it the
+                // delivery: the broker has put it back.
+                continue;
             }
-            Err(error) => {
-                tracing::debug!(transport = %shared.name, %error, "AMQP consumer stopped");
-                break;
-            }
+            state.seen(tag);
+            state.settling.insert(tag);
         }
-    }
-    // The consumer ended (cancelled by us or the broker, or the connection
-    // broke): let the next `get` start another one.
-    if let Some(shared) = shared.upgrade() {
-        let mut state = lock(&shared.consume);
-        if state.epoch == link.epoch && state.active == Some(generation) {
-            state.active = None;
-            state.tag = None;
-        }
-        drop(state);
-        shared.arrived.notify_waiters();
+        let _ = Settle::Release.send(&link.consumer, tag).await;
+        lock(&shared.consume).settled(link.epoch, &[tag]);
     }
 }
 
@@ -1590,7 +1647,7 @@ mod tests {
         for tag in [1, 2, 4, 5] {
             state.seen(tag);
         }
-        // Tag 3 has not reached a pump: it may be unsettled.
+        // Tag 3 has not been taken from a consumer: it may be unsettled.
         assert_eq!(state.seen_upto, 2);
         assert_eq!(state.floor(), 3);
         state.seen(3);
