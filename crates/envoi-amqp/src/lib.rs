@@ -72,7 +72,9 @@
 //!   batch. Concurrent `send`s on one handle pipeline the same way.
 //! * Consuming is push-based: the broker keeps up to `prefetch` messages in
 //!   the handle's buffer, and `get(max)` takes up to `max` of them without a
-//!   round trip. [`wait_for_messages`] wakes as soon as one arrives.
+//!   round trip. `get` polls the consumer itself: a delivery reaches the
+//!   fetching task with one wake-up from the connection's I/O thread, with
+//!   no task in between. [`wait_for_messages`] wakes as soon as one arrives.
 //! * `ack_batch` (and the lease and idle give-backs) send all their frames at
 //!   once and await them together.
 //! * Raise `prefetch` for fast handlers; lower it (and `consumer_idle`) when
