@@ -1370,8 +1370,10 @@ impl Shared {
         for ms in delays {
             total += self.declare_delay_queue(&link, ms).await?;
         }
-        let state = lock(&self.consume);
+        let mut state = lock(&self.consume);
         if state.epoch == link.epoch {
+            // What the consumer received but no fetch took yet counts too.
+            state.drain(&self.on_arrival, &self.name);
             total += (state.buffer.len() + state.leased.len()) as u64;
         }
         Ok(total)

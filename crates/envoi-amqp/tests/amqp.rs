@@ -405,3 +405,57 @@ async fn acking_a_batch_leaves_an_unacknowledged_earlier_delivery_alone() {
     assert_eq!(t.message_count().await.expect("count"), 0);
     t.delete().await.expect("delete");
 }
+
+#[tokio::test]
+async fn message_count_includes_what_the_consumer_received_but_no_fetch_took() {
+    let Some(url) = url("message_count_includes_what_the_consumer_received_but_no_fetch_took")
+    else {
+        return;
+    };
+    let name = unique("amqp_count_held");
+    let dsn = with_options(&url, "lease=off&prefetch=50");
+    let t = AmqpTransport::connect(&name, &dsn).await.expect("connect");
+    t.send(message("first", &[]), None).await.expect("send");
+    // Starts the consumer and takes the only message.
+    let first = receive(&t, 1, Duration::from_secs(10)).await;
+    for i in 0..5 {
+        t.send(message(&format!("m{i}"), &[]), None)
+            .await
+            .expect("send");
+    }
+    // Delivered to this handle's consumer (the queue has no ready message
+    // left) while nothing fetches.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let connection = raw_connection(&url).await;
+        let channel = connection.create_channel().await.expect("channel");
+        let queue = channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("passive declare");
+        let _ = connection.close(200, "done".into()).await;
+        if queue.message_count() == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the consumer never took the messages"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(t.message_count().await.expect("count"), 6);
+    t.ack(&first[0].id).await.expect("ack");
+    let rest = receive(&t, 5, Duration::from_secs(10)).await;
+    t.ack_batch(&rest.iter().map(|d| d.id.clone()).collect::<Vec<_>>())
+        .await
+        .expect("ack_batch");
+    assert_eq!(t.message_count().await.expect("count"), 0);
+    t.delete().await.expect("delete");
+}
