@@ -60,6 +60,23 @@ async fn raw_connection(url: &str) -> Connection {
         .expect("raw connection failed")
 }
 
+/// How many messages are ready in `queue`, by a passive declare.
+async fn ready_count(connection: &Connection, queue: &str) -> u32 {
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("passive declare of `{queue}` failed: {e}"))
+        .message_count()
+}
+
 /// Takes one message from `queue` with `basic.get` (auto-ack), if any.
 async fn take_one(connection: &Connection, queue: &str) -> Option<Vec<u8>> {
     let channel = connection.create_channel().await.expect("channel");
@@ -130,19 +147,7 @@ async fn delayed_message_waits_in_a_ttl_queue_and_comes_back_with_its_own_header
 
     // The message waits in `<queue>.delay.700`, not in the queue.
     let raw = raw_connection(&url).await;
-    let channel = raw.create_channel().await.expect("channel");
-    let delay_queue = channel
-        .queue_declare(
-            format!("{name}.delay.700").as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("the delay queue exists");
-    assert_eq!(delay_queue.message_count(), 1);
+    assert_eq!(ready_count(&raw, &format!("{name}.delay.700")).await, 1);
     assert_eq!(t.message_count().await.expect("count"), 1);
 
     let got = receive(&t, 1, Duration::from_secs(10)).await;
@@ -428,20 +433,9 @@ async fn message_count_includes_what_the_consumer_received_but_no_fetch_took() {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let connection = raw_connection(&url).await;
-        let channel = connection.create_channel().await.expect("channel");
-        let queue = channel
-            .queue_declare(
-                name.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("passive declare");
+        let ready = ready_count(&connection, &name).await;
         let _ = connection.close(200, "done".into()).await;
-        if queue.message_count() == 0 {
+        if ready == 0 {
             break;
         }
         assert!(
