@@ -269,6 +269,11 @@ impl ConsumeState {
         floor
     }
 
+    /// Whether a consumer runs on link `epoch`.
+    fn consuming(&self, epoch: u64) -> bool {
+        self.epoch == epoch && self.active.is_some()
+    }
+
     /// Moves what the running consumer has delivered into `buffer`. When
     /// nothing is left, `waker` is registered to be woken by the next
     /// delivery. A consumer that ended (cancelled by the broker, connection
@@ -1085,8 +1090,7 @@ impl Shared {
 
     /// Starts `basic.consume` on `link` unless a consumer already runs.
     async fn ensure_consuming(self: &Arc<Self>, link: &Arc<Link>) -> Result<(), TransportError> {
-        let running = |s: &ConsumeState| s.epoch == link.epoch && s.active.is_some();
-        if running(&lock(&self.consume)) {
+        if lock(&self.consume).consuming(link.epoch) {
             return Ok(());
         }
         // Boxed: every fetch awaits this, and starting a consumer is rare.
@@ -1095,11 +1099,10 @@ impl Shared {
 
     /// The slow path of [`Shared::ensure_consuming`].
     async fn start_consuming(self: &Arc<Self>, link: &Arc<Link>) -> Result<(), TransportError> {
-        let running = |s: &ConsumeState| s.epoch == link.epoch && s.active.is_some();
         let _switch = self.consume_switch.lock().await;
         let generation = {
             let mut state = lock(&self.consume);
-            if running(&state) {
+            if state.consuming(link.epoch) {
                 return Ok(());
             }
             if state.epoch != link.epoch {
@@ -1175,7 +1178,7 @@ impl Shared {
                         });
                     }
                 }
-                state.epoch == link.epoch && state.active.is_some()
+                state.consuming(link.epoch)
             };
             if !out.is_empty() {
                 return Ok(out);
@@ -1419,8 +1422,7 @@ impl Shared {
 
     async fn cancel_if_idle(self: &Arc<Self>, link: &Arc<Link>) {
         let idle = |s: &ConsumeState| {
-            s.epoch == link.epoch
-                && s.active.is_some()
+            s.consuming(link.epoch)
                 && s.last_get
                     .is_none_or(|at| at.elapsed() >= self.config.consumer_idle)
         };
