@@ -112,7 +112,7 @@ use crate::builder::Messenger;
 use crate::bus::MessageBus;
 use crate::envelope::Envelope;
 use crate::error::{BusError, TransportError};
-use crate::middleware::retry::parked_again_delay;
+use crate::middleware::retry::{park_delay, parked_again_delay};
 use crate::middleware::BoxFuture;
 use crate::serializer::STAMP_HEADER_PREFIX;
 use crate::stamp::{
@@ -1609,11 +1609,7 @@ impl Ctx {
                 failure.map(|failure| {
                     // Back into the transport it came from: later, not at
                     // once, or a worker consuming it would spin on it.
-                    let delay = if failure == &**transport {
-                        parked_again_delay(envelope.all::<SentToFailureTransportStamp>().count())
-                    } else {
-                        Duration::ZERO
-                    };
+                    let delay = park_delay(&envelope, failure == &**transport);
                     let parked = envelope
                         .clone()
                         .with(details.clone())

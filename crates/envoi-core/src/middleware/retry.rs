@@ -266,11 +266,7 @@ impl RetryConfig {
         let again = envelope
             .all::<ReceivedStamp>()
             .any(|r| &*r.transport == failure);
-        let delay = if again {
-            parked_again_delay(envelope.all::<SentToFailureTransportStamp>().count())
-        } else {
-            Duration::ZERO
-        };
+        let delay = park_delay(&envelope, again);
         let parked = envelope
             .with(error_details(&errors))
             .with(SentToFailureTransportStamp::new(transport))
@@ -306,6 +302,17 @@ pub fn parked_again_delay(times_parked: usize) -> Duration {
         .unwrap_or(u32::MAX)
         .min(12);
     Duration::from_secs(1u64 << doublings).min(MAX_PARKED_AGAIN_DELAY)
+}
+
+/// The delay of `envelope` parked in its failure transport: none, or
+/// [`parked_again_delay`] by the parks it carries when it goes `back` into
+/// the failure transport it was received from.
+pub(crate) fn park_delay(envelope: &Envelope, back: bool) -> Duration {
+    if back {
+        parked_again_delay(envelope.all::<SentToFailureTransportStamp>().count())
+    } else {
+        Duration::ZERO
+    }
 }
 
 /// Unrecoverable only when every error is; otherwise the first recoverable
