@@ -639,6 +639,47 @@ async fn a_message_retried_from_the_failure_transport_gets_a_fresh_budget_and_re
     };
     assert_eq!(e.all::<SentToFailureTransportStamp>().count(), 2);
     assert_eq!(e.last::<RedeliveryStamp>().unwrap().retry_count, 0);
+    // Parked a second time, from its origin: due in a second, so a worker
+    // consuming both transports does not cycle it between them at once.
+    assert_eq!(
+        e.last::<DelayStamp>().unwrap().duration(),
+        Duration::from_secs(1)
+    );
+    assert!(failed.get(1).await.unwrap().is_empty(), "not due yet");
+    assert_eq!(failed.message_count().await.unwrap(), 1, "nothing lost");
+}
+
+#[tokio::test]
+async fn a_message_failing_for_good_on_every_round_trip_is_not_cycled_at_once() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let messenger = Messenger::builder()
+        .command_handler(flaky_handler(u32::MAX, calls.clone()))
+        .transport("async", memory())
+        .transport("failed", memory())
+        .route::<Charge>("async")
+        .default_retry_strategy(fast_retries(1))
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    messenger
+        .dispatcher()
+        .dispatch(Charge { order: 9 })
+        .await
+        .unwrap();
+    // One worker on both: parked at once after two calls; taken from the
+    // failure transport, called, and sent back to its origin with a fresh
+    // budget; called there, out of budget again, and parked for a second. Without that delay
+    // it would go round and round for the whole half second.
+    let report = Worker::builder(&messenger)
+        .receivers(["failed", "async"])
+        .time_limit(Duration::from_millis(500))
+        .idle_sleep(Duration::from_millis(5))
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    assert_eq!((report.stats.failed, report.stats.retried), (2, 2));
 }
 
 #[tokio::test]

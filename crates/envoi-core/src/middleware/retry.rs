@@ -13,11 +13,13 @@
 //! with a count of zero, so when it is retried from there it starts with a
 //! fresh budget — and if it fails again, it returns there.
 //!
-//! It returns there later, not at once, when it was received from that very
-//! failure transport (a worker consuming it, or `failed retry`): available
-//! again after [`parked_again_delay`] — 1 s the first time, doubling each
-//! time it comes back, up to an hour — so a worker consuming a failure
-//! transport does not spin on a message that keeps failing for good.
+//! It returns there later, not at once: available again after
+//! [`parked_again_delay`] — 1 s the first time, doubling each time it comes
+//! back, up to an hour — whether it failed for good straight from the
+//! failure transport (a worker consuming it, or `failed retry`) or after
+//! being sent back from there to its origin and running out of retries
+//! again. So a worker consuming a failure transport, alone or with the
+//! origin, does not spin on a message that keeps failing for good.
 //!
 //! Errors can steer this: an [`Unrecoverable`](crate::Unrecoverable) anywhere
 //! in every failing handler's `source()` chain skips the retries; a
@@ -304,12 +306,15 @@ pub fn parked_again_delay(times_parked: usize) -> Duration {
     Duration::from_secs(1u64 << doublings).min(MAX_PARKED_AGAIN_DELAY)
 }
 
-/// The delay of `envelope` parked in its failure transport: none, or
-/// [`parked_again_delay`] by the parks it carries when it goes `back` into
-/// the failure transport it was received from.
+/// The delay of `envelope` parked in its failure transport: none the first
+/// time, [`parked_again_delay`] by the parks it carries when it was parked
+/// before (whether it failed again straight from the failure transport or
+/// after being sent back from there to its origin), or when it goes `back`
+/// into the failure transport it was received from.
 pub(crate) fn park_delay(envelope: &Envelope, back: bool) -> Duration {
-    if back {
-        parked_again_delay(envelope.all::<SentToFailureTransportStamp>().count())
+    let parks = envelope.all::<SentToFailureTransportStamp>().count();
+    if back || parks > 0 {
+        parked_again_delay(parks)
     } else {
         Duration::ZERO
     }
