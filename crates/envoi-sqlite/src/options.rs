@@ -13,7 +13,7 @@ use envoi_core::TransportError;
 /// |---|---|---|
 /// | `table` | `envoi_<name>` | the table; several transports may share one (rows carry their `queue_name`) |
 /// | `lease` | `60s` | how long a handed-out message stays leased before it is handed out again |
-/// | `poll` | `50ms` | how long `get` waits for a message when none is available |
+/// | `poll` | `50ms` | how long `get` waits for a message when none is available, at most `1m` (an idle worker asked to stop may wait this long) |
 /// | `batch` | `1` | rows claimed at least per round trip; rows beyond what `get` asked for are kept, leased, for the next `get` |
 /// | `busy_timeout` | `5s` | how long a statement waits for another connection's write lock |
 /// | `auto_setup` | `true` | create the table on first use |
@@ -109,7 +109,15 @@ impl SqliteOptions {
                     options.table = Some(value.to_string());
                 }
                 "lease" => options.lease = positive_duration(key, value).map_err(invalid)?,
-                "poll" => options.poll = duration(key, value).map_err(invalid)?,
+                "poll" => {
+                    options.poll = duration(key, value).map_err(invalid)?;
+                    if options.poll > MAX_POLL {
+                        return Err(invalid(format!(
+                            "`poll` must be at most 1m (an idle worker asked to stop waits \
+                             up to this long), not `{value}`"
+                        )));
+                    }
+                }
                 "busy_timeout" => options.busy_timeout = duration(key, value).map_err(invalid)?,
                 "batch" => {
                     options.batch = match value.parse::<usize>() {
@@ -146,6 +154,10 @@ impl SqliteOptions {
         Ok(options)
     }
 }
+
+/// The longest `poll`: an idle worker waits this long in `get` before it
+/// sees that it was asked to stop.
+pub(crate) const MAX_POLL: Duration = Duration::from_secs(60);
 
 /// The most rows one claim may take.
 pub(crate) const MAX_BATCH: usize = 10_000;
@@ -258,6 +270,8 @@ mod tests {
             ("sqlite://x.db?lease=soon", "`lease` must be a duration"),
             ("sqlite://x.db?lease=0s", "at least 1ms"),
             ("sqlite://x.db?poll=-1", "`poll` must be a duration"),
+            ("sqlite://x.db?poll=61s", "`poll` must be at most 1m"),
+            ("sqlite://x.db?poll=1e9", "`poll` must be at most 1m"),
             ("sqlite://x.db?batch=0", "`batch` must be"),
             ("sqlite://x.db?batch=many", "`batch` must be"),
             ("sqlite://x.db?table=drop%20table", "table name"),
