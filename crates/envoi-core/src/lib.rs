@@ -43,6 +43,7 @@ pub mod builder;
 pub mod bus;
 pub mod envelope;
 pub mod error;
+mod far;
 pub mod handler;
 pub mod headers;
 pub mod in_memory;

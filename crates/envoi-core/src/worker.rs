@@ -112,6 +112,7 @@ use crate::builder::Messenger;
 use crate::bus::MessageBus;
 use crate::envelope::Envelope;
 use crate::error::{BusError, TransportError};
+use crate::far;
 use crate::middleware::retry::{park_delay, parked_again_delay};
 use crate::middleware::BoxFuture;
 use crate::serializer::STAMP_HEADER_PREFIX;
@@ -586,9 +587,9 @@ impl WorkerBuilder {
         self
     }
 
-    /// Stops after running for `limit`.
+    /// Stops after running for `limit` (thirty years or more: no limit).
     pub fn time_limit(mut self, limit: Duration) -> Self {
-        self.options.time_limit = Some(limit);
+        self.options.time_limit = Some(far::clamp(limit));
         self
     }
 
@@ -599,7 +600,9 @@ impl WorkerBuilder {
         self
     }
 
-    /// Stops after `n` failed messages.
+    /// Stops after `n` failed messages. Messages already in flight then
+    /// still finish within the grace period, and may fail too: with a
+    /// concurrency above 1 the report can count more than `n` failures.
     pub fn failure_limit(mut self, n: u64) -> Self {
         self.options.failure_limit = Some(n);
         self
@@ -608,14 +611,14 @@ impl WorkerBuilder {
     /// How long handlers in flight may take to finish once the worker stops
     /// (default 10 s); what has not finished then is released.
     pub fn grace_period(mut self, grace: Duration) -> Self {
-        self.options.grace_period = grace;
+        self.options.grace_period = far::clamp(grace);
         self
     }
 
     /// Extends the lease of held messages this often (default 5 s); `None`
     /// never does.
     pub fn keepalive_interval(mut self, interval: Option<Duration>) -> Self {
-        self.options.keepalive_interval = interval;
+        self.options.keepalive_interval = interval.map(far::clamp);
         self
     }
 
@@ -623,7 +626,7 @@ impl WorkerBuilder {
     /// 250 ms). Transports that can tell when a message arrives wake the
     /// worker earlier.
     pub fn idle_sleep(mut self, sleep: Duration) -> Self {
-        self.options.idle_sleep = sleep;
+        self.options.idle_sleep = far::clamp(sleep);
         self
     }
 
@@ -641,6 +644,7 @@ impl WorkerBuilder {
 
     /// Takes at most `limit` messages from `transport`.
     pub fn rate_limit(mut self, transport: impl Into<String>, limit: RateLimit) -> Self {
+        let limit = RateLimit::new(limit.messages, far::clamp(limit.per));
         self.rate_limits.push((transport.into(), limit));
         self
     }

@@ -226,6 +226,46 @@ async fn the_message_limit_stops_the_worker_and_leaves_the_rest() {
     assert_eq!(queue.get(10).await.unwrap().len(), 7, "none left leased");
 }
 
+#[tokio::test]
+async fn durations_too_long_for_a_clock_mean_no_limit_rather_than_a_panic() {
+    let seen = Seen::default();
+    let queue = memory();
+    let messenger = messenger_with(&seen, Duration::ZERO, &[("async", queue.clone())], None);
+    send_jobs(&messenger, 0..3).await;
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .message_limit(1)
+        .time_limit(Duration::MAX)
+        .keepalive_interval(Some(Duration::MAX))
+        .grace_period(Duration::MAX)
+        .idle_sleep(Duration::MAX)
+        .rate_limit("async", RateLimit::new(1, Duration::MAX))
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::MessageLimit);
+    assert_eq!(seen.get(), [0]);
+
+    // One message per "forever": a second worker takes one, then waits
+    // (within a time limit too long to reach) until asked to stop.
+    let stop = StopHandle::new();
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .time_limit(Duration::from_secs(u64::MAX / 2))
+        .rate_limit("async", RateLimit::new(1, Duration::MAX))
+        .stop_handle(stop.clone())
+        .build()
+        .unwrap();
+    let run = tokio::spawn(worker.run());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    stop.stop();
+    let report = run.await.unwrap();
+    assert_eq!(report.reason, StopReason::Stopped);
+    assert_eq!(seen.get(), [0, 1]);
+    assert_eq!(queue.message_count().await.unwrap(), 1, "nothing lost");
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_time_limit_stops_an_idle_worker() {
     let seen = Seen::default();

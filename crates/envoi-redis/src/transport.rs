@@ -340,7 +340,9 @@ impl RedisTransport {
 
     /// Makes this handle look for due messages no later than `delay` from now.
     fn expect_due(&self, delay_ms: u64) {
-        let due = Instant::now() + Duration::from_millis(delay_ms);
+        // Thirty years at most: a longer delay would overflow an `Instant`.
+        let delay = Duration::from_millis(delay_ms).min(Duration::from_secs(86_400 * 365 * 30));
+        let due = Instant::now() + delay;
         let mut state = self.state();
         state.next_delay_check = state.next_delay_check.min(due);
         state.known_due = Some(state.known_due.map_or(due, |known| known.min(due)));

@@ -39,6 +39,7 @@ use super::retry::was_retried;
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
+use crate::far;
 
 /// The state of one circuit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,7 +181,7 @@ impl CircuitBreaker {
         Self {
             inner: Arc::new(Inner {
                 threshold: failure_threshold.max(1),
-                cool_down,
+                cool_down: far::clamp(cool_down),
                 circuits: Mutex::new(HashMap::new()),
             }),
         }

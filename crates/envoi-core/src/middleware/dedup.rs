@@ -50,6 +50,7 @@ use super::retry::was_retried;
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BoxError, BusError, Result};
+use crate::far;
 use crate::message::Message;
 use crate::stamp::Stamp;
 
@@ -117,7 +118,7 @@ impl DedupStore for InMemoryDedupStore {
         let fresh = match keys.get(key) {
             Some(until) if *until > now => false,
             _ => {
-                keys.insert(key.to_owned(), now + window);
+                keys.insert(key.to_owned(), now + far::clamp(window));
                 true
             }
         };
