@@ -53,12 +53,14 @@ use tokio::time::Instant;
 
 use crate::envelope::Envelope;
 use crate::error::{Result, TransportError};
+use crate::far;
+use crate::headers::Headers;
 use crate::middleware::BoxFuture;
-use crate::serializer::Serializer;
+use crate::serializer::{Serializer, INVALID_BODY_HEADER, KIND_HEADER, TYPE_HEADER};
 use crate::stamp::DelayStamp;
 use crate::transport::{
-    mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalId, LocalTransport, Payload,
-    RawMessage, Transport, TransportBinding,
+    dsn_has_scheme, mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalId,
+    LocalTransport, Payload, RawMessage, Transport, TransportBinding,
 };
 
 /// How an [`InMemoryTransport`] behaves.
@@ -89,7 +91,8 @@ impl InMemoryConfig {
             dsn: mask_dsn(dsn),
             reason,
         };
-        let Some(rest) = dsn.strip_prefix("in-memory://") else {
+        const SCHEME: &str = "in-memory://";
+        let Some(rest) = dsn_has_scheme(dsn, SCHEME).then(|| &dsn[SCHEME.len()..]) else {
             return Err(invalid("the scheme must be `in-memory://`".into()));
         };
         let (host, query) = rest.split_once('?').unwrap_or((rest, ""));
@@ -338,7 +341,7 @@ impl State {
         let entry = Entry { id, stored };
         match delay.filter(|d| !d.is_zero()) {
             Some(d) => self.delayed.push(Delayed {
-                at: Instant::now() + d,
+                at: Instant::now() + far::clamp(d),
                 entry,
             }),
             None => self.insert_ready(entry),
@@ -367,7 +370,7 @@ impl State {
         }
         let now = Instant::now();
         self.promote(now);
-        let expires = now + lease;
+        let expires = now + far::clamp(lease);
         let n = max.min(self.ready.len());
         if n == 0 {
             return;
@@ -557,22 +560,28 @@ impl InMemoryTransport {
         }
     }
 
-    fn raw(&self, id: &LocalId, payload: Payload) -> Result<Delivery, TransportError> {
-        let raw =
-            match payload {
-                Payload::Raw(raw) => raw,
-                Payload::Envelope(envelope) => match self.serializer.get() {
-                    Some(s) => s.encode(&envelope)?,
-                    None => return Err(TransportError::backend(
-                        "reading an envelope as a raw message",
-                        "the transport is not registered with a messenger and has no serializer",
-                    )),
-                },
-            };
-        Ok(Delivery {
+    /// A stored message as a raw one. An envelope that cannot be encoded
+    /// (its type is not registered, its body is too large, a header uses a
+    /// reserved name, or there is no serializer) becomes a raw message that
+    /// says so and does not decode, rather than an error that would hide
+    /// every other message read with it.
+    fn raw(&self, id: &LocalId, payload: Payload) -> Delivery {
+        let raw = match payload {
+            Payload::Raw(raw) => raw,
+            Payload::Envelope(envelope) => match self.serializer.get() {
+                Some(s) => s
+                    .encode(&envelope)
+                    .unwrap_or_else(|e| unencodable(&envelope, &e.to_string())),
+                None => unencodable(
+                    &envelope,
+                    "the transport is not registered with a messenger and has no serializer",
+                ),
+            },
+        };
+        Delivery {
             id: id.to_string(),
             raw,
-        })
+        }
     }
 
     /// Wakes a [`Transport::wait_for_messages`] call, if one is waiting.
@@ -617,6 +626,23 @@ impl InMemoryTransport {
         self.put(id, stored, delay);
         self.wake();
         stamped
+    }
+}
+
+/// What a raw read shows of an envelope that cannot be encoded: its debug
+/// text as the body, its type and kind, and [`INVALID_BODY_HEADER`] saying
+/// why, which makes it fail to decode with that reason.
+fn unencodable(envelope: &Envelope, reason: &str) -> RawMessage {
+    let mut headers = Headers::new();
+    headers.insert(
+        INVALID_BODY_HEADER,
+        format!("the envelope cannot be encoded: {reason}"),
+    );
+    headers.insert(KIND_HEADER, envelope.kind().as_str());
+    headers.insert(TYPE_HEADER, envelope.message_name());
+    RawMessage {
+        body: format!("{envelope:?}").into_bytes(),
+        headers,
     }
 }
 
@@ -676,11 +702,8 @@ impl Transport for InMemoryTransport {
             .take(max, self.config.lease_timeout, |e| {
                 taken.push((e.id, e.stored.handout()))
             });
-        let out = taken
-            .into_iter()
-            .map(|(id, p)| self.raw(&id, p))
-            .collect::<Result<Vec<_>, _>>();
-        Box::pin(async move { out })
+        let out = taken.into_iter().map(|(id, p)| self.raw(&id, p)).collect();
+        Box::pin(async move { Ok(out) })
     }
 
     fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
@@ -750,7 +773,7 @@ impl Transport for InMemoryTransport {
     fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
         let out = parse_id(id).and_then(|n| {
             let mut state = self.lock();
-            let expires = Instant::now() + self.config.lease_timeout;
+            let expires = Instant::now() + far::clamp(self.config.lease_timeout);
             match state.leased.get_mut(n) {
                 Some(lease) => {
                     lease.expires = expires;
@@ -774,8 +797,8 @@ impl Transport for InMemoryTransport {
             .into_iter()
             .take(limit)
             .map(|(id, p)| self.raw(&id, p))
-            .collect::<Result<Vec<_>, _>>();
-        Box::pin(async move { out })
+            .collect();
+        Box::pin(async move { Ok(out) })
     }
 
     fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
@@ -787,7 +810,7 @@ impl Transport for InMemoryTransport {
                     .snapshot()
                     .into_iter()
                     .find(|(i, _)| i.key() == n);
-                found.map(|(i, p)| self.raw(&i, p)).transpose()
+                Ok(found.map(|(i, p)| self.raw(&i, p)))
             }
         };
         Box::pin(async move { out })
@@ -1015,19 +1038,58 @@ mod tests {
         assert!(!e.has::<crate::stamp::TransportMessageIdStamp>());
     }
 
+    /// The reason a raw message read from an envelope that could not be
+    /// encoded gives for not decoding.
+    fn unencodable_reason(d: &Delivery) -> &str {
+        d.raw.header(INVALID_BODY_HEADER).unwrap_or_default()
+    }
+
     #[tokio::test]
     async fn raw_reads_of_envelopes_need_a_serializer() {
         let t = InMemoryTransport::new();
         t.send_envelope(Envelope::new(Ping)).await.unwrap();
-        assert!(matches!(
-            t.list(10).await,
-            Err(TransportError::Backend { .. })
-        ));
+        let listed = t.list(10).await.unwrap();
+        assert_eq!(listed.len(), 1);
+        assert!(unencodable_reason(&listed[0]).contains("no serializer"));
+        assert_eq!(listed[0].raw.header("type"), Some("Ping"));
         let t = InMemoryTransport::new()
             .with_serializer(Serializer::builder().message::<Ping>().build().unwrap());
         t.send_envelope(Envelope::new(Ping)).await.unwrap();
         let listed = t.list(10).await.unwrap();
         assert_eq!(listed[0].raw.header("type"), Some("Ping"));
+    }
+
+    #[tokio::test]
+    async fn an_envelope_that_cannot_be_encoded_does_not_hide_the_others_from_raw_reads() {
+        let t = InMemoryTransport::new()
+            .with_serializer(Serializer::builder().message::<Ping>().build().unwrap());
+        t.send(raw(1), None).await.unwrap();
+        // `kind` is the serializer's own header: this envelope cannot be
+        // written as a raw message.
+        t.send_envelope(Envelope::new(Ping).with_header("kind", "event"))
+            .await
+            .unwrap();
+        t.send_envelope(Envelope::new(Ping)).await.unwrap();
+
+        let listed = t.list(10).await.unwrap();
+        assert_eq!(listed.len(), 3);
+        assert!(unencodable_reason(&listed[1]).contains("reserved"));
+        let found = t.find(&listed[1].id).await.unwrap().unwrap();
+        assert!(unencodable_reason(&found).contains("reserved"));
+
+        // A raw fetch hands out all three, so each can be acknowledged.
+        let got = t.get(10).await.unwrap();
+        assert_eq!(got.len(), 3);
+        assert_eq!(bodies(&got[..1]), [1]);
+        assert!(unencodable_reason(&got[1]).contains("reserved"));
+        assert_eq!(unencodable_reason(&got[2]), "");
+        let serializer = Serializer::builder().message::<Ping>().build().unwrap();
+        assert!(serializer.decode(&got[1].raw).is_err());
+        assert!(serializer.decode(&got[2].raw).is_ok());
+        for d in &got {
+            t.ack(&d.id).await.unwrap();
+        }
+        assert_eq!(t.message_count().await.unwrap(), 0);
     }
 
     #[tokio::test(start_paused = true)]
@@ -1223,6 +1285,16 @@ mod tests {
             InMemoryConfig::from_dsn("in-memory://").unwrap(),
             InMemoryConfig::default()
         );
+        // The scheme in any case, as every other transport takes it.
+        assert!(
+            InMemoryConfig::from_dsn("IN-MEMORY://?serialize=true")
+                .unwrap()
+                .serialize
+        );
+        assert!(crate::transport::TransportFactory::supports(
+            &crate::transports::InMemoryFactory,
+            "In-Memory://"
+        ));
         for bad in [
             "in-memory://?serialize=maybe",
             "in-memory://host",

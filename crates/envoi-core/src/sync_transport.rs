@@ -50,8 +50,8 @@ use crate::error::{BusError, Result, TransportError};
 use crate::middleware::BoxFuture;
 use crate::stamp::{BusNameStamp, ReceivedStamp, TransportMessageIdStamp};
 use crate::transport::{
-    mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalTransport, RawMessage,
-    Transport, TransportBinding,
+    dsn_has_scheme, mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalTransport,
+    RawMessage, Transport, TransportBinding,
 };
 
 /// Handles messages when they are sent; see the [module documentation](self).
@@ -77,7 +77,8 @@ impl SyncTransport {
 
     /// A sync transport from a `sync://` DSN (which takes no options).
     pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
-        match dsn.strip_prefix("sync://") {
+        const SCHEME: &str = "sync://";
+        match dsn_has_scheme(dsn, SCHEME).then(|| &dsn[SCHEME.len()..]) {
             Some("") => Ok(Self::new()),
             Some(rest) => Err(TransportError::InvalidDsn {
                 dsn: mask_dsn(dsn),

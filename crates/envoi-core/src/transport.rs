@@ -536,8 +536,11 @@ pub fn mask_dsn(dsn: &str) -> String {
         Some(at) => &rest[..=at],
         None => &rest[..rest.find('/').unwrap_or(rest.len())],
     };
+    // User information comes before any `/` of a path: in
+    // `sqlite:///var/a:b@c.db` the `:` and `@` are the file's.
+    let path = rest.find('/').unwrap_or(rest.len());
     match (authority.rfind('@'), authority.find(':')) {
-        (Some(at), Some(colon)) if colon < at => format!(
+        (Some(at), Some(colon)) if colon < at && colon < path => format!(
             "{}{}:***{}",
             &dsn[..scheme_end + 3],
             &authority[..colon],
@@ -581,5 +584,10 @@ mod tests {
             "postgres://h:5432/db?application_name=a@b"
         );
         assert_eq!(mask_dsn("sqlite:///var/a@b.db"), "sqlite:///var/a@b.db");
+        assert_eq!(
+            mask_dsn("sqlite:///tmp/a:b@c.db?lease=zz"),
+            "sqlite:///tmp/a:b@c.db?lease=zz"
+        );
+        assert_eq!(mask_dsn("sqlite://dir/a:b@c.db"), "sqlite://dir/a:b@c.db");
     }
 }

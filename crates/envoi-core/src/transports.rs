@@ -41,7 +41,7 @@ use crate::serializer::Serializer;
 use crate::stamp::{DelayStamp, TransportMessageIdStamp};
 use crate::sync_transport::SyncTransport;
 use crate::transport::{
-    mask_dsn, SendError, Sender, SenderDispatcher, Transport, TransportFactory,
+    dsn_has_scheme, mask_dsn, SendError, Sender, SenderDispatcher, Transport, TransportFactory,
 };
 
 /// Sends envelopes to one [`Transport`]: through its in-process side when it
@@ -217,7 +217,7 @@ pub struct InMemoryFactory;
 
 impl TransportFactory for InMemoryFactory {
     fn supports(&self, dsn: &str) -> bool {
-        dsn.starts_with("in-memory://")
+        dsn_has_scheme(dsn, "in-memory://")
     }
 
     fn create<'a>(
@@ -236,7 +236,7 @@ pub struct SyncFactory;
 
 impl TransportFactory for SyncFactory {
     fn supports(&self, dsn: &str) -> bool {
-        dsn.starts_with("sync://")
+        dsn_has_scheme(dsn, "sync://")
     }
 
     fn create<'a>(
