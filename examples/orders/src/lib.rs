@@ -37,10 +37,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use envoi::middleware::retry::MultiplierRetryStrategy;
+use envoi::sqlite::{SqliteOptions, SqliteTransport};
 use envoi::worker::{StopHandle, StopReason, Worker, WorkerError, WorkerEvent, WorkerListener};
 use envoi::{
-    BuildError, Command, Event, Handler, Message, Messenger, MessengerBuilderExt, Recoverable,
-    TransportError, Unrecoverable, WeakMessenger,
+    BuildError, Command, Event, Handler, Message, Messenger, Recoverable, TransportError,
+    Unrecoverable, WeakMessenger,
 };
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -269,15 +270,25 @@ impl Handler<OrderPlaced> for ReserveStock {
 ///
 /// When the database cannot be opened.
 pub async fn messenger(database: &Path, retry_delay: Duration) -> Result<Messenger, BuildError> {
-    // `poll=0`: a worker reading two transports in priority order must not
-    // wait on the first when it is empty; it waits on both when both are.
-    let dsn = format!("sqlite://{}?poll=0", database.display());
+    // Opened from options rather than a DSN, so that any file name works
+    // (a `?` or `#` in it, or bytes that are not UTF-8).
+    let open = |name: &'static str| async move {
+        let mut options = SqliteOptions::new(database);
+        // A worker reading two transports in priority order must not wait
+        // on the first when it is empty; it waits on both when both are.
+        options.poll = Duration::ZERO;
+        SqliteTransport::open(name, options)
+            .await
+            .map_err(|e| BuildError::Transport {
+                name: name.to_string(),
+                reason: e.to_string(),
+            })
+    };
     let slot = Arc::new(OnceLock::new());
     let messenger = Messenger::builder()
-        .with_transport_factories()
-        .transport_dsn(ORDERS, dsn.as_str())
-        .transport_dsn(EVENTS, dsn.as_str())
-        .transport_dsn(FAILED, dsn.as_str())
+        .transport(ORDERS, Arc::new(open(ORDERS).await?))
+        .transport(EVENTS, Arc::new(open(EVENTS).await?))
+        .transport(FAILED, Arc::new(open(FAILED).await?))
         .route::<PlaceOrder>(ORDERS)
         .route::<OrderPlaced>(EVENTS)
         .failure_transport(FAILED)
@@ -294,25 +305,82 @@ pub async fn messenger(database: &Path, retry_delay: Duration) -> Result<Messeng
         })
         .event_handler(SendConfirmation::default())
         .event_handler(ReserveStock)
-        .build_async()
-        .await?;
+        .build()?;
     let _ = slot.set(messenger.downgrade());
     Ok(messenger)
 }
 
 /// Where the example keeps its database: `$EXAMPLE_ORDERS_DB` when set,
-/// otherwise `example-orders-data/envoi.db` next to the executable (in the
-/// cargo target directory), so that the command line run afterwards finds
-/// the failures of the last run.
+/// otherwise `example-orders-data/envoi.db` in the cargo target directory
+/// (beside the `debug` and `release` directories, so that the command line
+/// run afterwards finds the failures of the last run, whichever profile
+/// either was built with).
 pub fn database_path() -> PathBuf {
     if let Some(path) = std::env::var_os("EXAMPLE_ORDERS_DB") {
         return PathBuf::from(path);
     }
     let dir = std::env::current_exe()
         .ok()
-        .and_then(|exe| exe.parent().map(Path::to_path_buf))
+        .and_then(|exe| {
+            let profile = exe.parent()?;
+            Some(profile.parent().unwrap_or(profile).to_path_buf())
+        })
         .unwrap_or_else(std::env::temp_dir);
     dir.join("example-orders-data").join("envoi.db")
+}
+
+/// Who uses the database: the flow alone, or the command line, any number
+/// of times at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// The flow, which deletes the database and counts every message it
+    /// makes: nothing else may use the database meanwhile.
+    Exclusive,
+    /// The command line.
+    Shared,
+}
+
+/// Locks `database` for `access` through the file `<database>.lock`, held
+/// until the returned file is dropped: the flow would otherwise delete the
+/// database under a running `consume`, or miss the messages another process
+/// takes from it. Creates the database's directory if missing.
+///
+/// # Errors
+///
+/// [`FlowError::InUse`] when another process holds a lock that conflicts,
+/// [`FlowError::Lock`] when the lock file cannot be opened or locked.
+pub fn lock_database(database: &Path, access: Access) -> Result<std::fs::File, FlowError> {
+    let mut name = database.as_os_str().to_owned();
+    name.push(".lock");
+    let path = PathBuf::from(name);
+    let failed = |source| FlowError::Lock {
+        path: path.clone(),
+        source,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(failed)?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(failed)?;
+    let locked = match access {
+        Access::Exclusive => file.try_lock(),
+        Access::Shared => file.try_lock_shared(),
+    };
+    match locked {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(FlowError::InUse {
+            database: database.to_path_buf(),
+            by: match access {
+                Access::Exclusive => "another example-orders process",
+                Access::Shared => "the example's main job",
+            },
+        }),
+        Err(std::fs::TryLockError::Error(source)) => Err(failed(source)),
+    }
 }
 
 /// How to run the flow.
@@ -335,6 +403,10 @@ pub struct FlowConfig {
     pub time_limit: Duration,
     /// Draws progress bars on standard error.
     pub progress: bool,
+    /// Stops the flow early: dispatching ends, the worker stops gracefully
+    /// (handlers in flight finish, what it fetched but did not start goes
+    /// back), and [`run`] returns [`FlowError::Incomplete`].
+    pub stop: StopHandle,
 }
 
 impl FlowConfig {
@@ -350,6 +422,7 @@ impl FlowConfig {
             retry_delay: Duration::from_millis(100),
             time_limit: Duration::from_secs(120),
             progress: false,
+            stop: StopHandle::new(),
         }
     }
 
@@ -425,6 +498,23 @@ pub enum FlowError {
         id: u64,
         /// Why.
         error: String,
+    },
+    /// Another process uses the database.
+    #[error("`{database}` is in use by {by}; wait for it to finish, or set EXAMPLE_ORDERS_DB to another file")]
+    InUse {
+        /// The database.
+        database: PathBuf,
+        /// Who holds it.
+        by: &'static str,
+    },
+    /// The database's lock file could not be opened or locked.
+    #[error("locking `{path}` failed: {source}")]
+    Lock {
+        /// The lock file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
     },
     /// The worker stopped before every message was handled or parked.
     #[error("the worker stopped ({reason}) before every message was handled or parked: {detail}")]
@@ -744,7 +834,7 @@ pub async fn run(config: &FlowConfig) -> Result<Summary, FlowError> {
     }
     let n = config.orders;
     let tally = Arc::new(Tally::default());
-    let stop = StopHandle::new();
+    let stop = config.stop.clone();
     let worker = Worker::builder(&messenger)
         .receivers([EVENTS, ORDERS])
         .concurrency(config.concurrency)
@@ -763,6 +853,7 @@ pub async fn run(config: &FlowConfig) -> Result<Summary, FlowError> {
     for p in 0..producers {
         let bus = messenger.dispatcher();
         let dispatched = dispatched.clone();
+        let stop = stop.clone();
         // Each producer sends its share of the rate: its k-th order is due
         // k × producers / rate seconds after the start.
         let interval = config
@@ -772,7 +863,7 @@ pub async fn run(config: &FlowConfig) -> Result<Summary, FlowError> {
         tasks.push(tokio::spawn(async move {
             let mut id = p + 1;
             let mut k = 0u32;
-            while id <= n {
+            while id <= n && !stop.is_stopped() {
                 if let Some(every) = interval {
                     tokio::time::sleep_until(start + every * k).await;
                     k += 1;
@@ -852,7 +943,11 @@ pub async fn run(config: &FlowConfig) -> Result<Summary, FlowError> {
     if !tally.complete(n) {
         return Err(FlowError::Incomplete {
             reason: report.reason,
-            detail: tally.describe(n),
+            detail: format!(
+                "{} ({} orders dispatched)",
+                tally.describe(n),
+                dispatched.load(Ordering::Relaxed)
+            ),
         });
     }
     let in_failure_transport = match messenger.transport(FAILED) {

@@ -25,9 +25,19 @@ use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use example_orders::{database_path, messenger, run, thousands, FlowConfig, FAILED};
+use example_orders::{
+    database_path, lock_database, messenger, run, thousands, Access, FlowConfig, FlowError, EVENTS,
+    FAILED, ORDERS,
+};
 
-const COMMAND: &str = "cargo run --release -p example-orders --";
+/// How to run the command line on the database just used: with its path
+/// when `EXAMPLE_ORDERS_DB` chose it.
+fn command() -> String {
+    let db = std::env::var_os("EXAMPLE_ORDERS_DB")
+        .map(|p| format!("EXAMPLE_ORDERS_DB='{}' ", p.to_string_lossy()))
+        .unwrap_or_default();
+    format!("{db}cargo run --release -p example-orders --")
+}
 
 /// Prints a line on standard output; a closed pipe (`| head`) is not an error.
 macro_rules! say {
@@ -45,6 +55,22 @@ async fn main() -> ExitCode {
             Ok(cli) => cli,
             Err(status) => return ExitCode::from(status),
         };
+        // The command line looks at what a run left: it makes no database.
+        if !database.exists() {
+            eprintln!(
+                "error: no database at `{}`: run the main job first ({}), or set EXAMPLE_ORDERS_DB",
+                database.display(),
+                command().trim_end_matches(" --")
+            );
+            return ExitCode::FAILURE;
+        }
+        let _lock = match lock_database(&database, Access::Shared) {
+            Ok(lock) => lock,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
         return match messenger(&database, Duration::from_millis(100)).await {
             Ok(messenger) => cli.run(&messenger).await,
             Err(e) => {
@@ -53,7 +79,18 @@ async fn main() -> ExitCode {
             }
         };
     }
+    let _lock = match lock_database(&database, Access::Exclusive) {
+        Ok(lock) => lock,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let mut config = FlowConfig::new(&database).progress(std::io::stderr().is_terminal());
+    // Ctrl-C or SIGTERM: stop gracefully, and say what is left.
+    if let Err(e) = config.stop.stop_on_signals() {
+        eprintln!("warning: Ctrl-C will not stop the run gracefully: {e}");
+    }
     if let Some(count) = std::env::var_os("EXAMPLE_ORDERS_COUNT") {
         match count.to_str().and_then(|c| c.parse::<u64>().ok()) {
             Some(n) => config = config.orders(n),
@@ -82,17 +119,24 @@ async fn main() -> ExitCode {
                     "{} message(s) wait in the `{FAILED}` transport. Inspect them with the command line built into this example:\n",
                     summary.in_failure_transport
                 );
-                say!("  {COMMAND} failed show          # list them");
-                say!("  {COMMAND} failed show <id>     # one in detail: error chain, stamps, body");
-                say!("  {COMMAND} failed retry --all   # handle them again (those failing for good come back)");
-                say!("  {COMMAND} failed remove --all  # delete them");
-                say!("  {COMMAND} stats                # messages waiting per transport");
-                say!("  {COMMAND} --help               # every command");
+                let command = command();
+                say!("  {command} failed show          # list them");
+                say!("  {command} failed show <id>     # one in detail: error chain, stamps, body");
+                say!("  {command} failed retry --all   # handle them again (those failing for good come back)");
+                say!("  {command} failed remove --all  # delete them");
+                say!("  {command} stats                # messages waiting per transport");
+                say!("  {command} --help               # every command");
             }
             ExitCode::SUCCESS
         }
         Err(e) => {
             eprintln!("error: {e}");
+            if let FlowError::Incomplete { .. } = e {
+                eprintln!(
+                    "What is left waits in the database: `{} consume {EVENTS} {ORDERS} --stop-when-empty` handles it.",
+                    command()
+                );
+            }
             ExitCode::FAILURE
         }
     }

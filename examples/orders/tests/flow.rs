@@ -193,20 +193,116 @@ fn the_binary_runs_the_flow_then_its_command_line_shows_and_retries_the_failures
 }
 
 #[test]
-fn a_database_path_sqlite_cannot_use_is_one_error_line() {
-    let (code, out, err) = binary(std::path::Path::new(""), &["stats"]);
+fn the_command_line_on_a_missing_or_unusable_database_is_one_error_line() {
+    let dir = tempfile::tempdir().unwrap();
+    // A mistyped path is not an empty database: nothing is created.
+    let missing = dir.path().join("typo").join("envoi.db");
+    let (code, out, err) = binary(&missing, &["stats"]);
     assert_eq!((code, out.as_str()), (1, ""));
-    assert!(
-        err.starts_with("error: transport `orders`: invalid DSN `sqlite://?poll=0`"),
-        "{err}"
-    );
+    assert!(err.starts_with("error: no database at `"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(!missing.parent().unwrap().exists());
+
+    let garbage = dir.path().join("notes.db");
+    std::fs::write(&garbage, "not a database, just notes\n".repeat(200)).unwrap();
+    let (code, out, err) = binary(&garbage, &["stats"]);
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert!(err.starts_with("error: transport `orders`:"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
 }
 
 #[test]
+fn any_file_name_works_for_the_database() {
+    let dir = tempfile::tempdir().unwrap();
+    // `?` and `#` would end the path of a DSN.
+    let database = dir.path().join("what?#now.db");
+    let (code, out, err) = binary(&database, &[]);
+    assert_eq!(code, 0, "{err}\n{out}");
+    assert!(database.exists());
+    let (code, out, err) = binary(&database, &["stats"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("failed     1"), "{out}");
+}
+
+#[test]
+fn the_main_job_and_the_command_line_do_not_share_a_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = dir.path().join("envoi.db");
+    let (code, _, err) = binary(&database, &[]);
+    assert_eq!(code, 0, "{err}");
+
+    // While the main job runs (holding the database), the command line
+    // would take its messages from under it.
+    let job = example_orders::lock_database(&database, example_orders::Access::Exclusive).unwrap();
+    let (code, out, err) = binary(&database, &["consume", "orders", "--stop-when-empty"]);
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert!(err.contains("is in use by the example's main job"), "{err}");
+    drop(job);
+
+    // While the command line runs, the main job would delete the database
+    // under it.
+    let cli = example_orders::lock_database(&database, example_orders::Access::Shared).unwrap();
+    let (code, out, err) = binary(&database, &[]);
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert!(
+        err.contains("is in use by another example-orders process"),
+        "{err}"
+    );
+    // Several command lines at once are fine.
+    let (code, _, err) = binary(&database, &["stats"]);
+    assert_eq!(code, 0, "{err}");
+    drop(cli);
+}
+
+#[test]
+fn ctrl_c_stops_the_main_job_gracefully_and_says_what_is_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = dir.path().join("envoi.db");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_example-orders"))
+        .env("EXAMPLE_ORDERS_DB", &database)
+        .env("EXAMPLE_ORDERS_COUNT", "50000")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its first line comes once it listens for Ctrl-C; interrupted a
+    // moment later, while it dispatches and handles.
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    assert!(first.starts_with("Placing 50,000 orders"), "{first}");
+    std::thread::sleep(Duration::from_millis(500));
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let output = child.wait_with_output().unwrap();
+    let err = String::from_utf8(output.stderr).unwrap();
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(err.contains("the worker stopped (stop requested)"), "{err}");
+    assert!(err.contains("orders dispatched"), "{err}");
+    assert!(
+        err.contains("consume events orders --stop-when-empty"),
+        "{err}"
+    );
+
+    // Nothing was left leased: what is left is handed out at once.
+    let (code, out, err) = binary(
+        &database,
+        &["consume", "events", "orders", "--stop-when-empty"],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("Stopped (no more messages) after"), "{out}");
+}
+
+#[test]
 fn help_and_a_bad_command_line_need_no_database() {
-    // A path SQLite cannot use: only a command that runs opens it.
-    let unusable = std::path::Path::new("");
+    // No database there: only a command that runs looks for it.
+    let unusable = std::path::Path::new("/nonexistent/envoi.db");
     let (code, out, err) = binary(unusable, &["--help"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("failed"), "{out}");
@@ -216,5 +312,5 @@ fn help_and_a_bad_command_line_need_no_database() {
     let (code, out, err) = binary(unusable, &["consume", "orders", "--limit", "0"]);
     assert_eq!((code, out.as_str()), (2, ""));
     assert!(err.contains("--limit"), "{err}");
-    assert!(!err.contains("DSN"), "{err}");
+    assert!(!err.contains("no database"), "{err}");
 }
