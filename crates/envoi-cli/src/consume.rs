@@ -128,6 +128,56 @@ impl WorkerListener for LogListener {
     }
 }
 
+/// The fetches that failed, so that a run that could read nothing at all
+/// (a database it may not write, a broker that refuses it) ends in an
+/// error rather than a clean stop.
+#[derive(Default)]
+struct FetchFailures {
+    times: AtomicU64,
+    last: Mutex<Option<(String, String)>>,
+}
+
+struct FetchListener(Arc<FetchFailures>);
+
+impl WorkerListener for FetchListener {
+    fn on_event(&self, event: &WorkerEvent) {
+        if let WorkerEvent::TransportFailed {
+            transport,
+            operation: "get",
+            error,
+        } = event
+        {
+            self.0.times.fetch_add(1, Ordering::Relaxed);
+            *self
+                .0
+                .last
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some((transport.to_string(), error.clone()));
+        }
+    }
+}
+
+impl FetchFailures {
+    /// The error of a run that received nothing while fetches failed.
+    fn nothing_read(&self, stats: &WorkerStats) -> Option<CliError> {
+        let times = self.times.load(Ordering::Relaxed);
+        if stats.received > 0 || times == 0 {
+            return None;
+        }
+        let (transport, error) = self
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()?;
+        Some(CliError::NothingRead {
+            transport,
+            times,
+            error,
+        })
+    }
+}
+
 /// Messages per second over the last few seconds.
 struct Rate {
     samples: VecDeque<(Instant, u64)>,
@@ -237,11 +287,13 @@ pub(crate) async fn run(
         transports.push(t.clone());
     }
     let log = Arc::new(FailureLog::default());
+    let fetch_failures = Arc::new(FetchFailures::default());
     let stop = console.stop.clone().unwrap_or_default();
     let mut builder = Worker::builder(messenger)
         .receivers(args.transports.iter().cloned())
         .concurrency(args.concurrency)
-        .stop_handle(stop.clone());
+        .stop_handle(stop.clone())
+        .listener(FetchListener(fetch_failures.clone()));
     if let Some(n) = args.limit {
         builder = builder.message_limit(n);
     }
@@ -362,7 +414,10 @@ pub(crate) async fn run(
         "Stopped ({}) after {secs:.1}s: handled {}, retried {}, failed {}, released {} ({avg:.0} msg/s).",
         report.reason, s.handled, s.retried, s.failed, s.released
     )?;
-    Ok(())
+    match fetch_failures.nothing_read(&s) {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

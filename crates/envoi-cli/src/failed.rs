@@ -356,6 +356,10 @@ async fn retry_one(messenger: &Messenger, failure: &str, delivery: &Delivery) ->
     }
 }
 
+/// The widest outcome `failed retry` puts in its table; a longer one is
+/// cut there and written in full below it.
+const OUTCOME_WIDTH: usize = 100;
+
 async fn retry(
     messenger: &Messenger,
     args: RetryArgs,
@@ -371,6 +375,8 @@ async fn retry(
     let mut table = Table::new(&["ID", "MESSAGE", "OUTCOME"]);
     let (mut handled, mut rescheduled, mut failed_again, mut kept) = (0, 0, 0, 0);
     let mut destinations: Vec<String> = Vec::new();
+    // Outcomes too long for the table, written in full after it.
+    let mut long = Vec::new();
     for delivery in &selected {
         let outcome = retry_one(messenger, name, delivery).await;
         let remove = !matches!(outcome, Outcome::Kept { .. });
@@ -401,13 +407,17 @@ async fn retry(
                 text = format!("{text}; removing the old copy failed: {e}");
             }
         }
-        table.row(vec![
-            delivery.id.clone(),
-            inspect(delivery).message,
-            truncate(&text, 100),
-        ]);
+        let shown = truncate(&text, OUTCOME_WIDTH);
+        if shown != text {
+            long.push((delivery.id.clone(), text));
+        }
+        table.row(vec![delivery.id.clone(), inspect(delivery).message, shown]);
     }
     let written = write!(out, "{}", table.render())
+        .and_then(|()| {
+            long.iter()
+                .try_for_each(|(id, text)| writeln!(out, "{id}: {text}"))
+        })
         .and_then(|()| {
             writeln!(
                 out,

@@ -20,7 +20,7 @@
 //!
 //! | command | what it does |
 //! |---|---|
-//! | `consume <transports…>` | runs a [`Worker`](envoi_core::worker::Worker) on the transports, in priority order, with a progress bar and a live rate; `--limit N`, `--time-limit 30s`, `--memory-limit 128MB`, `--failure-limit N`, `--concurrency N`, `--stop-when-empty`; stops gracefully on SIGINT / SIGTERM |
+//! | `consume <transports…>` | runs a [`Worker`](envoi_core::worker::Worker) on the transports, in priority order, with a progress bar and a live rate; `--limit N`, `--time-limit 30s`, `--memory-limit 128MB`, `--failure-limit N`, `--concurrency N`, `--stop-when-empty`; stops gracefully on SIGINT / SIGTERM; fails when every fetch failed (nothing could be read) |
 //! | `failed show [id]` | a table of the messages in the failure transport (id, message, error, retries, failed at), or one message in detail with its error chain and stamps; `--max N`, `--transport NAME`, `--format text\|json` |
 //! | `failed retry <ids…>` / `--all` | handles failed messages again (see below) |
 //! | `failed remove <ids…>` / `--all` | deletes failed messages |
@@ -219,6 +219,18 @@ pub enum CliError {
         failed: usize,
         /// How many were tried.
         total: usize,
+    },
+    /// `consume` read nothing: every fetch from a transport failed.
+    #[error(
+        "nothing could be read: transport `{transport}` failed {times} time(s), last with: {error}"
+    )]
+    NothingRead {
+        /// The transport that failed last.
+        transport: String,
+        /// How many fetches failed.
+        times: u64,
+        /// The last error.
+        error: String,
     },
     /// Some messages could not be retried and stay where they were.
     #[error("{kept} message(s) could not be retried and stay in `{transport}`; see above")]

@@ -121,9 +121,15 @@ pub(crate) fn parse_positive_u64(text: &str) -> Result<u64, String> {
     positive(text)
 }
 
-fn positive<N: std::str::FromStr + Default + PartialEq>(text: &str) -> Result<N, String> {
+fn positive<N>(text: &str) -> Result<N, String>
+where
+    N: std::str::FromStr<Err = std::num::ParseIntError> + Default + PartialEq,
+{
     match text.trim().parse::<N>() {
         Ok(n) if n != N::default() => Ok(n),
+        Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => {
+            Err(format!("`{text}` is too large"))
+        }
         _ => Err(format!("`{text}` is not a whole number of at least 1")),
     }
 }
@@ -193,6 +199,10 @@ mod tests {
         assert!(parse_positive("many").is_err());
         assert_eq!(parse_positive_u64("1"), Ok(1));
         assert_eq!(parse_positive_u64("18446744073709551615"), Ok(u64::MAX));
+        assert_eq!(
+            parse_positive_u64("100000000000000000000").unwrap_err(),
+            "`100000000000000000000` is too large"
+        );
     }
 
     #[test]

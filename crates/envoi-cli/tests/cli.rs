@@ -8,8 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use envoi::middleware::retry::MultiplierRetryStrategy;
-use envoi::transport::{RawMessage, Transport};
+use envoi::middleware::BoxFuture;
+use envoi::transport::{Capabilities, Delivery, RawMessage, Transport};
 use envoi::worker::StopHandle;
+use envoi::TransportError;
 use envoi::{Command, Message, Messenger, MessengerBuilderExt, Recoverable, Unrecoverable};
 use envoi_cli::{execute, Cli, Console};
 use serde::{Deserialize, Serialize};
@@ -317,6 +319,67 @@ async fn consume_stops_at_its_time_limit_when_nothing_comes() {
     );
     assert!(out.contains("Stopped (time limit reached)"), "{out}");
     assert!(out.contains("handled 0, retried 0, failed 0"), "{out}");
+}
+
+/// A transport every fetch of which fails, as a database the process may
+/// not write does.
+struct Refusing;
+
+impl Transport for Refusing {
+    fn send(
+        &self,
+        _: RawMessage,
+        _: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>> {
+        Box::pin(async { Ok("1".to_string()) })
+    }
+
+    fn get(&self, _: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        Box::pin(async {
+            Err(TransportError::backend(
+                "claiming messages",
+                "attempt to write a readonly database",
+            ))
+        })
+    }
+
+    fn ack<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn release<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(false, false, false, false)
+    }
+}
+
+#[tokio::test]
+async fn consume_that_can_read_nothing_ends_in_an_error() {
+    let messenger = Messenger::builder()
+        .transport("orders", Arc::new(Refusing))
+        .build()
+        .unwrap();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let argv = ["app", "consume", "orders", "--time-limit", "300ms"];
+    let code = envoi_cli::run_with(&messenger, argv, &mut out, &mut err).await;
+    let (out, err) = (
+        String::from_utf8(out).unwrap(),
+        String::from_utf8(err).unwrap(),
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("Stopped (time limit reached)"), "{out}");
+    assert!(
+        err.starts_with("error: nothing could be read: transport `orders` failed "),
+        "{err}"
+    );
+    assert!(
+        err.contains("attempt to write a readonly database"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
 }
 
 #[tokio::test]
@@ -632,6 +695,21 @@ async fn failed_retry_keeps_a_message_that_does_not_decode() {
         "error: 1 message(s) could not be retried and stay in `failed`; see above\n"
     );
     assert_eq!(app.failed_ids().await, vec![id]);
+}
+
+#[tokio::test]
+async fn failed_retry_writes_an_outcome_too_long_for_its_table_in_full_below_it() {
+    let app = app().await;
+    let name = "Refund".repeat(30);
+    let mut raw = RawMessage::default();
+    raw.headers.insert("type", name.clone());
+    raw.body = b"{}".to_vec();
+    let id = app.transport("failed").send(raw, None).await.unwrap();
+    let (code, out, _) = app.cli(&["failed", "retry", &id]).await;
+    assert_eq!(code, 1);
+    let full = format!("{id}: kept: does not decode: unknown message type `{name}`\n");
+    assert!(out.contains(&full), "{out}");
+    assert!(out.contains('…'), "the table cuts it: {out}");
 }
 
 #[tokio::test]
