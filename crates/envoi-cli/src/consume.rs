@@ -319,6 +319,9 @@ pub(crate) async fn run(
         builder = builder.listener(LogListener(log.clone()));
     }
     let worker = builder.build()?;
+    // Listening from here on: a Ctrl-C while the banner is written or the
+    // waiting messages are counted stops the worker before it starts.
+    let signals = stop.stop_on_signals().ok();
     let progress = worker.progress();
     if let Some(warning) = failure_transport_warning(
         &args.transports,
@@ -364,7 +367,6 @@ pub(crate) async fn run(
             }
         })
     });
-    let signals = stop.stop_on_signals().ok();
 
     let mut rate = Rate::new();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
