@@ -44,7 +44,8 @@
 //!     body BLOB NOT NULL,                    -- the encoded message, any bytes
 //!     headers TEXT NOT NULL,                 -- JSON object of string values
 //!     created_at INTEGER NOT NULL,           -- Unix ms
-//!     available_at INTEGER NOT NULL,         -- Unix ms; not handed out before
+//!     available_at INTEGER NOT NULL          -- Unix ms; not handed out before
+//!         CHECK (typeof(available_at) = 'integer'),  -- else never due, never claimed
 //!     delivered_at INTEGER,                  -- Unix ms of the claim; NULL when not leased
 //!     lease_until INTEGER                    -- Unix ms; NULL when not leased
 //! );

@@ -39,7 +39,7 @@ impl Statements {
                     body BLOB NOT NULL,
                     headers TEXT NOT NULL,
                     created_at INTEGER NOT NULL,
-                    available_at INTEGER NOT NULL,
+                    available_at INTEGER NOT NULL CHECK (typeof(available_at) = 'integer'),
                     delivered_at INTEGER,
                     lease_until INTEGER
                 )"

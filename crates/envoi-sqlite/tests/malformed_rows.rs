@@ -178,6 +178,33 @@ async fn rows_of_the_wrong_storage_type_or_with_invalid_headers_are_handed_out_o
     assert_eq!(t.message_count().await.expect("count"), 0);
 }
 
+#[tokio::test]
+async fn a_row_whose_due_time_is_not_a_number_is_refused_by_the_table() {
+    // Text compares above every number in SQLite: such a row would never be
+    // due, never claimed, and counted as waiting for ever.
+    let path = db_path("malformed-due");
+    let t = SqliteTransport::connect("jobs", &format!("sqlite://{}", path.display()))
+        .await
+        .expect("open");
+    t.setup().await.expect("setup");
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("raw pool");
+    let refused = sqlx::query(
+        "INSERT INTO envoi_jobs (queue_name, body, headers, created_at, available_at) \
+         VALUES ('jobs', x'7b7d', '{}', 0, 'soon')",
+    )
+    .execute(&pool)
+    .await
+    .expect_err("a due time that is not a number");
+    assert!(
+        refused.to_string().contains("CHECK constraint failed"),
+        "{refused}"
+    );
+    pool.close().await;
+    assert_eq!(t.message_count().await.expect("count"), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_parks_each_malformed_row_once_with_the_reason_and_acks_it() {
     let path = db_path("malformed-worker");
