@@ -461,6 +461,27 @@ fn flaky_handler(
     }
 }
 
+/// A messenger routing `Charge` to the in-memory transport `async`, its
+/// handler failing its first `failures` calls (counted in `calls`), with
+/// `retries` quick retries and the failure transport `failed`.
+fn charge_messenger(
+    failures: u32,
+    calls: &Arc<AtomicU32>,
+    retries: u32,
+    async_queue: Arc<InMemoryTransport>,
+    failed: Arc<InMemoryTransport>,
+) -> Messenger {
+    Messenger::builder()
+        .command_handler(flaky_handler(failures, calls.clone()))
+        .transport("async", async_queue)
+        .transport("failed", failed)
+        .route::<Charge>("async")
+        .default_retry_strategy(fast_retries(retries))
+        .failure_transport("failed")
+        .build()
+        .unwrap()
+}
+
 fn events(log: &Arc<Mutex<Vec<String>>>) -> impl Fn(&WorkerEvent) + Send + Sync + 'static {
     let log = log.clone();
     move |e: &WorkerEvent| {
@@ -479,15 +500,7 @@ async fn a_transient_failure_succeeds_on_retry() {
     let calls = Arc::new(AtomicU32::new(0));
     let async_queue = memory();
     let failed = memory();
-    let messenger = Messenger::builder()
-        .command_handler(flaky_handler(2, calls.clone()))
-        .transport("async", async_queue.clone())
-        .transport("failed", failed.clone())
-        .route::<Charge>("async")
-        .default_retry_strategy(fast_retries(3))
-        .failure_transport("failed")
-        .build()
-        .unwrap();
+    let messenger = charge_messenger(2, &calls, 3, async_queue.clone(), failed.clone());
     messenger
         .dispatcher()
         .dispatch(Charge { order: 1 })
@@ -515,15 +528,7 @@ async fn a_permanent_failure_lands_in_the_failure_transport_and_the_original_is_
     let calls = Arc::new(AtomicU32::new(0));
     let async_queue = memory();
     let failed = memory();
-    let messenger = Messenger::builder()
-        .command_handler(flaky_handler(u32::MAX, calls.clone()))
-        .transport("async", async_queue.clone())
-        .transport("failed", failed.clone())
-        .route::<Charge>("async")
-        .default_retry_strategy(fast_retries(2))
-        .failure_transport("failed")
-        .build()
-        .unwrap();
+    let messenger = charge_messenger(u32::MAX, &calls, 2, async_queue.clone(), failed.clone());
     messenger
         .dispatcher()
         .dispatch(Charge { order: 7 })
@@ -600,15 +605,7 @@ async fn an_unrecoverable_error_skips_the_retries() {
 async fn a_message_retried_from_the_failure_transport_gets_a_fresh_budget_and_returns_there() {
     let calls = Arc::new(AtomicU32::new(0));
     let failed = memory();
-    let messenger = Messenger::builder()
-        .command_handler(flaky_handler(u32::MAX, calls.clone()))
-        .transport("async", memory())
-        .transport("failed", failed.clone())
-        .route::<Charge>("async")
-        .default_retry_strategy(fast_retries(2))
-        .failure_transport("failed")
-        .build()
-        .unwrap();
+    let messenger = charge_messenger(u32::MAX, &calls, 2, memory(), failed.clone());
     messenger
         .dispatcher()
         .dispatch(Charge { order: 5 })
@@ -652,15 +649,7 @@ async fn a_message_retried_from_the_failure_transport_gets_a_fresh_budget_and_re
 #[tokio::test]
 async fn a_message_failing_for_good_on_every_round_trip_is_not_cycled_at_once() {
     let calls = Arc::new(AtomicU32::new(0));
-    let messenger = Messenger::builder()
-        .command_handler(flaky_handler(u32::MAX, calls.clone()))
-        .transport("async", memory())
-        .transport("failed", memory())
-        .route::<Charge>("async")
-        .default_retry_strategy(fast_retries(1))
-        .failure_transport("failed")
-        .build()
-        .unwrap();
+    let messenger = charge_messenger(u32::MAX, &calls, 1, memory(), memory());
     messenger
         .dispatcher()
         .dispatch(Charge { order: 9 })
@@ -668,8 +657,9 @@ async fn a_message_failing_for_good_on_every_round_trip_is_not_cycled_at_once() 
         .unwrap();
     // One worker on both: parked at once after two calls; taken from the
     // failure transport, called, and sent back to its origin with a fresh
-    // budget; called there, out of budget again, and parked for a second. Without that delay
-    // it would go round and round for the whole half second.
+    // budget; called there, out of budget again, and parked for a second.
+    // Without that delay it would go round and round for the whole half
+    // second.
     let report = Worker::builder(&messenger)
         .receivers(["failed", "async"])
         .time_limit(Duration::from_millis(500))
