@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use clap::{Args, Subcommand};
+use clap::{ArgGroup, Args, Subcommand};
 use envoi_core::stamp::{
     BusNameStamp, ReceivedStamp, RedeliveryStamp, SentStamp, SentToFailureTransportStamp,
     TransportMessageIdStamp,
@@ -46,10 +46,11 @@ pub struct ShowArgs {
 
 /// Arguments of `failed retry`.
 #[derive(Debug, Args)]
+#[command(group(ArgGroup::new("which").required(true).args(["ids", "all"])))]
 #[non_exhaustive]
 pub struct RetryArgs {
     /// The ids of the messages to retry.
-    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    #[arg(conflicts_with = "all")]
     pub ids: Vec<String>,
     /// Retry every message in the failure transport.
     #[arg(long)]
@@ -61,10 +62,11 @@ pub struct RetryArgs {
 
 /// Arguments of `failed remove`.
 #[derive(Debug, Args)]
+#[command(group(ArgGroup::new("which").required(true).args(["ids", "all"])))]
 #[non_exhaustive]
 pub struct RemoveArgs {
     /// The ids of the messages to remove.
-    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    #[arg(conflicts_with = "all")]
     pub ids: Vec<String>,
     /// Remove every message in the failure transport.
     #[arg(long)]

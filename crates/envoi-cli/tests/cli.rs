@@ -870,6 +870,8 @@ async fn retry_and_remove_need_ids_or_all_but_not_both() {
         let (code, out, err) = app.cli(args).await;
         assert_eq!((code, out.as_str()), (2, ""), "{args:?}");
         assert!(err.contains("error:"), "{args:?}: {err}");
+        // The usage names both ways of choosing messages.
+        assert!(err.contains("<IDS|--all>"), "{args:?}: {err}");
     }
 }
 
