@@ -379,6 +379,10 @@ pub fn lock_database(database: &Path, access: Access) -> Result<std::fs::File, F
                 Access::Shared => "the example's main job",
             },
         }),
+        // A file system without locks: run unguarded rather than not at all.
+        Err(std::fs::TryLockError::Error(e)) if e.kind() == std::io::ErrorKind::Unsupported => {
+            Ok(file)
+        }
         Err(std::fs::TryLockError::Error(source)) => Err(failed(source)),
     }
 }
