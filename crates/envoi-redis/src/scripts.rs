@@ -28,6 +28,11 @@ return 1
 /// `ZREM` in one script, so no message is moved twice however many workers
 /// run it at once. Returns `{moved, ms until the next one is due or -1}`.
 ///
+/// A payload key that another program made something other than a hash is
+/// moved too, as an entry whose `X-Envoi-Invalid-Headers` field says so
+/// (with the key's text as the body when it is a string): the worker parks
+/// it with that reason, and the messages delayed behind it still move.
+///
 /// KEYS: delay set, stream. ARGV: batch limit, payload key prefix, trim
 /// (`''` for none).
 pub(crate) static MOVE_DUE: LazyLock<Script> = LazyLock::new(|| {
@@ -36,15 +41,29 @@ pub(crate) static MOVE_DUE: LazyLock<Script> = LazyLock::new(|| {
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+local function add(fields)
+  if ARGV[3] ~= '' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))
+  else
+    redis.call('XADD', KEYS[2], '*', unpack(fields))
+  end
+end
 for _, id in ipairs(due) do
   local key = ARGV[2] .. id
-  local fields = redis.call('HGETALL', key)
-  if #fields > 0 then
-    if ARGV[3] ~= '' then
-      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(fields))
-    else
-      redis.call('XADD', KEYS[2], '*', unpack(fields))
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'hash' then
+    local fields = redis.call('HGETALL', key)
+    if #fields > 0 then
+      add(fields)
     end
+  elseif kind ~= 'none' then
+    local fields = {'X-Envoi-Invalid-Headers',
+      'the payload `' .. key .. '` of delayed message `' .. id .. '` is a ' .. kind .. ', not a hash'}
+    if kind == 'string' then
+      table.insert(fields, 'body')
+      table.insert(fields, redis.call('GET', key))
+    end
+    add(fields)
   end
   redis.call('DEL', key)
   redis.call('ZREM', KEYS[1], id)

@@ -474,6 +474,55 @@ async fn entries_written_by_other_producers_arrive_with_their_fields_as_headers(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_payload_that_is_not_a_hash_is_handed_out_marked_and_holds_up_nothing() {
+    let Some(url) = common::url(
+        "a_delayed_payload_that_is_not_a_hash_is_handed_out_marked_and_holds_up_nothing",
+    ) else {
+        return;
+    };
+    let t = common::transport(&url, &common::unique("bad-delayed"), "");
+    t.setup().await.unwrap();
+    // Another program writes a due delayed id whose payload is a string.
+    let mut c = common::raw(&url).await;
+    let stream = &t.options().stream;
+    let _: i64 = redis::cmd("ZADD")
+        .arg(format!("{stream}:delayed"))
+        .arg(0)
+        .arg("bogus")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(format!("{stream}:delayed:bogus"))
+        .arg("junk")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    t.send(text("later"), Some(Duration::from_millis(100)))
+        .await
+        .unwrap();
+
+    let mut got = receive(&t, 2, Duration::from_secs(10)).await;
+    got.sort_by_key(|d| d.raw.body.clone());
+    assert_eq!(body(&got[0]), "junk");
+    let reason = got[0]
+        .raw
+        .header(envoi_core::serializer::INVALID_HEADERS_HEADER)
+        .unwrap_or_default();
+    assert!(reason.contains("is a string, not a hash"), "{reason}");
+    assert_eq!(
+        body(&got[1]),
+        "later",
+        "the delayed message behind it moved"
+    );
+    for d in &got {
+        t.ack(&d.id).await.unwrap();
+    }
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    t.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blocking_read_does_not_hold_up_sends_on_the_same_handle() {
     let Some(url) = common::url("a_blocking_read_does_not_hold_up_sends_on_the_same_handle") else {
         return;
