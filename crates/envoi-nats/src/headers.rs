@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::str::FromStr;
 
 use async_nats::header::{HeaderMap, HeaderName, HeaderValue};
+use envoi_core::serializer::INVALID_HEADERS_HEADER;
 use envoi_core::transport::RawMessage;
 use envoi_core::Headers;
 
@@ -92,12 +93,31 @@ pub(crate) fn encode(
     Ok(map)
 }
 
+/// How many bytes `headers` take on the wire (`NATS/1.0\r\n`, a
+/// `name: value\r\n` line per value, a blank line), which the server counts
+/// against its payload limit with the body.
+pub(crate) fn encoded_len(headers: &HeaderMap) -> usize {
+    let lines: usize = headers
+        .iter()
+        .map(|(name, values)| {
+            let name: &str = name.as_ref();
+            values
+                .iter()
+                .map(|v| name.len() + 2 + v.as_str().len() + 2)
+                .sum::<usize>()
+        })
+        .sum();
+    "NATS/1.0\r\n".len() + lines + 2
+}
+
 /// Rebuilds the envoi message from a NATS message's headers and payload.
 /// Headers JetStream adds (`Nats-*`) and the transport's own are left out.
 ///
 /// A message whose [`EXTRA_HEADERS`] header is not a JSON object of strings
 /// (written by something else than envoi) is still returned, with that
-/// header kept as it is, so the consumer can report it instead of losing it.
+/// header kept as it is and [`INVALID_HEADERS_HEADER`] saying what is
+/// wrong, so that it does not decode and the worker parks it with the
+/// reason instead of handling it without the headers it carried.
 pub(crate) fn decode(headers: Option<&HeaderMap>, payload: &[u8]) -> RawMessage {
     decode_delivered(headers, payload).0
 }
@@ -115,11 +135,11 @@ pub(crate) fn decode_delivered(
         for (name, values) in headers.iter() {
             let name: &str = name.as_ref();
             if is_reserved(name) {
-                // What `HeaderMap::get` would find: an exact name, its
-                // first value.
-                if name == EXTRA_HEADERS {
-                    extra = values.first();
-                } else if name == NOT_BEFORE {
+                // The first value, of a name in any case (as reserved):
+                // another producer's `envoi-headers` is read, not dropped.
+                if name.eq_ignore_ascii_case(EXTRA_HEADERS) {
+                    extra = extra.or(values.first());
+                } else if name.eq_ignore_ascii_case(NOT_BEFORE) {
                     due = values.first().and_then(|v| v.as_str().parse().ok());
                 }
                 continue;
@@ -134,6 +154,14 @@ pub(crate) fn decode_delivered(
                 Err(error) => {
                     tracing::warn!(%error, "header `{EXTRA_HEADERS}` is not a JSON object of strings");
                     out.insert(EXTRA_HEADERS, extra.as_str().to_string());
+                    // The headers it held are lost: the message must not be
+                    // handled without them, but parked with the reason.
+                    out.insert(
+                        INVALID_HEADERS_HEADER,
+                        format!(
+                            "header `{EXTRA_HEADERS}` is not a JSON object of strings: {error}"
+                        ),
+                    );
                 }
             }
         }
@@ -222,7 +250,7 @@ mod tests {
     }
 
     #[test]
-    fn a_corrupt_extra_header_is_kept_rather_than_dropped() {
+    fn a_corrupt_extra_header_is_kept_and_marks_the_message_invalid() {
         let mut map = HeaderMap::new();
         map.insert(EXTRA_HEADERS, "not json");
         map.insert("type", "Order");
@@ -230,5 +258,19 @@ mod tests {
         assert_eq!(raw.header(EXTRA_HEADERS), Some("not json"));
         assert_eq!(raw.header("type"), Some("Order"));
         assert_eq!(raw.body, b"payload");
+        let reason = raw.header(INVALID_HEADERS_HEADER).unwrap();
+        assert!(reason.contains("not a JSON object of strings"), "{reason}");
+    }
+
+    #[test]
+    fn the_transport_s_own_headers_are_read_in_any_case() {
+        let mut map = HeaderMap::new();
+        map.insert("envoi-headers", r#"{"type":"Order","trace":"t1"}"#);
+        map.insert("envoi-not-before", "1234");
+        let (raw, due) = decode_delivered(Some(&map), b"payload");
+        assert_eq!(raw.header("type"), Some("Order"));
+        assert_eq!(raw.header("trace"), Some("t1"));
+        assert_eq!(due, Some(1234));
+        assert_eq!(raw.header(INVALID_HEADERS_HEADER), None);
     }
 }

@@ -412,6 +412,9 @@ struct Prepared {
     msg_id: Option<uuid::Uuid>,
     not_before: Option<u128>,
     payload: Bytes,
+    /// The size of the headers as sent: the server's payload limit counts
+    /// them with the body.
+    headers_len: usize,
 }
 
 impl Prepared {
@@ -630,25 +633,28 @@ impl NatsTransport {
         message: RawMessage,
         delay: Option<Duration>,
     ) -> Result<Prepared, TransportError> {
-        let known = self.inner.max_payload.load(Ordering::Relaxed);
-        if known > 0 && message.body.len() > known {
-            // The limit may have changed with a reconnection: read it again.
-            let max_payload = self.inner.client.server_info().max_payload;
-            self.inner.max_payload.store(max_payload, Ordering::Relaxed);
-            if max_payload > 0 && message.body.len() > max_payload {
-                return Err(TransportError::TooLarge {
-                    size: message.body.len(),
-                    limit: max_payload,
-                });
-            }
-        }
         let not_before = delay
             .filter(|d| !d.is_zero())
             .map(|d| now_ms() + d.as_millis());
         let msg_id = self.inner.config.dedup.then(uuid::Uuid::new_v4);
         let headers = headers::encode(&message.headers, msg_id, not_before)
             .map_err(|e| backend("encoding headers", e))?;
+        let headers_len = headers::encoded_len(&headers);
+        let size = message.body.len() + headers_len;
+        let known = self.inner.max_payload.load(Ordering::Relaxed);
+        if known > 0 && size > known {
+            // The limit may have changed with a reconnection: read it again.
+            let max_payload = self.inner.client.server_info().max_payload;
+            self.inner.max_payload.store(max_payload, Ordering::Relaxed);
+            if max_payload > 0 && size > max_payload {
+                return Err(TransportError::TooLarge {
+                    size,
+                    limit: max_payload,
+                });
+            }
+        }
         Ok(Prepared {
+            headers_len,
             headers: Some(headers),
             source: message.headers,
             msg_id,
@@ -696,7 +702,7 @@ impl NatsTransport {
                 }
                 Err(e) if e.kind() == RequestErrorKind::MaxPayloadExceeded => {
                     return Err(TransportError::TooLarge {
-                        size: prepared.payload.len(),
+                        size: prepared.payload.len() + prepared.headers_len,
                         limit: self.inner.client.server_info().max_payload,
                     })
                 }
