@@ -32,7 +32,9 @@ const GROUP_BYTES: usize = 8 * 1024 * 1024;
 
 /// The header a delivery gets, holding the stored text, when the stored
 /// headers are not a JSON object (a row written by hand, for instance): the
-/// message is still handed out, and the worker's decoder reports it.
+/// message is still handed out, with
+/// [`envoi_core::serializer::INVALID_HEADERS_HEADER`] saying what is wrong,
+/// so that it does not decode and the worker parks it with the reason.
 pub const INVALID_HEADERS_HEADER: &str = "X-Envoi-Postgres-Invalid-Headers";
 
 /// A message that PostgreSQL cannot store as it is.
@@ -328,19 +330,41 @@ fn decode_headers(text: &str) -> Headers {
                 other => (k, other.to_string()),
             })
             .collect(),
-        _ => Headers::from([(INVALID_HEADERS_HEADER, text.to_string())]),
+        _ => Headers::from([
+            (INVALID_HEADERS_HEADER, text.to_string()),
+            (
+                envoi_core::serializer::INVALID_HEADERS_HEADER,
+                format!("the stored headers are not a JSON object: {text}"),
+            ),
+        ]),
     }
 }
 
+/// A row as a delivery. A row whose body or headers are NULL (a table
+/// whose constraints were changed, written by hand) is still handed out,
+/// marked so that it does not decode, rather than failing the whole claim
+/// and holding up every row claimed with it.
 fn row_to_delivery(row: &PgRow) -> Result<Delivery, sqlx::Error> {
     let id: i64 = row.try_get(0)?;
-    let body: Vec<u8> = row.try_get(1)?;
-    let headers: String = row.try_get(2)?;
+    let body: Option<Vec<u8>> = row.try_get(1)?;
+    let headers: Option<String> = row.try_get(2)?;
+    let mut headers = headers.as_deref().map(decode_headers).unwrap_or_else(|| {
+        Headers::from([(
+            envoi_core::serializer::INVALID_HEADERS_HEADER,
+            "the stored headers are NULL",
+        )])
+    });
+    if body.is_none() {
+        headers.insert(
+            envoi_core::serializer::INVALID_BODY_HEADER,
+            "the stored body is NULL",
+        );
+    }
     Ok(Delivery {
         id: id.to_string(),
         raw: RawMessage {
-            body,
-            headers: decode_headers(&headers),
+            body: body.unwrap_or_default(),
+            headers,
         },
     })
 }
@@ -1168,9 +1192,11 @@ mod tests {
             decode_headers(r#"{"n":1,"ok":true}"#),
             Headers::from([("n", "1"), ("ok", "true")])
         );
+        let odd = decode_headers("[1,2]");
+        assert_eq!(odd.get(INVALID_HEADERS_HEADER), Some("[1,2]"));
         assert_eq!(
-            decode_headers("[1,2]"),
-            Headers::from([(INVALID_HEADERS_HEADER, "[1,2]")])
+            odd.get(envoi_core::serializer::INVALID_HEADERS_HEADER),
+            Some("the stored headers are not a JSON object: [1,2]")
         );
     }
 }

@@ -493,7 +493,61 @@ async fn rows_with_odd_headers_written_by_hand_are_still_delivered() {
     assert_eq!(got[0].raw.header("n"), Some("1"));
     assert_eq!(got[0].raw.header("type"), Some("Odd"));
     assert_eq!(got[1].raw.header(INVALID_HEADERS_HEADER), Some("[1, 2]"));
+    // It does not decode: the worker parks it, saying why.
+    let serializer = envoi_core::serializer::Serializer::builder()
+        .build()
+        .unwrap();
+    let reason = serializer.decode(&got[1].raw).unwrap_err().to_string();
+    assert!(reason.contains("not a JSON object: [1, 2]"), "{reason}");
     assert_eq!(t.purge().await.unwrap(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the_rest() {
+    let Some(url) =
+        url("a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the_rest")
+    else {
+        return;
+    };
+    let table = unique("envoi_relaxed");
+    let name = unique("relaxed");
+    let t = open(
+        &name,
+        &url,
+        &format!("table={table}&lease=2s&wait=200ms&poll=200ms"),
+    )
+    .await;
+    let admin = admin(&url).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE {table} ALTER COLUMN headers DROP NOT NULL"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {table} (queue_name, body, headers) VALUES ($1, $2, NULL)"
+    )))
+    .bind(&name)
+    .bind(b"{}".as_slice())
+    .execute(&admin)
+    .await
+    .unwrap();
+    t.send(text("good"), None).await.unwrap();
+
+    let got = receive(&t, 2, Duration::from_secs(10)).await;
+    let reason = got[0]
+        .raw
+        .header(envoi_core::serializer::INVALID_HEADERS_HEADER)
+        .unwrap_or_default();
+    assert_eq!(reason, "the stored headers are NULL");
+    assert_eq!(body(&got[1]), "good", "the row claimed with it comes too");
+    for d in &got {
+        t.ack(&d.id).await.unwrap();
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+        .execute(&admin)
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
