@@ -127,6 +127,33 @@ const CLIENT_OPTIONS: &[&str] = &[
     "auth_mechanism",
 ];
 
+/// Checks the numeric options the AMQP client reads, whose own errors
+/// (`invalid digit found in string`) do not name the option.
+fn check_client_options(dsn: &str) -> Result<(), String> {
+    let query = dsn.split_once('?').map(|(_, q)| q).unwrap_or("");
+    let query = query.split('#').next().unwrap_or("");
+    for pair in query.split('&') {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let fits = match key {
+            "heartbeat" | "channel_max" => value.parse::<u16>().is_ok(),
+            "frame_max" => value.parse::<u32>().is_ok(),
+            "connection_timeout" => value.parse::<u64>().is_ok(),
+            _ => continue,
+        };
+        if !fits {
+            let max = match key {
+                "frame_max" => u64::from(u32::MAX),
+                "connection_timeout" => u64::MAX,
+                _ => u64::from(u16::MAX),
+            };
+            return Err(format!(
+                "option `{key}`: `{value}` is not a whole number from 0 to {max}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl AmqpConfig {
     /// Parses `dsn`. Fails with [`TransportError::InvalidDsn`] (password
     /// masked) for a wrong scheme, a malformed URI, an unknown option or a
@@ -154,6 +181,7 @@ impl AmqpConfig {
         if !(dsn.starts_with("amqp://") || dsn.starts_with("amqps://")) {
             return Err(invalid("the scheme must be `amqp` or `amqps`".into()));
         }
+        check_client_options(dsn).map_err(invalid)?;
         let uri = AMQPUri::from_str(dsn).map_err(|e| invalid(mask_reason(&e, dsn)))?;
         let mut config = AmqpConfig {
             exchange: None,
@@ -410,7 +438,11 @@ mod tests {
         let long = "q".repeat(MAX_QUEUE_NAME + 1);
         assert!(reason(&format!("amqp://u:s3cret@h/%2f?queue={long}")).contains("bytes"));
         reason("amqp://u:s3cret@h:notaport/%2f");
-        reason("amqp://u:s3cret@h/%2f?heartbeat=often");
+        assert!(reason("amqp://u:s3cret@h/%2f?heartbeat=often")
+            .contains("option `heartbeat`: `often` is not a whole number"));
+        assert!(reason("amqp://u:s3cret@h/%2f?connection_timeout=abc")
+            .contains("option `connection_timeout`"));
+        assert!(reason("amqp://u:s3cret@h/%2f?frame_max=-1").contains("option `frame_max`"));
     }
 
     #[test]
