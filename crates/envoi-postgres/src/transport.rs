@@ -525,9 +525,39 @@ impl Inner {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, sqlx::Error>>,
     {
-        self.retrying_raw(op)
-            .await
-            .map_err(|error| self.error(what, error))
+        match self.retrying_raw(op).await {
+            Ok(value) => Ok(value),
+            Err(sqlx::Error::PoolTimedOut) => Err(self.pool_timed_out(what).await),
+            Err(error) => Err(self.error(what, error)),
+        }
+    }
+
+    /// The error of an operation that got no pooled connection in time. The
+    /// pool reports a server it cannot reach (refused, wrong port) only as
+    /// a timeout: one direct attempt tells the cause.
+    #[cold]
+    async fn pool_timed_out(&self, what: &str) -> TransportError {
+        use sqlx::Connection;
+        let attempt = tokio::time::timeout(
+            Duration::from_secs(5),
+            sqlx::PgConnection::connect_with(&self.config.connect),
+        )
+        .await;
+        match attempt {
+            Ok(Err(cause)) => self.error(
+                &format!(
+                    "{what}: no connection within {:?}",
+                    self.config.acquire_timeout
+                ),
+                cause,
+            ),
+            Ok(Ok(connection)) => {
+                // The server answers: the pool was only busy.
+                let _ = connection.close().await;
+                self.error(what, sqlx::Error::PoolTimedOut)
+            }
+            Err(_) => self.error(what, sqlx::Error::PoolTimedOut),
+        }
     }
 
     /// [`retrying`](Self::retrying), keeping the last error as it is.

@@ -550,6 +550,25 @@ async fn a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the
         .unwrap();
 }
 
+#[tokio::test]
+async fn a_server_that_refuses_connections_is_named_as_the_cause_not_a_pool_timeout() {
+    // Nothing listens on port 1: no server is needed.
+    let t = PostgresTransport::from_dsn(
+        "refused",
+        "postgres://postgres@127.0.0.1:1/test?acquire_timeout=300ms&listen=false",
+    )
+    .unwrap();
+    let error = t.setup().await.unwrap_err();
+    let text = format!(
+        "{error}: {}",
+        std::error::Error::source(&error)
+            .map(ToString::to_string)
+            .unwrap_or_default()
+    );
+    assert!(text.contains("no connection within 300ms"), "{text}");
+    assert!(text.to_lowercase().contains("refused"), "{text}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_deletes_only_its_own_queue() {
     let Some(url) = url("purge_deletes_only_its_own_queue") else {
