@@ -6,6 +6,7 @@
 //! so a message comes back with exactly the headers it was sent with.
 
 use envoi_core::headers::header_text;
+use envoi_core::serializer::INVALID_HEADERS_HEADER;
 use envoi_core::Headers;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
@@ -44,13 +45,20 @@ pub(crate) fn encode(headers: &Headers) -> Result<(FieldTable, usize), AmqpError
 }
 
 /// Decodes a received header table. String values (long or short) are kept;
-/// values of other types (set by other producers) are rendered as text;
-/// broker bookkeeping headers are dropped.
+/// numbers, booleans, timestamps and UTF-8 byte arrays (set by other
+/// producers) are rendered as text; broker bookkeeping headers are dropped.
+///
+/// A value that has no faithful text — bytes that are not UTF-8, a nested
+/// table or array, a decimal — is kept as well as it can be rendered, and
+/// [`INVALID_HEADERS_HEADER`] says which header it is, so that the message
+/// does not decode and the worker parks it with the reason instead of
+/// handling it with an altered header.
 pub(crate) fn decode(table: Option<&FieldTable>) -> Headers {
     let Some(table) = table else {
         return Headers::new();
     };
     let mut headers = Headers::with_capacity(table.inner().len());
+    let mut unreadable = Vec::new();
     for (k, v) in table {
         if is_broker_header(k.as_str()) {
             continue;
@@ -63,15 +71,47 @@ pub(crate) fn decode(table: Option<&FieldTable>) -> Headers {
         };
         match plain {
             Some(value) => headers.insert_copy(k.as_str(), value),
-            None => headers.insert(header_text(k.as_str()), text(v)),
+            None => {
+                let (value, faithful) = text(v);
+                if !faithful {
+                    unreadable.push(format!("`{}` ({})", k.as_str(), kind(v)));
+                }
+                headers.insert(header_text(k.as_str()), value)
+            }
         };
+    }
+    if !unreadable.is_empty() {
+        headers.insert(
+            INVALID_HEADERS_HEADER,
+            format!("headers with no text value: {}", unreadable.join(", ")),
+        );
     }
     headers
 }
 
-fn text(value: &AMQPValue) -> String {
+/// What `value` is, in words.
+fn kind(value: &AMQPValue) -> &'static str {
     match value {
-        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::LongString(_) | AMQPValue::ByteArray(_) => "bytes that are not UTF-8",
+        AMQPValue::FieldTable(_) => "a table",
+        AMQPValue::FieldArray(_) => "an array",
+        AMQPValue::DecimalValue(_) => "a decimal",
+        _ => "a value of another type",
+    }
+}
+
+/// `value` as text, and whether that text is faithful.
+fn text(value: &AMQPValue) -> (String, bool) {
+    let lossy = |bytes: &[u8]| match std::str::from_utf8(bytes) {
+        Ok(s) => (s.to_string(), true),
+        Err(_) => (String::from_utf8_lossy(bytes).into_owned(), false),
+    };
+    let exact = match value {
+        AMQPValue::LongString(s) => return lossy(s.as_bytes()),
+        AMQPValue::ByteArray(b) => return lossy(b.as_slice()),
+        AMQPValue::FieldTable(_) | AMQPValue::FieldArray(_) | AMQPValue::DecimalValue(_) => {
+            return (format!("{value:?}"), false)
+        }
         AMQPValue::ShortString(s) => s.as_str().to_string(),
         AMQPValue::Boolean(b) => b.to_string(),
         AMQPValue::ShortShortInt(n) => n.to_string(),
@@ -84,10 +124,9 @@ fn text(value: &AMQPValue) -> String {
         AMQPValue::Float(n) => n.to_string(),
         AMQPValue::Double(n) => n.to_string(),
         AMQPValue::Timestamp(n) => n.to_string(),
-        AMQPValue::ByteArray(b) => String::from_utf8_lossy(b.as_slice()).into_owned(),
         AMQPValue::Void => String::new(),
-        other => format!("{other:?}"),
-    }
+    };
+    (exact, true)
 }
 
 #[cfg(test)]
@@ -134,9 +173,33 @@ mod tests {
         table.insert("n".into(), AMQPValue::LongInt(-4));
         table.insert("b".into(), AMQPValue::Boolean(true));
         table.insert("s".into(), AMQPValue::ShortString("short".into()));
+        table.insert("a".into(), AMQPValue::ByteArray(b"Job".to_vec().into()));
         let decoded = decode(Some(&table));
         assert_eq!(&decoded["n"], "-4");
         assert_eq!(&decoded["b"], "true");
         assert_eq!(&decoded["s"], "short");
+        assert_eq!(&decoded["a"], "Job");
+        assert_eq!(decoded.get(INVALID_HEADERS_HEADER), None);
+    }
+
+    #[test]
+    fn a_header_with_no_faithful_text_marks_the_message_invalid() {
+        let mut nested = FieldTable::default();
+        nested.insert("a".into(), AMQPValue::LongInt(1));
+        let mut table = FieldTable::default();
+        table.insert("type".into(), AMQPValue::LongString("Job".into()));
+        table.insert("trace".into(), AMQPValue::FieldTable(nested));
+        table.insert(
+            "raw".into(),
+            AMQPValue::LongString(LongString::from(&b"\xff\xfe"[..])),
+        );
+        let decoded = decode(Some(&table));
+        assert_eq!(&decoded["type"], "Job");
+        let reason = decoded.get(INVALID_HEADERS_HEADER).unwrap();
+        assert!(reason.contains("`trace` (a table)"), "{reason}");
+        assert!(
+            reason.contains("`raw` (bytes that are not UTF-8)"),
+            "{reason}"
+        );
     }
 }
