@@ -11,10 +11,14 @@
 //! earlier versions). Other fields, written by other producers, come back as
 //! headers of their own name, as does a `headers` field that is not a
 //! well-formed list of netstrings, so a foreign entry still reaches the
-//! worker, which can then park it with a reason.
+//! worker, which can then park it with a reason. A field whose name or
+//! value is not UTF-8 is kept as well as it can be read, and
+//! `X-Envoi-Invalid-Headers` names it, so that the worker parks the message
+//! rather than handling it with an altered header.
 
 use std::io::Write;
 
+use envoi_core::serializer::INVALID_HEADERS_HEADER;
 use envoi_core::transport::{Delivery, RawMessage};
 use envoi_core::Headers;
 use redis::{Cmd, RedisWrite, ToRedisArgs, Value};
@@ -138,14 +142,12 @@ fn bytes(value: Value) -> Option<Vec<u8>> {
     }
 }
 
-/// The string in `value` (a bulk or simple string).
+/// The string in `value` (a bulk or simple string), lossily when it is not
+/// UTF-8 (stream ids and counts, which always are).
 pub(crate) fn string(value: Value) -> Option<String> {
-    bytes(value).map(text)
-}
-
-/// `bytes` as a string, without copying them when they are UTF-8.
-fn text(bytes: Vec<u8>) -> String {
-    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    bytes(value).map(|b| {
+        String::from_utf8(b).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    })
 }
 
 /// Builds the message from a flat `field, value, ...` list.
@@ -161,6 +163,17 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
         headers: Headers::new(),
     };
     let mut items = fields.into_iter();
+    // Fields whose name or value is not UTF-8, kept as well as they can be
+    // read: the message must not be handled with an altered header.
+    let mut altered = Vec::new();
+    let mut text = |bytes: Vec<u8>| match String::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(e) => {
+            let text = String::from_utf8_lossy(e.as_bytes()).into_owned();
+            altered.push(format!("`{text}`"));
+            text
+        }
+    };
     while let (Some(field), Some(value)) = (items.next(), items.next()) {
         let mut field = bytes(field).ok_or("an entry has a field name that is not a string")?;
         let value = bytes(value).ok_or("an entry has a field value that is not a string")?;
@@ -172,15 +185,23 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
                 Some(headers) => raw.headers.extend(headers),
                 // Someone else's field of that name: kept as it is.
                 None => {
-                    raw.headers.insert(text(field), text(value));
+                    let (field, value) = (text(field), text(value));
+                    raw.headers.insert(field, value);
                 }
             }
         } else {
             if field.starts_with(HEADER_PREFIX.as_bytes()) {
                 field.drain(..HEADER_PREFIX.len());
             }
-            raw.headers.insert(text(field), text(value));
+            let (field, value) = (text(field), text(value));
+            raw.headers.insert(field, value);
         }
+    }
+    if !altered.is_empty() {
+        raw.headers.insert(
+            INVALID_HEADERS_HEADER,
+            format!("fields that are not UTF-8: {}", altered.join(", ")),
+        );
     }
     Ok(raw)
 }
@@ -421,8 +442,31 @@ mod tests {
             let raw = decode_fields(vec![bulk(b"headers"), bulk(bad)]).unwrap();
             let kept = raw.header("headers").expect("kept as a header");
             assert_eq!(kept, String::from_utf8_lossy(bad), "{bad:?}");
-            assert_eq!(raw.headers.len(), 1, "{bad:?}");
+            // Text that had to be altered says so.
+            let utf8 = std::str::from_utf8(bad).is_ok();
+            assert_eq!(raw.headers.len(), if utf8 { 1 } else { 2 }, "{bad:?}");
+            assert_eq!(
+                raw.header(INVALID_HEADERS_HEADER).is_some(),
+                !utf8,
+                "{bad:?}"
+            );
         }
+    }
+
+    #[test]
+    fn a_field_that_is_not_utf8_marks_the_message_invalid() {
+        let raw = decode_fields(vec![
+            bulk(b"type"),
+            bulk(b"Job"),
+            bulk(b"trace"),
+            bulk(b"\xff\xfe"),
+        ])
+        .unwrap();
+        assert_eq!(raw.header("type"), Some("Job"));
+        let reason = raw.header(INVALID_HEADERS_HEADER).unwrap();
+        assert!(reason.starts_with("fields that are not UTF-8:"), "{reason}");
+        let raw = decode_fields(vec![bulk(b"type"), bulk(b"Job")]).unwrap();
+        assert_eq!(raw.header(INVALID_HEADERS_HEADER), None);
     }
 
     #[test]
