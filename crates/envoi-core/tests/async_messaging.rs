@@ -446,6 +446,21 @@ async fn a_failed_send_hands_the_envelope_back() {
     }
 }
 
+/// Runs a worker on `transports` for half a second.
+async fn consume_for_half_a_second(
+    messenger: &Messenger,
+    transports: &[&str],
+) -> envoi_core::worker::WorkerReport {
+    Worker::builder(messenger)
+        .receivers(transports.iter().copied())
+        .time_limit(Duration::from_millis(500))
+        .idle_sleep(Duration::from_millis(5))
+        .build()
+        .unwrap()
+        .run()
+        .await
+}
+
 /// A `Charge` handler failing its first `failures` calls.
 fn flaky_handler(
     failures: u32,
@@ -660,14 +675,7 @@ async fn a_message_failing_for_good_on_every_round_trip_is_not_cycled_at_once() 
     // budget; called there, out of budget again, and parked for a second.
     // Without that delay it would go round and round for the whole half
     // second.
-    let report = Worker::builder(&messenger)
-        .receivers(["failed", "async"])
-        .time_limit(Duration::from_millis(500))
-        .idle_sleep(Duration::from_millis(5))
-        .build()
-        .unwrap()
-        .run()
-        .await;
+    let report = consume_for_half_a_second(&messenger, &["failed", "async"]).await;
     assert_eq!(calls.load(Ordering::SeqCst), 4);
     assert_eq!((report.stats.failed, report.stats.retried), (2, 2));
 }
@@ -696,14 +704,7 @@ async fn a_message_failing_for_good_again_from_the_failure_transport_goes_back_t
     // A worker on the failure transport for half a second tries it once:
     // it goes back there, due in a second, instead of being handed out
     // again and again.
-    let report = Worker::builder(&messenger)
-        .receiver("failed")
-        .time_limit(Duration::from_millis(500))
-        .idle_sleep(Duration::from_millis(5))
-        .build()
-        .unwrap()
-        .run()
-        .await;
+    let report = consume_for_half_a_second(&messenger, &["failed"]).await;
     assert_eq!(calls.lock().unwrap().len(), 2);
     assert_eq!(report.stats.failed, 1);
     assert_eq!(delay_of_parked(), (2, Duration::from_secs(1)));
