@@ -74,7 +74,10 @@
 //! is empty. Stopping is graceful: the worker stops fetching, releases the
 //! messages it fetched but did not start, lets the handlers in flight finish
 //! within the [grace period](WorkerBuilder::grace_period), then releases what
-//! did not finish so it is delivered again. Nothing is lost.
+//! did not finish so it is delivered again.
+//! [`StopHandle::stop_now`] (a second signal) cuts the grace period short:
+//! the handlers in flight are dropped and their messages released at once.
+//! Nothing is lost.
 //!
 //! # Concurrency, leases and rate limits
 //!
@@ -313,6 +316,12 @@ where
 
 /// Stops one or more workers; cheap to clone.
 ///
+/// [`stop`](Self::stop) is graceful: a worker stops fetching and lets the
+/// handlers in flight finish within its
+/// [grace period](WorkerBuilder::grace_period). [`stop_now`](Self::stop_now)
+/// does not wait: the handlers in flight are dropped and their messages
+/// given back, to be delivered again.
+///
 /// ```
 /// use envoi_core::worker::StopHandle;
 ///
@@ -320,16 +329,23 @@ where
 /// let same = stop.clone();
 /// same.stop();
 /// assert!(stop.is_stopped());
+/// assert!(!stop.is_stopped_now());
+/// same.stop_now();
+/// assert!(stop.is_stopped_now());
 /// ```
 #[derive(Clone)]
 pub struct StopHandle {
-    tx: Arc<watch::Sender<bool>>,
+    tx: Arc<watch::Sender<u8>>,
 }
+
+/// [`StopHandle`] levels: asked to stop gracefully, then at once.
+const STOP: u8 = 1;
+const STOP_NOW: u8 = 2;
 
 impl Default for StopHandle {
     fn default() -> Self {
         Self {
-            tx: Arc::new(watch::channel(false).0),
+            tx: Arc::new(watch::channel(0).0),
         }
     }
 }
@@ -338,6 +354,7 @@ impl fmt::Debug for StopHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StopHandle")
             .field("stopped", &self.is_stopped())
+            .field("now", &self.is_stopped_now())
             .finish()
     }
 }
@@ -348,40 +365,71 @@ impl StopHandle {
         Self::default()
     }
 
+    fn raise(&self, level: u8) {
+        self.tx.send_if_modified(|current| {
+            let raised = *current < level;
+            *current = (*current).max(level);
+            raised
+        });
+    }
+
     /// Asks every worker using this handle to stop gracefully.
     pub fn stop(&self) {
-        self.tx.send_replace(true);
+        self.raise(STOP);
     }
 
-    /// Whether [`stop`](Self::stop) was called.
+    /// Asks every worker using this handle to stop at once, even during the
+    /// grace period of a graceful stop: the handlers in flight are dropped
+    /// and their messages given back to their transports.
+    pub fn stop_now(&self) {
+        self.raise(STOP_NOW);
+    }
+
+    /// Whether [`stop`](Self::stop) or [`stop_now`](Self::stop_now) was
+    /// called.
     pub fn is_stopped(&self) -> bool {
-        *self.tx.borrow()
+        *self.tx.borrow() >= STOP
     }
 
-    /// Resolves once [`stop`](Self::stop) is called.
+    /// Whether [`stop_now`](Self::stop_now) was called.
+    pub fn is_stopped_now(&self) -> bool {
+        *self.tx.borrow() >= STOP_NOW
+    }
+
+    /// Resolves once [`stop`](Self::stop) (or
+    /// [`stop_now`](Self::stop_now)) is called.
     pub async fn stopped(&self) {
         let mut rx = self.tx.subscribe();
-        let _ = rx.wait_for(|stopped| *stopped).await;
+        let _ = rx.wait_for(|level| *level >= STOP).await;
+    }
+
+    /// Resolves once [`stop_now`](Self::stop_now) is called.
+    async fn stopped_now(&self) {
+        let mut rx = self.tx.subscribe();
+        let _ = rx.wait_for(|level| *level >= STOP_NOW).await;
     }
 
     /// Spawns a task that calls [`stop`](Self::stop) on SIGINT (Ctrl-C) or,
-    /// on Unix, SIGTERM. Must be called inside a tokio runtime; fails when
-    /// the signal handlers cannot be installed.
+    /// on Unix, SIGTERM, and [`stop_now`](Self::stop_now) on a second one.
+    /// Must be called inside a tokio runtime; fails when the signal
+    /// handlers cannot be installed.
     pub fn stop_on_signals(&self) -> std::io::Result<tokio::task::JoinHandle<()>> {
         #[cfg(unix)]
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let handle = self.clone();
         Ok(tokio::spawn(async move {
-            #[cfg(unix)]
-            tokio::select! {
-                r = tokio::signal::ctrl_c() => { if r.is_err() { term.recv().await; } }
-                _ = term.recv() => {}
+            for level in [STOP, STOP_NOW] {
+                #[cfg(unix)]
+                tokio::select! {
+                    r = tokio::signal::ctrl_c() => { if r.is_err() { term.recv().await; } }
+                    _ = term.recv() => {}
+                }
+                #[cfg(not(unix))]
+                if tokio::signal::ctrl_c().await.is_err() {
+                    return;
+                }
+                handle.raise(level);
             }
-            #[cfg(not(unix))]
-            if tokio::signal::ctrl_c().await.is_err() {
-                return;
-            }
-            handle.stop();
         }))
     }
 }
@@ -2492,13 +2540,21 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
     }
 
     /// Releases what was not started, lets what is in flight finish within
-    /// the grace period, releases the rest, and flushes.
+    /// the grace period (cut short by [`StopHandle::stop_now`]), releases
+    /// the rest, and flushes.
     async fn shut_down(
         &mut self,
         keepalive_every: Option<Duration>,
         ticker: &mut tokio::time::Interval,
     ) {
-        let grace = tokio::time::sleep(self.options.grace_period);
+        let stop = self.stop.clone();
+        let period = self.options.grace_period;
+        let grace = async move {
+            tokio::select! {
+                () = tokio::time::sleep(period) => {}
+                () = stop.stopped_now() => {}
+            }
+        };
         tokio::pin!(grace);
         // A batch asked for ahead is given back with the buffer; should it
         // not arrive within the grace period, its messages come back when

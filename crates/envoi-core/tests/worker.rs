@@ -406,6 +406,48 @@ async fn handlers_still_running_after_the_grace_period_are_released_not_lost() {
 }
 
 #[tokio::test]
+async fn stop_now_cuts_the_grace_period_short_and_releases_what_is_in_flight() {
+    let seen = Seen::default();
+    let queue = memory();
+    let messenger = messenger_with(
+        &seen,
+        Duration::from_secs(3600),
+        &[("async", queue.clone())],
+        None,
+    );
+    send_jobs(&messenger, 0..3).await;
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .concurrency(2)
+        .grace_period(Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let mut events = worker.subscribe();
+    let running = tokio::spawn(worker.run());
+    let mut started = 0;
+    while started < 2 {
+        if let WorkerEvent::Received { .. } = events.recv().await.unwrap() {
+            started += 1;
+        }
+    }
+    // A graceful stop waits for the handlers, for up to an hour…
+    stop.stop();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!running.is_finished(), "a graceful stop waits");
+    // …unless asked again to stop, at once (a second Ctrl-C).
+    stop.stop_now();
+    let report = tokio::time::timeout(Duration::from_secs(10), running)
+        .await
+        .expect("stopped at once")
+        .unwrap();
+    assert_eq!(report.reason, StopReason::Stopped);
+    assert_eq!(report.stats.handled, 0);
+    assert_eq!(report.stats.released, 3);
+    assert_eq!(queue.get(10).await.unwrap().len(), 3, "all available again");
+}
+
+#[tokio::test]
 async fn events_tell_the_whole_story() {
     let queue = memory();
     let failed = memory();
