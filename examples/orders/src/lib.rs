@@ -503,6 +503,13 @@ pub enum FlowError {
         /// Why.
         error: String,
     },
+    /// The file named as the database is not an SQLite database, so the
+    /// flow does not delete it to start afresh.
+    #[error("`{path}` is not an SQLite database; the example deletes its database at the start, so it leaves this file alone: set EXAMPLE_ORDERS_DB to another path")]
+    NotADatabase {
+        /// The file.
+        path: PathBuf,
+    },
     /// Another process uses the database.
     #[error("`{database}` is in use by {by}; wait for it to finish, or set EXAMPLE_ORDERS_DB to another file")]
     InUse {
@@ -765,7 +772,38 @@ impl WorkerListener for TallyListener {
     }
 }
 
+/// The first bytes of every SQLite database file.
+const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
+
+/// Deletes the previous run's database, after checking that it is one: a
+/// mistyped `EXAMPLE_ORDERS_DB` must not delete some other file.
 fn remove_database(path: &Path) -> Result<(), FlowError> {
+    match std::fs::File::open(path) {
+        Ok(mut file) => {
+            use std::io::Read;
+            let mut start = Vec::with_capacity(SQLITE_MAGIC.len());
+            file.by_ref()
+                .take(SQLITE_MAGIC.len() as u64)
+                .read_to_end(&mut start)
+                .map_err(|source| FlowError::Clean {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+            // An empty file is what SQLite makes of a new database.
+            if !start.is_empty() && start != SQLITE_MAGIC {
+                return Err(FlowError::NotADatabase {
+                    path: path.to_path_buf(),
+                });
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(FlowError::Clean {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    }
     let mut files = vec![path.to_path_buf()];
     for suffix in ["-wal", "-shm"] {
         let mut name = path.as_os_str().to_owned();

@@ -212,6 +212,17 @@ fn the_command_line_on_a_missing_or_unusable_database_is_one_error_line() {
 }
 
 #[test]
+fn the_main_job_does_not_delete_a_file_that_is_not_a_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let notes = dir.path().join("notes.txt");
+    std::fs::write(&notes, "my notes\n").unwrap();
+    let (code, _, err) = binary(&notes, &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("is not an SQLite database"), "{err}");
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "my notes\n");
+}
+
+#[test]
 fn any_file_name_works_for_the_database() {
     let dir = tempfile::tempdir().unwrap();
     // `?` and `#` would end the path of a DSN.
