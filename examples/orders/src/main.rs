@@ -18,8 +18,11 @@
 //! ```
 //!
 //! `EXAMPLE_ORDERS_DB` sets the database file (by default
-//! `example-orders-data/envoi.db` in the cargo target directory) and
-//! `EXAMPLE_ORDERS_COUNT` the number of orders.
+//! `example-orders-data/envoi.db` in the cargo target directory; the main
+//! job deletes it at the start, and refuses a file that is not an SQLite
+//! database) and `EXAMPLE_ORDERS_COUNT` the number of orders. Ctrl-C stops
+//! the job gracefully, a second Ctrl-C at once. While the job runs, the
+//! command line refuses its database, and the other way round.
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
