@@ -64,7 +64,8 @@
 //!
 //! * **send**: `INSERT … (queue_name, body, headers, created_at,
 //!   available_at) VALUES (?, ?, ?, ?now, ?now + delay)`;
-//!   `send_batch` inserts 64 rows per statement in one transaction.
+//!   `send_batch` inserts 64 rows per statement in one transaction: a
+//!   batch that fails stores none of its messages.
 //! * **claim** (`get`): one statement, atomic on its own (a writing
 //!   statement takes SQLite's write lock before it reads):
 //!   `UPDATE … SET delivered_at = ?now, lease_until = ?now + lease,
@@ -85,8 +86,9 @@
 //!   default); a consumer that dies without acknowledging it loses the lease
 //!   and the message is handed out again, to any process using the file. A
 //!   live consumer calls `keepalive` to keep a long handler's message.
-//! * Ordered: one consumer gets messages in the order they became
-//!   available (send order, for undelayed messages).
+//! * Ordered: one consumer gets messages batch by batch in the order they
+//!   became available, each batch in send order (for undelayed messages,
+//!   send order throughout).
 //! * Delays to the millisecond, observed within `poll` (50 ms by default);
 //!   sends in the same process wake waiting consumers at once.
 //! * Persistent: WAL journal, `synchronous=NORMAL`; a committed send
@@ -123,7 +125,8 @@
 //! transaction, so concurrent producers and consumers share commits instead
 //! of taking turns on the write lock (if any part fails, each operation is
 //! retried on its own, so one failure never fails the others). A lone
-//! operation runs on its own, as one statement. Reads (`list`, `find`,
+//! operation runs on its own: one statement, or a transaction of its own
+//! for a batch of several messages. Reads (`list`, `find`,
 //! `message_count`) use up to two more connections.
 
 #![forbid(unsafe_code)]

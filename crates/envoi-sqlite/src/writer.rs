@@ -262,6 +262,13 @@ impl Op {
     fn wakes(&self) -> bool {
         matches!(self, Op::Insert(..) | Op::Release { .. })
     }
+
+    /// Whether it takes several statements that must commit together: a
+    /// batch failing half-way must store none of its rows, or a caller
+    /// told it failed would store the first ones twice by sending again.
+    fn several_statements(&self) -> bool {
+        matches!(self, Op::Insert(rows, _) if rows.len() > 1)
+    }
 }
 
 impl Writer {
@@ -279,7 +286,7 @@ impl Writer {
             let wake = group.iter().any(Op::wakes);
             if group.len() == 1 {
                 if let Some(op) = group.pop() {
-                    let outcome = apply(&mut self.conn, &self.sql, &self.queue, &op).await;
+                    let outcome = self.apply_alone(&op).await;
                     self.reply(op, outcome).await;
                 }
             } else {
@@ -302,8 +309,27 @@ impl Writer {
             return;
         }
         for op in group.drain(..) {
-            let outcome = apply(&mut self.conn, &self.sql, &self.queue, &op).await;
+            let outcome = self.apply_alone(&op).await;
             self.reply(op, outcome).await;
+        }
+    }
+
+    /// Applies one operation: straight on the connection when it is one
+    /// statement, in a transaction of its own when it is several.
+    async fn apply_alone(&mut self, op: &Op) -> Result<Outcome, sqlx::Error> {
+        if !op.several_statements() {
+            return apply(&mut self.conn, &self.sql, &self.queue, op).await;
+        }
+        let mut tx = self.conn.begin_with("BEGIN IMMEDIATE").await?;
+        match apply(&mut tx, &self.sql, &self.queue, op).await {
+            Ok(outcome) => {
+                tx.commit().await?;
+                Ok(outcome)
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
         }
     }
 

@@ -45,6 +45,32 @@ async fn bodies_within(t: &SqliteTransport, n: usize, within: Duration) -> Vec<S
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_fails_half_way_stores_none_of_its_messages() {
+    let path = db_path("batch-atomic");
+    let t = open(&path, "").await;
+    // Another program's trigger refuses one row of the batch: the 80th.
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("raw pool");
+    sqlx::query(
+        "CREATE TRIGGER refuse_bad BEFORE INSERT ON envoi_jobs WHEN NEW.body = CAST('bad' AS BLOB) \
+         BEGIN SELECT RAISE(ABORT, 'bad row'); END",
+    )
+    .execute(&pool)
+    .await
+    .expect("trigger");
+    pool.close().await;
+
+    let batch: Vec<(RawMessage, Option<Duration>)> = (0..100)
+        .map(|i| (text(if i == 79 { "bad" } else { "good" }), None))
+        .collect();
+    let sent = t.send_batch(batch).await;
+    assert!(sent.is_err(), "{sent:?}");
+    // Told it failed, the caller may send it again: nothing of it is stored.
+    assert_eq!(t.message_count().await.expect("count"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_expires_for_another_pool_on_the_same_file_unless_kept_alive() {
     let path = db_path("lease");
     let a = open(&path, "lease=1s&batch=1&poll=20ms").await;
