@@ -37,7 +37,8 @@ pub enum Storage {
 ///
 /// Durations are written `1500ms`, `2s`, `1m` or as plain (decimal) seconds.
 /// `<name>` is the transport name with characters that JetStream does not
-/// allow in names (`.`, `*`, `>`, whitespace) replaced by `_`.
+/// allow in names (`.`, `*`, `>`, `/`, `\`, whitespace and control
+/// characters) replaced by `_`.
 ///
 /// ```
 /// use std::time::Duration;

@@ -27,7 +27,7 @@
 //! | `send` | `XADD <stream> [MAXLEN ~ n] * body <bytes> headers <netstrings>` |
 //! | `send` with a delay | script: `HSET <stream>:delayed:<id>` + `ZADD <stream>:delayed <due ms> <id>` |
 //! | `get` | `XAUTOCLAIM` (expired leases), script moving due delayed messages, `XREADGROUP ... BLOCK` on a dedicated connection |
-//! | `ack` / `reject` | `XACK`; every second `get` trims what every group acknowledged (`XTRIM MINID`) |
+//! | `ack` / `reject` | `XACK`; a `get` at most once a second trims what every group acknowledged (`XTRIM MINID`) |
 //! | `release` | script: `XADD` a copy at the end, `XACK` the old entry |
 //! | `keepalive` | script: `XCLAIM <id> JUSTID` to the same consumer (resets the idle time) |
 //! | `message_count` | script: pending + `lag` of the group, + `ZCARD` of the delay set |
