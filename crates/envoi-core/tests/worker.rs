@@ -371,8 +371,16 @@ async fn a_graceful_stop_lets_handlers_finish_and_releases_the_rest() {
     assert_eq!(all, (0..40).collect::<Vec<_>>(), "each exactly once");
 }
 
-#[tokio::test]
-async fn handlers_still_running_after_the_grace_period_are_released_not_lost() {
+/// Three jobs whose handlers take an hour, and a worker handling two at a
+/// time with `grace`, once both handlers have started: its queue, its stop
+/// handle and its run.
+async fn two_hour_long_handlers_running(
+    grace: Duration,
+) -> (
+    Arc<InMemoryTransport>,
+    StopHandle,
+    tokio::task::JoinHandle<WorkerReport>,
+) {
     let seen = Seen::default();
     let queue = memory();
     let messenger = messenger_with(
@@ -385,7 +393,7 @@ async fn handlers_still_running_after_the_grace_period_are_released_not_lost() {
     let worker = Worker::builder(&messenger)
         .receiver("async")
         .concurrency(2)
-        .grace_period(Duration::from_millis(20))
+        .grace_period(grace)
         .build()
         .unwrap();
     let stop = worker.stop_handle();
@@ -398,6 +406,12 @@ async fn handlers_still_running_after_the_grace_period_are_released_not_lost() {
             started += 1;
         }
     }
+    (queue, stop, running)
+}
+
+#[tokio::test]
+async fn handlers_still_running_after_the_grace_period_are_released_not_lost() {
+    let (queue, stop, running) = two_hour_long_handlers_running(Duration::from_millis(20)).await;
     stop.stop();
     let report = running.await.unwrap();
     assert_eq!(report.stats.handled, 0);
@@ -407,30 +421,7 @@ async fn handlers_still_running_after_the_grace_period_are_released_not_lost() {
 
 #[tokio::test]
 async fn stop_now_cuts_the_grace_period_short_and_releases_what_is_in_flight() {
-    let seen = Seen::default();
-    let queue = memory();
-    let messenger = messenger_with(
-        &seen,
-        Duration::from_secs(3600),
-        &[("async", queue.clone())],
-        None,
-    );
-    send_jobs(&messenger, 0..3).await;
-    let worker = Worker::builder(&messenger)
-        .receiver("async")
-        .concurrency(2)
-        .grace_period(Duration::from_secs(3600))
-        .build()
-        .unwrap();
-    let stop = worker.stop_handle();
-    let mut events = worker.subscribe();
-    let running = tokio::spawn(worker.run());
-    let mut started = 0;
-    while started < 2 {
-        if let WorkerEvent::Received { .. } = events.recv().await.unwrap() {
-            started += 1;
-        }
-    }
+    let (queue, stop, running) = two_hour_long_handlers_running(Duration::from_secs(3600)).await;
     // A graceful stop waits for the handlers, for up to an hour…
     stop.stop();
     tokio::time::sleep(Duration::from_millis(100)).await;
