@@ -59,7 +59,7 @@ use crate::middleware::BoxFuture;
 use crate::serializer::{Serializer, INVALID_BODY_HEADER, KIND_HEADER, TYPE_HEADER};
 use crate::stamp::DelayStamp;
 use crate::transport::{
-    dsn_has_scheme, mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalId,
+    mask_dsn, strip_scheme, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalId,
     LocalTransport, Payload, RawMessage, Transport, TransportBinding,
 };
 
@@ -91,8 +91,7 @@ impl InMemoryConfig {
             dsn: mask_dsn(dsn),
             reason,
         };
-        const SCHEME: &str = "in-memory://";
-        let Some(rest) = dsn_has_scheme(dsn, SCHEME).then(|| &dsn[SCHEME.len()..]) else {
+        let Some(rest) = strip_scheme(dsn, "in-memory://") else {
             return Err(invalid("the scheme must be `in-memory://`".into()));
         };
         let (host, query) = rest.split_once('?').unwrap_or((rest, ""));

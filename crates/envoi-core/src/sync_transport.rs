@@ -50,7 +50,7 @@ use crate::error::{BusError, Result, TransportError};
 use crate::middleware::BoxFuture;
 use crate::stamp::{BusNameStamp, ReceivedStamp, TransportMessageIdStamp};
 use crate::transport::{
-    dsn_has_scheme, mask_dsn, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalTransport,
+    mask_dsn, strip_scheme, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalTransport,
     RawMessage, Transport, TransportBinding,
 };
 
@@ -77,8 +77,7 @@ impl SyncTransport {
 
     /// A sync transport from a `sync://` DSN (which takes no options).
     pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
-        const SCHEME: &str = "sync://";
-        match dsn_has_scheme(dsn, SCHEME).then(|| &dsn[SCHEME.len()..]) {
+        match strip_scheme(dsn, "sync://") {
             Some("") => Ok(Self::new()),
             Some(rest) => Err(TransportError::InvalidDsn {
                 dsn: mask_dsn(dsn),

@@ -522,6 +522,11 @@ pub fn dsn_has_scheme(dsn: &str, scheme: &str) -> bool {
         .is_some_and(|start| start.eq_ignore_ascii_case(scheme))
 }
 
+/// What follows `scheme` in `dsn`, when [`dsn_has_scheme`] says it has it.
+pub(crate) fn strip_scheme<'a>(dsn: &'a str, scheme: &str) -> Option<&'a str> {
+    dsn_has_scheme(dsn, scheme).then(|| &dsn[scheme.len()..])
+}
+
 /// Masks the password in a DSN (`scheme://user:secret@host` →
 /// `scheme://user:***@host`) for error messages and listings.
 pub fn mask_dsn(dsn: &str) -> String {
