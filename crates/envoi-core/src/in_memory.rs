@@ -369,7 +369,7 @@ impl State {
         }
         let now = Instant::now();
         self.promote(now);
-        let expires = now + far::clamp(lease);
+        let expires = now + lease;
         let n = max.min(self.ready.len());
         if n == 0 {
             return;
@@ -479,8 +479,13 @@ impl InMemoryTransport {
         Self::default()
     }
 
-    /// An empty transport configured by `config`.
+    /// An empty transport configured by `config`. A lease timeout of thirty
+    /// years or more is taken as thirty years, which no clock overflows.
     pub fn with_config(config: InMemoryConfig) -> Self {
+        let config = InMemoryConfig {
+            lease_timeout: far::clamp(config.lease_timeout),
+            ..config
+        };
         Self {
             state: Mutex::new(State::default()),
             inbox: SegQueue::new(),
@@ -772,7 +777,7 @@ impl Transport for InMemoryTransport {
     fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
         let out = parse_id(id).and_then(|n| {
             let mut state = self.lock();
-            let expires = Instant::now() + far::clamp(self.config.lease_timeout);
+            let expires = Instant::now() + self.config.lease_timeout;
             match state.leased.get_mut(n) {
                 Some(lease) => {
                     lease.expires = expires;
