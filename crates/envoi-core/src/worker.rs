@@ -399,14 +399,18 @@ impl StopHandle {
     /// Resolves once [`stop`](Self::stop) (or
     /// [`stop_now`](Self::stop_now)) is called.
     pub async fn stopped(&self) {
-        let mut rx = self.tx.subscribe();
-        let _ = rx.wait_for(|level| *level >= STOP).await;
+        self.reached(STOP).await;
     }
 
     /// Resolves once [`stop_now`](Self::stop_now) is called.
     async fn stopped_now(&self) {
+        self.reached(STOP_NOW).await;
+    }
+
+    /// Resolves once the handle is at `level` or above.
+    async fn reached(&self, level: u8) {
         let mut rx = self.tx.subscribe();
-        let _ = rx.wait_for(|level| *level >= STOP_NOW).await;
+        let _ = rx.wait_for(|current| *current >= level).await;
     }
 
     /// Spawns a task that calls [`stop`](Self::stop) on SIGINT (Ctrl-C) or,
