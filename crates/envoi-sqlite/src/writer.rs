@@ -320,35 +320,33 @@ impl Writer {
         if !op.several_statements() {
             return apply(&mut self.conn, &self.sql, &self.queue, op).await;
         }
-        let mut tx = self.conn.begin_with("BEGIN IMMEDIATE").await?;
-        match apply(&mut tx, &self.sql, &self.queue, op).await {
-            Ok(outcome) => {
-                tx.commit().await?;
-                Ok(outcome)
-            }
-            Err(e) => {
-                let _ = tx.rollback().await;
-                Err(e)
-            }
-        }
+        // One operation, one outcome.
+        let mut outcomes = self.in_transaction(std::slice::from_ref(op)).await?;
+        outcomes.pop().ok_or(sqlx::Error::RowNotFound)
     }
 
     /// The outcomes of `group` applied and committed in one transaction, or
     /// `None` (rolled back) if any part failed.
     async fn try_group(&mut self, group: &[Op]) -> Option<Vec<Outcome>> {
-        let mut tx = self.conn.begin_with("BEGIN IMMEDIATE").await.ok()?;
-        let mut outcomes = Vec::with_capacity(group.len());
-        for op in group {
+        self.in_transaction(group).await.ok()
+    }
+
+    /// The outcomes of `ops` applied and committed in one transaction, or
+    /// the first error (rolled back).
+    async fn in_transaction(&mut self, ops: &[Op]) -> Result<Vec<Outcome>, sqlx::Error> {
+        let mut tx = self.conn.begin_with("BEGIN IMMEDIATE").await?;
+        let mut outcomes = Vec::with_capacity(ops.len());
+        for op in ops {
             match apply(&mut tx, &self.sql, &self.queue, op).await {
                 Ok(o) => outcomes.push(o),
-                Err(_) => {
+                Err(e) => {
                     let _ = tx.rollback().await;
-                    return None;
+                    return Err(e);
                 }
             }
         }
-        tx.commit().await.ok()?;
-        Some(outcomes)
+        tx.commit().await?;
+        Ok(outcomes)
     }
 
     async fn reply(&mut self, op: Op, outcome: Result<Outcome, sqlx::Error>) {
