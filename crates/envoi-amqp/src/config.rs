@@ -130,10 +130,7 @@ const CLIENT_OPTIONS: &[&str] = &[
 /// Checks the numeric options the AMQP client reads, whose own errors
 /// (`invalid digit found in string`) do not name the option.
 fn check_client_options(dsn: &str) -> Result<(), String> {
-    let query = dsn.split_once('?').map(|(_, q)| q).unwrap_or("");
-    let query = query.split('#').next().unwrap_or("");
-    for pair in query.split('&') {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+    for (key, value) in query_pairs(dsn) {
         let fits = match key {
             "heartbeat" | "channel_max" => value.parse::<u16>().is_ok(),
             "frame_max" => value.parse::<u32>().is_ok(),
@@ -152,6 +149,17 @@ fn check_client_options(dsn: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The `key=value` pairs of `dsn`'s query (a pair without `=` has an empty
+/// value), as written: not percent-decoded.
+fn query_pairs(dsn: &str) -> impl Iterator<Item = (&str, &str)> {
+    let query = dsn.split_once('?').map(|(_, q)| q).unwrap_or("");
+    let query = query.split('#').next().unwrap_or("");
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|pair| pair.split_once('=').unwrap_or((pair, "")))
 }
 
 impl AmqpConfig {
@@ -199,10 +207,7 @@ impl AmqpConfig {
             masked: masked.clone(),
         };
         let mut idle_given = false;
-        let query = dsn.split_once('?').map(|(_, q)| q).unwrap_or("");
-        let query = query.split('#').next().unwrap_or("");
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (key, raw) = pair.split_once('=').unwrap_or((pair, ""));
+        for (key, raw) in query_pairs(dsn) {
             let value = percent_decode(raw).ok_or_else(|| {
                 invalid(format!("option `{key}` is not valid percent-encoded UTF-8"))
             })?;
