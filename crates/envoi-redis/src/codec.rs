@@ -145,9 +145,16 @@ fn bytes(value: Value) -> Option<Vec<u8>> {
 /// The string in `value` (a bulk or simple string), lossily when it is not
 /// UTF-8 (stream ids and counts, which always are).
 pub(crate) fn string(value: Value) -> Option<String> {
-    bytes(value).map(|b| {
-        String::from_utf8(b).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
-    })
+    bytes(value).map(|b| text(b).0)
+}
+
+/// `bytes` as a string, without copying them when they are UTF-8, and
+/// whether they were (when not, the text is a lossy rendering).
+fn text(bytes: Vec<u8>) -> (String, bool) {
+    match String::from_utf8(bytes) {
+        Ok(text) => (text, true),
+        Err(e) => (String::from_utf8_lossy(e.as_bytes()).into_owned(), false),
+    }
 }
 
 /// Builds the message from a flat `field, value, ...` list.
@@ -166,13 +173,12 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
     // Fields whose name or value is not UTF-8, kept as well as they can be
     // read: the message must not be handled with an altered header.
     let mut altered = Vec::new();
-    let mut text = |bytes: Vec<u8>| match String::from_utf8(bytes) {
-        Ok(text) => text,
-        Err(e) => {
-            let text = String::from_utf8_lossy(e.as_bytes()).into_owned();
+    let mut read = |bytes: Vec<u8>| {
+        let (text, exact) = text(bytes);
+        if !exact {
             altered.push(format!("`{text}`"));
-            text
         }
+        text
     };
     while let (Some(field), Some(value)) = (items.next(), items.next()) {
         let mut field = bytes(field).ok_or("an entry has a field name that is not a string")?;
@@ -185,7 +191,7 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
                 Some(headers) => raw.headers.extend(headers),
                 // Someone else's field of that name: kept as it is.
                 None => {
-                    let (field, value) = (text(field), text(value));
+                    let (field, value) = (read(field), read(value));
                     raw.headers.insert(field, value);
                 }
             }
@@ -193,7 +199,7 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
             if field.starts_with(HEADER_PREFIX.as_bytes()) {
                 field.drain(..HEADER_PREFIX.len());
             }
-            let (field, value) = (text(field), text(value));
+            let (field, value) = (read(field), read(value));
             raw.headers.insert(field, value);
         }
     }
