@@ -778,6 +778,10 @@ const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
 /// Deletes the previous run's database, after checking that it is one: a
 /// mistyped `EXAMPLE_ORDERS_DB` must not delete some other file.
 fn remove_database(path: &Path) -> Result<(), FlowError> {
+    let unreadable = |source| FlowError::Clean {
+        path: path.to_path_buf(),
+        source,
+    };
     match std::fs::File::open(path) {
         Ok(mut file) => {
             use std::io::Read;
@@ -785,10 +789,7 @@ fn remove_database(path: &Path) -> Result<(), FlowError> {
             file.by_ref()
                 .take(SQLITE_MAGIC.len() as u64)
                 .read_to_end(&mut start)
-                .map_err(|source| FlowError::Clean {
-                    path: path.to_path_buf(),
-                    source,
-                })?;
+                .map_err(unreadable)?;
             // An empty file is what SQLite makes of a new database.
             if !start.is_empty() && start != SQLITE_MAGIC {
                 return Err(FlowError::NotADatabase {
@@ -797,12 +798,7 @@ fn remove_database(path: &Path) -> Result<(), FlowError> {
             }
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(source) => {
-            return Err(FlowError::Clean {
-                path: path.to_path_buf(),
-                source,
-            })
-        }
+        Err(source) => return Err(unreadable(source)),
     }
     let mut files = vec![path.to_path_buf()];
     for suffix in ["-wal", "-shm"] {
