@@ -18,7 +18,7 @@ use envoi_sqlite::{
 use serde::{Deserialize, Serialize};
 
 mod common;
-use common::db_path;
+use common::{db_path, raw_pool};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Job {
@@ -109,9 +109,7 @@ const ROWS: [Row; 5] = [
 
 /// Inserts [`ROWS`] into `table` for queue `jobs`, as another program would.
 async fn insert_rows(path: &Path, table: &str) {
-    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
-        .await
-        .expect("raw pool");
+    let pool = raw_pool(path).await;
     for row in &ROWS {
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO {table} (queue_name, body, headers, created_at, available_at) \
@@ -187,9 +185,7 @@ async fn a_row_whose_due_time_is_not_a_number_is_refused_by_the_table() {
         .await
         .expect("open");
     t.setup().await.expect("setup");
-    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
-        .await
-        .expect("raw pool");
+    let pool = raw_pool(&path).await;
     let refused = sqlx::query(
         "INSERT INTO envoi_jobs (queue_name, body, headers, created_at, available_at) \
          VALUES ('jobs', x'7b7d', '{}', 0, 'soon')",

@@ -10,7 +10,7 @@ use envoi_core::TransportError;
 use envoi_sqlite::{SqliteTransport, SqliteTransportFactory, INVALID_HEADERS};
 
 mod common;
-use common::db_path;
+use common::{db_path, raw_pool};
 
 fn dsn(path: &std::path::Path, options: &str) -> String {
     format!("sqlite://{}?{options}", path.display())
@@ -49,9 +49,7 @@ async fn a_batch_that_fails_half_way_stores_none_of_its_messages() {
     let path = db_path("batch-atomic");
     let t = open(&path, "").await;
     // Another program's trigger refuses one row of the batch: the 80th.
-    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
-        .await
-        .expect("raw pool");
+    let pool = raw_pool(&path).await;
     sqlx::query(
         "CREATE TRIGGER refuse_bad BEFORE INSERT ON envoi_jobs WHEN NEW.body = CAST('bad' AS BLOB) \
          BEGIN SELECT RAISE(ABORT, 'bad row'); END",
@@ -312,9 +310,7 @@ async fn schema_has_the_documented_columns_and_claim_index() {
     let path = db_path("schema");
     let t = open(&path, "table=envoi_queue").await;
     assert_eq!(t.table(), "envoi_queue");
-    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
-        .await
-        .expect("raw pool");
+    let pool = raw_pool(&path).await;
     let columns: Vec<(String, String)> =
         sqlx::query_as("SELECT name, type FROM pragma_table_info('envoi_queue') ORDER BY cid")
             .fetch_all(&pool)
@@ -354,9 +350,7 @@ async fn schema_has_the_documented_columns_and_claim_index() {
 async fn a_row_with_malformed_headers_is_delivered_with_the_reason() {
     let path = db_path("bad-headers");
     let t = open(&path, "poll=20ms").await;
-    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
-        .await
-        .expect("raw pool");
+    let pool = raw_pool(&path).await;
     sqlx::query(
         "INSERT INTO envoi_jobs (queue_name, body, headers, created_at, available_at) \
          VALUES ('jobs', x'7b7d', 'not json', 0, 0)",

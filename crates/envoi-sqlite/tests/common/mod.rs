@@ -1,6 +1,6 @@
 //! Helpers shared by the SQLite integration tests.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// A fresh database path for `test`, under the system's temporary folder.
 pub(crate) fn db_path(test: &str) -> PathBuf {
@@ -11,4 +11,12 @@ pub(crate) fn db_path(test: &str) -> PathBuf {
             std::process::id(),
             uuid::Uuid::new_v4().simple()
         ))
+}
+
+/// A plain sqlx pool on the database at `path`, to read or write it as
+/// another program would.
+pub(crate) async fn raw_pool(path: &Path) -> sqlx::SqlitePool {
+    sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("raw pool")
 }
