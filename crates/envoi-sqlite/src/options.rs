@@ -15,7 +15,7 @@ use envoi_core::TransportError;
 /// | `lease` | `60s` | how long a handed-out message stays leased before it is handed out again |
 /// | `poll` | `50ms` | how long `get` waits for a message when none is available, at most `1m` (an idle worker asked to stop may wait this long) |
 /// | `batch` | `1` | rows claimed at least per round trip; rows beyond what `get` asked for are kept, leased, for the next `get` |
-/// | `busy_timeout` | `5s` | how long a statement waits for another connection's write lock |
+/// | `busy_timeout` | `5s` | how long a statement waits for another connection's write lock, at most `596h` (SQLite's limit) |
 /// | `auto_setup` | `true` | create the table on first use |
 ///
 /// Durations are a number with an optional unit: `ms`, `s` (the default),
@@ -118,7 +118,10 @@ impl SqliteOptions {
                         )));
                     }
                 }
-                "busy_timeout" => options.busy_timeout = duration(key, value).map_err(invalid)?,
+                "busy_timeout" => {
+                    options.busy_timeout = duration(key, value).map_err(invalid)?;
+                    validate_busy_timeout(options.busy_timeout).map_err(invalid)?;
+                }
                 "batch" => {
                     options.batch = match value.parse::<usize>() {
                         Ok(n) if (1..=MAX_BATCH).contains(&n) => n,
@@ -158,6 +161,20 @@ impl SqliteOptions {
 /// The longest `poll`: an idle worker waits this long in `get` before it
 /// sees that it was asked to stop.
 pub(crate) const MAX_POLL: Duration = Duration::from_secs(60);
+
+/// The longest busy timeout: SQLite takes it in milliseconds as a C `int`.
+const MAX_BUSY_TIMEOUT_MS: u128 = i32::MAX as u128;
+
+/// A busy timeout SQLite can take: at most `i32::MAX` milliseconds (about
+/// 596 hours).
+pub(crate) fn validate_busy_timeout(timeout: Duration) -> Result<(), String> {
+    if timeout.as_millis() > MAX_BUSY_TIMEOUT_MS {
+        return Err(format!(
+            "`busy_timeout` must be at most {MAX_BUSY_TIMEOUT_MS}ms (596h), not {timeout:?}"
+        ));
+    }
+    Ok(())
+}
 
 /// The most rows one claim may take.
 pub(crate) const MAX_BATCH: usize = 10_000;
@@ -272,6 +289,10 @@ mod tests {
             ("sqlite://x.db?poll=-1", "`poll` must be a duration"),
             ("sqlite://x.db?poll=61s", "`poll` must be at most 1m"),
             ("sqlite://x.db?poll=1e9", "`poll` must be at most 1m"),
+            (
+                "sqlite://x.db?busy_timeout=1000h",
+                "`busy_timeout` must be at most",
+            ),
             ("sqlite://x.db?batch=0", "`batch` must be"),
             ("sqlite://x.db?batch=many", "`batch` must be"),
             ("sqlite://x.db?table=drop%20table", "table name"),

@@ -152,7 +152,8 @@ impl SqliteTransport {
     ///
     /// # Errors
     ///
-    /// [`TransportError::InvalidDsn`] for a bad table name or batch size,
+    /// [`TransportError::InvalidDsn`] for a bad table name, batch size or
+    /// busy timeout,
     /// [`TransportError::Backend`] when the database cannot be opened.
     pub async fn open(name: &str, options: SqliteOptions) -> Result<Self, TransportError> {
         let table = match &options.table {
@@ -164,6 +165,7 @@ impl SqliteTransport {
             reason,
         };
         crate::options::validate_table(&table).map_err(invalid)?;
+        crate::options::validate_busy_timeout(options.busy_timeout).map_err(invalid)?;
         if !(1..=MAX_BATCH).contains(&options.batch) {
             return Err(invalid(format!(
                 "`batch` must be from 1 to {MAX_BATCH}, not {}",

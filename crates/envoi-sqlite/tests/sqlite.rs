@@ -467,3 +467,29 @@ async fn by_default_get_claims_only_what_it_asks_for() {
         "rows beyond the one asked for were held back"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_timeout_sqlite_cannot_take_is_an_invalid_dsn() {
+    let path = db_path("busy-timeout-too-long");
+    // SQLite takes the busy timeout in milliseconds as a C int: 1000 hours
+    // is more than it holds.
+    let bad = dsn(&path, "busy_timeout=1000h");
+    match SqliteTransport::connect("jobs", &bad).await {
+        Err(TransportError::InvalidDsn { reason, .. }) => {
+            assert!(reason.contains("busy_timeout"), "{reason}")
+        }
+        other => panic!("expected InvalidDsn, got {other:?}"),
+    }
+    let mut options = envoi_sqlite::SqliteOptions::new(&path);
+    options.busy_timeout = Duration::from_secs(1000 * 3600);
+    match SqliteTransport::open("jobs", options).await {
+        Err(TransportError::InvalidDsn { reason, .. }) => {
+            assert!(reason.contains("busy_timeout"), "{reason}")
+        }
+        other => panic!("expected InvalidDsn, got {other:?}"),
+    }
+    // The longest it can take still opens.
+    let t = open(&path, "busy_timeout=596h").await;
+    t.send(text("x"), None).await.expect("send");
+    assert_eq!(t.message_count().await.expect("count"), 1);
+}
