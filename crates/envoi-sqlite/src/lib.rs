@@ -112,7 +112,9 @@
 //! message at a time can set `batch=N` to claim `N` and keep the others,
 //! leased to this handle, for the next calls; rows kept for half the lease
 //! are given back, as are those held by a handle when it is dropped or
-//! [closed](SqliteTransport::close). The worker fetches in batches itself,
+//! [closed](SqliteTransport::close) (only while still leased under the claim
+//! that kept them: one whose lease ran out may be another consumer's by
+//! then, and stays so). The worker fetches in batches itself,
 //! so it needs no prefetching (and a graceful stop then leaves nothing
 //! leased).
 //!

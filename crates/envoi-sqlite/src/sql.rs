@@ -15,6 +15,7 @@ pub(crate) struct Statements {
     pub(crate) ack_many: Arc<str>,
     pub(crate) release: Arc<str>,
     pub(crate) release_many: Arc<str>,
+    pub(crate) release_claimed: Arc<str>,
     pub(crate) keepalive: Arc<str>,
     pub(crate) count: Arc<str>,
     pub(crate) list: Arc<str>,
@@ -77,6 +78,12 @@ impl Statements {
                  WHERE +queue_name = ?2 AND lease_until IS NOT NULL
                    AND id IN (SELECT value FROM json_each(?1))"
             )),
+            // Only rows still leased by the claim made at ?4.
+            release_claimed: s(format!(
+                "UPDATE {t} SET available_at = ?3, lease_until = NULL, delivered_at = NULL
+                 WHERE +queue_name = ?2 AND delivered_at = ?4
+                   AND id IN (SELECT value FROM json_each(?1))"
+            )),
             keepalive: s(format!(
                 "UPDATE {t} SET lease_until = ?3, available_at = ?3
                  WHERE id = ?1 AND queue_name = ?2 AND lease_until IS NOT NULL"
@@ -137,6 +144,7 @@ mod tests {
             ("ack_many", &sql.ack_many, 2),
             ("release", &sql.release, 3),
             ("release_many", &sql.release_many, 3),
+            ("release_claimed", &sql.release_claimed, 4),
             ("keepalive", &sql.keepalive, 3),
             ("find", &sql.find, 2),
         ] {

@@ -59,6 +59,22 @@ struct Inner {
 struct Buffered {
     delivery: Delivery,
     claimed_at: Instant,
+    /// The claim's time, its `delivered_at`: the row is still leased to
+    /// this handle while `delivered_at` holds it (a later claim by anyone
+    /// sets a later time).
+    claim: i64,
+}
+
+/// Rows kept by a handle, by the claim that leased them: `(claim, ids)`.
+fn by_claim(held: Vec<(i64, i64)>) -> Vec<(i64, Vec<i64>)> {
+    let mut claims: Vec<(i64, Vec<i64>)> = Vec::new();
+    for (id, claim) in held {
+        match claims.iter_mut().find(|(c, _)| *c == claim) {
+            Some((_, ids)) => ids.push(id),
+            None => claims.push((claim, vec![id])),
+        }
+    }
+    claims
 }
 
 fn q(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
@@ -262,7 +278,7 @@ impl SqliteTransport {
     pub async fn close(&self) {
         let held = self.inner.drain_buffer();
         if !held.is_empty() {
-            if let Err(e) = self.inner.release_ids(held).await {
+            if let Err(e) = self.inner.give_back(held).await {
                 tracing::warn!(table = %self.inner.table, error = %e, "releasing prefetched messages failed");
             }
         }
@@ -287,10 +303,11 @@ impl Inner {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn drain_buffer(&self) -> Vec<i64> {
+    /// Takes the kept rows out of the buffer: `(id, claim)`.
+    fn drain_buffer(&self) -> Vec<(i64, i64)> {
         self.lock_buffer()
             .drain(..)
-            .filter_map(|b| parse_id(&b.delivery.id))
+            .filter_map(|b| Some((parse_id(&b.delivery.id)?, b.claim)))
             .collect()
     }
 
@@ -338,13 +355,13 @@ impl Inner {
                 if b.claimed_at.elapsed() < fresh_for {
                     out.push(b.delivery);
                 } else if let Some(id) = parse_id(&b.delivery.id) {
-                    stale.push(id);
+                    stale.push((id, b.claim));
                 }
             }
             (out, stale)
         };
         if !stale.is_empty() {
-            self.release_ids(stale).await?;
+            self.give_back(stale).await?;
         }
         Ok(out)
     }
@@ -368,6 +385,7 @@ impl Inner {
                 .extend(rest.into_iter().map(|delivery| Buffered {
                     delivery,
                     claimed_at,
+                    claim: now,
                 }));
         }
         Ok(deliveries)
@@ -378,20 +396,38 @@ impl Inner {
         self.write("releasing messages", |reply| Op::Release {
             ids,
             now,
+            claim: None,
             reply: Some(reply),
         })
         .await
+    }
+
+    /// Gives back rows kept by this handle, `(id, claim)`, those still
+    /// leased under the claim that kept them: a row whose lease ran out
+    /// may have been claimed by another consumer since, and stays its.
+    async fn give_back(&self, held: Vec<(i64, i64)>) -> Result<(), TransportError> {
+        for (claim, ids) in by_claim(held) {
+            let now = now_ms();
+            self.write("releasing messages", |reply| Op::Release {
+                ids,
+                now,
+                claim: Some(claim),
+                reply: Some(reply),
+            })
+            .await?;
+        }
+        Ok(())
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
         // Give prefetched messages back at once rather than after the lease.
-        let held = self.drain_buffer();
-        if !held.is_empty() {
+        for (claim, ids) in by_claim(self.drain_buffer()) {
             let _ = self.writer.try_send(Op::Release {
-                ids: held,
+                ids,
                 now: now_ms(),
+                claim: Some(claim),
                 reply: None,
             });
         }

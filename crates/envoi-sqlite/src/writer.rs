@@ -67,6 +67,9 @@ pub(crate) enum Op {
     Release {
         ids: Vec<i64>,
         now: i64,
+        /// Only rows still leased by the claim at this time (their
+        /// `delivered_at`); any leased row when `None`.
+        claim: Option<i64>,
         reply: Option<Reply<()>>,
     },
     Keepalive {
@@ -359,6 +362,7 @@ impl Writer {
                     let release = Op::Release {
                         ids,
                         now: crate::transport::now_ms(),
+                        claim: None,
                         reply: None,
                     };
                     let _ = apply(&mut self.conn, &self.sql, &self.queue, &release).await;
@@ -522,7 +526,29 @@ async fn apply(
             }
             Ok(Outcome::Done)
         }
-        Op::Release { ids, now, .. } => {
+        Op::Release {
+            ids,
+            now,
+            claim: Some(claim),
+            ..
+        } => {
+            if !ids.is_empty() {
+                sqlx::query(q(&sql.release_claimed))
+                    .bind(id_list(ids))
+                    .bind(queue)
+                    .bind(*now)
+                    .bind(*claim)
+                    .execute(&mut *conn)
+                    .await?;
+            }
+            Ok(Outcome::Done)
+        }
+        Op::Release {
+            ids,
+            now,
+            claim: None,
+            ..
+        } => {
             match ids.as_slice() {
                 [] => {}
                 [id] => {

@@ -493,3 +493,39 @@ async fn a_busy_timeout_sqlite_cannot_take_is_an_invalid_dsn() {
     t.send(text("x"), None).await.expect("send");
     assert_eq!(t.message_count().await.expect("count"), 1);
 }
+
+/// Prefetched rows kept past their lease may have been claimed by another
+/// consumer since: giving them back must not end that consumer's lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefetched_rows_whose_lease_ran_out_are_not_taken_from_their_new_holder() {
+    let path = db_path("stale-prefetch");
+    let a = open(&path, "batch=4&lease=300ms&poll=0").await;
+    let b = open(&path, "lease=60s&poll=0").await;
+    let c = open(&path, "lease=60s&poll=0").await;
+    for i in 0..4 {
+        a.send(text(&format!("m{i}")), None).await.expect("send");
+    }
+    // `a` hands out one and keeps three, leased for 300 ms.
+    assert_eq!(a.get(1).await.expect("get").len(), 1);
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    // The leases ran out: `b` claims all four and is still handling them.
+    assert_eq!(b.get(10).await.expect("get").len(), 4);
+    // `a` finds its kept rows stale and gives them back: they are `b`'s now.
+    let got = a.get(1).await.expect("get");
+    assert!(got.is_empty(), "a took back b's messages: {got:?}");
+    let got = c.get(10).await.expect("get");
+    assert!(got.is_empty(), "b's leases were ended: {got:?}");
+
+    // The same when the holder of stale rows is closed or dropped.
+    for i in 4..8 {
+        a.send(text(&format!("m{i}")), None).await.expect("send");
+    }
+    assert_eq!(a.get(1).await.expect("get").len(), 1);
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert_eq!(b.get(10).await.expect("get").len(), 4);
+    a.close().await;
+    drop(a);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let got = c.get(10).await.expect("get");
+    assert!(got.is_empty(), "b's leases were ended: {got:?}");
+}
