@@ -17,7 +17,7 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, ConnectOptions};
 use tokio::sync::{mpsc, oneshot, Notify, OnceCell};
 
-use crate::options::{default_table, SqliteOptions, MAX_BATCH};
+use crate::options::{default_table, SqliteOptions, MAX_BATCH, MAX_POLL};
 use crate::sql::Statements;
 use crate::writer::{decode_row, NewRow, Op, Writer};
 
@@ -168,8 +168,9 @@ impl SqliteTransport {
     ///
     /// # Errors
     ///
-    /// [`TransportError::InvalidDsn`] for a bad table name, batch size or
-    /// busy timeout,
+    /// [`TransportError::InvalidDsn`] for a bad table name, lease, poll,
+    /// batch size or busy timeout (checked as [`SqliteOptions::from_dsn`]
+    /// checks them),
     /// [`TransportError::Backend`] when the database cannot be opened.
     pub async fn open(name: &str, options: SqliteOptions) -> Result<Self, TransportError> {
         let table = match &options.table {
@@ -182,6 +183,18 @@ impl SqliteTransport {
         };
         crate::options::validate_table(&table).map_err(invalid)?;
         crate::options::validate_busy_timeout(options.busy_timeout).map_err(invalid)?;
+        if options.lease < Duration::from_millis(1) {
+            return Err(invalid(format!(
+                "`lease` must be at least 1ms, not {:?}",
+                options.lease
+            )));
+        }
+        if options.poll > MAX_POLL {
+            return Err(invalid(format!(
+                "`poll` must be at most 1m, not {:?}",
+                options.poll
+            )));
+        }
         if !(1..=MAX_BATCH).contains(&options.batch) {
             return Err(invalid(format!(
                 "`batch` must be from 1 to {MAX_BATCH}, not {}",

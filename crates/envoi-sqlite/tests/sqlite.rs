@@ -529,3 +529,23 @@ async fn prefetched_rows_whose_lease_ran_out_are_not_taken_from_their_new_holder
     let got = c.get(10).await.expect("get");
     assert!(got.is_empty(), "b's leases were ended: {got:?}");
 }
+
+/// Options built in code are checked as a DSN's are: a lease under 1 ms
+/// would hand every message out again at once, a poll over 1 m would keep
+/// an idle worker asked to stop waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn options_built_in_code_are_checked_like_a_dsn() {
+    let path = db_path("options-in-code");
+    let mut no_lease = envoi_sqlite::SqliteOptions::new(&path);
+    no_lease.lease = Duration::ZERO;
+    let mut long_poll = envoi_sqlite::SqliteOptions::new(&path);
+    long_poll.poll = Duration::from_secs(3600);
+    for (options, option) in [(no_lease, "`lease`"), (long_poll, "`poll`")] {
+        match SqliteTransport::open("jobs", options).await {
+            Err(TransportError::InvalidDsn { reason, .. }) => {
+                assert!(reason.contains(option), "{reason}")
+            }
+            other => panic!("{option}: expected InvalidDsn, got {other:?}"),
+        }
+    }
+}
