@@ -49,7 +49,7 @@
 //!     delivered_at INTEGER,                  -- Unix ms of the claim; NULL when not leased
 //!     lease_until INTEGER                    -- Unix ms; NULL when not leased
 //! );
-//! CREATE INDEX IF NOT EXISTS "envoi_<name>_claim" ON "envoi_<name>" (queue_name, available_at, id);
+//! CREATE INDEX IF NOT EXISTS "envoi_<name>:claim" ON "envoi_<name>" (queue_name, available_at, id);
 //! ```
 //!
 //! A row written by something else, whose body is not a BLOB or TEXT or

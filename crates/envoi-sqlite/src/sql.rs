@@ -8,6 +8,9 @@ use crate::writer::INSERT_CHUNK;
 pub(crate) struct Statements {
     pub(crate) create_table: Arc<str>,
     pub(crate) create_index: Arc<str>,
+    /// Whether the table still has the claim index under its former name.
+    pub(crate) has_legacy_index: Arc<str>,
+    pub(crate) drop_legacy_index: Arc<str>,
     pub(crate) insert: Arc<str>,
     pub(crate) insert_chunk: Arc<str>,
     pub(crate) claim: Arc<str>,
@@ -28,7 +31,11 @@ pub(crate) struct Statements {
 impl Statements {
     pub(crate) fn new(table: &str) -> Self {
         let t = format!("\"{table}\"");
-        let index = format!("\"{table}_claim\"");
+        // Tables and indexes share one name space: `:` cannot be in a table
+        // name, so this cannot be the table of another transport (as
+        // `{table}_claim`, the former name, was for `<name>_claim`).
+        let index = format!("\"{table}:claim\"");
+        let legacy = format!("{table}_claim");
         let row = "(?, ?, ?, ?, ?)";
         let rows = vec![row; INSERT_CHUNK].join(", ");
         let s = |sql: String| Arc::<str>::from(sql);
@@ -48,6 +55,11 @@ impl Statements {
             create_index: s(format!(
                 "CREATE INDEX IF NOT EXISTS {index} ON {t} (queue_name, available_at, id)"
             )),
+            has_legacy_index: s(format!(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'index' \
+                 AND name = '{legacy}' COLLATE NOCASE AND tbl_name = '{table}' COLLATE NOCASE"
+            )),
+            drop_legacy_index: s(format!("DROP INDEX IF EXISTS \"{legacy}\"")),
             insert: s(format!(
                 "INSERT INTO {t} (queue_name, body, headers, created_at, available_at) VALUES {row}"
             )),
@@ -150,13 +162,13 @@ mod tests {
         ] {
             let p = plan(&mut conn, stmt, binds).await;
             assert!(
-                p.contains("INTEGER PRIMARY KEY") && !p.contains("jobs_claim"),
+                p.contains("INTEGER PRIMARY KEY") && !p.contains("jobs:claim"),
                 "{name} should look rows up by id: {p}"
             );
         }
         let p = plan(&mut conn, &sql.claim, 4).await;
         assert!(
-            p.contains("jobs_claim (queue_name=? AND available_at<?)")
+            p.contains("jobs:claim (queue_name=? AND available_at<?)")
                 && !p.contains("TEMP B-TREE"),
             "the claim should range-scan its index in order: {p}"
         );

@@ -426,6 +426,14 @@ async fn apply(
             sqlx::query(q(&sql.create_index))
                 .execute(&mut *conn)
                 .await?;
+            let legacy: i64 = sqlx::query_scalar(q(&sql.has_legacy_index))
+                .fetch_one(&mut *conn)
+                .await?;
+            if legacy > 0 {
+                sqlx::query(q(&sql.drop_legacy_index))
+                    .execute(&mut *conn)
+                    .await?;
+            }
             Ok(Outcome::Done)
         }
         Op::Insert(rows, _) => {

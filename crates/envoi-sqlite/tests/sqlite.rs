@@ -332,7 +332,7 @@ async fn schema_has_the_documented_columns_and_claim_index() {
         .collect();
     assert_eq!(columns, expected);
     let index: Vec<(String,)> =
-        sqlx::query_as("SELECT name FROM pragma_index_info('envoi_queue_claim') ORDER BY seqno")
+        sqlx::query_as("SELECT name FROM pragma_index_info('envoi_queue:claim') ORDER BY seqno")
             .fetch_all(&pool)
             .await
             .expect("index_info");
@@ -548,4 +548,49 @@ async fn options_built_in_code_are_checked_like_a_dsn() {
             other => panic!("{option}: expected InvalidDsn, got {other:?}"),
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transports_named_x_and_x_claim_share_a_file() {
+    let path = db_path("claim-names");
+    // `open` sets up the transport `jobs`, table `envoi_jobs`.
+    let jobs = open(&path, "").await;
+    let claims = SqliteTransport::connect("jobs_claim", &dsn(&path, "poll=20ms"))
+        .await
+        .expect("connect jobs_claim");
+    claims.setup().await.expect("setup jobs_claim beside jobs");
+    assert_eq!(claims.table(), "envoi_jobs_claim");
+    claims.send(text("claim"), None).await.expect("send");
+    assert_eq!(
+        bodies_within(&claims, 1, Duration::from_secs(5)).await,
+        ["claim"]
+    );
+    assert_eq!(jobs.message_count().await.expect("count"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_replaces_the_claim_index_under_its_former_name() {
+    let path = db_path("legacy-index");
+    let t = open(&path, "table=envoi_queue").await;
+    t.setup().await.expect("setup");
+    let pool = raw_pool(&path).await;
+    sqlx::query("DROP INDEX \"envoi_queue:claim\"")
+        .execute(&pool)
+        .await
+        .expect("drop index");
+    sqlx::query("CREATE INDEX envoi_queue_claim ON envoi_queue (queue_name, available_at, id)")
+        .execute(&pool)
+        .await
+        .expect("index under the former name");
+    t.setup().await.expect("setup again");
+    let indexes: Vec<(String,)> = sqlx::query_as(
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'envoi_queue' \
+         ORDER BY name",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("indexes");
+    let indexes: Vec<&str> = indexes.iter().map(|(n,)| n.as_str()).collect();
+    assert_eq!(indexes, ["envoi_queue:claim"]);
+    pool.close().await;
 }
