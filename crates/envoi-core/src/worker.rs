@@ -2411,6 +2411,14 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             if let Some(reason) = self.limit_reached(&mut memory_checked) {
                 break reason;
             }
+            // A worker kept busy (handlers that finish at once, a free slot,
+            // messages to fetch) never reaches a wait that watches the
+            // ticker: extend the leases of what it holds here too.
+            if let Some(every) = keepalive_every {
+                if poll_fn(|cx| Poll::Ready(ticker.poll_tick(cx).is_ready())).await {
+                    self.keepalive(every).await;
+                }
+            }
             // Start what the buffer holds, up to the concurrency (at most
             // that many per round, though most finish at once, so the stop
             // conditions are checked as often as before).

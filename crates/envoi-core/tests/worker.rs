@@ -1040,3 +1040,49 @@ async fn a_message_that_cannot_be_parked_is_kept_and_retried_with_a_growing_paus
         "the message is kept, not lost"
     );
 }
+
+#[tokio::test]
+async fn keepalive_goes_on_while_quick_messages_keep_the_worker_busy() {
+    // One slow handler holds a slot while quick ones, finishing as soon as
+    // they start, keep the other slot and the fetching busy: the slow
+    // message's lease must still be extended, or it is handed out again.
+    let queue = Arc::new(InMemoryTransport::with_config({
+        let mut c = InMemoryConfig::default();
+        c.lease_timeout = Duration::from_millis(200);
+        c
+    }));
+    let slow_runs = Arc::new(AtomicU32::new(0));
+    let runs = slow_runs.clone();
+    let messenger = Messenger::builder()
+        .command_handler(move |job: Job| {
+            let runs = runs.clone();
+            async move {
+                if job.n == 0 {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(600)).await;
+                } else {
+                    // Busy, without yielding.
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .transport("async", queue.clone())
+        .route::<Job>("async")
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..4000).await;
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .concurrency(2)
+        .keepalive_interval(Some(Duration::from_millis(20)))
+        .stop_when_empty()
+        .idle_sleep(Duration::from_millis(5))
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(slow_runs.load(Ordering::SeqCst), 1, "{:?}", report.stats);
+    assert_eq!(report.stats.handled, 4000);
+    assert_eq!(queue.message_count().await.unwrap(), 0);
+}
