@@ -93,7 +93,8 @@
 //! # Events
 //!
 //! [`WorkerEvent`]s go to [listeners](WorkerBuilder::listener) (called in
-//! line, so keep them quick) and to [`Worker::subscribe`]rs. Events are only
+//! line, so keep them quick; a listener that panics is logged and the
+//! worker goes on) and to [`Worker::subscribe`]rs. Events are only
 //! built when someone listens. For counters only (a progress bar),
 //! [`Worker::progress`] is cheaper.
 
@@ -299,7 +300,8 @@ pub enum WorkerEvent {
     },
 }
 
-/// Receives a worker's events, in line: keep it quick.
+/// Receives a worker's events, in line: keep it quick. A panic in
+/// [`on_event`](Self::on_event) is logged and otherwise ignored.
 pub trait WorkerListener: Send + Sync + 'static {
     /// Called for every event.
     fn on_event(&self, event: &WorkerEvent);
@@ -1040,7 +1042,15 @@ impl Events {
         }
         let event = make();
         for l in &self.listeners {
-            l.on_event(&event);
+            // A listener's bug must not pass for the message's failure (a
+            // handled message parked as panicked) nor bring the worker down
+            // with messages still leased.
+            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| l.on_event(&event))) {
+                tracing::error!(
+                    panic = %panic_message(&*panic),
+                    "a worker listener panicked; the worker goes on"
+                );
+            }
         }
         if let Some(tx) = &self.tx {
             let _ = tx.send(event);

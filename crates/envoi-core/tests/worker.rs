@@ -1086,3 +1086,31 @@ async fn keepalive_goes_on_while_quick_messages_keep_the_worker_busy() {
     assert_eq!(report.stats.handled, 4000);
     assert_eq!(queue.message_count().await.unwrap(), 0);
 }
+
+#[tokio::test]
+async fn a_panicking_listener_neither_fails_messages_nor_stops_the_worker() {
+    let seen = Seen::default();
+    let (queue, failed) = (memory(), memory());
+    let messenger = messenger_with(
+        &seen,
+        Duration::ZERO,
+        &[("async", queue.clone()), ("failed", failed.clone())],
+        Some("failed"),
+    );
+    send_jobs(&messenger, 0..3).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let count = calls.clone();
+    let report = drain(Worker::builder(&messenger).receiver("async").listener(
+        move |_: &WorkerEvent| {
+            count.fetch_add(1, Ordering::SeqCst);
+            panic!("listener bug");
+        },
+    ))
+    .await;
+    assert_eq!(seen.get(), [0, 1, 2]);
+    assert_eq!((report.stats.handled, report.stats.failed), (3, 0));
+    assert_eq!(failed.message_count().await.unwrap(), 0, "nothing parked");
+    assert_eq!(queue.message_count().await.unwrap(), 0);
+    // Started, three Received, three Handled, Stopped.
+    assert_eq!(calls.load(Ordering::SeqCst), 8);
+}
