@@ -53,7 +53,7 @@
 //! | success, scheduled for a retry by the retry step | acknowledges it (the retry is a new message) | [`Retried`](WorkerEvent::Retried) |
 //! | handler failure, parked in the failure transport by the retry step | acknowledges it | [`Failed`](WorkerEvent::Failed) |
 //! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
-//! | transport failure (the retry could not be sent) | releases it, so it is delivered again | [`Failed`](WorkerEvent::Failed) |
+//! | transport failure (the retry could not be sent) | releases it, so it is delivered again, and pauses fetching as when parking fails | [`Failed`](WorkerEvent::Failed) |
 //! | any other error (no handler, a middleware's error, a panic) | parks it like the retry step would, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //! | it does not decode (unknown type, malformed, too large) | sends the raw message to the failure transport with an `ErrorDetails` stamp header saying why, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //!
@@ -1446,7 +1446,8 @@ impl Ctx {
         }
     }
 
-    /// Notes whether parking a message worked.
+    /// Notes whether parking a message (or sending its retry, which the
+    /// retry step does) worked.
     fn parked(&self, worked: bool) {
         if worked {
             self.park_failures.store(0, Ordering::Relaxed);
@@ -1549,6 +1550,7 @@ impl Ctx {
             Ok(after) => {
                 if after.all::<RedeliveryStamp>().count() > redeliveries {
                     bump(&self.counters.retried);
+                    self.parked(true);
                     self.events.emit(|| WorkerEvent::Retried {
                         transport: transport.clone(),
                         id: id.text().into_owned(),
@@ -1576,6 +1578,7 @@ impl Ctx {
                     .then(|| failed.last::<SentStamp>().map(|s| s.transport.clone()))
                     .flatten();
                 let action = if parked_in.is_some() {
+                    self.parked(true);
                     Action::Ack
                 } else {
                     Action::Reject
@@ -1603,6 +1606,9 @@ impl Ctx {
             }
             Err(error @ BusError::Transport { .. }) => {
                 bump(&self.counters.failed);
+                // Fetched again at once, it would be handled and fail again
+                // at once: pause fetching as when the worker cannot park.
+                self.parked(false);
                 self.events.emit(|| WorkerEvent::Failed {
                     transport: transport.clone(),
                     id: id.text().into_owned(),

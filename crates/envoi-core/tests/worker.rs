@@ -1114,3 +1114,41 @@ async fn a_panicking_listener_neither_fails_messages_nor_stops_the_worker() {
     // Started, three Received, three Handled, Stopped.
     assert_eq!(calls.load(Ordering::SeqCst), 8);
 }
+
+#[tokio::test]
+async fn a_message_the_retry_step_cannot_park_is_handled_again_only_after_a_pause() {
+    let queue = memory();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let count = runs.clone();
+    let messenger = Messenger::builder()
+        .command_handler(move |_: Job| {
+            count.fetch_add(1, Ordering::Relaxed);
+            async { Err::<(), _>(JobFailed) }
+        })
+        .transport("async", queue.clone())
+        .transport("failed", Arc::new(Refusing))
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+            max_retries: 0,
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..1).await;
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .idle_sleep(Duration::from_millis(5))
+        .time_limit(Duration::from_secs(1))
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::TimeLimit);
+    // The retry step's park fails and the message is released: handled
+    // again after pauses of 100, 200, 400 and 800 ms, not at once in a
+    // loop as fast as the transports go.
+    let runs = runs.load(Ordering::Relaxed);
+    assert!((2..=8).contains(&runs), "handled {runs} times");
+    assert_eq!(queue.message_count().await.unwrap(), 1, "kept, not lost");
+}
