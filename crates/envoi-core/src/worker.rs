@@ -71,7 +71,9 @@
 //! reached: messages, time, memory (resident set size, read from
 //! `/proc/self/status` on Linux and ignored elsewhere), failures, or — with
 //! [`stop_when_empty`](WorkerBuilder::stop_when_empty) — when every receiver
-//! is empty. Stopping is graceful: the worker stops fetching, releases the
+//! is empty. Stopping is graceful: the worker stops fetching (a fetch still
+//! waiting for messages, as a broker's long poll does, is given the grace
+//! period to return, and what it brings is released), releases the
 //! messages it fetched but did not start, lets the handlers in flight finish
 //! within the [grace period](WorkerBuilder::grace_period), then releases what
 //! did not finish so it is delivered again.
@@ -2020,11 +2022,14 @@ struct Run<'a, F> {
     again: Vec<HashSet<String>>,
 }
 
-/// A batch asked for ahead of time.
+/// A batch asked for ahead of time, or a `get` still out when the worker
+/// had to stop (always of a transport that is not an in-process one).
 struct Ahead<'a> {
+    /// The receiver asked.
+    receiver: usize,
     /// How many messages were asked for.
     want: usize,
-    get: BoxFuture<'a, Result<Batch, TransportError>>,
+    get: BoxFuture<'a, Result<Vec<crate::transport::Delivery>, TransportError>>,
 }
 
 /// Polls the batch asked for ahead of time, if any; once it arrives, its
@@ -2041,11 +2046,12 @@ fn poll_ahead(
     let Poll::Ready(got) = a.get.as_mut().poll(cx) else {
         return Poll::Pending;
     };
+    let receiver = a.receiver;
     *ahead = None;
     match got {
-        Ok(batch) => batch.hold(0, buffer),
+        Ok(got) => Batch::Remote(got).hold(receiver, buffer),
         Err(e) => ctx.events.emit(|| WorkerEvent::TransportFailed {
-            transport: ctx.receivers[0].name.clone(),
+            transport: ctx.receivers[receiver].name.clone(),
             operation: "get",
             error: e.to_string(),
         }),
@@ -2229,13 +2235,17 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         // `Some` once the acknowledgements are sent.
         let mut sent: Option<SentAcks> = None;
         let fetched = if self.ahead.is_some() {
-            // Asked for already: wait for it.
+            // Asked for already: wait for it, unless the worker must stop
+            // first (then a stop gives it back when it arrives).
+            let must_stop = self.must_stop();
+            tokio::pin!(must_stop);
             loop {
                 tokio::select! {
                     biased;
                     _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, ctx, cx)) => {
                         break (self.buffer.len(), None);
                     }
+                    () = &mut must_stop => break (0, None),
                     done = acking.as_mut(), if pending && sent.is_none() => sent = Some(done),
                     finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
                         self.record(finished);
@@ -2296,15 +2306,38 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 break;
             }
             let ctx = self.ctx;
-            let get = ctx.receivers[receiver].get(want);
-            tokio::pin!(get);
-            let got = loop {
-                tokio::select! {
-                    biased;
-                    got = &mut get => break got,
-                    done = acking.as_mut(), if pending && sent.is_none() => *sent = Some(done),
-                    finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
-                        self.record(finished);
+            let got = if ctx.receivers[receiver].transport.local().is_none() {
+                // A broker's `get` may wait long for a message (a long
+                // poll): it must not hold up a stop or the time limit.
+                let mut get = ctx.receivers[receiver].transport.get(want);
+                let must_stop = self.must_stop();
+                tokio::pin!(must_stop);
+                loop {
+                    tokio::select! {
+                        biased;
+                        got = get.as_mut() => break got.map(Batch::Remote),
+                        done = acking.as_mut(), if pending && sent.is_none() => *sent = Some(done),
+                        finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                            self.record(finished);
+                        }
+                        () = &mut must_stop => {
+                            // The stop gives back what it brings.
+                            self.ahead = Some(Ahead { receiver, want, get });
+                            return (0, wait);
+                        }
+                    }
+                }
+            } else {
+                let get = ctx.receivers[receiver].get(want);
+                tokio::pin!(get);
+                loop {
+                    tokio::select! {
+                        biased;
+                        got = &mut get => break got,
+                        done = acking.as_mut(), if pending && sent.is_none() => *sent = Some(done),
+                        finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                            self.record(finished);
+                        }
                     }
                 }
             };
@@ -2322,6 +2355,24 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             }
         }
         (0, wait)
+    }
+
+    /// Resolves once the worker must stop: asked to, or out of time.
+    fn must_stop(&self) -> impl Future<Output = ()> + 'static {
+        let stop = self.stop.clone();
+        let deadline = self.options.time_limit.map(|t| self.started + t);
+        async move {
+            let out_of_time = async {
+                match deadline {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = stop.stopped() => {}
+                () = out_of_time => {}
+            }
+        }
     }
 
     /// Asks for the next batch now, so it arrives while the current one is
@@ -2349,8 +2400,9 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             return;
         }
         self.ahead = Some(Ahead {
+            receiver: 0,
             want,
-            get: Box::pin(ctx.receivers[0].get(want)),
+            get: ctx.receivers[0].transport.get(want),
         });
     }
 
@@ -2506,7 +2558,8 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                     }
                 }
                 let (n, token_wait) = self.fetch(budget).await;
-                if n > 0 {
+                // A `get` still out means the worker must stop.
+                if n > 0 || self.ahead.is_some() {
                     continue;
                 }
                 if self.in_flight.is_empty() && self.buffer.is_empty() {
@@ -2584,9 +2637,9 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             }
         };
         tokio::pin!(grace);
-        // A batch asked for ahead is given back with the buffer; should it
-        // not arrive within the grace period, its messages come back when
-        // their leases expire.
+        // A batch asked for ahead (or a `get` still out when the stop came)
+        // is given back with the buffer; should it not arrive within the
+        // grace period, its messages come back when their leases expire.
         let ctx = self.ctx;
         if self.ahead.is_some() {
             tokio::select! {

@@ -1152,3 +1152,95 @@ async fn a_message_the_retry_step_cannot_park_is_handled_again_only_after_a_paus
     assert!((2..=8).contains(&runs), "handled {runs} times");
     assert_eq!(queue.message_count().await.unwrap(), 1, "kept, not lost");
 }
+
+/// A queue whose `get` waits long for a message when there is none, as a
+/// broker's long poll does (Redis `block`, NATS `wait`).
+struct LongPoll(Arc<InMemoryTransport>, Duration);
+
+impl Transport for LongPoll {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
+        self.0.send(message, delay)
+    }
+
+    fn get(
+        &self,
+        max: usize,
+    ) -> envoi_core::middleware::BoxFuture<
+        '_,
+        Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
+    > {
+        Box::pin(async move {
+            let got = self.0.get(max).await?;
+            if got.is_empty() {
+                tokio::time::sleep(self.1).await;
+                return self.0.get(max).await;
+            }
+            Ok(got)
+        })
+    }
+
+    fn ack<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        self.0.ack(id)
+    }
+
+    fn release<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        self.0.release(id)
+    }
+
+    fn capabilities(&self) -> envoi_core::transport::Capabilities {
+        self.0.capabilities()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_time_limit_and_a_stop_do_not_wait_for_a_long_poll() {
+    let queue = Arc::new(InMemoryTransport::new());
+    let messenger = Messenger::builder()
+        .transport("async", Arc::new(LongPoll(queue, Duration::from_secs(30))))
+        .build()
+        .unwrap();
+    // A `get` still out is waited for within the grace period only, so
+    // that what it brings is given back.
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .time_limit(Duration::from_secs(1))
+        .grace_period(Duration::from_millis(500))
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::TimeLimit);
+    assert!(
+        report.elapsed < Duration::from_secs(2),
+        "{:?}",
+        report.elapsed
+    );
+
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .grace_period(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let start = Instant::now();
+    let run = tokio::spawn(worker.run());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.stop();
+    let report = run.await.unwrap();
+    assert_eq!(report.reason, StopReason::Stopped);
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+}
