@@ -62,7 +62,9 @@
 //! worker that consumes the failure transport itself moves a message that
 //! fails again to the back of that transport.
 //!
-//! Acknowledgements are sent in batches.
+//! Acknowledgements are sent in batches, after the events above: one that
+//! fails is reported by a [`TransportFailed`](WorkerEvent::TransportFailed)
+//! event, and the message may be delivered again when its lease ends.
 //!
 //! # Stopping
 //!
@@ -233,7 +235,11 @@ pub enum WorkerEvent {
         /// The message name.
         message: &'static str,
     },
-    /// A message was handled and acknowledged.
+    /// A message was handled; its acknowledgement goes with the next batch
+    /// of them, and should that fail a
+    /// [`TransportFailed`](WorkerEvent::TransportFailed) event for `ack`
+    /// follows (the message may then be delivered again once its lease
+    /// ends).
     Handled {
         /// The transport.
         transport: Arc<str>,
