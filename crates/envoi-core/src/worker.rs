@@ -2026,6 +2026,10 @@ struct Run<'a, F> {
     /// do not count as waiting work for [`WorkerBuilder::stop_when_empty`]
     /// (and are kept only with that option).
     again: Vec<HashSet<String>>,
+    /// How often leases are extended; `None` for never.
+    keepalive_every: Option<Duration>,
+    /// Ticks every `keepalive_every` (never without it).
+    ticker: tokio::time::Interval,
 }
 
 /// A batch asked for ahead of time, or a `get` still out when the worker
@@ -2039,10 +2043,12 @@ struct Ahead<'a> {
 }
 
 /// Polls the batch asked for ahead of time, if any; once it arrives, its
-/// messages join the buffer (where keepalives and a stop see them).
+/// messages join the buffer (where keepalives and a stop see them) and
+/// take their receiver's rate-limit tokens.
 fn poll_ahead(
     ahead: &mut Option<Ahead<'_>>,
     buffer: &mut VecDeque<Held>,
+    buckets: &mut [Option<Bucket>],
     ctx: &Ctx,
     cx: &mut Context<'_>,
 ) -> Poll<()> {
@@ -2055,7 +2061,12 @@ fn poll_ahead(
     let receiver = a.receiver;
     *ahead = None;
     match got {
-        Ok(got) => Batch::Remote(got).hold(receiver, buffer),
+        Ok(got) => {
+            if let Some(bucket) = &mut buckets[receiver] {
+                bucket.take(got.len());
+            }
+            Batch::Remote(got).hold(receiver, buffer);
+        }
         Err(e) => ctx.events.emit(|| WorkerEvent::TransportFailed {
             transport: ctx.receivers[receiver].name.clone(),
             operation: "get",
@@ -2068,6 +2079,13 @@ fn poll_ahead(
 impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
     fn new(ctx: &'a Ctx, options: Options, stop: StopHandle, start: Start<'a, F>) -> Self {
         let now = Instant::now();
+        let keepalive_every = options.keepalive_interval.filter(|d| !d.is_zero());
+        let far = Duration::from_secs(86_400 * 365);
+        let mut ticker = tokio::time::interval_at(
+            now + keepalive_every.unwrap_or(far),
+            keepalive_every.unwrap_or(far),
+        );
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Self {
             ctx,
             start,
@@ -2090,6 +2108,8 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             started: now,
             fetch_after: None,
             again: ctx.receivers.iter().map(|_| HashSet::new()).collect(),
+            keepalive_every,
+            ticker,
         }
     }
 
@@ -2135,6 +2155,15 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
 
     fn pending_acks(&self) -> usize {
         self.acks.iter().map(Acks::len).sum()
+    }
+
+    /// Whether handled messages wait to be acknowledged, rejected,
+    /// released or parked.
+    fn has_outcomes(&self) -> bool {
+        self.pending_acks() > 0
+            || !self.rejects.is_empty()
+            || !self.releases.is_empty()
+            || !self.panicked.is_empty()
     }
 
     fn transport_failed(&self, receiver: usize, operation: &'static str, error: &TransportError) {
@@ -2203,8 +2232,12 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         self.releases.push((receiver, id));
     }
 
-    /// Extends the leases of messages held longer than the interval.
-    async fn keepalive(&mut self, interval: Duration) {
+    /// Extends the leases of messages held longer than the keepalive
+    /// interval.
+    async fn keepalive(&mut self) {
+        let Some(interval) = self.keepalive_every else {
+            return;
+        };
         let now = Instant::now();
         let held: Vec<(usize, MessageId)> = self
             .buffer
@@ -2248,7 +2281,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             loop {
                 tokio::select! {
                     biased;
-                    _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, ctx, cx)) => {
+                    _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, &mut self.buckets, ctx, cx)) => {
                         break (self.buffer.len(), None);
                     }
                     () = &mut must_stop => break (0, None),
@@ -2256,6 +2289,12 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                     finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
                         self.record(finished);
                     }
+                    _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
+                }
+                // What finished meanwhile is settled now, not when the
+                // batch arrives (a long poll may outlast its leases).
+                if (!pending || sent.is_some()) && self.has_outcomes() {
+                    break (0, None);
                 }
             }
         } else {
@@ -2326,11 +2365,25 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                         finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
                             self.record(finished);
                         }
+                        // A long poll must not let the leases of what is
+                        // in flight run out.
+                        _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
                         () = &mut must_stop => {
                             // The stop gives back what it brings.
                             self.ahead = Some(Ahead { receiver, want, get });
                             return (0, wait);
                         }
+                    }
+                    // What finished meanwhile is settled now, not when the
+                    // poll ends (it may outlast their leases): the `get`
+                    // goes on as the batch asked for ahead.
+                    if (!pending || sent.is_some()) && self.has_outcomes() {
+                        self.ahead = Some(Ahead {
+                            receiver,
+                            want,
+                            get,
+                        });
+                        return (0, wait);
                     }
                 }
             } else {
@@ -2473,12 +2526,6 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         let deadline =
             tokio::time::sleep_until(self.started + self.options.time_limit.unwrap_or(far));
         tokio::pin!(deadline);
-        let keepalive_every = self.options.keepalive_interval.filter(|d| !d.is_zero());
-        let mut ticker = tokio::time::interval_at(
-            self.started + keepalive_every.unwrap_or(far),
-            keepalive_every.unwrap_or(far),
-        );
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Checked at once, then about every second.
         let mut memory_checked = None;
         let reason = loop {
@@ -2488,10 +2535,10 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             // A worker kept busy (handlers that finish at once, a free slot,
             // messages to fetch) never reaches a wait that watches the
             // ticker: extend the leases of what it holds here too.
-            if let Some(every) = keepalive_every {
-                if poll_fn(|cx| Poll::Ready(ticker.poll_tick(cx).is_ready())).await {
-                    self.keepalive(every).await;
-                }
+            if self.keepalive_every.is_some()
+                && poll_fn(|cx| Poll::Ready(self.ticker.poll_tick(cx).is_ready())).await
+            {
+                self.keepalive().await;
             }
             // Start what the buffer holds, up to the concurrency (at most
             // that many per round, though most finish at once, so the stop
@@ -2512,7 +2559,13 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             // for ahead is sent on its way by its first poll here).
             if self.ahead.is_some() {
                 poll_fn(|cx| {
-                    let _ = poll_ahead(&mut self.ahead, &mut self.buffer, ctx, cx);
+                    let _ = poll_ahead(
+                        &mut self.ahead,
+                        &mut self.buffer,
+                        &mut self.buckets,
+                        ctx,
+                        cx,
+                    );
                     Poll::Ready(())
                 })
                 .await;
@@ -2564,7 +2617,8 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                     }
                 }
                 let (n, token_wait) = self.fetch(budget).await;
-                // A `get` still out means the worker must stop.
+                // A `get` still out: the worker must stop, or settle what
+                // finished while it waits.
                 if n > 0 || self.ahead.is_some() {
                     continue;
                 }
@@ -2598,9 +2652,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                     finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
                     _ = stopped.changed() => {}
                     _ = &mut deadline, if self.options.time_limit.is_some() => {}
-                    _ = ticker.tick(), if keepalive_every.is_some() => {
-                        if let Some(every) = keepalive_every { self.keepalive(every).await; }
-                    }
+                    _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
                     _ = any(waits) => {}
                 }
                 continue;
@@ -2608,15 +2660,13 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             // Full, or out of budget: wait for a message to finish.
             tokio::select! {
                 finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
-                _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, ctx, cx)), if self.ahead.is_some() => {}
+                _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, &mut self.buckets, ctx, cx)), if self.ahead.is_some() => {}
                 _ = stopped.changed() => {}
                 _ = &mut deadline, if self.options.time_limit.is_some() => {}
-                _ = ticker.tick(), if keepalive_every.is_some() => {
-                    if let Some(every) = keepalive_every { self.keepalive(every).await; }
-                }
+                _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
             }
         };
-        self.shut_down(keepalive_every, &mut ticker).await;
+        self.shut_down().await;
         let report = WorkerReport {
             reason,
             stats: ctx.counters.snapshot(),
@@ -2626,14 +2676,17 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         report
     }
 
+    /// Gives back the messages fetched and not started.
+    fn give_back_buffer(&mut self) {
+        for held in std::mem::take(&mut self.buffer) {
+            self.give_back(held.receiver, held.id);
+        }
+    }
+
     /// Releases what was not started, lets what is in flight finish within
     /// the grace period (cut short by [`StopHandle::stop_now`]), releases
     /// the rest, and flushes.
-    async fn shut_down(
-        &mut self,
-        keepalive_every: Option<Duration>,
-        ticker: &mut tokio::time::Interval,
-    ) {
+    async fn shut_down(&mut self) {
         let stop = self.stop.clone();
         let period = self.options.grace_period;
         let grace = async move {
@@ -2644,28 +2697,22 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         };
         tokio::pin!(grace);
         // A batch asked for ahead (or a `get` still out when the stop came)
-        // is given back with the buffer; should it not arrive within the
-        // grace period, its messages come back when their leases expire.
+        // is given back with the buffer when it arrives, while the handlers
+        // in flight go on; should it not arrive within the grace period,
+        // its messages come back when their leases expire.
         let ctx = self.ctx;
-        if self.ahead.is_some() {
+        self.give_back_buffer();
+        while !self.in_flight.is_empty() || self.ahead.is_some() {
             tokio::select! {
-                _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, ctx, cx)) => {}
-                _ = &mut grace => {}
-            }
-            self.ahead = None;
-        }
-        for held in std::mem::take(&mut self.buffer) {
-            self.give_back(held.receiver, held.id);
-        }
-        while !self.in_flight.is_empty() {
-            tokio::select! {
-                finished = self.in_flight.next() => self.record(finished),
-                _ = &mut grace => break,
-                _ = ticker.tick(), if keepalive_every.is_some() => {
-                    if let Some(every) = keepalive_every { self.keepalive(every).await; }
+                _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, &mut self.buckets, ctx, cx)), if self.ahead.is_some() => {
+                    self.give_back_buffer();
                 }
+                finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
+                _ = &mut grace => break,
+                _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
             }
         }
+        self.ahead = None;
         for task in self.in_flight.abandon() {
             self.give_back(task.receiver, task.id);
         }

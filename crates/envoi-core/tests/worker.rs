@@ -1197,9 +1197,131 @@ impl Transport for LongPoll {
         self.0.release(id)
     }
 
+    fn keepalive<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        self.0.keepalive(id)
+    }
+
     fn capabilities(&self) -> envoi_core::transport::Capabilities {
         self.0.capabilities()
     }
+}
+
+/// A messenger with one queue of two-second leases behind a 30 s long poll,
+/// handling each job for `handling`.
+fn long_poll_messenger(seen: &Seen, handling: Duration) -> (Messenger, Arc<InMemoryTransport>) {
+    let queue = Arc::new(InMemoryTransport::with_config({
+        let mut c = InMemoryConfig::default();
+        c.lease_timeout = Duration::from_secs(2);
+        c
+    }));
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(handling))
+        .transport(
+            "async",
+            Arc::new(LongPoll(queue.clone(), Duration::from_secs(30))),
+        )
+        .route::<Job>("async")
+        .build()
+        .unwrap();
+    (messenger, queue)
+}
+
+#[tokio::test(start_paused = true)]
+async fn leases_are_extended_while_a_long_poll_waits() {
+    // One message handled for 5 s while the worker's next `get` waits 30 s
+    // for more: the message's 2 s lease must be extended meanwhile, or
+    // another consumer takes it.
+    let seen = Seen::default();
+    let (messenger, queue) = long_poll_messenger(&seen, Duration::from_secs(5));
+    send_jobs(&messenger, 0..1).await;
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .concurrency(2)
+        .keepalive_interval(Some(Duration::from_millis(500)))
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let run = tokio::spawn(worker.run());
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let taken = queue.get(10).await.unwrap();
+    assert!(taken.is_empty(), "the lease ran out: {} taken", taken.len());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop.stop();
+    let report = run.await.unwrap();
+    assert_eq!(seen.get(), [0]);
+    assert_eq!(report.stats.handled, 1);
+    assert_eq!(queue.message_count().await.unwrap(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_message_handled_during_a_long_poll_is_acknowledged_before_the_poll_ends() {
+    // Handled in 1 s while the next `get` waits 30 s: kept unacknowledged
+    // until the poll ends, its 2 s lease would run out and it would be
+    // handed out again.
+    let seen = Seen::default();
+    let (messenger, queue) = long_poll_messenger(&seen, Duration::from_secs(1));
+    send_jobs(&messenger, 0..1).await;
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .concurrency(2)
+        .keepalive_interval(None)
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let run = tokio::spawn(worker.run());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(queue.message_count().await.unwrap(), 0, "not acknowledged");
+    stop.stop();
+    let report = run.await.unwrap();
+    assert_eq!(seen.get(), [0]);
+    assert_eq!(report.stats.handled, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stop_during_a_long_poll_lets_the_handlers_in_flight_finish() {
+    // Stopped 1 s into a 3 s handler (thirty steps of 100 ms, each needing
+    // a poll), while the next `get` waits 30 s: the handler goes on and its
+    // message is acknowledged, not released when the grace period ends.
+    let queue = Arc::new(InMemoryTransport::new());
+    let steps = Arc::new(AtomicU32::new(0));
+    let done = steps.clone();
+    let messenger = Messenger::builder()
+        .command_handler(move |_: Job| {
+            let done = done.clone();
+            async move {
+                for _ in 0..30 {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    done.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .transport(
+            "async",
+            Arc::new(LongPoll(queue.clone(), Duration::from_secs(30))),
+        )
+        .route::<Job>("async")
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..1).await;
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .concurrency(2)
+        .grace_period(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let run = tokio::spawn(worker.run());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.stop();
+    let report = run.await.unwrap();
+    assert_eq!(report.reason, StopReason::Stopped);
+    assert_eq!(steps.load(Ordering::SeqCst), 30);
+    assert_eq!((report.stats.handled, report.stats.released), (1, 0));
+    assert_eq!(queue.message_count().await.unwrap(), 0);
 }
 
 #[tokio::test(start_paused = true)]
