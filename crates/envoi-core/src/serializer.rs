@@ -8,7 +8,11 @@
 //! * the `kind` header holds `command`, `query` or `event`;
 //! * one `X-Message-Stamp-<name>` header per stamp type holds a JSON array of
 //!   that type's stamps, oldest first. Stamps that are not
-//!   [sendable](crate::Stamp::SENDABLE) are dropped;
+//!   [sendable](crate::Stamp::SENDABLE) are dropped. Of the stamps the
+//!   retry step and the worker add on every retry and park (`Redelivery`,
+//!   `Delay`, `ErrorDetails`, `SentToFailureTransport`), only the newest
+//!   [`STAMP_HISTORY`] of each type are written, so a message that keeps
+//!   failing and coming back does not grow without bound;
 //! * every [envelope header](Envelope::header) is written as a header of its
 //!   own. `type`, `kind` and the `X-Message-Stamp-` prefix are reserved.
 //!
@@ -90,6 +94,21 @@ pub const TYPE_HEADER: &str = "type";
 pub const KIND_HEADER: &str = "kind";
 /// The prefix of the headers holding stamps: `X-Message-Stamp-<name>`.
 pub const STAMP_HEADER_PREFIX: &str = "X-Message-Stamp-";
+/// How many stamps of each retry-history type (`Redelivery`, `Delay`,
+/// `ErrorDetails`, `SentToFailureTransport`) a message keeps on the wire:
+/// the newest ones. Enough for the longest
+/// [`parked_again_delay`](crate::middleware::retry::parked_again_delay).
+pub const STAMP_HISTORY: usize = 16;
+
+/// Whether stamps named `name` are retry history, of which only the newest
+/// [`STAMP_HISTORY`] cross the wire.
+pub(crate) fn is_history(name: &str) -> bool {
+    name == RedeliveryStamp::NAME
+        || name == DelayStamp::NAME
+        || name == ErrorDetailsStamp::NAME
+        || name == SentToFailureTransportStamp::NAME
+}
+
 /// The default limit of a body's size: 16 MiB.
 pub const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
 /// The header a transport sets on a message whose stored headers it could
@@ -630,14 +649,23 @@ fn encode_stamps(
                 continue;
             }
         }
+        let same = |s: &&dyn ErasedStamp| {
+            s.sendable() && s.name() == name && !s.as_any().is::<OpaqueStamp>()
+        };
+        let group = || std::iter::once(stamp).chain(envelope.stamps().skip(index + 1).filter(same));
+        // Retry history: only the newest stamps.
+        let skip = if is_history(name) {
+            group().count().saturating_sub(STAMP_HISTORY)
+        } else {
+            0
+        };
         let mut json = Vec::with_capacity(32);
         json.push(b'[');
-        write_stamp(stamp, &mut json)?;
-        for later in envelope.stamps().skip(index + 1) {
-            if later.sendable() && later.name() == name && !later.as_any().is::<OpaqueStamp>() {
+        for (i, stamp) in group().skip(skip).enumerate() {
+            if i > 0 {
                 json.push(b',');
-                write_stamp(later, &mut json)?;
             }
+            write_stamp(stamp, &mut json)?;
         }
         json.push(b']');
         let json = String::from_utf8(json).map_err(|_| SerializationError::InvalidHeader {
@@ -928,6 +956,23 @@ mod tests {
         let back = serializer().decode(&raw).unwrap();
         let delays: Vec<u64> = back.all::<DelayStamp>().map(|d| d.ms).collect();
         assert_eq!(delays, [1, 2]);
+    }
+
+    #[test]
+    fn only_the_newest_retry_history_stamps_are_written() {
+        let mut e = Envelope::new(order());
+        for n in 0..40u64 {
+            e = e
+                .with(DelayStamp { ms: n })
+                .with(HandledStamp::new(format!("h{n}"), Default::default()));
+        }
+        let back = serializer()
+            .decode(&serializer().encode(&e).unwrap())
+            .unwrap();
+        let delays: Vec<u64> = back.all::<DelayStamp>().map(|d| d.ms).collect();
+        assert_eq!(delays, (40 - STAMP_HISTORY as u64..40).collect::<Vec<_>>());
+        // Other stamps are all kept.
+        assert_eq!(back.all::<HandledStamp>().count(), 40);
     }
 
     #[test]

@@ -1909,8 +1909,10 @@ struct Settled {
     error: String,
 }
 
-/// Adds `stamp` to its `X-Message-Stamp-<name>` header's array. A header
-/// that is not a JSON array is kept under `X-Malformed-Stamp-<name>`.
+/// Adds `stamp` to its `X-Message-Stamp-<name>` header's array, keeping
+/// only the newest [`STAMP_HISTORY`](crate::serializer::STAMP_HISTORY) of a
+/// retry-history stamp, as the serializer does. A header that is not a JSON
+/// array is kept under `X-Malformed-Stamp-<name>`.
 fn append_stamp_header<S: Stamp>(raw: &mut RawMessage, stamp: &S) {
     let key = format!("{STAMP_HEADER_PREFIX}{}", S::NAME);
     let Ok(value) = serde_json::to_value(stamp) else {
@@ -1928,6 +1930,12 @@ fn append_stamp_header<S: Stamp>(raw: &mut RawMessage, stamp: &S) {
         },
     };
     values.push(value);
+    if crate::serializer::is_history(S::NAME) {
+        let excess = values
+            .len()
+            .saturating_sub(crate::serializer::STAMP_HISTORY);
+        values.drain(..excess);
+    }
     if let Ok(json) = serde_json::to_string(&values) {
         raw.headers.insert(key, json);
     }
@@ -2785,6 +2793,25 @@ mod tests {
         append_stamp_header(&mut raw, &DelayStamp { ms: 3 });
         assert_eq!(raw.header("X-Message-Stamp-Delay"), Some(r#"[{"ms":3}]"#));
         assert_eq!(raw.header("X-Malformed-Stamp-Delay"), Some("garbage"));
+    }
+
+    #[test]
+    fn appending_a_retry_history_stamp_header_keeps_only_the_newest() {
+        let mut raw = RawMessage::default();
+        for n in 0..40 {
+            append_stamp_header(
+                &mut raw,
+                &RedeliveryStamp {
+                    retry_count: n,
+                    at: 0,
+                },
+            );
+        }
+        let kept: Vec<RedeliveryStamp> =
+            serde_json::from_str(raw.header("X-Message-Stamp-Redelivery").unwrap()).unwrap();
+        let counts: Vec<u32> = kept.iter().map(|r| r.retry_count).collect();
+        let newest: Vec<u32> = (40 - crate::serializer::STAMP_HISTORY as u32..40).collect();
+        assert_eq!(counts, newest);
     }
 
     fn task(key: u64) -> TaskInfo {

@@ -529,6 +529,76 @@ mod tests {
         assert!(senders.sent_to().is_empty());
     }
 
+    /// A message that fails for good on every round trip through its
+    /// failure transport (a worker consuming both, or `failed retry` run
+    /// again and again) gains stamps each time; what crosses the wire must
+    /// stay bounded, or it ends up too large for the transport to store
+    /// (an AMQP frame, a NATS payload) and can no longer be parked.
+    #[tokio::test]
+    async fn a_message_cycling_through_its_failure_transport_keeps_bounded_headers() {
+        use crate::middleware::failed_message_processing::FailedMessageProcessing;
+        use crate::serializer::Serializer;
+
+        let serializer = Serializer::builder().message::<Ping>().build().unwrap();
+        let senders = RecordingSenders::default();
+        let step = retry(&senders, 3);
+        let end = FailingEndpoint::new(|| "duplicate key value violates constraint".into());
+        let header_bytes = |e: &Envelope| -> usize {
+            let raw = serializer.encode(e).unwrap();
+            raw.headers.iter().map(|(k, v)| k.len() + v.len()).sum()
+        };
+        let mut stored = Envelope::new(Ping);
+        let mut from = "async".to_string();
+        let mut sizes = Vec::new();
+        for cycle in 1..=60 {
+            // Three retries from the origin, then parked.
+            for _ in 0..4 {
+                let received =
+                    FailedMessageProcessing::apply(stored.clone().with(ReceivedStamp::new(from)));
+                let before = (
+                    received.all::<RedeliveryStamp>().count(),
+                    received.all::<SentToFailureTransportStamp>().count(),
+                );
+                let out = step.handle(received, end.next()).await;
+                let sent = senders.envelopes().pop().unwrap();
+                // What the worker and `failed retry` tell a retry and a
+                // park by: one more stamp than the message arrived with.
+                match out {
+                    Ok(_) => assert!(sent.all::<RedeliveryStamp>().count() > before.0),
+                    Err(_) => {
+                        assert!(sent.all::<SentToFailureTransportStamp>().count() > before.1)
+                    }
+                }
+                from = senders.sent_to().pop().unwrap();
+                stored = serializer
+                    .decode(&serializer.encode(&sent).unwrap())
+                    .unwrap();
+            }
+            assert_eq!(from, "failed", "cycle {cycle}");
+            sizes.push(header_bytes(&stored));
+        }
+        // Parked many times, it comes back an hour later at most.
+        assert_eq!(
+            park_delay(&stored, true),
+            MAX_PARKED_AGAIN_DELAY,
+            "the park history still reaches the longest delay"
+        );
+        assert_eq!(
+            stored
+                .last::<SentToFailureTransportStamp>()
+                .unwrap()
+                .original_transport,
+            "async"
+        );
+        assert_eq!(stored.last::<RedeliveryStamp>().unwrap().retry_count, 0);
+        assert!(
+            sizes[59] <= sizes[29],
+            "headers keep growing: {} bytes after 30 cycles, {} after 60",
+            sizes[29],
+            sizes[59]
+        );
+    }
+
     #[tokio::test]
     async fn success_passes_through() {
         let senders = RecordingSenders::default();
