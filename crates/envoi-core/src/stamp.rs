@@ -454,10 +454,10 @@ pub struct DelayStamp {
 }
 
 impl DelayStamp {
-    /// A delay of `delay`.
+    /// A delay of `delay`, at most `u64::MAX` milliseconds.
     pub fn new(delay: Duration) -> Self {
         Self {
-            ms: delay.as_millis() as u64,
+            ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
         }
     }
 

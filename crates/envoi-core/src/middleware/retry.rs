@@ -103,7 +103,8 @@ impl RetryStrategy for MultiplierRetryStrategy {
         }
         // A factor in [1 - jitter, 1 + jitter].
         let factor = 1.0 + jitter * (2.0 * random_unit() - 1.0);
-        let d = base.mul_f64(factor);
+        // Saturating: `Duration::mul_f64` panics past `Duration::MAX`.
+        let d = Duration::try_from_secs_f64(base.as_secs_f64() * factor).unwrap_or(Duration::MAX);
         match self.max_delay {
             Some(max) => d.min(max),
             None => d,
@@ -507,6 +508,40 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(senders.sent_to(), ["failed"]);
+    }
+
+    #[tokio::test]
+    async fn a_delay_too_long_for_a_delay_stamp_saturates_instead_of_wrapping() {
+        // Retry 64 of 1 s doubling is 2^63 s, more milliseconds than a
+        // `u64` holds: the retry must not come back at once.
+        let senders = RecordingSenders::default();
+        let e = Envelope::new(Ping)
+            .with(ReceivedStamp::new("async"))
+            .with(RedeliveryStamp::new(63));
+        retry(&senders, u32::MAX)
+            .handle(e, FailingEndpoint::plain().next())
+            .await
+            .unwrap();
+        let sent = &senders.envelopes()[0];
+        assert_eq!(sent.last::<RedeliveryStamp>().unwrap().retry_count, 64);
+        assert_eq!(sent.last::<DelayStamp>().unwrap().ms, u64::MAX);
+        assert_eq!(DelayStamp::new(Duration::MAX).ms, u64::MAX);
+    }
+
+    #[test]
+    fn a_jittered_delay_past_the_longest_duration_saturates_instead_of_panicking() {
+        let s = MultiplierRetryStrategy {
+            max_retries: u32::MAX,
+            multiplier: 10.0,
+            ..Default::default()
+        };
+        assert_eq!(s.base_delay(30), Duration::MAX);
+        for attempt in [30, 64, u32::MAX] {
+            for _ in 0..64 {
+                let d = s.delay(&Envelope::new(Ping), attempt);
+                assert!(d >= Duration::MAX.mul_f64(0.9), "{d:?}");
+            }
+        }
     }
 
     #[tokio::test]
