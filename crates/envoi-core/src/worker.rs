@@ -90,7 +90,10 @@
 //! While a message is held — fetched or being handled — the worker extends
 //! its lease with [`Transport::keepalive`] every
 //! [`keepalive_interval`](WorkerBuilder::keepalive_interval), so a slow but
-//! live handler is not redelivered to another worker. A
+//! live handler is not redelivered to another worker. The first extension
+//! comes within one and a half intervals of the fetch, so leases must be
+//! longer than that (the transports' defaults are 30 s or more, the
+//! interval's 5 s). A
 //! [rate limit](WorkerBuilder::rate_limit) caps how many messages per period
 //! the worker takes from one transport.
 //!
@@ -678,7 +681,8 @@ impl WorkerBuilder {
     }
 
     /// Extends the lease of held messages this often (default 5 s); `None`
-    /// never does.
+    /// never does. A message's first extension comes within one and a half
+    /// intervals of its fetch: a transport's lease must be longer.
     pub fn keepalive_interval(mut self, interval: Option<Duration>) -> Self {
         self.options.keepalive_interval = interval.map(far::clamp);
         self
@@ -2240,12 +2244,15 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         self.releases.push((receiver, id));
     }
 
-    /// Extends the leases of messages held longer than the keepalive
-    /// interval.
+    /// Extends the leases of messages held for half the keepalive interval
+    /// or longer: one fetched just after a tick is extended at the next,
+    /// one fetched just before it at the one after, so no lease goes more
+    /// than one and a half intervals without.
     async fn keepalive(&mut self) {
-        let Some(interval) = self.keepalive_every else {
+        let Some(every) = self.keepalive_every else {
             return;
         };
+        let interval = every / 2;
         let now = Instant::now();
         let held: Vec<(usize, MessageId)> = self
             .buffer

@@ -695,6 +695,43 @@ async fn keepalive_stops_a_slow_handler_s_message_from_being_redelivered() {
     assert_eq!(queue.message_count().await.unwrap(), 0);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_message_held_half_an_interval_is_extended_at_the_next_keepalive_tick() {
+    // Ticks every second from the start; the message is fetched at 0.4 s
+    // with a lease of 1.2 s, so it must be extended at the first tick
+    // (held 0.6 s), not only at the second (by then 0.4 s too late).
+    let queue = Arc::new(InMemoryTransport::with_config({
+        let mut c = InMemoryConfig::default();
+        c.lease_timeout = Duration::from_millis(1200);
+        c
+    }));
+    let seen = Seen::default();
+    let messenger = messenger_with(
+        &seen,
+        Duration::from_secs(3),
+        &[("async", queue.clone())],
+        None,
+    );
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .keepalive_interval(Some(Duration::from_secs(1)))
+        .idle_sleep(Duration::from_millis(10))
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let run = tokio::spawn(worker.run());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    send_jobs(&messenger, 0..1).await;
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    let taken = queue.get(10).await.unwrap();
+    assert!(taken.is_empty(), "the lease ran out at 1.6 s");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.stop();
+    let report = run.await.unwrap();
+    assert_eq!(seen.get(), [0]);
+    assert_eq!(report.stats.handled, 1);
+}
+
 #[tokio::test]
 async fn a_panicking_handler_is_parked_and_the_worker_goes_on() {
     let failed = memory();
