@@ -138,13 +138,18 @@ pub trait Transport: Send + Sync + 'static {
     fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>>;
 
     /// Acknowledges several messages; transports that can do it in one round
-    /// trip override it.
+    /// trip override it. Every message is acknowledged that can be (one
+    /// that fails does not leave the others to be handed out again); the
+    /// first error is returned.
     fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
+            let mut first = None;
             for id in ids {
-                self.ack(id).await?;
+                if let Err(e) = self.ack(id).await {
+                    first.get_or_insert(e);
+                }
             }
-            Ok(())
+            first.map_or(Ok(()), Err)
         })
     }
 
@@ -558,6 +563,50 @@ pub fn mask_dsn(dsn: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Acknowledges every id but `"bad"`, recording them.
+    #[derive(Default)]
+    struct Acks(std::sync::Mutex<Vec<String>>);
+
+    impl Transport for Acks {
+        fn send(
+            &self,
+            _: RawMessage,
+            _: Option<Duration>,
+        ) -> BoxFuture<'_, Result<String, TransportError>> {
+            Box::pin(async { Err(TransportError::Unsupported("send")) })
+        }
+        fn get(&self, _: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+            Box::pin(async { Ok(Vec::new()) })
+        }
+        fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+            Box::pin(async move {
+                if id == "bad" {
+                    return Err(TransportError::NotFound(id.into()));
+                }
+                self.0.lock().unwrap().push(id.into());
+                Ok(())
+            })
+        }
+        fn release<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities::ALL
+        }
+    }
+
+    #[tokio::test]
+    async fn the_default_ack_batch_acknowledges_past_a_failure_and_returns_it() {
+        let t = Acks::default();
+        let ids: Vec<String> = ["1", "bad", "2"].map(String::from).to_vec();
+        let err = t.ack_batch(&ids).await.unwrap_err();
+        assert!(
+            matches!(err, TransportError::NotFound(ref id) if id == "bad"),
+            "{err}"
+        );
+        assert_eq!(*t.0.lock().unwrap(), ["1", "2"]);
+    }
 
     #[test]
     fn mask_dsn_hides_only_the_password() {
