@@ -535,31 +535,11 @@ async fn apply(
             Ok(Outcome::Done)
         }
         Op::Release {
-            ids,
-            now,
-            claim: Some(claim),
-            ..
+            ids, now, claim, ..
         } => {
-            if !ids.is_empty() {
-                sqlx::query(q(&sql.release_claimed))
-                    .bind(id_list(ids))
-                    .bind(queue)
-                    .bind(*now)
-                    .bind(*claim)
-                    .execute(&mut *conn)
-                    .await?;
-            }
-            Ok(Outcome::Done)
-        }
-        Op::Release {
-            ids,
-            now,
-            claim: None,
-            ..
-        } => {
-            match ids.as_slice() {
-                [] => {}
-                [id] => {
+            match (ids.as_slice(), claim) {
+                ([], _) => {}
+                ([id], None) => {
                     sqlx::query(q(&sql.release))
                         .bind(*id)
                         .bind(queue)
@@ -567,13 +547,21 @@ async fn apply(
                         .execute(&mut *conn)
                         .await?;
                 }
-                many => {
-                    sqlx::query(q(&sql.release_many))
+                (many, claim) => {
+                    // Only rows still leased under `claim`, when given.
+                    let sql = if claim.is_some() {
+                        &sql.release_claimed
+                    } else {
+                        &sql.release_many
+                    };
+                    let mut query = sqlx::query(q(sql))
                         .bind(id_list(many))
                         .bind(queue)
-                        .bind(*now)
-                        .execute(&mut *conn)
-                        .await?;
+                        .bind(*now);
+                    if let Some(claim) = claim {
+                        query = query.bind(*claim);
+                    }
+                    query.execute(&mut *conn).await?;
                 }
             }
             Ok(Outcome::Done)
