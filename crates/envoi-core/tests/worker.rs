@@ -37,6 +37,13 @@ fn memory() -> Arc<InMemoryTransport> {
     Arc::new(InMemoryTransport::new())
 }
 
+/// An in-memory queue whose messages stay leased for `lease`.
+fn leased_queue(lease: Duration) -> Arc<InMemoryTransport> {
+    let mut config = InMemoryConfig::default();
+    config.lease_timeout = lease;
+    Arc::new(InMemoryTransport::with_config(config))
+}
+
 /// Records the jobs handled, in order.
 #[derive(Clone, Default)]
 struct Seen(Arc<Mutex<Vec<u32>>>);
@@ -615,11 +622,7 @@ async fn a_rate_limit_spreads_the_messages_over_time() {
 
 #[tokio::test]
 async fn a_message_held_by_a_worker_that_died_is_redelivered_after_its_lease() {
-    let queue = Arc::new(InMemoryTransport::with_config({
-        let mut c = InMemoryConfig::default();
-        c.lease_timeout = Duration::from_millis(1000);
-        c
-    }));
+    let queue = leased_queue(Duration::from_millis(1000));
     let stuck = Arc::new(AtomicBool::new(true));
     let seen = Seen::default();
     let (s, record) = (stuck.clone(), seen.0.clone());
@@ -665,11 +668,7 @@ async fn a_message_held_by_a_worker_that_died_is_redelivered_after_its_lease() {
 
 #[tokio::test]
 async fn keepalive_stops_a_slow_handler_s_message_from_being_redelivered() {
-    let queue = Arc::new(InMemoryTransport::with_config({
-        let mut c = InMemoryConfig::default();
-        c.lease_timeout = Duration::from_millis(500);
-        c
-    }));
+    let queue = leased_queue(Duration::from_millis(500));
     let seen = Seen::default();
     let messenger = messenger_with(
         &seen,
@@ -700,11 +699,7 @@ async fn a_message_held_half_an_interval_is_extended_at_the_next_keepalive_tick(
     // Ticks every second from the start; the message is fetched at 0.4 s
     // with a lease of 1.2 s, so it must be extended at the first tick
     // (held 0.6 s), not only at the second (by then 0.4 s too late).
-    let queue = Arc::new(InMemoryTransport::with_config({
-        let mut c = InMemoryConfig::default();
-        c.lease_timeout = Duration::from_millis(1200);
-        c
-    }));
+    let queue = leased_queue(Duration::from_millis(1200));
     let seen = Seen::default();
     let messenger = messenger_with(
         &seen,
@@ -1083,11 +1078,7 @@ async fn keepalive_goes_on_while_quick_messages_keep_the_worker_busy() {
     // One slow handler holds a slot while quick ones, finishing as soon as
     // they start, keep the other slot and the fetching busy: the slow
     // message's lease must still be extended, or it is handed out again.
-    let queue = Arc::new(InMemoryTransport::with_config({
-        let mut c = InMemoryConfig::default();
-        c.lease_timeout = Duration::from_millis(200);
-        c
-    }));
+    let queue = leased_queue(Duration::from_millis(200));
     let slow_runs = Arc::new(AtomicU32::new(0));
     let runs = slow_runs.clone();
     let messenger = Messenger::builder()
@@ -1249,11 +1240,7 @@ impl Transport for LongPoll {
 /// A messenger with one queue of two-second leases behind a 30 s long poll,
 /// handling each job for `handling`.
 fn long_poll_messenger(seen: &Seen, handling: Duration) -> (Messenger, Arc<InMemoryTransport>) {
-    let queue = Arc::new(InMemoryTransport::with_config({
-        let mut c = InMemoryConfig::default();
-        c.lease_timeout = Duration::from_secs(2);
-        c
-    }));
+    let queue = leased_queue(Duration::from_secs(2));
     let messenger = Messenger::builder()
         .command_handler(seen.handler(handling))
         .transport(
