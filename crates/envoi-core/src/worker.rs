@@ -2288,18 +2288,18 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         tokio::pin!(acking);
         // `Some` once the acknowledgements are sent.
         let mut sent: Option<SentAcks> = None;
-        let fetched = if self.ahead.is_some() {
+        let fetched = if let Some(asked) = self.ahead.as_ref().map(|a| a.receiver) {
             // Asked for already: wait for it, unless the worker must stop
             // first (then a stop gives it back when it arrives).
             let must_stop = self.must_stop();
             tokio::pin!(must_stop);
-            loop {
+            let arrived = loop {
                 tokio::select! {
                     biased;
                     _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, &mut self.buckets, ctx, cx)) => {
-                        break (self.buffer.len(), None);
+                        break true;
                     }
-                    () = &mut must_stop => break (0, None),
+                    () = &mut must_stop => break false,
                     done = acking.as_mut(), if pending && sent.is_none() => sent = Some(done),
                     finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
                         self.record(finished);
@@ -2309,11 +2309,21 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 // What finished meanwhile is settled now, not when the
                 // batch arrives (a long poll may outlast its leases).
                 if (!pending || sent.is_some()) && self.has_outcomes() {
-                    break (0, None);
+                    break false;
                 }
+            };
+            if arrived && self.buffer.is_empty() {
+                // It brought nothing: the round goes on with the receivers
+                // after the one asked, as if its `get` had been awaited in
+                // line (a `get` settled early is often a receiver's).
+                let budget = self.budget();
+                self.fetch_batch(budget, asked + 1, &mut acking, &mut sent, pending)
+                    .await
+            } else {
+                (self.buffer.len(), None)
             }
         } else {
-            self.fetch_batch(budget, &mut acking, &mut sent, pending)
+            self.fetch_batch(budget, 0, &mut acking, &mut sent, pending)
                 .await
         };
         if fetched.0 > 0 {
@@ -2337,9 +2347,12 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         fetched
     }
 
+    /// Asks the receivers from number `from` on, in priority order, for a
+    /// batch; see [`fetch`](Self::fetch).
     async fn fetch_batch<A>(
         &mut self,
         budget: u64,
+        from: usize,
         acking: &mut Pin<&mut A>,
         sent: &mut Option<SentAcks>,
         pending: bool,
@@ -2348,7 +2361,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         A: Future<Output = SentAcks>,
     {
         let mut wait: Option<Duration> = None;
-        for receiver in 0..self.ctx.receivers.len() {
+        for receiver in from..self.ctx.receivers.len() {
             let mut want = self
                 .options
                 .batch_size
@@ -2429,6 +2442,17 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             }
         }
         (0, wait)
+    }
+
+    /// How many more messages may be asked for within the message limit:
+    /// those handled, in flight, fetched and asked for ahead count.
+    fn budget(&self) -> u64 {
+        let asked = self.ahead.as_ref().map_or(0, |a| a.want) as u64;
+        self.options.message_limit.map_or(u64::MAX, |n| {
+            n.saturating_sub(
+                self.processed + self.in_flight.len() as u64 + self.buffer.len() as u64 + asked,
+            )
+        })
     }
 
     /// Resolves once the worker must stop: asked to, or out of time.
@@ -2591,12 +2615,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                     None => break,
                 }
             }
-            let asked = self.ahead.as_ref().map_or(0, |a| a.want) as u64;
-            let budget = self.options.message_limit.map_or(u64::MAX, |n| {
-                n.saturating_sub(
-                    self.processed + self.in_flight.len() as u64 + self.buffer.len() as u64 + asked,
-                )
-            });
+            let budget = self.budget();
             let fetching = self.buffer.is_empty()
                 && self.in_flight.len() < self.options.concurrency
                 && (budget > 0 || self.ahead.is_some());

@@ -1390,3 +1390,37 @@ async fn the_time_limit_and_a_stop_do_not_wait_for_a_long_poll() {
         start.elapsed()
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_long_poll_settled_early_and_found_empty_still_lets_the_lower_receivers_be_read() {
+    // "high" long-polls empty while a "low" message is handled: what
+    // finishes is settled during the poll, and when the poll ends empty the
+    // round goes on to "low" rather than ending there (which, with
+    // receivers that cannot count, looked like every receiver was empty).
+    let (high, low) = (memory(), memory());
+    let seen = Seen::default();
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(Duration::from_secs(1)))
+        .transport(
+            "high",
+            Arc::new(LongPoll(high.clone(), Duration::from_secs(30))),
+        )
+        .transport(
+            "low",
+            Arc::new(LongPoll(low.clone(), Duration::from_secs(30))),
+        )
+        .route::<Job>("low")
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..2).await;
+    let report = drain(
+        Worker::builder(&messenger)
+            .receivers(["high", "low"])
+            .concurrency(2)
+            .batch_size(1),
+    )
+    .await;
+    assert_eq!(report.reason, StopReason::Empty);
+    assert_eq!(seen.get(), [0, 1]);
+    assert_eq!(low.message_count().await.unwrap(), 0);
+}
