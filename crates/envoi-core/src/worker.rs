@@ -2737,6 +2737,12 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         let ctx = self.ctx;
         self.give_back_buffer();
         while !self.in_flight.is_empty() || self.ahead.is_some() {
+            // What was given back or finished is settled at once: the grace
+            // period may outlast the leases of messages no longer held.
+            if self.has_outcomes() {
+                self.flush().await;
+                continue;
+            }
             tokio::select! {
                 _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, &mut self.buckets, ctx, cx)), if self.ahead.is_some() => {
                     self.give_back_buffer();

@@ -1424,3 +1424,68 @@ async fn a_long_poll_settled_early_and_found_empty_still_lets_the_lower_receiver
     assert_eq!(seen.get(), [0, 1]);
     assert_eq!(low.message_count().await.unwrap(), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn during_the_grace_period_what_is_given_back_or_finished_is_settled_at_once() {
+    // Leases of 1.5 s; job n is handled for 3n + 1 seconds, two at once,
+    // four fetched. Stopped at 0.5 s: jobs 2 and 3 are given back and must
+    // be free for others at once, and job 0, done at 1 s, must be
+    // acknowledged then, not when job 1 ends at 4 s and its lease has run
+    // out (to be handled again by another worker).
+    let queue = Arc::new(InMemoryTransport::with_config({
+        let mut c = InMemoryConfig::default();
+        c.lease_timeout = Duration::from_millis(1500);
+        c
+    }));
+    let seen = Seen::default();
+    let record = seen.0.clone();
+    let messenger = Messenger::builder()
+        .command_handler(move |job: Job| {
+            let record = record.clone();
+            async move {
+                tokio::time::sleep(Duration::from_secs(u64::from(job.n) * 3 + 1)).await;
+                record.lock().unwrap().push(job.n);
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .transport("async", queue.clone())
+        .route::<Job>("async")
+        .build()
+        .unwrap();
+    send_jobs(&messenger, 0..4).await;
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .concurrency(2)
+        .batch_size(4)
+        .keepalive_interval(Some(Duration::from_millis(200)))
+        .grace_period(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let run = tokio::spawn(worker.run());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.stop();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let free: Vec<String> = queue
+        .get(10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.id)
+        .collect();
+    assert_eq!(free.len(), 2, "given back, yet still leased");
+    for id in &free {
+        queue.release(id).await.unwrap();
+    }
+    // Job 0 ended at 1 s; job 1 runs until 4 s.
+    tokio::time::sleep(Duration::from_millis(2900)).await;
+    assert_eq!(seen.get(), [0]);
+    let taken = queue.get(10).await.unwrap();
+    assert_eq!(taken.len(), 2, "job 0 was handled but not acknowledged");
+    for d in &taken {
+        queue.release(&d.id).await.unwrap();
+    }
+    let report = run.await.unwrap();
+    assert_eq!((report.stats.handled, report.stats.released), (2, 2));
+    assert_eq!(queue.message_count().await.unwrap(), 2);
+}
