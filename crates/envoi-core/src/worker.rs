@@ -2042,6 +2042,9 @@ struct Run<'a, F> {
     keepalive_every: Option<Duration>,
     /// Ticks every `keepalive_every` (never without it).
     ticker: tokio::time::Interval,
+    /// A keepalive tick came since the acknowledgements were last sent:
+    /// those waiting go now, as no keepalive extends their leases.
+    settle: bool,
 }
 
 /// A batch asked for ahead of time, or a `get` still out when the worker
@@ -2122,6 +2125,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             again: ctx.receivers.iter().map(|_| HashSet::new()).collect(),
             keepalive_every,
             ticker,
+            settle: false,
         }
     }
 
@@ -2221,6 +2225,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
     /// The pending acknowledgements, to be sent; new ones go to the spare
     /// lists meanwhile.
     fn take_acks(&mut self) -> Vec<Acks> {
+        self.settle = false;
         let spare = std::mem::take(&mut self.spare_acks);
         std::mem::replace(&mut self.acks, spare)
     }
@@ -2253,6 +2258,9 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             return;
         };
         let interval = every / 2;
+        if self.pending_acks() > 0 {
+            self.settle = true;
+        }
         let now = Instant::now();
         let held: Vec<(usize, MessageId)> = self
             .buffer
@@ -2619,13 +2627,17 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             let fetching = self.buffer.is_empty()
                 && self.in_flight.len() < self.options.concurrency
                 && (budget > 0 || self.ahead.is_some());
-            // Acknowledgements wait for a batch's worth, or for the buffer to
-            // run dry; then they go with the next fetch, if there is one.
+            // Acknowledgements wait for a batch's worth, for the buffer to
+            // run dry, or for a keepalive tick; then they go with the next
+            // fetch, if there is one.
             let pending = self.pending_acks();
             if !self.panicked.is_empty()
                 || !self.rejects.is_empty()
                 || !self.releases.is_empty()
                 || (pending >= self.options.batch_size && !self.buffer.is_empty())
+                // No keepalive extends a handled message's lease: it waits
+                // for the others one keepalive interval at most.
+                || (pending > 0 && self.settle)
                 || (pending > 0 && self.buffer.is_empty() && !fetching)
             {
                 self.flush().await;

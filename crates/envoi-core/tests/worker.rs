@@ -1489,3 +1489,40 @@ async fn during_the_grace_period_what_is_given_back_or_finished_is_settled_at_on
     assert_eq!((report.stats.handled, report.stats.released), (2, 2));
     assert_eq!(queue.message_count().await.unwrap(), 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_handled_message_waiting_for_its_batched_acknowledgement_keeps_its_lease() {
+    // Four fetched, handled one at a time for a second each, leases of
+    // 1.5 s: job 0, done at 1 s, must not wait to be acknowledged with the
+    // others until its lease has run out and another worker takes it.
+    let queue = Arc::new(InMemoryTransport::with_config({
+        let mut c = InMemoryConfig::default();
+        c.lease_timeout = Duration::from_millis(1500);
+        c
+    }));
+    let seen = Seen::default();
+    let messenger = messenger_with(
+        &seen,
+        Duration::from_secs(1),
+        &[("async", queue.clone())],
+        None,
+    );
+    send_jobs(&messenger, 0..4).await;
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .batch_size(4)
+        .keepalive_interval(Some(Duration::from_millis(200)))
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let run = tokio::spawn(worker.run());
+    tokio::time::sleep(Duration::from_millis(2700)).await;
+    let taken = queue.get(10).await.unwrap();
+    assert!(taken.is_empty(), "{} handed out again", taken.len());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.stop();
+    let report = run.await.unwrap();
+    assert_eq!(seen.get(), [0, 1, 2, 3]);
+    assert_eq!(report.stats.handled, 4);
+    assert_eq!(queue.message_count().await.unwrap(), 0);
+}
