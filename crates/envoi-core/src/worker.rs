@@ -2658,6 +2658,9 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                             _ = stopped.changed() => {}
                             _ = &mut deadline, if self.options.time_limit.is_some() => {}
                             _ = tokio::time::sleep_until(until) => {}
+                            // The pause (up to 5 s) must not let the leases
+                            // of what is in flight run out.
+                            _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
                         }
                         continue;
                     }

@@ -1526,3 +1526,51 @@ async fn a_handled_message_waiting_for_its_batched_acknowledgement_keeps_its_lea
     assert_eq!(report.stats.handled, 4);
     assert_eq!(queue.message_count().await.unwrap(), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn leases_are_extended_while_fetching_pauses_after_a_failed_park() {
+    // A message that cannot be parked makes the worker pause fetching, for
+    // up to 5 s; a slow handler's message must keep its 1.5 s lease
+    // meanwhile.
+    let queue = Arc::new(InMemoryTransport::with_config({
+        let mut c = InMemoryConfig::default();
+        c.lease_timeout = Duration::from_millis(1500);
+        c
+    }));
+    let seen = Seen::default();
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(Duration::from_secs(20)))
+        .transport("async", queue.clone())
+        .transport("failed", Arc::new(Refusing))
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    queue.send(raw("Unknown", b"{}"), None).await.unwrap();
+    send_jobs(&messenger, 0..1).await;
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .concurrency(2)
+        .keepalive_interval(Some(Duration::from_millis(200)))
+        .grace_period(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let run = tokio::spawn(worker.run());
+    for second in 1..=18 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let taken = queue.get(10).await.unwrap();
+        let jobs = taken
+            .iter()
+            .filter(|d| d.raw.header("type") == Some("Job"))
+            .count();
+        for d in &taken {
+            queue.release(&d.id).await.unwrap();
+        }
+        assert_eq!(jobs, 0, "the handler's lease ran out by {second} s");
+    }
+    stop.stop();
+    let report = run.await.unwrap();
+    assert_eq!(seen.get(), [0]);
+    assert_eq!(report.stats.handled, 1);
+}
