@@ -552,7 +552,11 @@ impl Bucket {
         self.tokens.floor() as usize
     }
 
-    fn take(&mut self, n: usize) {
+    /// Takes `n` tokens at `now`: those that came since the bucket was
+    /// last looked at (a long `get` may have been waiting) first, up to the
+    /// capacity.
+    fn take(&mut self, n: usize, now: Instant) {
+        self.refill(now);
         self.tokens = (self.tokens - n as f64).max(0.0);
     }
 
@@ -2078,7 +2082,7 @@ fn poll_ahead(
     match got {
         Ok(got) => {
             if let Some(bucket) = &mut buckets[receiver] {
-                bucket.take(got.len());
+                bucket.take(got.len(), Instant::now());
             }
             Batch::Remote(got).hold(receiver, buffer);
         }
@@ -2439,7 +2443,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             match got {
                 Ok(batch) if batch.len() > 0 => {
                     if let Some(bucket) = &mut self.buckets[receiver] {
-                        bucket.take(batch.len());
+                        bucket.take(batch.len(), Instant::now());
                     }
                     let n = batch.len();
                     batch.hold(receiver, &mut self.buffer);
@@ -2820,7 +2824,7 @@ mod tests {
         let start = Instant::now();
         let mut b = Bucket::new(RateLimit::new(4, Duration::from_secs(1)), start);
         assert_eq!(b.available(start), 4);
-        b.take(4);
+        b.take(4, start);
         assert_eq!(b.available(start), 0);
         assert_eq!(b.wait(), Duration::from_millis(250));
         assert_eq!(b.available(start + Duration::from_millis(500)), 2);

@@ -1574,3 +1574,47 @@ async fn leases_are_extended_while_fetching_pauses_after_a_failed_park() {
     assert_eq!(seen.get(), [0]);
     assert_eq!(report.stats.handled, 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_rate_limit_counts_a_long_poll_s_messages_when_they_arrive() {
+    // Two a second; the first `get` waits 30 s and brings two. The bucket,
+    // full when it was asked, must be empty after them, not refilled for
+    // the whole wait: the next two come a second later, not at once.
+    let queue = memory();
+    let seen = Seen::default();
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(Duration::ZERO))
+        .transport(
+            "async",
+            Arc::new(LongPoll(queue.clone(), Duration::from_secs(30))),
+        )
+        .route::<Job>("async")
+        .build()
+        .unwrap();
+    let times = Arc::new(Mutex::new(Vec::new()));
+    let record = times.clone();
+    let start = Instant::now();
+    let worker = Worker::builder(&messenger)
+        .receiver("async")
+        .rate_limit("async", RateLimit::per_second(2))
+        .listener(move |e: &WorkerEvent| {
+            if let WorkerEvent::Handled { .. } = e {
+                record.lock().unwrap().push(start.elapsed());
+            }
+        })
+        .build()
+        .unwrap();
+    let stop = worker.stop_handle();
+    let run = tokio::spawn(worker.run());
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    send_jobs(&messenger, 0..4).await;
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    stop.stop();
+    run.await.unwrap();
+    let times = times.lock().unwrap().clone();
+    assert_eq!(times.len(), 4, "{times:?}");
+    assert!(
+        times[3] - times[0] >= Duration::from_millis(900),
+        "four at once at a rate of two a second: {times:?}"
+    );
+}
