@@ -1432,11 +1432,7 @@ async fn during_the_grace_period_what_is_given_back_or_finished_is_settled_at_on
     // be free for others at once, and job 0, done at 1 s, must be
     // acknowledged then, not when job 1 ends at 4 s and its lease has run
     // out (to be handled again by another worker).
-    let queue = Arc::new(InMemoryTransport::with_config({
-        let mut c = InMemoryConfig::default();
-        c.lease_timeout = Duration::from_millis(1500);
-        c
-    }));
+    let queue = leased_queue(Duration::from_millis(1500));
     let seen = Seen::default();
     let record = seen.0.clone();
     let messenger = Messenger::builder()
@@ -1495,11 +1491,7 @@ async fn a_handled_message_waiting_for_its_batched_acknowledgement_keeps_its_lea
     // Four fetched, handled one at a time for a second each, leases of
     // 1.5 s: job 0, done at 1 s, must not wait to be acknowledged with the
     // others until its lease has run out and another worker takes it.
-    let queue = Arc::new(InMemoryTransport::with_config({
-        let mut c = InMemoryConfig::default();
-        c.lease_timeout = Duration::from_millis(1500);
-        c
-    }));
+    let queue = leased_queue(Duration::from_millis(1500));
     let seen = Seen::default();
     let messenger = messenger_with(
         &seen,
@@ -1532,11 +1524,7 @@ async fn leases_are_extended_while_fetching_pauses_after_a_failed_park() {
     // A message that cannot be parked makes the worker pause fetching, for
     // up to 5 s; a slow handler's message must keep its 1.5 s lease
     // meanwhile.
-    let queue = Arc::new(InMemoryTransport::with_config({
-        let mut c = InMemoryConfig::default();
-        c.lease_timeout = Duration::from_millis(1500);
-        c
-    }));
+    let queue = leased_queue(Duration::from_millis(1500));
     let seen = Seen::default();
     let messenger = Messenger::builder()
         .command_handler(seen.handler(Duration::from_secs(20)))
