@@ -592,3 +592,93 @@ async fn the_chain_starts_at_the_first_middleware_that_takes_part() {
     assert_eq!(*seen.lock().unwrap(), [200]);
     assert_eq!(log.lock().unwrap().len(), 4, "both ran");
 }
+
+/// A command carrying a token: while anything keeps the command, the token
+/// is alive.
+#[derive(Debug, Clone)]
+struct Note(Arc<()>);
+impl Message for Note {
+    const NAME: &'static str = "Note";
+}
+impl Command for Note {
+    type Output = ();
+    type Error = Infallible;
+}
+
+/// A messenger whose `Open` handler (and, for events, the first of two
+/// `Deposited` handlers) defers a `Note` and then fails; the weak tokens of
+/// the deferred notes are collected in the returned list.
+fn deferring_then_failing(
+    with_middleware: bool,
+) -> (Messenger, Arc<Mutex<Vec<std::sync::Weak<()>>>>) {
+    let tokens: Arc<Mutex<Vec<std::sync::Weak<()>>>> = Arc::default();
+    let slot: BusSlot = Arc::default();
+    let defer_and_fail = {
+        let (tokens, slot) = (tokens.clone(), slot.clone());
+        move || {
+            let (tokens, slot) = (tokens.clone(), slot.clone());
+            async move {
+                let token = Arc::new(());
+                tokens.lock().unwrap().push(Arc::downgrade(&token));
+                let bus = slot.lock().unwrap().clone().expect("bus set");
+                bus.dispatch_after_current(Envelope::new(Note(token)))
+                    .await
+                    .expect("deferred dispatch is accepted");
+            }
+        }
+    };
+    let (open, event) = (defer_and_fail.clone(), defer_and_fail);
+    let mut builder = Messenger::builder()
+        .command_handler(move |_: Open| {
+            let defer = open();
+            async move {
+                defer.await;
+                Err::<(), _>(BankError::Frozen)
+            }
+        })
+        .event_handler(move |_: Deposited| {
+            let defer = event();
+            async move {
+                defer.await;
+                Err::<(), _>(NotifyError)
+            }
+        })
+        .event_handler(|_: Deposited| async { Ok::<(), NotifyError>(()) })
+        .command_handler(|note: Note| async move {
+            drop(note.0);
+            Ok::<_, Infallible>(())
+        });
+    if with_middleware {
+        builder = builder.middleware(from_fn("pass", |e: Envelope, next: Next<'_>| {
+            next.run(e).boxed()
+        }));
+    }
+    let messenger = builder.build().unwrap();
+    *slot.lock().unwrap() = Some(messenger.bus().clone());
+    (messenger, tokens)
+}
+
+#[tokio::test]
+async fn what_a_failed_handler_deferred_is_dropped_not_kept() {
+    for with_middleware in [false, true] {
+        let (messenger, tokens) = deferring_then_failing(with_middleware);
+        messenger
+            .bus()
+            .dispatch(Envelope::new(Open))
+            .await
+            .unwrap_err();
+        messenger
+            .bus()
+            .dispatch(Envelope::event(Deposited))
+            .await
+            .unwrap_err();
+        let tokens = tokens.lock().unwrap();
+        assert_eq!(tokens.len(), 2);
+        for (i, token) in tokens.iter().enumerate() {
+            assert!(
+                token.upgrade().is_none(),
+                "deferred message {i} (middleware: {with_middleware}) is still held"
+            );
+        }
+    }
+}

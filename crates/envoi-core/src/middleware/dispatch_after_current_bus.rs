@@ -146,13 +146,16 @@ fn current_scope() -> Option<u64> {
 /// A handler's future, polled with its scope marked current.
 pub(crate) struct Scoped<F> {
     id: u64,
-    /// Set once the handler finished: what it deferred is then the caller's
-    /// to take (see [`scope`]).
+    /// Set once the handler finished: what a successful one deferred is
+    /// then the caller's to take (see [`scope`]).
     done: bool,
     inner: F,
 }
 
-impl<F: Future + Unpin> Future for Scoped<F> {
+impl<F, T, E> Future for Scoped<F>
+where
+    F: Future<Output = std::result::Result<T, E>> + Unpin,
+{
     type Output = F::Output;
 
     #[inline]
@@ -161,8 +164,13 @@ impl<F: Future + Unpin> Future for Scoped<F> {
         let outer = CURRENT.with(|c| c.replace(id));
         let polled = Pin::new(&mut self.inner).poll(cx);
         CURRENT.with(|c| c.set(outer));
-        if polled.is_ready() {
+        if let Poll::Ready(out) = &polled {
             self.done = true;
+            if out.is_err() {
+                // A failed handler's deferred dispatches were consequences
+                // of work that did not happen: nobody takes them.
+                drop(take_deferred(id));
+            }
         }
         polled
     }
@@ -179,8 +187,9 @@ impl<F> Drop for Scoped<F> {
 }
 
 /// Wraps a handler's future in a scope that collects the stamped dispatches
-/// it makes. Returns the scope's id: once the future has completed, what it
-/// deferred is taken with [`take_deferred`]`(id)`.
+/// it makes. Returns the scope's id: once the future has completed with
+/// `Ok`, what it deferred is taken with [`take_deferred`]`(id)`; a failure
+/// (or dropping it unfinished) drops what it deferred.
 #[inline]
 pub(crate) fn scope<F: Future + Unpin>(handler: F) -> (u64, Scoped<F>) {
     let id = next_scope_id();
@@ -197,7 +206,10 @@ pub(crate) fn scope<F: Future + Unpin>(handler: F) -> (u64, Scoped<F>) {
 /// Runs a handler's future in a scope; returns its output and what it
 /// deferred.
 #[cfg(test)]
-pub(crate) async fn scoped<F: Future + Unpin>(handler: F) -> (F::Output, Vec<Deferred>) {
+pub(crate) async fn scoped<F, T, E>(handler: F) -> (F::Output, Vec<Deferred>)
+where
+    F: Future<Output = std::result::Result<T, E>> + Unpin,
+{
     let (id, scoped) = scope(handler);
     let out = scoped.await;
     (out, take_deferred(id))
