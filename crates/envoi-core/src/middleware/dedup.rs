@@ -10,8 +10,10 @@
 //! without calling the rest of the pipeline, stamped with
 //! [`DeduplicatedStamp`], so a worker acknowledges it.
 //!
-//! A key is forgotten when its message fails (or is scheduled for a retry),
-//! so the redelivery is handled; otherwise it is remembered for the window.
+//! A key is forgotten when its message fails, is scheduled for a retry or
+//! is abandoned before it finished (its dispatch dropped by a deadline or a
+//! stopping worker), so the redelivery is handled; otherwise it is
+//! remembered for the window.
 //! Where the bus sends a message to a transport, the middleware lets it
 //! through: duplicates are caught where messages are handled.
 //!
@@ -43,6 +45,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -136,6 +139,33 @@ impl DedupStore for InMemoryDedupStore {
 
 type KeyFn = dyn Fn(&Envelope) -> Option<String> + Send + Sync;
 
+/// A key remembered for a message still running: forgotten if the message
+/// is abandoned (its future dropped) before it settled.
+struct Reservation {
+    store: Arc<dyn DedupStore>,
+    /// Taken once the message settled.
+    key: Option<String>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let Some(key) = self.key.take() else {
+            return;
+        };
+        let store = self.store.clone();
+        let mut forget = Box::pin(async move {
+            let _ = store.remove(&key).await;
+        });
+        // An in-memory store forgets at once; another one gets a task, when
+        // there is a runtime to run it.
+        if forget.as_mut().now_or_never().is_none() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(forget);
+            }
+        }
+    }
+}
+
 /// The deduplication middleware; see the [module docs](self).
 #[derive(Clone)]
 pub struct Deduplicate {
@@ -211,9 +241,17 @@ impl Middleware for Deduplicate {
             if !fresh {
                 return Ok(envelope.with(DeduplicatedStamp { key }));
             }
+            // Forgets the key if this future is dropped before the message
+            // was handled (a deadline, a stopping worker), so the message
+            // is handled when it comes again.
+            let mut reserved = Reservation {
+                store: self.store.clone(),
+                key: Some(key),
+            };
             let before = envelope.clone();
             let out = next.run(envelope).await;
             let handled = matches!(&out, Ok(after) if !was_retried(&before, after));
+            let key = reserved.key.take().unwrap_or_default();
             if !handled {
                 // Let the redelivery (or a new attempt) through.
                 self.store.remove(&key).await.map_err(Self::store_error)?;
@@ -295,6 +333,29 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(end.calls().len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_message_is_handled_when_it_comes_again() {
+        let d = dedup();
+        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
+        let abandoned = tokio::time::timeout(
+            Duration::from_secs(1),
+            d.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)),
+        )
+        .await;
+        assert!(abandoned.is_err(), "the handler never finishes");
+        let end = RecordingEndpoint::new();
+        let out = d
+            .handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        assert!(!out.has::<DeduplicatedStamp>());
+        assert_eq!(end.calls().len(), 1, "the redelivery is handled");
+        d.handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        assert_eq!(end.calls().len(), 1, "once handled, the key is kept");
     }
 
     struct BrokenStore;
