@@ -365,3 +365,28 @@ async fn a_consumed_message_stopped_before_consuming_is_acked_not_failed() {
     assert_eq!(queue.message_count().await.unwrap(), 0, "acknowledged");
     assert_eq!(failed.message_count().await.unwrap(), 0, "not failed");
 }
+
+#[tokio::test]
+async fn on_consumed_successfully_does_not_run_for_a_received_message_whose_handler_failed_and_is_retried(
+) {
+    let log = Log::default();
+    let senders = RecordingSenders::default();
+    let m = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .route::<Invoice>("async")
+        .sender_dispatcher(Arc::new(senders.clone()))
+        .middleware(four_stages(&log))
+        .build()
+        .unwrap();
+    let received = Envelope::new(Invoice { amount: 0 }).with(ReceivedStamp::new("async"));
+    m.bus()
+        .dispatch(received)
+        .await
+        .expect("scheduled for a retry");
+    assert_eq!(senders.sent_to(), ["async"], "sent back for a retry");
+    assert_eq!(
+        entries(&log),
+        ["before_consuming", "handler", "after_consuming"],
+        "the handler failed"
+    );
+}

@@ -42,6 +42,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use super::retry::was_retried;
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
@@ -226,7 +227,10 @@ impl<'a> StageNext<'a> {
     }
 
     /// In [`AfterConsuming`](PipelineStage::AfterConsuming): the handler's
-    /// error, if it failed. `None` otherwise.
+    /// error, if it failed. `None` otherwise, and for a received message
+    /// whose failure the retry step took to schedule a retry (it carries
+    /// one more [`RedeliveryStamp`](crate::stamp::RedeliveryStamp) than it
+    /// came with).
     pub fn failure(&self) -> Option<&'a BusError> {
         self.failure
     }
@@ -356,6 +360,10 @@ impl StagePipeline {
         }
         .run(envelope)
         .await;
+        // A received message whose handler failed and that the retry step
+        // sent back for another attempt comes back as a success: it was not
+        // consumed successfully.
+        let retried = matches!(&out, Ok(e) if was_retried(&input, e));
 
         let after = self.items(PipelineStage::AfterConsuming);
         let out = if after.is_empty() {
@@ -378,6 +386,7 @@ impl StagePipeline {
         };
 
         match out {
+            Ok(envelope) if retried => Ok(envelope),
             Ok(envelope) => {
                 self.after_stage(PipelineStage::OnConsumedSuccessfully, envelope, None)
                     .await
