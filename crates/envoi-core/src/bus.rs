@@ -274,6 +274,17 @@ impl BusInner {
         }
         // 1. AddBusNameStamp
         let envelope = self.add_bus_name.apply(envelope);
+        if envelope.has::<DispatchAfterCurrentBusStamp>() {
+            // 2. DispatchAfterCurrentBus. The user middleware are asked
+            // whether they take part when the message runs, not now: a
+            // hook's `can_handle` is called once per operation.
+            return Box::pin(dispatch_after_current_bus::run(
+                envelope,
+                || Arc::new(AfterDeferral(self.clone())) as Arc<dyn Endpoint>,
+                |e| self.after_deferral(e),
+            ))
+            .await;
+        }
         // User middleware that takes no part would only pass the envelope
         // on: the chain starts at the first one that does (`start`), or is
         // skipped (`None`).
@@ -309,47 +320,38 @@ impl BusInner {
             }
             return Box::pin(dispatch_after_current_bus::settle(out)).await;
         }
-        if !envelope.has::<DispatchAfterCurrentBusStamp>() {
-            // Step 2 has nothing to defer: the steps after it run here, and
-            // step 2 settles what the handlers deferred afterwards.
-            let out = match &user {
-                // No user middleware with work to do: sent (step 5) or,
-                // once received, steps 3, 6 and 7.
-                None => match self.route(&envelope) {
-                    Some((send, targets)) => {
-                        let sending = match send.start(envelope, targets) {
-                            Started::Done(result) => return result.map_err(Box::new),
-                            Started::Pending(sending) => sending,
-                        };
-                        return sending.await.map_err(Box::new);
-                    }
-                    None => {
-                        let envelope = FailedMessageProcessing::apply(envelope);
-                        Box::pin(self.core(envelope)).await?
-                    }
-                },
-                // Steps 3 and 4 from the first middleware that takes part.
-                Some((chain, start)) => {
-                    let envelope = FailedMessageProcessing::apply(envelope);
-                    let next = Next::after_asking(&chain.items[start + 1..], Some(&**self));
-                    chain.items[*start]
-                        .handle(envelope, next)
-                        .await
-                        .map_err(Box::new)?
+        // Step 2 has nothing to defer: the steps after it run here, and
+        // step 2 settles what the handlers deferred afterwards.
+        let out = match &user {
+            // No user middleware with work to do: sent (step 5) or,
+            // once received, steps 3, 6 and 7.
+            None => match self.route(&envelope) {
+                Some((send, targets)) => {
+                    let sending = match send.start(envelope, targets) {
+                        Started::Done(result) => return result.map_err(Box::new),
+                        Started::Pending(sending) => sending,
+                    };
+                    return sending.await.map_err(Box::new);
                 }
-            };
-            if !out.has::<DeferredDispatches>() {
-                return Ok(out);
+                None => {
+                    let envelope = FailedMessageProcessing::apply(envelope);
+                    Box::pin(self.core(envelope)).await?
+                }
+            },
+            // Steps 3 and 4 from the first middleware that takes part.
+            Some((chain, start)) => {
+                let envelope = FailedMessageProcessing::apply(envelope);
+                let next = Next::after_asking(&chain.items[start + 1..], Some(&**self));
+                chain.items[*start]
+                    .handle(envelope, next)
+                    .await
+                    .map_err(Box::new)?
             }
-            return Box::pin(dispatch_after_current_bus::settle(out)).await;
+        };
+        if !out.has::<DeferredDispatches>() {
+            return Ok(out);
         }
-        // 2. DispatchAfterCurrentBus
-        Box::pin(dispatch_after_current_bus::run(
-            envelope,
-            || Arc::new(AfterDeferral(self.clone())) as Arc<dyn Endpoint>,
-            |e| self.after_deferral(e),
-        ))
-        .await
+        Box::pin(dispatch_after_current_bus::settle(out)).await
     }
 
     /// [`MessageBus::receives_inline`].

@@ -476,3 +476,29 @@ async fn a_dispatch_from_inside_a_handler_is_an_operation_of_its_own() {
     // Break the cycle between the messenger and the handler.
     handler_bus.lock().unwrap().take();
 }
+
+#[tokio::test]
+async fn can_handle_is_called_once_for_a_message_dispatched_after_the_current_one() {
+    let log = Log::default();
+    let m = messenger(
+        &log,
+        vec![
+            Recorder::new("a", &log).skipping(),
+            Recorder::new("b", &log),
+        ],
+    );
+    m.bus()
+        .dispatch_after_current(Envelope::new(PlaceOrder { quantity: 1 }))
+        .await
+        .unwrap();
+    assert_eq!(
+        entries(&log),
+        [
+            "a can_handle Execute",
+            "b can_handle Execute",
+            "b before PlaceOrder",
+            "handler",
+            "b after 10",
+        ]
+    );
+}
