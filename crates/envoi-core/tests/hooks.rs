@@ -502,3 +502,42 @@ async fn can_handle_is_called_once_for_a_message_dispatched_after_the_current_on
         ]
     );
 }
+
+/// Routed, so the messenger has a retry step.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Ship;
+impl Message for Ship {
+    const NAME: &'static str = "Ship";
+}
+
+#[tokio::test]
+async fn after_is_not_called_for_a_received_message_whose_handler_failed_and_is_retried() {
+    let log = Log::default();
+    let senders = envoi_core::testing::RecordingSenders::default();
+    let handler_log = log.clone();
+    let m = Messenger::builder()
+        .command_handler(move |_: PlaceOrder| {
+            let log = handler_log.clone();
+            async move {
+                log.lock().unwrap().push("handler".into());
+                Err::<u32, _>(OutOfStock)
+            }
+        })
+        .route::<Ship>("async")
+        .sender_dispatcher(Arc::new(senders.clone()))
+        .middleware(HookMiddleware::new(Recorder::new("a", &log)))
+        .build()
+        .unwrap();
+    let received = Envelope::new(PlaceOrder { quantity: 0 })
+        .with(envoi_core::stamp::ReceivedStamp::new("async"));
+    m.bus()
+        .dispatch(received)
+        .await
+        .expect("scheduled for a retry");
+    assert_eq!(senders.sent_to(), ["async"], "sent back for a retry");
+    assert_eq!(
+        entries(&log),
+        ["a can_handle Execute", "a before PlaceOrder", "handler"],
+        "the handler failed: no after"
+    );
+}

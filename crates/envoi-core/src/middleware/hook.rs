@@ -32,7 +32,8 @@
 //! When the operation succeeds, `after` is called **in registration order**
 //! (not in reverse, as an onion would unwind) for every hook whose
 //! `can_handle` returned `true`, with the handler's result. When it fails,
-//! no `after` is called.
+//! no `after` is called — nor when a received message's handler failed and
+//! the retry step sent it back for another attempt.
 //!
 //! Consecutive hook layers of one bus cooperate to get that order: the
 //! outermost hook layer of a dispatch collects the `after` calls of the
@@ -97,6 +98,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use super::retry::was_retried;
 use super::{short_type_name, BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, Stage};
@@ -346,10 +348,16 @@ impl Middleware for HookMiddleware {
                     pending: RefCell::new(vec![pending]),
                 };
                 Box::pin(COLLECTOR.scope(collector, async move {
+                    let before = envelope.clone();
                     let out = next.run(envelope).await;
                     let pending = COLLECTOR.with(|c| std::mem::take(&mut *c.pending.borrow_mut()));
-                    if let Ok(out) = &out {
-                        run_afters(pending, out);
+                    match &out {
+                        // A received message whose handler failed and that
+                        // the retry step sent back for another attempt
+                        // comes back as a success: the operation failed.
+                        Ok(out) if was_retried(&before, out) => {}
+                        Ok(out) => run_afters(pending, out),
+                        Err(_) => {}
                     }
                     out
                 }))
