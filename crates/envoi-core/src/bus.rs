@@ -205,8 +205,17 @@ impl MessageBus {
     }
 
     fn sync_user_empty(&self) {
-        let empty = self.inner.user.load().items.is_empty();
-        self.inner.user_empty.store(empty, Ordering::SeqCst);
+        // Another thread may change the chain (and store its own answer)
+        // between the look and the store: look again after storing, so the
+        // last answer stored is never a stale "empty" for a chain that has
+        // a middleware.
+        loop {
+            let empty = self.inner.user.load().items.is_empty();
+            self.inner.user_empty.store(empty, Ordering::SeqCst);
+            if self.inner.user.load().items.is_empty() == empty {
+                return;
+            }
+        }
     }
 
     /// The ids of the user middleware, in order.
@@ -469,5 +478,73 @@ struct AfterDeferral(Arc<BusInner>);
 impl Endpoint for AfterDeferral {
     fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
         Box::pin(async move { self.0.after_deferral(envelope).await.map_err(|e| *e) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handler::HandlerRegistry;
+    use crate::middleware::from_fn;
+    use std::sync::atomic::AtomicUsize;
+    use std::time::{Duration, Instant};
+
+    fn bus() -> MessageBus {
+        MessageBus::new(
+            Arc::from("bus"),
+            Vec::new(),
+            None,
+            Retry::new(None),
+            HandleMessage::new(Arc::new(HandlerRegistry::default())),
+        )
+    }
+
+    fn pass() -> Arc<dyn Middleware> {
+        Arc::new(from_fn("pass", |e: Envelope, next: Next<'_>| {
+            next.run(e).boxed()
+        }))
+    }
+
+    #[test]
+    fn a_middleware_added_while_another_is_removed_is_not_skipped() {
+        let bus = bus();
+        // 0: churning; 1: asked to pause; 2: paused; 3: stop.
+        let state = Arc::new(AtomicUsize::new(0));
+        let churn = std::thread::spawn({
+            let (bus, state) = (bus.clone(), state.clone());
+            move || loop {
+                match state.load(Ordering::SeqCst) {
+                    0 => {
+                        let id = bus.add_middleware(pass());
+                        bus.remove_middleware(id);
+                    }
+                    1 => state.store(2, Ordering::SeqCst),
+                    2 => std::hint::spin_loop(),
+                    _ => return,
+                }
+            }
+        });
+        let start = Instant::now();
+        let (mut trials, mut skipped) = (0, 0);
+        while start.elapsed() < Duration::from_millis(500) {
+            trials += 1;
+            let id = bus.add_middleware(pass());
+            // Let the other thread finish what it was doing, then look.
+            state.store(1, Ordering::SeqCst);
+            while state.load(Ordering::SeqCst) != 2 {
+                std::hint::spin_loop();
+            }
+            if bus.inner.user_empty.load(Ordering::SeqCst) {
+                skipped += 1;
+            }
+            bus.remove_middleware(id);
+            state.store(0, Ordering::SeqCst);
+        }
+        state.store(3, Ordering::SeqCst);
+        churn.join().unwrap();
+        assert_eq!(
+            skipped, 0,
+            "a bus with a middleware took itself for one without, in {skipped} of {trials} trials"
+        );
     }
 }
