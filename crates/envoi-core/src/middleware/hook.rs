@@ -98,12 +98,11 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::retry::was_retried;
 use super::{short_type_name, BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, Stage};
 use crate::message::Message;
-use crate::stamp::{HandledStamp, HandlerResult, MessageIdStamp};
+use crate::stamp::{HandledStamp, HandlerResult, MessageIdStamp, RedeliveryStamp};
 
 /// What [`Hook::before`] decides.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -348,14 +347,16 @@ impl Middleware for HookMiddleware {
                     pending: RefCell::new(vec![pending]),
                 };
                 Box::pin(COLLECTOR.scope(collector, async move {
-                    let before = envelope.clone();
+                    // Counted rather than kept: a copy of the envelope
+                    // would make the pipeline copy its stamps to add more.
+                    let redeliveries = envelope.all::<RedeliveryStamp>().count();
                     let out = next.run(envelope).await;
                     let pending = COLLECTOR.with(|c| std::mem::take(&mut *c.pending.borrow_mut()));
                     match &out {
                         // A received message whose handler failed and that
                         // the retry step sent back for another attempt
                         // comes back as a success: the operation failed.
-                        Ok(out) if was_retried(&before, out) => {}
+                        Ok(out) if out.all::<RedeliveryStamp>().count() > redeliveries => {}
                         Ok(out) => run_afters(pending, out),
                         Err(_) => {}
                     }
