@@ -1093,8 +1093,20 @@ impl Shared {
         if lock(&self.consume).consuming(link.epoch) {
             return Ok(());
         }
-        // Boxed: every fetch awaits this, and starting a consumer is rare.
-        Box::pin(self.start_consuming(link)).await
+        // In a task of its own: a caller dropped while `basic.consume` is on
+        // its way (a `get` or `wait_for_messages` given up) must not leave a
+        // consumer the broker starts and nobody polls, holding up to
+        // `prefetch` messages until the connection closes. The task finishes
+        // starting it, and the next fetch uses it.
+        let (shared, link) = (Arc::clone(self), Arc::clone(link));
+        let starting = tokio::spawn(async move { shared.start_consuming(&link).await });
+        match starting.await {
+            Ok(started) => started,
+            Err(e) => Err(backend(
+                format!("consuming queue `{}`", self.names.queue),
+                e,
+            )),
+        }
     }
 
     /// The slow path of [`Shared::ensure_consuming`].

@@ -1,0 +1,97 @@
+//! A `get` dropped while it waits for the broker.
+
+use std::time::{Duration, Instant};
+
+use envoi_amqp::AmqpTransport;
+use envoi_core::transport::{Delivery, RawMessage, Transport};
+
+fn url(test: &str) -> Option<String> {
+    match std::env::var("ENVOI_AMQP_URL") {
+        Ok(url) => Some(url),
+        Err(_) => {
+            eprintln!("skipped {test}: ENVOI_AMQP_URL is not set");
+            None
+        }
+    }
+}
+
+fn unique(tag: &str) -> String {
+    format!("{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+fn dsn(url: &str, options: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}expires=60s&{options}")
+}
+
+fn message(body: &str) -> RawMessage {
+    RawMessage {
+        body: body.as_bytes().to_vec(),
+        ..RawMessage::default()
+    }
+}
+
+async fn receive(t: &dyn Transport, n: usize, within: Duration) -> Vec<Delivery> {
+    let deadline = Instant::now() + within;
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "received {} of {n} messages within {within:?}",
+            out.len()
+        );
+        out.extend(t.get(n - out.len()).await.expect("get failed"));
+    }
+    out
+}
+
+/// How many consumers `queue` has, by a passive declare.
+async fn consumers(url: &str, queue: &str) -> u32 {
+    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .expect("raw connection");
+    let channel = connection.create_channel().await.expect("channel");
+    let n = channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .expect("passive declare")
+        .consumer_count();
+    let _ = connection.close(200, "done".into()).await;
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_dropped_while_the_consumer_starts_leaves_no_consumer_behind() {
+    let Some(url) = url("a_get_dropped_while_the_consumer_starts_leaves_no_consumer_behind") else {
+        return;
+    };
+    // A few rounds: how the broker's `basic.consume-ok` meets the dropped
+    // request varies from run to run.
+    for _ in 0..3 {
+        let name = unique("amqp_cancel_start");
+        let t = AmqpTransport::connect(&name, &dsn(&url, "lease=off"))
+            .await
+            .expect("connect");
+        t.setup().await.expect("setup");
+        // Polled once, then dropped: its `basic.consume` is on its way.
+        let dropped = tokio::time::timeout(Duration::ZERO, t.get(10)).await;
+        assert!(dropped.is_err(), "the get finished at its first poll");
+        // The broker has taken the `basic.consume` by now.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let batch: Vec<_> = (0..3).map(|i| (message(&format!("m{i}")), None)).collect();
+        t.send_batch(batch).await.expect("send_batch");
+        // Every message reaches a later `get`, through the one consumer.
+        let got = receive(&t, 3, Duration::from_secs(5)).await;
+        assert_eq!(consumers(&url, &name).await, 1, "a consumer nobody polls");
+        let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+        t.ack_batch(&ids).await.expect("ack_batch");
+        t.delete().await.expect("delete");
+    }
+}
