@@ -123,6 +123,28 @@ struct ReadAhead {
     started: Instant,
 }
 
+/// A [`ReadAhead`] a `get` is waiting for: put back when that `get` is
+/// dropped before it finished (given back to JetStream when another one was
+/// started meanwhile).
+struct PendingReadAhead<'a> {
+    inner: &'a Inner,
+    ahead: Option<ReadAhead>,
+}
+
+impl Drop for PendingReadAhead<'_> {
+    fn drop(&mut self) {
+        let Some(ahead) = self.ahead.take() else {
+            return;
+        };
+        let mut slot = lock(&self.inner.read_ahead);
+        if slot.is_none() {
+            *slot = Some(ahead);
+        } else if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(give_back_read_ahead(self.inner.client.clone(), ahead));
+        }
+    }
+}
+
 /// What a `get` found of the pull request started by the previous one.
 #[derive(Debug)]
 enum ReadAheadUse {
@@ -1007,7 +1029,20 @@ impl NatsTransport {
             give_back_read_ahead(self.inner.client.clone(), ahead).await;
             return ReadAheadUse::None;
         }
-        let Ok((mut messages, end)) = ahead.fetch.await else {
+        // The pull request may wait on the server up to `wait`: should this
+        // `get` be dropped meanwhile, the guard puts it back for the next
+        // `get` (or gives it back), rather than let what it brings sit out
+        // the lease.
+        let mut waiting = PendingReadAhead {
+            inner: &self.inner,
+            ahead: Some(ahead),
+        };
+        let fetched = match waiting.ahead.as_mut() {
+            Some(ahead) => (&mut ahead.fetch).await,
+            None => return ReadAheadUse::None,
+        };
+        waiting.ahead = None;
+        let Ok((mut messages, end)) = fetched else {
             return ReadAheadUse::None;
         };
         let refilled =

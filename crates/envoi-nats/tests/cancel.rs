@@ -1,0 +1,62 @@
+//! A `get` dropped while it waits on the server.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{nats_url, transport, unique_name};
+use envoi_core::transport::{RawMessage, Transport};
+
+fn message(body: &str) -> RawMessage {
+    RawMessage {
+        body: body.as_bytes().to_vec(),
+        ..RawMessage::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_lease() {
+    let Some(url) =
+        nats_url("a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_lease")
+    else {
+        return;
+    };
+    let t = transport(
+        &url,
+        &unique_name("cancel-ahead"),
+        "lease=10s&wait=3s&batch=100",
+    )
+    .await;
+    let batch: Vec<_> = (0..100)
+        .map(|i| (message(&format!("m{i}")), None))
+        .collect();
+    t.send_batch(batch).await.unwrap();
+    // A full batch of 100: the pull request for the next `get` goes out
+    // and waits on the server, the stream being empty.
+    let first = common::get_n(&t, 100, Duration::from_secs(5)).await;
+    assert_eq!(first.len(), 100);
+    let ids: Vec<String> = first.iter().map(|d| d.id.clone()).collect();
+    t.ack_batch(&ids).await.unwrap();
+    // This `get` waits for that pull request, and is dropped meanwhile.
+    let dropped = tokio::time::timeout(Duration::from_millis(200), t.get(100)).await;
+    assert!(dropped.is_err(), "the get did not wait for the read-ahead");
+    let sent_at = Instant::now();
+    let id = t.send(message("after the drop"), None).await.unwrap();
+    let mut got = Vec::new();
+    while got.is_empty() {
+        assert!(
+            sent_at.elapsed() < Duration::from_secs(20),
+            "never delivered"
+        );
+        got = t.get(100).await.unwrap();
+    }
+    eprintln!("delivered after {:?}", sent_at.elapsed());
+    assert_eq!(got[0].id, id);
+    assert!(
+        sent_at.elapsed() < Duration::from_secs(5),
+        "waited for the lease: {:?}",
+        sent_at.elapsed()
+    );
+    t.ack(&id).await.unwrap();
+    t.delete_stream().await.unwrap();
+}
