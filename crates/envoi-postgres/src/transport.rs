@@ -384,6 +384,42 @@ struct Ahead {
     claimed_at: Option<Instant>,
 }
 
+/// A claim ahead a `get` is waiting for: put back when that `get` is
+/// dropped before it finished (joined with the claim another `get` of the
+/// handle started meanwhile, if any).
+struct PendingClaim<'a> {
+    inner: &'a Inner,
+    claiming: Option<(Claim, Instant)>,
+}
+
+impl Drop for PendingClaim<'_> {
+    fn drop(&mut self) {
+        let Some((mine, started)) = self.claiming.take() else {
+            return;
+        };
+        let mut ahead = self.inner.ahead();
+        match ahead.claiming.take() {
+            None => ahead.claiming = Some((mine, started)),
+            Some((theirs, at)) => {
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                    ahead.claiming = Some((theirs, at));
+                    return;
+                };
+                let joined = runtime.spawn(async move {
+                    let mut rows = Vec::new();
+                    for claim in [mine, theirs] {
+                        if let Ok(Ok(claimed)) = claim.await {
+                            rows.extend(claimed);
+                        }
+                    }
+                    Ok(rows)
+                });
+                ahead.claiming = Some((joined, started.min(at)));
+            }
+        }
+    }
+}
+
 impl Drop for Inner {
     /// Gives back what was claimed ahead and not handed out, rather than
     /// leave it leased until its lease ends.
@@ -894,9 +930,22 @@ impl Inner {
     /// that waited longer than half a lease are given back instead.
     async fn take_ahead(&self, want: usize) -> Result<Vec<Delivery>, TransportError> {
         let claiming = self.ahead().claiming.take();
-        if let Some((claiming, started)) = claiming {
+        if let Some(claiming) = claiming {
+            // Should this `get` be dropped while the claim runs, the guard
+            // puts the claim back, so that the next `get` hands its rows
+            // out (or `close` or the drop gives them back) rather than
+            // leave them leased until the lease ends.
+            let mut waiting = PendingClaim {
+                inner: self,
+                claiming: Some(claiming),
+            };
+            let (claimed, started) = match waiting.claiming.as_mut() {
+                Some((claiming, started)) => (claiming.await, *started),
+                None => return Ok(Vec::new()),
+            };
+            waiting.claiming = None;
             // An aborted claim (the transport is closing) leaves nothing.
-            if let Ok(claimed) = claiming.await {
+            if let Ok(claimed) = claimed {
                 let claimed = claimed?;
                 let mut ahead = self.ahead();
                 ahead.spare.extend(claimed);
