@@ -1,5 +1,7 @@
-//! A `get` dropped while it waits for the broker.
+//! A `get` kept pending while other messages are settled, or dropped while
+//! it waits for the broker.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_amqp::AmqpTransport;
@@ -94,4 +96,47 @@ async fn a_get_dropped_while_the_consumer_starts_leaves_no_consumer_behind() {
         t.ack_batch(&ids).await.expect("ack_batch");
         t.delete().await.expect("delete");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settling_runs_while_a_get_waits() {
+    let Some(url) = url("settling_runs_while_a_get_waits") else {
+        return;
+    };
+    let name = unique("amqp_cancel_settle");
+    let t = Arc::new(
+        AmqpTransport::connect(&name, &dsn(&url, "lease=30s"))
+            .await
+            .expect("connect"),
+    );
+    t.setup().await.expect("setup");
+    let batch: Vec<_> = (0..4).map(|i| (message(&format!("m{i}")), None)).collect();
+    t.send_batch(batch).await.expect("send_batch");
+    let held = receive(&*t, 4, Duration::from_secs(5)).await;
+    for round in 0..20 {
+        let waiting = {
+            let t = Arc::clone(&t);
+            tokio::spawn(async move { t.get(1).await })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let started = Instant::now();
+        match round {
+            0 => t.ack(&held[0].id).await.expect("ack"),
+            1 => t.keepalive(&held[1].id).await.expect("keepalive"),
+            2 => t.release(&held[1].id).await.expect("release"),
+            3 => t.ack_batch(&[held[2].id.clone()]).await.expect("ack_batch"),
+            _ => {}
+        }
+        assert!(
+            started.elapsed() < Duration::from_millis(150),
+            "{:?}",
+            started.elapsed()
+        );
+        for d in waiting.await.unwrap().expect("get") {
+            t.ack(&d.id).await.expect("ack of the released message");
+        }
+    }
+    t.ack(&held[3].id).await.expect("ack");
+    assert_eq!(t.message_count().await.expect("count"), 0);
+    t.delete().await.expect("delete");
 }

@@ -1,4 +1,5 @@
-//! A `get` dropped while it waits on the server.
+//! A `get` kept pending while other messages are settled, or dropped while
+//! its pull request waits on the server.
 
 mod common;
 
@@ -12,6 +13,83 @@ fn message(body: &str) -> RawMessage {
         body: body.as_bytes().to_vec(),
         ..RawMessage::default()
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settling_runs_promptly_while_a_long_fetch_waits() {
+    let Some(url) = nats_url("settling_runs_promptly_while_a_long_fetch_waits") else {
+        return;
+    };
+    let t = transport(
+        &url,
+        &unique_name("cancel-settle"),
+        "lease=30s&wait=10s&double_ack=true",
+    )
+    .await;
+    for i in 0..3 {
+        t.send(message(&format!("m{i}")), None).await.unwrap();
+    }
+    let held = common::get_n(&t, 3, Duration::from_secs(5)).await;
+    assert_eq!(held.len(), 3);
+    let reader = {
+        let t = t.clone();
+        tokio::spawn(async move { t.get(1).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    t.keepalive(&held[0].id).await.unwrap();
+    t.ack(&held[0].id).await.unwrap();
+    t.ack_batch(&[held[2].id.clone()]).await.unwrap();
+    t.release(&held[1].id).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "settling waited for the fetch: {:?}",
+        started.elapsed()
+    );
+    let got = tokio::time::timeout(Duration::from_secs(5), reader)
+        .await
+        .expect("the pending fetch did not get the released message")
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].id, held[1].id);
+    t.ack(&got[0].id).await.unwrap();
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_sent_after_a_dropped_fetch_goes_to_the_next_get() {
+    let Some(url) = nats_url("a_message_sent_after_a_dropped_fetch_goes_to_the_next_get") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("cancel-drop"), "lease=3s&wait=5s").await;
+    let get = {
+        let t = t.clone();
+        tokio::spawn(async move { t.get(1).await })
+    };
+    // The pull request is on the server, waiting.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    get.abort();
+    let _ = get.await;
+    let sent_at = Instant::now();
+    let id = t.send(message("after the drop"), None).await.unwrap();
+    let mut got = Vec::new();
+    while got.is_empty() {
+        assert!(
+            sent_at.elapsed() < Duration::from_secs(15),
+            "never delivered"
+        );
+        got = t.get(1).await.unwrap();
+    }
+    eprintln!("delivered after {:?}", sent_at.elapsed());
+    assert_eq!(got[0].id, id);
+    assert!(
+        sent_at.elapsed() < Duration::from_secs(2),
+        "went to the dropped pull request: {:?}",
+        sent_at.elapsed()
+    );
+    t.ack(&id).await.unwrap();
+    t.delete_stream().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,10 +1,103 @@
-//! A `get` dropped while it waits for a claim.
+//! A `get` kept pending while other messages are settled, or dropped while
+//! its claim runs.
 
 mod common;
 
+use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_core::transport::Transport;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settling_runs_promptly_while_a_get_waits_on_a_one_connection_pool() {
+    let Some(url) =
+        common::url("settling_runs_promptly_while_a_get_waits_on_a_one_connection_pool")
+    else {
+        return;
+    };
+    let table = common::unique("cancel_settle");
+    let t = Arc::new(
+        common::open(
+            "q",
+            &url,
+            &format!("table={table}&wait=10s&lease=30s&max_connections=1"),
+        )
+        .await,
+    );
+    for i in 0..3 {
+        t.send(common::text(&format!("m{i}")), None).await.unwrap();
+    }
+    let held = t.get(3).await.unwrap();
+    assert_eq!(held.len(), 3);
+    let reader = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move { t.get(1).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    t.keepalive(&held[0].id).await.unwrap();
+    t.ack(&held[0].id).await.unwrap();
+    t.ack_batch(&[held[2].id.clone()]).await.unwrap();
+    t.release(&held[1].id).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "settling waited for the get: {:?}",
+        started.elapsed()
+    );
+    let got = tokio::time::timeout(Duration::from_secs(5), reader)
+        .await
+        .expect("the waiting get did not wake up for the released message")
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].id, held[1].id);
+    t.ack(&got[0].id).await.unwrap();
+    let admin = common::admin(&url).await;
+    let _ = sqlx_drop(&admin, &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gets_dropped_mid_claim_break_nothing_and_lose_nothing() {
+    let Some(url) = common::url("gets_dropped_mid_claim_break_nothing_and_lose_nothing") else {
+        return;
+    };
+    let table = common::unique("cancel_drop");
+    let t = common::open(
+        "q",
+        &url,
+        &format!("table={table}&wait=1s&lease=2s&poll=100ms&max_connections=1"),
+    )
+    .await;
+    let mut sent = BTreeSet::new();
+    for i in 0..5 {
+        sent.insert(t.send(common::text(&format!("m{i}")), None).await.unwrap());
+    }
+    for round in 0..40 {
+        // Dropped after one poll, or a little later: mid-claim, or waiting.
+        let after = Duration::from_micros(round * 50);
+        let _ = tokio::time::timeout(after, t.get(1)).await;
+    }
+    // The one pooled connection still works, and every message is handed
+    // out once, some of them after their lease.
+    let started = Instant::now();
+    let mut got = BTreeSet::new();
+    while got.len() < sent.len() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "got {got:?} of {sent:?}"
+        );
+        for d in t.get(5).await.unwrap() {
+            t.ack(&d.id).await.unwrap();
+            assert!(got.insert(d.id), "handed out twice");
+        }
+    }
+    eprintln!("all back after {:?}", started.elapsed());
+    assert_eq!(got, sent);
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    let admin = common::admin(&url).await;
+    let _ = sqlx_drop(&admin, &table).await;
+}
 
 async fn sqlx_drop(
     admin: &envoi_postgres::sqlx::postgres::PgPool,
