@@ -283,22 +283,16 @@ impl BusInner {
         }
         // 1. AddBusNameStamp
         let envelope = self.add_bus_name.apply(envelope);
-        if envelope.has::<DispatchAfterCurrentBusStamp>() {
-            // 2. DispatchAfterCurrentBus. The user middleware are asked
-            // whether they take part when the message runs, not now: a
-            // hook's `can_handle` is called once per operation.
-            return Box::pin(dispatch_after_current_bus::run(
-                envelope,
-                || Arc::new(AfterDeferral(self.clone())) as Arc<dyn Endpoint>,
-                |e| self.after_deferral(e),
-            ))
-            .await;
-        }
         // User middleware that takes no part would only pass the envelope
         // on: the chain starts at the first one that does (`start`), or is
         // skipped (`None`).
         let user = if self.user_empty.load(Ordering::Relaxed) {
             None
+        } else if envelope.has::<DispatchAfterCurrentBusStamp>() {
+            // 2. DispatchAfterCurrentBus. The user middleware are asked
+            // whether they take part when the message runs, not now: a
+            // hook's `can_handle` is called once per operation.
+            return Box::pin(self.defer(envelope)).await;
         } else {
             self.user_chain(&envelope)
         };
@@ -328,6 +322,10 @@ impl BusInner {
                 return Ok(out);
             }
             return Box::pin(dispatch_after_current_bus::settle(out)).await;
+        }
+        if envelope.has::<DispatchAfterCurrentBusStamp>() {
+            // 2. DispatchAfterCurrentBus (no user middleware).
+            return Box::pin(self.defer(envelope)).await;
         }
         // Step 2 has nothing to defer: the steps after it run here, and
         // step 2 settles what the handlers deferred afterwards.
@@ -412,6 +410,17 @@ impl BusInner {
     fn route(&self, envelope: &Envelope) -> Option<(&SendMessage, &[Route])> {
         let send = self.send.as_ref()?;
         Some((send, send.targets(envelope)?))
+    }
+
+    /// Step 2 for a message stamped to wait for the current dispatch: kept
+    /// until it ends, then steps 3 and 4 and the core.
+    async fn defer(self: &Arc<Self>, envelope: Envelope) -> StepResult {
+        dispatch_after_current_bus::run(
+            envelope,
+            || Arc::new(AfterDeferral(self.clone())) as Arc<dyn Endpoint>,
+            |e| self.after_deferral(e),
+        )
+        .await
     }
 
     /// Steps 3 and 4, then the core.

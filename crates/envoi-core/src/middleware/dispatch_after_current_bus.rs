@@ -146,8 +146,8 @@ fn current_scope() -> Option<u64> {
 /// A handler's future, polled with its scope marked current.
 pub(crate) struct Scoped<F> {
     id: u64,
-    /// Set once the handler finished: what a successful one deferred is
-    /// then the caller's to take (see [`scope`]).
+    /// Set once the handler succeeded: what it deferred is then the
+    /// caller's to take (see [`scope`]).
     done: bool,
     inner: F,
 }
@@ -164,13 +164,10 @@ where
         let outer = CURRENT.with(|c| c.replace(id));
         let polled = Pin::new(&mut self.inner).poll(cx);
         CURRENT.with(|c| c.set(outer));
-        if let Poll::Ready(out) = &polled {
+        // A failed handler's deferred dispatches were consequences of work
+        // that did not happen: left to the drop, which frees them.
+        if let Poll::Ready(Ok(_)) = &polled {
             self.done = true;
-            if out.is_err() {
-                // A failed handler's deferred dispatches were consequences
-                // of work that did not happen: nobody takes them.
-                drop(take_deferred(id));
-            }
         }
         polled
     }
@@ -178,8 +175,8 @@ where
 
 impl<F> Drop for Scoped<F> {
     fn drop(&mut self) {
-        // A handler dropped before it finished (a deadline, a cancelled
-        // dispatch) leaves nothing queued behind.
+        // A handler that failed, or was dropped before it finished (a
+        // deadline, a cancelled dispatch), leaves nothing queued behind.
         if !self.done {
             drop(take_deferred(self.id));
         }
