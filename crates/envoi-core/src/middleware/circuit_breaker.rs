@@ -13,6 +13,10 @@
 //!   (others still fail fast). Its success closes the circuit; its failure
 //!   opens it for another cool-down.
 //!
+//! A message let in while the circuit was closed that finishes after it
+//! opened does not move it: only the trial settles an open or half-open
+//! circuit.
+//!
 //! Only handler failures count ([`BusError::HandlerFailed`], or a failure
 //! the retry step scheduled for a retry); cancellations, validation errors
 //! and the like say nothing about the handler's health. Where the bus sends
@@ -100,8 +104,12 @@ impl Admission<'_> {
         let open = CircuitState::Open {
             until: Instant::now() + self.breaker.cool_down,
         };
+        // Only the trial settles an open or half-open circuit: a message
+        // let in while it was closed may finish after it opened.
         *state = match (outcome, *state) {
-            (Outcome::Success, _) => CircuitState::Closed { failures: 0 },
+            (Outcome::Success, _) if self.trial => CircuitState::Closed { failures: 0 },
+            (Outcome::Success, CircuitState::Closed { .. }) => CircuitState::Closed { failures: 0 },
+            (Outcome::Success, other) => other,
             (Outcome::HandlerFailure, _) if self.trial => open,
             (Outcome::HandlerFailure, CircuitState::Closed { failures }) => {
                 let failures = failures.saturating_add(1);
@@ -227,7 +235,21 @@ impl Middleware for CircuitBreaker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{FailingEndpoint, Ping, RecordingEndpoint};
+    use crate::testing::{FailingEndpoint, FnEndpoint, Ping, RecordingEndpoint};
+    use futures_util::FutureExt;
+    use tokio::sync::Notify;
+
+    /// An endpoint that succeeds once `gate` is notified.
+    fn gated(gate: &Arc<Notify>) -> FnEndpoint {
+        let gate = gate.clone();
+        FnEndpoint::new(move |e| {
+            let gate = gate.clone();
+            Box::pin(async move {
+                gate.notified().await;
+                Ok(e)
+            })
+        })
+    }
 
     #[tokio::test(start_paused = true)]
     async fn opens_after_n_consecutive_failures_fails_fast_then_lets_one_trial_through() {
@@ -320,5 +342,48 @@ mod tests {
             1,
             "an abandoned trial lets the next one try"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_the_trial_settles_an_open_or_half_open_circuit() {
+        let cb = CircuitBreaker::new(1, Duration::from_secs(5));
+        let (early, late) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        let (early_end, late_end) = (gated(&early), gated(&late));
+        // Two messages let in while the circuit is closed, still running.
+        let mut first = cb.handle(Envelope::new(Ping), Next::to_endpoint(&early_end));
+        let mut second = cb.handle(Envelope::new(Ping), Next::to_endpoint(&late_end));
+        assert!((&mut first).now_or_never().is_none());
+        assert!((&mut second).now_or_never().is_none());
+        let bad = FailingEndpoint::plain();
+        cb.handle(Envelope::new(Ping), bad.next())
+            .await
+            .unwrap_err();
+        let open = cb.state::<Ping>();
+        assert!(matches!(open, CircuitState::Open { .. }));
+
+        early.notify_one();
+        first.await.unwrap();
+        assert_eq!(cb.state::<Ping>(), open, "the cool-down is not cut short");
+
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
+        let mut trial = cb.handle(Envelope::new(Ping), Next::to_endpoint(&stuck));
+        assert!((&mut trial).now_or_never().is_none());
+        assert_eq!(cb.state::<Ping>(), CircuitState::HalfOpen);
+        late.notify_one();
+        second.await.unwrap();
+        assert_eq!(
+            cb.state::<Ping>(),
+            CircuitState::HalfOpen,
+            "a message that is not the trial does not close the circuit"
+        );
+        let end = RecordingEndpoint::new();
+        let err = cb
+            .handle(Envelope::new(Ping), end.next())
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), "circuit_open", "the trial is still running");
+        assert!(end.calls().is_empty());
+        drop(trial);
     }
 }
