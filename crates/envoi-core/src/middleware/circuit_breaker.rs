@@ -131,13 +131,14 @@ impl Admission<'_> {
 impl Drop for Admission<'_> {
     fn drop(&mut self) {
         if !self.settled && self.trial {
-            // The trial was abandoned: the next message may try again.
-            self.breaker.lock().insert(
-                self.key,
-                CircuitState::Open {
+            // The trial was abandoned: the next message may try again. Only
+            // the half-open state it made is undone, not one that followed.
+            let mut circuits = self.breaker.lock();
+            if let Some(state @ CircuitState::HalfOpen) = circuits.get_mut(&self.key) {
+                *state = CircuitState::Open {
                     until: Instant::now(),
-                },
-            );
+                };
+            }
         }
     }
 }
@@ -385,5 +386,32 @@ mod tests {
         assert_eq!(err.kind(), "circuit_open", "the trial is still running");
         assert!(end.calls().is_empty());
         drop(trial);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_trial_resets_only_the_half_open_state_it_made() {
+        let cb = CircuitBreaker::new(1, Duration::from_secs(5));
+        let bad = FailingEndpoint::plain();
+        cb.handle(Envelope::new(Ping), bad.next())
+            .await
+            .unwrap_err();
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let trial = cb.inner.admit(&Envelope::new(Ping)).unwrap();
+        assert!(trial.trial);
+        // The circuit moved on while the trial ran (say a message let in
+        // before it opened closed it, and a failure opened it afresh).
+        let reopened = CircuitState::Open {
+            until: Instant::now() + Duration::from_secs(5),
+        };
+        cb.inner.lock().insert(TypeId::of::<Ping>(), reopened);
+        drop(trial);
+        assert_eq!(cb.state::<Ping>(), reopened, "the cool-down is kept");
+
+        // An abandoned trial of a half-open circuit lets the next one try.
+        tokio::time::advance(Duration::from_secs(5)).await;
+        drop(cb.inner.admit(&Envelope::new(Ping)).unwrap());
+        assert!(
+            matches!(cb.state::<Ping>(), CircuitState::Open { until } if until <= Instant::now())
+        );
     }
 }
