@@ -13,7 +13,9 @@
 //! A key is forgotten when its message fails, is scheduled for a retry or
 //! is abandoned before it finished (its dispatch dropped by a deadline or a
 //! stopping worker), so the redelivery is handled; otherwise it is
-//! remembered for the window.
+//! remembered for the window. A message abandoned while the store is
+//! still remembering its key forgets it too: whether the key was new is not
+//! known then, and handling a message twice beats never handling it.
 //! Where the bus sends a message to a transport, the middleware lets it
 //! through: duplicates are caught where messages are handled.
 //!
@@ -140,18 +142,21 @@ impl DedupStore for InMemoryDedupStore {
 type KeyFn = dyn Fn(&Envelope) -> Option<String> + Send + Sync;
 
 /// A key remembered for a message still running: forgotten if the message
-/// is abandoned (its future dropped) before it settled.
-struct Reservation {
-    store: Arc<dyn DedupStore>,
-    /// Taken once the message settled.
-    key: Option<String>,
+/// is abandoned (its future dropped) before it settled — while the store
+/// remembers the key, while the handler runs, or while the store forgets it.
+struct Reservation<'a> {
+    store: &'a Arc<dyn DedupStore>,
+    key: String,
+    /// Cleared once the message settled.
+    armed: bool,
 }
 
-impl Drop for Reservation {
+impl Drop for Reservation<'_> {
     fn drop(&mut self) {
-        let Some(key) = self.key.take() else {
+        if !self.armed {
             return;
-        };
+        }
+        let key = std::mem::take(&mut self.key);
         let store = self.store.clone();
         let mut forget = Box::pin(async move {
             let _ = store.remove(&key).await;
@@ -233,29 +238,37 @@ impl Middleware for Deduplicate {
             return next.run(envelope).boxed();
         };
         Box::pin(async move {
-            let fresh = self
-                .store
-                .insert(&key, self.window)
-                .await
-                .map_err(Self::store_error)?;
+            // Forgets the key if this future is dropped before the message
+            // settled (a deadline, a stopping worker), so the message is
+            // handled when it comes again. Armed before the store is asked:
+            // a store that is not in memory may remember the key before its
+            // `insert` returns.
+            let mut reserved = Reservation {
+                store: &self.store,
+                key,
+                armed: true,
+            };
+            let fresh = self.store.insert(&reserved.key, self.window).await;
+            let fresh = fresh.map_err(|e| {
+                reserved.armed = false;
+                Self::store_error(e)
+            })?;
             if !fresh {
+                reserved.armed = false;
+                let key = std::mem::take(&mut reserved.key);
                 return Ok(envelope.with(DeduplicatedStamp { key }));
             }
-            // Forgets the key if this future is dropped before the message
-            // was handled (a deadline, a stopping worker), so the message
-            // is handled when it comes again.
-            let mut reserved = Reservation {
-                store: self.store.clone(),
-                key: Some(key),
-            };
             let before = envelope.clone();
             let out = next.run(envelope).await;
             let handled = matches!(&out, Ok(after) if !was_retried(&before, after));
-            let key = reserved.key.take().unwrap_or_default();
-            if !handled {
+            let removed = if handled {
+                Ok(())
+            } else {
                 // Let the redelivery (or a new attempt) through.
-                self.store.remove(&key).await.map_err(Self::store_error)?;
-            }
+                self.store.remove(&reserved.key).await
+            };
+            reserved.armed = false;
+            removed.map_err(Self::store_error)?;
             out
         })
     }
@@ -381,5 +394,81 @@ mod tests {
             err.to_string(),
             "middleware `Deduplicate` failed: store down"
         );
+    }
+
+    /// An in-memory store whose `insert` (after remembering) and `remove`
+    /// (before forgetting) yield once, as a store over a network would.
+    #[derive(Default)]
+    struct YieldingStore {
+        keys: Arc<InMemoryDedupStore>,
+    }
+    impl DedupStore for YieldingStore {
+        fn insert<'a>(
+            &'a self,
+            key: &'a str,
+            w: Duration,
+        ) -> BoxFuture<'a, Result<bool, BoxError>> {
+            Box::pin(async move {
+                let fresh = self.keys.insert(key, w).await;
+                tokio::task::yield_now().await;
+                fresh
+            })
+        }
+        fn remove<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
+            Box::pin(async move {
+                tokio::task::yield_now().await;
+                self.keys.remove(key).await
+            })
+        }
+    }
+
+    /// Lets spawned tasks run.
+    async fn settle() {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_message_abandoned_while_the_store_remembers_its_key_is_handled_when_it_comes_again()
+    {
+        let store = YieldingStore::default();
+        let keys = store.keys.clone();
+        let d = dedup().store(store);
+        let end = RecordingEndpoint::new();
+        let mut abandoned = d.handle(Envelope::new(Pay("r-1")), end.next());
+        assert!((&mut abandoned).now_or_never().is_none());
+        assert_eq!(keys.len(), 1, "the store has the key");
+        drop(abandoned);
+        settle().await;
+        let out = d
+            .handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        assert!(!out.has::<DeduplicatedStamp>());
+        assert_eq!(end.calls().len(), 1, "the redelivery is handled");
+    }
+
+    #[tokio::test]
+    async fn a_failed_message_abandoned_while_the_store_forgets_its_key_is_handled_when_it_comes_again(
+    ) {
+        let store = YieldingStore::default();
+        let keys = store.keys.clone();
+        let d = dedup().store(store);
+        let bad = FailingEndpoint::plain();
+        let mut abandoned = d.handle(Envelope::new(Pay("r-1")), bad.next());
+        // Remembers (yields), then fails and starts forgetting (yields).
+        assert!((&mut abandoned).now_or_never().is_none());
+        assert!((&mut abandoned).now_or_never().is_none());
+        assert_eq!(keys.len(), 1, "the store still has the key");
+        drop(abandoned);
+        settle().await;
+        let end = RecordingEndpoint::new();
+        let out = d
+            .handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        assert!(!out.has::<DeduplicatedStamp>());
+        assert_eq!(end.calls().len(), 1, "the redelivery is handled");
     }
 }
