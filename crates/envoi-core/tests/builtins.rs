@@ -6,14 +6,17 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use envoi_core::error::BoxError;
 use envoi_core::middleware::circuit_breaker::CircuitBreaker;
 use envoi_core::middleware::correlation::{CausationIdStamp, Correlation, CorrelationIdStamp};
-use envoi_core::middleware::dedup::Deduplicate;
+use envoi_core::middleware::dedup::{DedupStore, Deduplicate, InMemoryDedupStore};
 use envoi_core::middleware::logging::Logging;
+use envoi_core::middleware::retry::MultiplierRetryStrategy;
 use envoi_core::middleware::validation::{Validate, Validation};
+use envoi_core::middleware::BoxFuture;
 use envoi_core::middleware::{from_fn, Next};
 use envoi_core::stamp::{MessageIdStamp, ReceivedStamp};
-use envoi_core::worker::Worker;
+use envoi_core::worker::{Worker, WorkerEvent};
 use envoi_core::{BusError, Command, DispatchError, Dispatcher, Envelope, Message, Messenger};
 use serde::{Deserialize, Serialize};
 
@@ -282,6 +285,71 @@ async fn a_duplicate_delivered_by_a_transport_is_acked_without_running_the_handl
         queue.message_count().await.unwrap(),
         0,
         "the duplicate was acked"
+    );
+}
+
+/// Remembers keys in memory but cannot forget them.
+struct StuckStore(InMemoryDedupStore);
+impl DedupStore for StuckStore {
+    fn insert<'a>(
+        &'a self,
+        key: &'a str,
+        window: Duration,
+    ) -> BoxFuture<'a, Result<bool, BoxError>> {
+        self.0.insert(key, window)
+    }
+    fn remove<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
+        Box::pin(async { Err("store down".into()) })
+    }
+}
+
+#[tokio::test]
+async fn a_store_that_cannot_forget_a_failed_message_leaves_the_handler_failure_to_the_worker() {
+    let m = Messenger::builder()
+        .command_handler(|_: Charge| async { Err::<(), _>(GatewayDown) })
+        .transport_dsn("async", "in-memory://")
+        .transport_dsn("failed", "in-memory://")
+        .route::<Charge>("async")
+        .failure_transport("failed")
+        .default_retry_strategy(MultiplierRetryStrategy {
+            max_retries: 0,
+            ..Default::default()
+        })
+        .middleware(
+            Deduplicate::new(Duration::from_secs(3600))
+                .key(|c: &Charge| c.reference.clone())
+                .store(StuckStore(InMemoryDedupStore::new())),
+        )
+        .build_async()
+        .await
+        .unwrap();
+    m.dispatcher().dispatch(charge("pay-1", 5)).await.unwrap();
+    let worker = Worker::builder(&m)
+        .receiver("async")
+        .stop_when_empty()
+        .idle_sleep(Duration::from_millis(5))
+        .build()
+        .unwrap();
+    let mut events = worker.subscribe();
+    worker.run().await;
+    let mut failures = Vec::new();
+    while let Ok(event) = events.try_recv() {
+        if let WorkerEvent::Failed {
+            kind, parked_in, ..
+        } = event
+        {
+            failures.push((kind.into_owned(), parked_in));
+        }
+    }
+    assert_eq!(
+        failures,
+        [("handler".to_string(), Some("failed".to_string()))]
+    );
+    let failed = m.transport("failed").unwrap();
+    assert_eq!(
+        failed.message_count().await.unwrap(),
+        1,
+        "parked once, by the retry step"
     );
 }
 

@@ -16,6 +16,10 @@
 //! remembered for the window. A message abandoned while the store is
 //! still remembering its key forgets it too: whether the key was new is not
 //! known then, and handling a message twice beats never handling it.
+//! When the store cannot forget the key of a message whose handler failed,
+//! the handler failure is still what the dispatch returns (so a worker
+//! parks or rejects the message as usual) and the store error is logged;
+//! after other outcomes the store error is returned.
 //! Where the bus sends a message to a transport, the middleware lets it
 //! through: duplicates are caught where messages are handled.
 //!
@@ -268,8 +272,21 @@ impl Middleware for Deduplicate {
                 self.store.remove(&reserved.key).await
             };
             reserved.armed = false;
-            removed.map_err(Self::store_error)?;
-            out
+            match removed {
+                Ok(()) => out,
+                // The handler failure is what the caller acts on (a worker
+                // parks or rejects the message by it): keep it.
+                Err(e) if matches!(out, Err(BusError::HandlerFailed { .. })) => {
+                    tracing::warn!(
+                        key = %reserved.key,
+                        error = %e,
+                        "Deduplicate: could not forget the key of a failed message; \
+                         it is acknowledged as a duplicate if it comes again within the window"
+                    );
+                    out
+                }
+                Err(e) => Err(Self::store_error(e)),
+            }
         })
     }
 
@@ -470,5 +487,36 @@ mod tests {
             .unwrap();
         assert!(!out.has::<DeduplicatedStamp>());
         assert_eq!(end.calls().len(), 1, "the redelivery is handled");
+    }
+
+    struct ForgetfulStore(InMemoryDedupStore);
+    impl DedupStore for ForgetfulStore {
+        fn insert<'a>(
+            &'a self,
+            key: &'a str,
+            w: Duration,
+        ) -> BoxFuture<'a, Result<bool, BoxError>> {
+            self.0.insert(key, w)
+        }
+        fn remove<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
+            Box::pin(async { Err("store down".into()) })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_store_failure_forgetting_a_failed_message_keeps_the_handler_failure() {
+        let d = dedup().store(ForgetfulStore(InMemoryDedupStore::new()));
+        let bad = FailingEndpoint::plain();
+        let err = d
+            .handle(Envelope::new(Pay("r-1")), bad.next())
+            .await
+            .unwrap_err();
+        match err {
+            BusError::HandlerFailed { envelope, errors } => {
+                assert!(envelope.message::<Pay>().is_some());
+                assert_eq!(errors.len(), 1);
+            }
+            other => panic!("expected the handler failure, got {other:?}"),
+        }
     }
 }
