@@ -87,6 +87,14 @@ pub enum BuildError {
     /// A failure transport is not a configured transport.
     #[error("failure transport `{0}` is not a configured transport")]
     UnknownFailureTransport(String),
+    /// A failure transport handles messages when they are sent
+    /// (`sync://`): parking a message there would handle it again at once,
+    /// fail again and park it again, without end.
+    #[error(
+        "failure transport `{0}` handles messages when they are sent (`sync://`); \
+         a failure transport must store them"
+    )]
+    FailureTransportHandlesOnSend(String),
     /// Two transports (or a transport and a sender) have one name.
     #[error("transport `{0}` is defined twice")]
     DuplicateTransport(String),
@@ -448,6 +456,15 @@ impl MessengerBuilder {
                 return Err(BuildError::DuplicateTransport(name));
             }
             senders.insert_sender(name, sender);
+        }
+        for (_, failure) in &self.failure_transports {
+            if transports
+                .get(failure)
+                .and_then(|t| t.local())
+                .is_some_and(|l| l.handles_on_send())
+            {
+                return Err(BuildError::FailureTransportHandlesOnSend(failure.clone()));
+            }
         }
         let dispatcher: Arc<dyn SenderDispatcher> = match self.sender_dispatcher.take() {
             Some(d) => d,

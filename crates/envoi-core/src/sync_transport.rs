@@ -10,7 +10,7 @@
 //!   returns its answer) and their errors;
 //! * delays are ignored and nothing is retried (a failure goes straight
 //!   back to the caller); there is nothing to consume, so a worker refuses
-//!   it.
+//!   it, and it cannot be a failure transport (the build refuses it).
 //!
 //! The transport must be registered with the messenger that handles its
 //! messages ([`MessengerBuilder::transport`](crate::MessengerBuilder::transport)

@@ -276,6 +276,29 @@ async fn the_sync_transport_handles_at_once_and_returns_results_and_errors() {
 }
 
 #[tokio::test]
+async fn a_transport_that_handles_on_send_cannot_be_a_failure_transport() {
+    // Parking in it would handle the message again at once, as received
+    // from its origin, fail again and park it again: without end.
+    for (failure, sync_name) in [(None, "sync"), (Some("async"), "sync")] {
+        let builder = Messenger::builder()
+            .command_handler(|_: Charge| async { Err::<(), _>(GatewayDown) })
+            .transport("async", memory())
+            .transport_dsn(sync_name, "sync://")
+            .route::<Charge>("async");
+        let builder = match failure {
+            None => builder.failure_transport(sync_name),
+            Some(source) => builder.failure_transport_for(source, sync_name),
+        };
+        let err = builder.build_async().await.unwrap_err();
+        assert_eq!(
+            err,
+            BuildError::FailureTransportHandlesOnSend("sync".into())
+        );
+        assert!(err.to_string().contains("`sync`"), "{err}");
+    }
+}
+
+#[tokio::test]
 async fn a_bad_dsn_fails_the_build_with_a_clear_error_and_the_password_masked() {
     let err = Messenger::builder()
         .transport_dsn("orders", "postgres://app:hunter2@db/app")
