@@ -85,7 +85,8 @@ impl Default for InMemoryConfig {
 
 impl InMemoryConfig {
     /// Reads `in-memory://[?serialize=true|false][&lease_timeout_ms=N]`.
-    /// Anything else is an [`InvalidDsn`](TransportError::InvalidDsn).
+    /// Anything else (an option given twice included) is an
+    /// [`InvalidDsn`](TransportError::InvalidDsn).
     pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
         let invalid = |reason: String| TransportError::InvalidDsn {
             dsn: mask_dsn(dsn),
@@ -101,8 +102,13 @@ impl InMemoryConfig {
             )));
         }
         let mut config = Self::default();
+        let mut seen: Vec<&str> = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            if seen.contains(&key) {
+                return Err(invalid(format!("option `{key}` is given twice")));
+            }
+            seen.push(key);
             match key {
                 "serialize" => {
                     config.serialize = match value {
@@ -1305,6 +1311,9 @@ mod tests {
             "in-memory://?colour=red",
             "in-memory://?lease_timeout_ms=0",
             "memory://",
+            // Given twice, an option is ambiguous: neither value is taken.
+            "in-memory://?serialize=true&serialize=false",
+            "in-memory://?lease_timeout_ms=100&serialize=true&lease_timeout_ms=200",
         ] {
             assert!(
                 matches!(
