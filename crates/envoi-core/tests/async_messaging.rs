@@ -13,7 +13,7 @@ use envoi_core::stamp::{
     DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
     SentToFailureTransportStamp, TransportMessageIdStamp,
 };
-use envoi_core::transport::{Payload, RawMessage, Transport};
+use envoi_core::transport::{LocalFuture, LocalTransport, Payload, RawMessage, Transport};
 use envoi_core::worker::{StopReason, Worker, WorkerEvent};
 use envoi_core::{
     BuildError, BusError, Command, DispatchError, Envelope, Message, Messenger, Query,
@@ -296,6 +296,63 @@ async fn a_transport_that_handles_on_send_cannot_be_a_failure_transport() {
         );
         assert!(err.to_string().contains("`sync`"), "{err}");
     }
+}
+
+#[tokio::test]
+async fn a_parked_message_whose_origin_became_a_sync_transport_is_parked_again_when_it_fails() {
+    // `orders` was an asynchronous transport when the message was parked;
+    // it has since been switched to `sync://` by configuration.
+    let calls = Arc::new(AtomicU32::new(0));
+    let failed = memory();
+    let messenger = Messenger::builder()
+        .command_handler(flaky_handler(u32::MAX, calls.clone()))
+        .transport_dsn("orders", "sync://")
+        .transport("failed", failed.clone())
+        .route::<Charge>("orders")
+        .default_retry_strategy(fast_retries(3))
+        .failure_transport("failed")
+        .build_async()
+        .await
+        .unwrap();
+    let parked = Envelope::new(Charge { order: 1 })
+        .with(SentToFailureTransportStamp::new("orders"))
+        .with(RedeliveryStamp::new(0));
+    let LocalFuture::Ready(Some(Ok(_))) = failed.send_envelope(parked) else {
+        panic!("the in-memory transport stores a message at once");
+    };
+    let report = Worker::builder(&messenger)
+        .receiver("failed")
+        .stop_when_empty()
+        .idle_sleep(Duration::from_millis(5))
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    // Tried once (a retry cannot be sent to a transport that handles on
+    // send), then back in the failure transport, not dropped.
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(report.stats.failed, 1);
+    assert_eq!((failed.acknowledged(), failed.rejected()), (1, 0));
+    let stored = failed.stored();
+    assert_eq!(stored.len(), 1, "parked again");
+    let Payload::Envelope(e) = &stored[0].payload else {
+        panic!("expected an envelope")
+    };
+    assert_eq!(e.all::<SentToFailureTransportStamp>().count(), 2);
+    assert_eq!(
+        e.last::<SentToFailureTransportStamp>()
+            .unwrap()
+            .original_transport,
+        "orders"
+    );
+    // A message sent to the sync transport still fails straight back.
+    assert!(messenger
+        .dispatcher()
+        .dispatch(Charge { order: 2 })
+        .await
+        .is_err());
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(failed.stored().len(), 1);
 }
 
 #[tokio::test]

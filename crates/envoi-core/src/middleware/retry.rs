@@ -165,7 +165,10 @@ impl RetryConfig {
 
     /// Never retries nor parks messages received from `transport`: their
     /// failure goes straight back to the caller. Used for the sync
-    /// transport, which handles messages while they are sent.
+    /// transport, which handles messages while they are sent. A message
+    /// parked after failing on `transport` (when it was another kind of
+    /// transport) and retried from its failure transport is not retried
+    /// either, but parked again when it fails.
     pub fn without_retry(mut self, transport: impl Into<String>) -> Self {
         self.without_retry.insert(transport.into());
         self
@@ -245,8 +248,10 @@ impl RetryConfig {
             .saturating_add(1);
         let hint = combined_hint(&errors);
         let strategy = self.strategy_for(transport);
-        let retry =
-            hint != RetryHint::Unrecoverable && strategy.is_retryable(&envelope, &errors, attempt);
+        // A retry cannot be sent to a transport that handles on send.
+        let retry = hint != RetryHint::Unrecoverable
+            && !self.without_retry.contains(transport)
+            && strategy.is_retryable(&envelope, &errors, attempt);
         if retry {
             let delay = match hint {
                 RetryHint::Recoverable(Some(d)) => d,
@@ -380,7 +385,10 @@ impl Retry {
             return next(envelope).await;
         };
         let transport = received.transport.clone();
-        if !config.without_retry.is_empty() && config.without_retry.contains(&*transport) {
+        if !config.without_retry.is_empty()
+            && config.without_retry.contains(&*transport)
+            && !from_failure_transport(&envelope, &transport)
+        {
             return next(envelope).await;
         }
         match next(envelope).await {
@@ -394,6 +402,20 @@ impl Retry {
             ok => ok,
         }
     }
+}
+
+/// Whether `envelope`, marked received from `transport`, was in fact
+/// received from a failure transport it was parked in after failing on
+/// `transport` (the mark is [`FailedMessageProcessing`]'s).
+///
+/// [`FailedMessageProcessing`]: super::failed_message_processing::FailedMessageProcessing
+fn from_failure_transport(envelope: &Envelope, transport: &str) -> bool {
+    envelope
+        .last::<SentToFailureTransportStamp>()
+        .is_some_and(|s| s.original_transport == transport)
+        && envelope
+            .all::<ReceivedStamp>()
+            .any(|r| &*r.transport != transport)
 }
 
 impl Middleware for Retry {
