@@ -37,6 +37,29 @@ fn memory() -> Arc<InMemoryTransport> {
     Arc::new(InMemoryTransport::new())
 }
 
+/// Runs `worker`; `probe` later, another consumer of `queue` must get
+/// nothing (what the worker took is still leased, or acknowledged); stops
+/// it `then` later and returns its report.
+async fn run_while_leases_hold(
+    worker: Worker,
+    queue: &InMemoryTransport,
+    probe: Duration,
+    then: Duration,
+) -> WorkerReport {
+    let stop = worker.stop_handle();
+    let run = tokio::spawn(worker.run());
+    tokio::time::sleep(probe).await;
+    let taken = queue.get(10).await.unwrap();
+    assert!(
+        taken.is_empty(),
+        "{} handed out again at {probe:?}",
+        taken.len()
+    );
+    tokio::time::sleep(then).await;
+    stop.stop();
+    run.await.unwrap()
+}
+
 /// An in-memory queue whose messages stay leased for `lease`.
 fn leased_queue(lease: Duration) -> Arc<InMemoryTransport> {
     let mut config = InMemoryConfig::default();
@@ -1267,14 +1290,13 @@ async fn leases_are_extended_while_a_long_poll_waits() {
         .keepalive_interval(Some(Duration::from_millis(500)))
         .build()
         .unwrap();
-    let stop = worker.stop_handle();
-    let run = tokio::spawn(worker.run());
-    tokio::time::sleep(Duration::from_millis(3500)).await;
-    let taken = queue.get(10).await.unwrap();
-    assert!(taken.is_empty(), "the lease ran out: {} taken", taken.len());
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    stop.stop();
-    let report = run.await.unwrap();
+    let report = run_while_leases_hold(
+        worker,
+        &queue,
+        Duration::from_millis(3500),
+        Duration::from_secs(5),
+    )
+    .await;
     assert_eq!(seen.get(), [0]);
     assert_eq!(report.stats.handled, 1);
     assert_eq!(queue.message_count().await.unwrap(), 0);
@@ -1506,14 +1528,13 @@ async fn a_handled_message_waiting_for_its_batched_acknowledgement_keeps_its_lea
         .keepalive_interval(Some(Duration::from_millis(200)))
         .build()
         .unwrap();
-    let stop = worker.stop_handle();
-    let run = tokio::spawn(worker.run());
-    tokio::time::sleep(Duration::from_millis(2700)).await;
-    let taken = queue.get(10).await.unwrap();
-    assert!(taken.is_empty(), "{} handed out again", taken.len());
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.stop();
-    let report = run.await.unwrap();
+    let report = run_while_leases_hold(
+        worker,
+        &queue,
+        Duration::from_millis(2700),
+        Duration::from_secs(2),
+    )
+    .await;
     assert_eq!(seen.get(), [0, 1, 2, 3]);
     assert_eq!(report.stats.handled, 4);
     assert_eq!(queue.message_count().await.unwrap(), 0);
