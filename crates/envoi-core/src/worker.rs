@@ -2099,10 +2099,9 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
     fn new(ctx: &'a Ctx, options: Options, stop: StopHandle, start: Start<'a, F>) -> Self {
         let now = Instant::now();
         let keepalive_every = options.keepalive_interval.filter(|d| !d.is_zero());
-        let far = Duration::from_secs(86_400 * 365);
         let mut ticker = tokio::time::interval_at(
-            now + keepalive_every.unwrap_or(far),
-            keepalive_every.unwrap_or(far),
+            now + keepalive_every.unwrap_or(far::FAR),
+            keepalive_every.unwrap_or(far::FAR),
         );
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Self {
@@ -2397,10 +2396,10 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 let mut get = ctx.receivers[receiver].transport.get(want);
                 let must_stop = self.must_stop();
                 tokio::pin!(must_stop);
-                loop {
+                let got = loop {
                     tokio::select! {
                         biased;
-                        got = get.as_mut() => break got.map(Batch::Remote),
+                        got = get.as_mut() => break Some(got),
                         done = acking.as_mut(), if pending && sent.is_none() => *sent = Some(done),
                         finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
                             self.record(finished);
@@ -2408,16 +2407,19 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                         // A long poll must not let the leases of what is
                         // in flight run out.
                         _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
-                        () = &mut must_stop => {
-                            // The stop gives back what it brings.
-                            self.ahead = Some(Ahead { receiver, want, get });
-                            return (0, wait);
-                        }
+                        () = &mut must_stop => break None,
                     }
                     // What finished meanwhile is settled now, not when the
-                    // poll ends (it may outlast their leases): the `get`
-                    // goes on as the batch asked for ahead.
+                    // poll ends (it may outlast their leases).
                     if (!pending || sent.is_some()) && self.has_outcomes() {
+                        break None;
+                    }
+                };
+                match got {
+                    Some(got) => got.map(Batch::Remote),
+                    None => {
+                        // The `get` goes on as the batch asked for ahead:
+                        // a stop gives back what it brings.
                         self.ahead = Some(Ahead {
                             receiver,
                             want,
@@ -2572,10 +2574,9 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         ctx.events.emit(|| WorkerEvent::Started {
             transports: ctx.receivers.iter().map(|r| r.name.to_string()).collect(),
         });
-        let far = Duration::from_secs(86_400 * 365);
         let mut stopped = self.stop.tx.subscribe();
         let deadline =
-            tokio::time::sleep_until(self.started + self.options.time_limit.unwrap_or(far));
+            tokio::time::sleep_until(self.started + self.options.time_limit.unwrap_or(far::FAR));
         tokio::pin!(deadline);
         // Checked at once, then about every second.
         let mut memory_checked = None;
