@@ -286,14 +286,21 @@ mod tests {
         assert_eq!(cb.state::<Ping>(), CircuitState::Closed { failures: 0 });
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_failed_trial_opens_the_circuit_again() {
-        let cb = CircuitBreaker::new(1, Duration::from_secs(5));
-        let bad = FailingEndpoint::plain();
-        cb.handle(Envelope::new(Ping), bad.next())
+    /// A breaker that opens on one failure, opened by one, its `cool_down`
+    /// passed: the next message is a trial.
+    async fn ready_for_a_trial(cool_down: Duration) -> CircuitBreaker {
+        let cb = CircuitBreaker::new(1, cool_down);
+        cb.handle(Envelope::new(Ping), FailingEndpoint::plain().next())
             .await
             .unwrap_err();
-        tokio::time::advance(Duration::from_secs(5)).await;
+        tokio::time::advance(cool_down).await;
+        cb
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_trial_opens_the_circuit_again() {
+        let cb = ready_for_a_trial(Duration::from_secs(5)).await;
+        let bad = FailingEndpoint::plain();
         cb.handle(Envelope::new(Ping), bad.next())
             .await
             .unwrap_err();
@@ -322,12 +329,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn only_one_trial_runs_at_a_time() {
-        let cb = CircuitBreaker::new(1, Duration::from_secs(1));
-        let bad = FailingEndpoint::plain();
-        cb.handle(Envelope::new(Ping), bad.next())
-            .await
-            .unwrap_err();
-        tokio::time::advance(Duration::from_secs(1)).await;
+        let cb = ready_for_a_trial(Duration::from_secs(1)).await;
         let admission = cb.inner.admit(&Envelope::new(Ping)).unwrap();
         assert!(admission.trial);
         let end = RecordingEndpoint::new();
@@ -390,12 +392,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_abandoned_trial_resets_only_the_half_open_state_it_made() {
-        let cb = CircuitBreaker::new(1, Duration::from_secs(5));
-        let bad = FailingEndpoint::plain();
-        cb.handle(Envelope::new(Ping), bad.next())
-            .await
-            .unwrap_err();
-        tokio::time::advance(Duration::from_secs(5)).await;
+        let cb = ready_for_a_trial(Duration::from_secs(5)).await;
         let trial = cb.inner.admit(&Envelope::new(Ping)).unwrap();
         assert!(trial.trial);
         // The circuit moved on while the trial ran (say a message let in
