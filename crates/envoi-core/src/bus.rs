@@ -283,16 +283,17 @@ impl BusInner {
         }
         // 1. AddBusNameStamp
         let envelope = self.add_bus_name.apply(envelope);
+        if envelope.has::<DispatchAfterCurrentBusStamp>() {
+            // 2. DispatchAfterCurrentBus. The user middleware are asked
+            // whether they take part when the message runs, not now: a
+            // hook's `can_handle` is called once per operation.
+            return Box::pin(self.defer(envelope)).await;
+        }
         // User middleware that takes no part would only pass the envelope
         // on: the chain starts at the first one that does (`start`), or is
         // skipped (`None`).
         let user = if self.user_empty.load(Ordering::Relaxed) {
             None
-        } else if envelope.has::<DispatchAfterCurrentBusStamp>() {
-            // 2. DispatchAfterCurrentBus. The user middleware are asked
-            // whether they take part when the message runs, not now: a
-            // hook's `can_handle` is called once per operation.
-            return Box::pin(self.defer(envelope)).await;
         } else {
             self.user_chain(&envelope)
         };
@@ -322,10 +323,6 @@ impl BusInner {
                 return Ok(out);
             }
             return Box::pin(dispatch_after_current_bus::settle(out)).await;
-        }
-        if envelope.has::<DispatchAfterCurrentBusStamp>() {
-            // 2. DispatchAfterCurrentBus (no user middleware).
-            return Box::pin(self.defer(envelope)).await;
         }
         // Step 2 has nothing to defer: the steps after it run here, and
         // step 2 settles what the handlers deferred afterwards.
@@ -393,15 +390,12 @@ impl BusInner {
         Some((chain, start))
     }
 
-    /// Whether steps 2, 3, 5 and 6 leave `envelope` untouched: not stamped
-    /// to wait for the current dispatch, not received from a transport (so
-    /// neither failure processing nor retry applies), and not routed to a
-    /// transport.
+    /// Whether steps 3, 5 and 6 leave `envelope` untouched (step 2 was
+    /// checked first): not received from a transport (so neither failure
+    /// processing nor retry applies), and not routed to a transport.
     #[inline]
     fn is_plain(&self, envelope: &Envelope) -> bool {
-        !envelope.has::<ReceivedStamp>()
-            && !envelope.has::<DispatchAfterCurrentBusStamp>()
-            && self.route(envelope).is_none()
+        !envelope.has::<ReceivedStamp>() && self.route(envelope).is_none()
     }
 
     /// Step 5's send step and the transports it sends `envelope` to, if it
