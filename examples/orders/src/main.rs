@@ -34,12 +34,19 @@ use example_orders::{
 };
 
 /// How to run the command line on the database just used: with its path
-/// when `EXAMPLE_ORDERS_DB` chose it.
+/// when `EXAMPLE_ORDERS_DB` chose it, quoted for a POSIX shell so that the
+/// line works when pasted.
 fn command() -> String {
     let db = std::env::var_os("EXAMPLE_ORDERS_DB")
-        .map(|p| format!("EXAMPLE_ORDERS_DB='{}' ", p.to_string_lossy()))
+        .map(|p| format!("EXAMPLE_ORDERS_DB={} ", shell_quote(&p.to_string_lossy())))
         .unwrap_or_default();
     format!("{db}cargo run --release -p example-orders --")
+}
+
+/// `text` in single quotes, each `'` in it written as `'\''`, so that a
+/// POSIX shell reads it back unchanged.
+fn shell_quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
 }
 
 /// Prints a line on standard output; a closed pipe (`| head`) is not an error.

@@ -325,3 +325,34 @@ fn help_and_a_bad_command_line_need_no_database() {
     assert!(err.contains("--limit"), "{err}");
     assert!(!err.contains("no database"), "{err}");
 }
+
+#[test]
+fn the_printed_hint_works_when_pasted_into_a_shell_whatever_the_database_path() {
+    let dir = tempfile::tempdir().unwrap();
+    // A quote, a space and a dollar sign, each of which a shell reads.
+    let database = dir.path().join("it's my $HOME.db");
+    let (code, out, err) = binary(&database, &[]);
+    assert_eq!(code, 0, "{err}\n{out}");
+    let hint = out
+        .lines()
+        .find(|l| l.contains("-- stats"))
+        .unwrap_or_else(|| panic!("no stats hint in {out}"));
+    let command = hint.split('#').next().unwrap().trim();
+    // The same command, with the binary this test built in place of cargo.
+    let binary = env!("CARGO_BIN_EXE_example-orders");
+    let command = command.replace(
+        "cargo run --release -p example-orders --",
+        &format!("'{binary}'"),
+    );
+    let output = Command::new("sh")
+        .args(["-c", &command])
+        .env_remove("EXAMPLE_ORDERS_DB")
+        .output()
+        .unwrap();
+    let (out, err) = (
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    );
+    assert_eq!(output.status.code(), Some(0), "{command}: {err}");
+    assert!(out.contains("failed     1"), "{command}: {out}");
+}
