@@ -3,7 +3,9 @@
 use std::fmt::Write as _;
 
 /// Columns separated by two spaces, headers in capitals, the last column
-/// not padded.
+/// not padded. Each row is one line: line breaks and other control
+/// characters in a cell (a stored message's headers can hold anything)
+/// become spaces.
 #[derive(Debug)]
 pub(crate) struct Table {
     headers: Vec<&'static str>,
@@ -19,7 +21,7 @@ impl Table {
     }
 
     pub(crate) fn row(&mut self, cells: Vec<String>) {
-        self.rows.push(cells);
+        self.rows.push(cells.iter().map(|c| flatten(c)).collect());
     }
 
     pub(crate) fn render(&self) -> String {
@@ -55,16 +57,21 @@ impl Table {
 /// `text` cut to `max` characters, with `…` when cut; newlines become
 /// spaces.
 pub(crate) fn truncate(text: &str, max: usize) -> String {
-    let flat: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
+    let flat = flatten(text);
     if flat.chars().count() <= max {
         return flat;
     }
     let mut cut: String = flat.chars().take(max.saturating_sub(1)).collect();
     cut.push('…');
     cut
+}
+
+/// `text` on one line: each control character (a line break, a tab, the
+/// escape that starts a terminal sequence) becomes a space.
+fn flatten(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
 }
 
 /// Milliseconds since the Unix epoch as an RFC 3339 UTC time,

@@ -928,3 +928,18 @@ async fn the_in_memory_transport_works_with_the_failure_commands_too() {
     assert!(out.contains("PlaceOrder"), "{out}");
     assert!(out.contains("card declined"), "{out}");
 }
+
+#[tokio::test]
+async fn failed_show_keeps_each_message_on_one_table_line_whatever_its_headers_hold() {
+    let app = app().await;
+    let mut raw = RawMessage::default();
+    // A type header with a line break and a terminal escape sequence.
+    raw.headers.insert("type", "Refund\nID  MESSAGE\x1b[2J");
+    raw.body = b"{}".to_vec();
+    app.transport("failed").send(raw, None).await.unwrap();
+    let out = app.ok(&["failed", "show"]).await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 4, "a header, one row, a count, a hint: {out}");
+    assert!(lines[1].contains("Refund ID  MESSAGE [2J"), "{out}");
+    assert!(!out.contains('\x1b'), "{out:?}");
+}
