@@ -376,6 +376,8 @@ async fn retry(
     }
     let mut table = Table::new(&["ID", "MESSAGE", "OUTCOME"]);
     let (mut handled, mut rescheduled, mut failed_again, mut kept) = (0, 0, 0, 0);
+    // Retried, but their old copy could not be removed: still there too.
+    let mut not_removed = 0;
     let mut destinations: Vec<String> = Vec::new();
     // Outcomes too long for the table, written in full after it.
     let mut long = Vec::new();
@@ -406,6 +408,7 @@ async fn retry(
         };
         if remove {
             if let Err(e) = transport.ack(&delivery.id).await {
+                not_removed += 1;
                 text = format!("{text}; removing the old copy failed: {e}");
             }
         }
@@ -441,6 +444,12 @@ async fn retry(
     if kept > 0 {
         return Err(CliError::RetryIncomplete {
             kept,
+            transport: name.to_string(),
+        });
+    }
+    if not_removed > 0 {
+        return Err(CliError::RetriedNotRemoved {
+            copies: not_removed,
             transport: name.to_string(),
         });
     }

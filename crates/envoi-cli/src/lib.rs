@@ -65,6 +65,10 @@
 //! * anything else (it does not decode, no handler, a transport error, a
 //!   panic) — it stays where it is and the command exits with status 1.
 //!
+//! When the old copy of a retried message cannot be removed, the table says
+//! so and the command exits with status 1: the message is still in the
+//! failure transport, and another retry would handle it again.
+//!
 //! ## Embedding the commands in a larger command line
 //!
 //! [`Command`] is a clap subcommand enum, so an application can flatten it
@@ -237,6 +241,16 @@ pub enum CliError {
     RetryIncomplete {
         /// How many stay.
         kept: usize,
+        /// The failure transport.
+        transport: String,
+    },
+    /// Some messages were retried but could not be removed from the
+    /// failure transport afterwards, so they are still there: another
+    /// retry would handle them again.
+    #[error("{copies} retried message(s) could not be removed from `{transport}` and are still there; see above")]
+    RetriedNotRemoved {
+        /// How many are still there.
+        copies: usize,
         /// The failure transport.
         transport: String,
     },

@@ -943,3 +943,98 @@ async fn failed_show_keeps_each_message_on_one_table_line_whatever_its_headers_h
     assert!(lines[1].contains("Refund ID  MESSAGE [2J"), "{out}");
     assert!(!out.contains('\x1b'), "{out:?}");
 }
+
+/// A failure transport that stores messages but cannot delete them, as a
+/// database locked by another process.
+struct Undeletable(Arc<dyn Transport>);
+
+impl Transport for Undeletable {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>> {
+        self.0.send(message, delay)
+    }
+
+    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        self.0.get(max)
+    }
+
+    fn ack<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async {
+            Err(TransportError::backend(
+                "deleting a message",
+                "database is locked",
+            ))
+        })
+    }
+
+    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        self.0.release(id)
+    }
+
+    fn setup(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        self.0.setup()
+    }
+
+    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+        self.0.message_count()
+    }
+
+    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        self.0.list(limit)
+    }
+
+    fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
+        self.0.find(id)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.0.capabilities()
+    }
+}
+
+#[tokio::test]
+async fn failed_retry_that_cannot_remove_the_old_copy_fails_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let failed = envoi::sqlite::SqliteTransport::open(
+        "failed",
+        envoi::sqlite::SqliteOptions::new(dir.path().join("envoi.db")),
+    )
+    .await
+    .unwrap();
+    let messenger = Messenger::builder()
+        .command_handler(|_: PlaceOrder| async { Ok::<(), OrderError>(()) })
+        .message::<PlaceOrder>()
+        .transport("failed", Arc::new(Undeletable(Arc::new(failed))))
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    let failed = messenger.transport("failed").unwrap();
+    failed.setup().await.unwrap();
+    let mut raw = RawMessage::default();
+    raw.headers.insert("type", "PlaceOrder");
+    raw.body = br#"{"id":1,"fate":"Fine"}"#.to_vec();
+    let id = failed.send(raw, None).await.unwrap();
+
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let args = ["app", "failed", "retry", id.as_str()];
+    let code = envoi_cli::run_with(&messenger, args, &mut out, &mut err).await;
+    let (out, err) = (
+        String::from_utf8(out).unwrap(),
+        String::from_utf8(err).unwrap(),
+    );
+    // Handled, but still in the failure transport: another retry would
+    // handle it again, so the command must not report success.
+    assert!(
+        out.contains("handled; removing the old copy failed"),
+        "{out}"
+    );
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(
+        err,
+        "error: 1 retried message(s) could not be removed from `failed` and are still there; see above\n"
+    );
+    assert_eq!(failed.message_count().await.unwrap(), 1);
+}
