@@ -16,6 +16,7 @@ use crate::parse::{
     parse_duration, parse_positive, parse_positive_duration, parse_positive_size,
     parse_positive_u64,
 };
+use crate::table::flatten;
 use crate::{unknown_transport, CliError, Console};
 
 /// Arguments of `consume`.
@@ -61,7 +62,8 @@ pub struct ConsumeArgs {
 const MAX_LINES: usize = 200;
 
 /// Lines for failed messages and transport errors, written out by the
-/// progress loop (listeners are called in line and must be quick).
+/// progress loop (listeners are called in line and must be quick). Each is
+/// one line: a line break in an error (or a message name) becomes a space.
 #[derive(Default)]
 struct FailureLog {
     lines: Mutex<Vec<String>>,
@@ -70,6 +72,7 @@ struct FailureLog {
 
 impl FailureLog {
     fn push(&self, line: String) {
+        let line = flatten(&line);
         let n = self.total.fetch_add(1, Ordering::Relaxed) as usize;
         let mut lines = self
             .lines

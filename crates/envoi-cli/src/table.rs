@@ -68,7 +68,7 @@ pub(crate) fn truncate(text: &str, max: usize) -> String {
 
 /// `text` on one line: each control character (a line break, a tab, the
 /// escape that starts a terminal sequence) becomes a space.
-fn flatten(text: &str) -> String {
+pub(crate) fn flatten(text: &str) -> String {
     text.chars()
         .map(|c| if c.is_control() { ' ' } else { c })
         .collect()

@@ -1038,3 +1038,22 @@ async fn failed_retry_that_cannot_remove_the_old_copy_fails_and_says_so() {
     );
     assert_eq!(failed.message_count().await.unwrap(), 1);
 }
+
+#[tokio::test]
+async fn consume_writes_each_failure_on_one_line_whatever_its_error_holds() {
+    let app = app().await;
+    let mut raw = RawMessage::default();
+    // Its error names the type: a line break in it must not split the line.
+    raw.headers
+        .insert("type", "Refund\nStopped (no more messages)");
+    raw.body = b"{}".to_vec();
+    app.transport("orders").send(raw, None).await.unwrap();
+    let out = app.ok(DRAIN).await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "a banner, one failure, a summary: {out}");
+    assert!(lines[1].starts_with("failed: "), "{out}");
+    assert!(
+        lines[1].contains("Refund Stopped (no more messages)"),
+        "{out}"
+    );
+}
