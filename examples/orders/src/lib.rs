@@ -38,9 +38,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use envoi::middleware::retry::MultiplierRetryStrategy;
 use envoi::sqlite::{SqliteOptions, SqliteTransport};
+use envoi::stamp::RedeliveryStamp;
 use envoi::worker::{StopHandle, StopReason, Worker, WorkerError, WorkerEvent, WorkerListener};
 use envoi::{
-    BuildError, Command, Event, Handler, Message, Messenger, Recoverable, TransportError,
+    BuildError, Command, Envelope, Event, Handler, Message, Messenger, Recoverable, TransportError,
     Unrecoverable, WeakMessenger,
 };
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -587,6 +588,11 @@ pub struct Summary {
     pub events_parked: u64,
     /// Retries scheduled after transient failures.
     pub retried: u64,
+    /// Messages handled on a try after the first.
+    pub retried_then_handled: u64,
+    /// Messages parked in the failure transport after a retry (a later try
+    /// failed for good).
+    pub retried_then_parked: u64,
     /// Messages the worker took from the transports (first tries and
     /// retries).
     pub deliveries: u64,
@@ -651,11 +657,20 @@ impl fmt::Display for Summary {
             thousands(self.orders_handled),
             thousands(self.events_handled)
         )?;
-        writeln!(
+        write!(
             f,
-            "Retried     {} transient failures, handled on a later try",
-            thousands(self.retried)
+            "Retried     {} transient failures: {} handled on a later try",
+            thousands(self.retried),
+            thousands(self.retried_then_handled)
         )?;
+        if self.retried_then_parked > 0 {
+            write!(
+                f,
+                ", {} parked after it",
+                thousands(self.retried_then_parked)
+            )?;
+        }
+        writeln!(f)?;
         writeln!(
             f,
             "Failed      {} for good, parked in `{FAILED}`: {} PlaceOrder, {} OrderPlaced",
@@ -693,6 +708,8 @@ struct Tally {
     orders_parked: AtomicU64,
     events_handled: AtomicU64,
     events_parked: AtomicU64,
+    retried_then_handled: AtomicU64,
+    retried_then_parked: AtomicU64,
     order_latency: Mutex<Vec<u64>>,
     end_to_end: Mutex<Vec<u64>>,
 }
@@ -743,11 +760,19 @@ impl Tally {
 
 struct TallyListener(Arc<Tally>);
 
+/// Whether `envelope` went through a retry (its first try failed).
+fn was_retried(envelope: &Envelope) -> bool {
+    envelope.all::<RedeliveryStamp>().any(|r| r.retry_count > 0)
+}
+
 impl WorkerListener for TallyListener {
     fn on_event(&self, event: &WorkerEvent) {
         let t = &self.0;
         match event {
             WorkerEvent::Handled { envelope, .. } => {
+                if was_retried(envelope) {
+                    t.retried_then_handled.fetch_add(1, Ordering::Relaxed);
+                }
                 if let Some(order) = envelope.message::<PlaceOrder>() {
                     Tally::record(&t.order_latency, order.sent_at_us);
                     t.orders_handled.fetch_add(1, Ordering::Relaxed);
@@ -759,8 +784,12 @@ impl WorkerListener for TallyListener {
             WorkerEvent::Failed {
                 message,
                 parked_in: Some(_),
+                envelope,
                 ..
             } => {
+                if envelope.as_ref().is_some_and(was_retried) {
+                    t.retried_then_parked.fetch_add(1, Ordering::Relaxed);
+                }
                 if message == PlaceOrder::NAME {
                     t.orders_parked.fetch_add(1, Ordering::Relaxed);
                 } else if message == OrderPlaced::NAME {
@@ -1007,6 +1036,8 @@ pub async fn run(config: &FlowConfig) -> Result<Summary, FlowError> {
         events_handled: Tally::get(&tally.events_handled),
         events_parked: Tally::get(&tally.events_parked),
         retried: report.stats.retried,
+        retried_then_handled: Tally::get(&tally.retried_then_handled),
+        retried_then_parked: Tally::get(&tally.retried_then_parked),
         deliveries: report.stats.received,
         in_failure_transport,
         elapsed: report.elapsed,

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use envoi::stamp::ErrorDetailsStamp;
 use example_orders::{
-    card_declined, discontinued, gateway_times_out, mail_server_busy, run, FlowConfig, EVENTS,
-    FAILED, ORDERS,
+    card_declined, discontinued, gateway_times_out, mail_server_busy, run, thousands, FlowConfig,
+    EVENTS, FAILED, ORDERS,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -355,4 +355,41 @@ fn the_printed_hint_works_when_pasted_into_a_shell_whatever_the_database_path() 
     );
     assert_eq!(output.status.code(), Some(0), "{command}: {err}");
     assert!(out.contains("failed     1"), "{command}: {out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_summary_does_not_call_handled_a_retried_message_that_was_then_parked() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = dir.path().join("envoi.db");
+    // The event of order 3256 meets a busy mail server and a discontinued
+    // item: it is retried, then parked.
+    let n = 3_300;
+    let config = FlowConfig::new(&database)
+        .orders(n)
+        .rate(None)
+        .concurrency(8)
+        .retry_delay(Duration::from_millis(20));
+    let summary = run(&config).await.unwrap();
+    let ids = 1..=n;
+    let retried_then_parked = ids
+        .clone()
+        .filter(|&id| !card_declined(id) && mail_server_busy(id) && discontinued(id))
+        .count() as u64;
+    assert_eq!(retried_then_parked, 1);
+    assert_eq!(summary.retried_then_parked, retried_then_parked);
+    assert_eq!(
+        summary.retried_then_handled + summary.retried_then_parked,
+        summary.retried,
+        "each transient failure here happens once"
+    );
+    let text = summary.to_string();
+    let line = text.lines().find(|l| l.starts_with("Retried")).unwrap();
+    assert_eq!(
+        line,
+        format!(
+            "Retried     {} transient failures: {} handled on a later try, 1 parked after it",
+            thousands(summary.retried),
+            thousands(summary.retried - 1)
+        )
+    );
 }
