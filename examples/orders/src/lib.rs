@@ -311,15 +311,30 @@ pub async fn messenger(database: &Path, retry_delay: Duration) -> Result<Messeng
     Ok(messenger)
 }
 
-/// Where the example keeps its database: `$EXAMPLE_ORDERS_DB` when set,
-/// otherwise `example-orders-data/envoi.db` in the cargo target directory
-/// (beside the `debug` and `release` directories, so that the command line
-/// run afterwards finds the failures of the last run, whichever profile
-/// either was built with).
+/// Where the example keeps its database: `$EXAMPLE_ORDERS_DB` when set
+/// and not empty, otherwise `example-orders-data/envoi.db` in the cargo
+/// target directory (beside the `debug` and `release` directories, so that
+/// the command line run afterwards finds the failures of the last run,
+/// whichever profile either was built with).
 pub fn database_path() -> PathBuf {
-    if let Some(path) = std::env::var_os("EXAMPLE_ORDERS_DB") {
-        return PathBuf::from(path);
-    }
+    database_variable()
+        .map(PathBuf::from)
+        .unwrap_or_else(default_database_path)
+}
+
+/// `$EXAMPLE_ORDERS_DB`, unless it is unset or empty: an empty path would
+/// give SQLite a new throwaway database on every connection.
+pub fn database_variable() -> Option<std::ffi::OsString> {
+    chosen_path(std::env::var_os("EXAMPLE_ORDERS_DB"))
+}
+
+/// A database path given in a variable, `None` when it is empty.
+fn chosen_path(variable: Option<std::ffi::OsString>) -> Option<std::ffi::OsString> {
+    variable.filter(|p| !p.is_empty())
+}
+
+/// `example-orders-data/envoi.db` in the cargo target directory.
+fn default_database_path() -> PathBuf {
     let dir = std::env::current_exe()
         .ok()
         .and_then(|exe| {
@@ -1050,6 +1065,17 @@ pub async fn run(config: &FlowConfig) -> Result<Summary, FlowError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_empty_database_variable_means_the_default_database() {
+        assert_eq!(chosen_path(Some("".into())), None);
+        assert_eq!(chosen_path(None), None);
+        assert_eq!(
+            chosen_path(Some("/tmp/orders.db".into())),
+            Some("/tmp/orders.db".into())
+        );
+        assert!(default_database_path().ends_with("example-orders-data/envoi.db"));
+    }
 
     #[test]
     fn percentiles_pick_the_nearest_rank() {

@@ -29,15 +29,15 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use example_orders::{
-    database_path, lock_database, messenger, run, thousands, Access, FlowConfig, FlowError, EVENTS,
-    FAILED, ORDERS,
+    database_path, database_variable, lock_database, messenger, run, thousands, Access, FlowConfig,
+    FlowError, EVENTS, FAILED, ORDERS,
 };
 
 /// How to run the command line on the database just used: with its path
 /// when `EXAMPLE_ORDERS_DB` chose it, quoted for a POSIX shell so that the
 /// line works when pasted.
 fn command() -> String {
-    let db = std::env::var_os("EXAMPLE_ORDERS_DB")
+    let db = database_variable()
         .map(|p| format!("EXAMPLE_ORDERS_DB={} ", shell_quote(&p.to_string_lossy())))
         .unwrap_or_default();
     format!("{db}cargo run --release -p example-orders --")
