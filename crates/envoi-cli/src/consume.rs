@@ -342,7 +342,7 @@ pub(crate) async fn run(
     )?;
     console.out.flush()?;
 
-    let bar = if console.progress {
+    let (bar, initial) = if console.progress {
         let initial = waiting(&transports).await;
         let bar = ProgressBar::with_draw_target(
             Some(args.limit.unwrap_or(initial)),
@@ -353,13 +353,14 @@ pub(crate) async fn run(
         ) {
             bar.set_style(style.progress_chars("=> "));
         }
-        Some(bar)
+        (Some(bar), initial)
     } else {
-        None
+        (None, 0)
     };
     // The number of messages waiting, refreshed in the background for the
-    // bar's length (counting must not hold up the worker).
-    let waiting_now = Arc::new(AtomicU64::new(0));
+    // bar's length (counting must not hold up the worker); until the first
+    // count, the one made for the bar.
+    let waiting_now = Arc::new(AtomicU64::new(initial));
     let counter = (bar.is_some() && args.limit.is_none()).then(|| {
         let waiting_now = waiting_now.clone();
         let transports = transports.clone();
