@@ -160,6 +160,20 @@ impl Meta {
 /// assert_eq!(second.last::<DelayStamp>().unwrap().ms, 1000);
 /// assert_eq!(second.message::<SendInvoice>().unwrap().id, 7);
 /// ```
+///
+/// There is no public way to take stamps off an envelope, so this does not
+/// compile:
+///
+/// ```compile_fail
+/// use envoi_core::{Envelope, Message, stamp::DelayStamp};
+///
+/// #[derive(Debug)]
+/// struct SendInvoice { id: u32 }
+/// impl Message for SendInvoice { const NAME: &'static str = "SendInvoice"; }
+///
+/// let stamped = Envelope::new(SendInvoice { id: 7 }).with(DelayStamp { ms: 1000 });
+/// let bare: Envelope = stamped.without_stamps();
+/// ```
 #[derive(Clone)]
 pub struct Envelope {
     // One pointer to one allocation holding message, stamps and headers:
@@ -434,27 +448,6 @@ impl Envelope {
         meta.recount();
         out
     }
-
-    /// A copy of this envelope without any stamps, keeping message, kind and
-    /// headers. Used when a message is sent again from scratch.
-    pub fn without_stamps(&self) -> Self {
-        let root = match self.body.message.shared() {
-            Some(root) => root.clone(),
-            None => self.body.clone(),
-        };
-        let body: Arc<Body> = Arc::new(Body {
-            meta: Meta {
-                ty: self.body.meta.ty,
-                kind: self.body.meta.kind,
-                stamps: SmallVec::new(),
-                kinds: 0,
-                local: None,
-                headers: self.body.meta.headers.clone(),
-            },
-            message: SharedMessage(root),
-        });
-        Self { body }
-    }
 }
 
 /// The stamps of an envelope, for its `Debug` output.
@@ -563,9 +556,6 @@ mod tests {
             .message
             .shared()
             .is_some_and(|r| Arc::ptr_eq(r, &a.body)));
-        let bare = c.without_stamps();
-        assert_eq!(bare.stamps().count(), 0);
-        assert_eq!(bare.message::<Ping>(), Some(&Ping(7)));
     }
 
     #[test]
