@@ -53,7 +53,7 @@ pub struct ConsumeArgs {
     /// How long handlers in flight may take to finish after a stop (default 10s).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub grace_period: Option<Duration>,
-    /// Do not print a line per failed message.
+    /// Do not print a line per failed message or failed transport operation.
     #[arg(long, short)]
     pub quiet: bool,
 }
