@@ -383,10 +383,10 @@ impl Cli {
     ///
     /// # Errors
     ///
-    /// For `--help`, `--version` or a command line that does not parse,
-    /// prints clap's text (help on standard output, errors on standard
-    /// error) and returns the exit status to end with: 0 for help, 2 for an
-    /// error.
+    /// For `--help` or a command line that does not parse, prints clap's
+    /// text (help on standard output, errors on standard error) and returns
+    /// the exit status to end with: 0 for help, 2 for an error. There is no
+    /// `--version` flag: it is refused like any unknown flag.
     pub fn parse_args<I, T>(args: I) -> Result<Cli, u8>
     where
         I: IntoIterator<Item = T>,
