@@ -70,8 +70,8 @@ fn seconds(secs: f64) -> Option<Duration> {
 }
 
 /// Parses a size in bytes: a number with an optional unit — `B`, `K`/`KB`/
-/// `KiB`, `M`/`MB`/`MiB`, `G`/`GB`/`GiB` (multiples of 1024, as memory
-/// limits usually are; case-insensitive).
+/// `KiB`, `M`/`MB`/`MiB`, `G`/`GB`/`GiB`, `T`/`TB`/`TiB` (multiples of 1024,
+/// as memory limits usually are; case-insensitive).
 ///
 /// ```
 /// use envoi_cli::parse_size;
