@@ -11,10 +11,10 @@ use envoi_core::TransportError;
 ///
 /// | option | default | meaning |
 /// |---|---|---|
-/// | `table` | `envoi_<name>` | the table; several transports may share one (rows carry their `queue_name`) |
-/// | `lease` | `60s` | how long a handed-out message stays leased before it is handed out again |
+/// | `table` | `envoi_<name>` | the table; several transports may share one (rows carry their `queue_name`). The default lower-cases the transport name and turns every character but ASCII letters and digits into `_`; a given name is 1 to 64 ASCII letters, digits or `_`, not starting with a digit or `sqlite_` |
+/// | `lease` | `60s` | how long a handed-out message stays leased before it is handed out again, at least `1ms` |
 /// | `poll` | `50ms` | how long `get` waits for a message when none is available, at most `1m` (an idle worker asked to stop may wait this long) |
-/// | `batch` | `1` | rows claimed at least per round trip; rows beyond what `get` asked for are kept, leased, for the next `get` |
+/// | `batch` | `1` | rows claimed at least per round trip (1–10000); rows beyond what `get` asked for are kept, leased, for the next `get` |
 /// | `busy_timeout` | `5s` | how long a statement waits for another connection's write lock, at most `596h` (SQLite's limit) |
 /// | `auto_setup` | `true` | create the table on first use |
 ///
