@@ -42,8 +42,9 @@
 //! * `ack_batch` is a single `XACK`; acknowledged entries leave the stream in
 //!   bulk through the periodic trim, not one `XDEL` each.
 //! * `get(max)` fetches up to `max` entries with one `XREADGROUP`; lease
-//!   recovery (`XAUTOCLAIM`) runs at most every quarter lease, the delay
-//!   mover at most every 250 ms and the trim every second, not on every call.
+//!   recovery (`XAUTOCLAIM`) runs every quarter lease (kept between 50 ms and
+//!   5 s), the delay mover at most every 250 ms and the trim every second,
+//!   not on every call.
 //! * Sends, acks and scripts share one multiplexed connection per handle;
 //!   only the blocking read has a connection of its own.
 
