@@ -176,7 +176,8 @@ impl Meta {
 /// ```
 #[derive(Clone)]
 pub struct Envelope {
-    // One pointer to one allocation holding message, stamps and headers:
+    // One pointer to one allocation holding the message and its stamps (the
+    // headers, which few envelopes have, sit behind a pointer of their own):
     // envelopes move through every step of the pipeline, so keeping them
     // small keeps the pipeline's futures small.
     body: Arc<Body>,
