@@ -37,8 +37,9 @@
 //! (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`, `statement-cache-capacity`,
 //! `host`, `hostaddr`, `port`, `dbname`, `user`, `password`,
 //! `application_name`, `options`); an unknown one is an error rather than a
-//! silently ignored typo. Without `application_name` the connections are
-//! named `envoi`, which is how they show up in `pg_stat_activity`.
+//! silently ignored typo, and so is an option given twice (rather than the
+//! last one silently winning). Without `application_name` the connections
+//! are named `envoi`, which is how they show up in `pg_stat_activity`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -156,8 +157,8 @@ impl PostgresConfig {
     /// included (see the [module docs](self)).
     ///
     /// Fails with [`TransportError::InvalidDsn`] (password masked) for
-    /// another scheme, a malformed URL, an unknown or malformed option, or a
-    /// table name that is not a plain identifier.
+    /// another scheme, a malformed URL, an unknown or malformed option, an
+    /// option given twice, or a table name that is not a plain identifier.
     pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
         let invalid = |reason: String| TransportError::InvalidDsn {
             dsn: mask_dsn(dsn),
@@ -174,8 +175,13 @@ impl PostgresConfig {
         let mut config = PostgresConfig::default();
         let mut driver_params = Vec::new();
         let mut has_application_name = false;
+        let mut seen: Vec<String> = Vec::new();
         for (key, value) in url.query_pairs() {
             let (key, value) = (key.into_owned(), value.into_owned());
+            if seen.contains(&key) {
+                return Err(invalid(format!("option `{key}` is given twice")));
+            }
+            seen.push(key.clone());
             match key.as_str() {
                 "table" => config.table = value,
                 "lease" => config.lease = parse_duration(&key, &value).map_err(invalid)?,
@@ -400,6 +406,19 @@ mod tests {
         assert!(parse_duration("d", "soon").is_err());
         assert!(parse_duration("d", "-1s").is_err());
         assert!(parse_duration("d", "").is_err());
+    }
+
+    #[test]
+    fn an_option_given_twice_is_rejected_rather_than_the_last_one_winning() {
+        assert!(
+            reason("postgres://h/db?lease=1s&lease=5s").contains("option `lease` is given twice")
+        );
+        assert!(reason("postgres://h/db?sslmode=require&sslmode=disable")
+            .contains("option `sslmode` is given twice"));
+        // The same option, once percent-encoded.
+        assert!(
+            reason("postgres://h/db?batch=1&b%61tch=2").contains("option `batch` is given twice")
+        );
     }
 
     #[test]
