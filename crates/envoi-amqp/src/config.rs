@@ -22,6 +22,8 @@
 //! | `connection_name` | `envoi-<transport>` | the connection name shown by the management tools |
 //! | `heartbeat`, `frame_max`, `channel_max`, `connection_timeout`, `auth_mechanism` | server's | passed to the AMQP client |
 //!
+//! An unknown option, or one given twice, is an error.
+//!
 //! Durations are a number with an optional unit: `ms`, `s` (the default),
 //! `m` or `h` (`1500ms`, `2s`, `2`, `5m`).
 
@@ -164,8 +166,8 @@ fn query_pairs(dsn: &str) -> impl Iterator<Item = (&str, &str)> {
 
 impl AmqpConfig {
     /// Parses `dsn`. Fails with [`TransportError::InvalidDsn`] (password
-    /// masked) for a wrong scheme, a malformed URI, an unknown option or a
-    /// bad value.
+    /// masked) for a wrong scheme, a malformed URI, an unknown option, an
+    /// option given twice or a bad value.
     ///
     /// ```
     /// use envoi_amqp::{AmqpConfig, QueueType};
@@ -207,7 +209,12 @@ impl AmqpConfig {
             masked: masked.clone(),
         };
         let mut idle_given = false;
+        let mut seen: Vec<&str> = Vec::new();
         for (key, raw) in query_pairs(dsn) {
+            if seen.contains(&key) {
+                return Err(invalid(format!("option `{key}` is given twice")));
+            }
+            seen.push(key);
             let value = percent_decode(raw).ok_or_else(|| {
                 invalid(format!("option `{key}` is not valid percent-encoded UTF-8"))
             })?;
@@ -448,6 +455,14 @@ mod tests {
         assert!(reason("amqp://u:s3cret@h/%2f?connection_timeout=abc")
             .contains("option `connection_timeout`"));
         assert!(reason("amqp://u:s3cret@h/%2f?frame_max=-1").contains("option `frame_max`"));
+    }
+
+    #[test]
+    fn an_option_given_twice_is_rejected_rather_than_the_last_one_winning() {
+        assert!(reason("amqp://u:s3cret@h/%2f?prefetch=5&prefetch=7")
+            .contains("option `prefetch` is given twice"));
+        assert!(reason("amqp://u:s3cret@h/%2f?heartbeat=5&heartbeat=60")
+            .contains("option `heartbeat` is given twice"));
     }
 
     #[test]
