@@ -118,7 +118,7 @@ const MAX_WAIT: Duration = Duration::from_secs(30);
 impl NatsConfig {
     /// Parses `dsn` for the transport called `name`. Fails with
     /// [`TransportError::InvalidDsn`] (password masked) when the DSN or one
-    /// of its options is not understood.
+    /// of its options is not understood, or an option is given twice.
     pub fn from_dsn(name: &str, dsn: &str) -> Result<Self, TransportError> {
         let invalid = |reason: String| TransportError::InvalidDsn {
             dsn: mask_dsn(dsn),
@@ -158,7 +158,12 @@ impl NatsConfig {
             tls: false,
         };
 
+        let mut seen: Vec<String> = Vec::new();
         for (key, value) in url.query_pairs() {
+            if seen.iter().any(|k| *k == key) {
+                return Err(invalid(format!("option `{key}` is given twice")));
+            }
+            seen.push(key.to_string());
             let value = value.as_ref();
             match key.as_ref() {
                 "stream" => config.stream = name_option("stream", value).map_err(invalid)?,
@@ -417,6 +422,15 @@ mod tests {
         assert!(reason("nats://127.0.0.1:4222?dedup=2").1.contains("dedup"));
         assert!(reason("nats://127.0.0.1:4222/queue").1.contains("path"));
         assert!(reason("not a dsn").0.contains("not a dsn"));
+    }
+
+    #[test]
+    fn an_option_given_twice_is_rejected_rather_than_the_last_one_winning() {
+        let (_, why) = reason("nats://127.0.0.1:4222?batch=5&batch=7");
+        assert!(why.contains("option `batch` is given twice"), "{why}");
+        // The same option, once percent-encoded.
+        let (_, why) = reason("nats://127.0.0.1:4222?dedup=true&d%65dup=false");
+        assert!(why.contains("option `dedup` is given twice"), "{why}");
     }
 
     #[test]
