@@ -72,7 +72,8 @@ impl SqliteOptions {
     /// # Errors
     ///
     /// [`TransportError::InvalidDsn`] for another scheme, an empty path, an
-    /// in-memory database, an unknown option or a bad value.
+    /// in-memory database, an unknown option, an option given twice or a
+    /// bad value.
     pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
         let invalid = |reason: String| TransportError::InvalidDsn {
             dsn: mask_dsn(dsn),
@@ -99,10 +100,15 @@ impl SqliteOptions {
             ));
         }
         let mut options = SqliteOptions::new(path);
+        let mut seen: Vec<&str> = Vec::new();
         for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
             let (key, value) = pair
                 .split_once('=')
                 .ok_or_else(|| invalid(format!("option `{pair}` has no value")))?;
+            if seen.contains(&key) {
+                return Err(invalid(format!("option `{key}` is given twice")));
+            }
+            seen.push(key);
             match key {
                 "table" => {
                     validate_table(value).map_err(invalid)?;
@@ -301,6 +307,14 @@ mod tests {
             ("sqlite://x.db?auto_setup=maybe", "`auto_setup`"),
             ("sqlite://x.db?colour=blue", "unknown option `colour`"),
             ("sqlite://x.db?lease", "has no value"),
+            (
+                "sqlite://x.db?lease=1s&lease=5s",
+                "option `lease` is given twice",
+            ),
+            (
+                "sqlite://x.db?table=a&batch=2&table=b",
+                "option `table` is given twice",
+            ),
         ] {
             match SqliteOptions::from_dsn(dsn) {
                 Err(TransportError::InvalidDsn { reason: r, .. }) => {
