@@ -60,6 +60,13 @@ const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_BLOCK: Duration = Duration::from_millis(200);
 /// The longest blocking read accepted.
 const MAX_BLOCK: Duration = Duration::from_secs(60);
+/// The longest lease accepted: a year. Redis takes the lease in
+/// milliseconds as a signed 64-bit number (`XAUTOCLAIM`'s min-idle-time);
+/// a longer one would make every `get` fail.
+const MAX_LEASE: Duration = Duration::from_secs(365 * 86_400);
+/// The largest `trim` accepted: Redis takes `MAXLEN` as a signed 64-bit
+/// number, and refuses every `XADD` with a larger one.
+const MAX_TRIM: usize = i64::MAX as usize;
 
 impl RedisOptions {
     /// Options for the transport called `name` with every default, on `url`.
@@ -78,9 +85,10 @@ impl RedisOptions {
     /// Parses `redis://[user:password@]host[:port][/db][?option=value&...]`
     /// for the transport called `name`.
     ///
-    /// Options: `stream`, `group`, `consumer` (names), `lease` and `block`
-    /// (durations such as `1500ms`, `2s`, `5m`; a bare number is seconds) and
-    /// `trim` (a positive entry count). An unknown option, a bad value or a
+    /// Options: `stream`, `group`, `consumer` (names), `lease` (at most 365
+    /// days) and `block` (at most 60 s), durations such as `1500ms`, `2s`,
+    /// `5m` (a bare number is seconds), and `trim` (an entry count from 1 to
+    /// `i64::MAX`). An unknown option, a bad value or a
     /// scheme other than `redis` gives [`TransportError::InvalidDsn`] with
     /// the password masked.
     pub fn from_dsn(name: &str, dsn: &str) -> Result<Self, TransportError> {
@@ -124,10 +132,11 @@ impl RedisOptions {
                 "consumer" => options.consumer = non_empty("consumer", value).map_err(invalid)?,
                 "lease" => {
                     options.lease = parse_duration(&value)
-                        .filter(|d| *d >= Duration::from_millis(1))
+                        .filter(|d| *d >= Duration::from_millis(1) && *d <= MAX_LEASE)
                         .ok_or_else(|| {
                             invalid(format!(
-                                "`lease={value}` is not a positive duration such as `30s` or `1500ms`"
+                                "`lease={value}` is not a duration between 1ms and 365 days \
+                                 such as `30s` or `1500ms`"
                             ))
                         })?;
                 }
@@ -145,9 +154,11 @@ impl RedisOptions {
                         value
                             .parse::<usize>()
                             .ok()
-                            .filter(|n| *n > 0)
+                            .filter(|n| *n > 0 && *n <= MAX_TRIM)
                             .ok_or_else(|| {
-                                invalid(format!("`trim={value}` is not a positive entry count"))
+                                invalid(format!(
+                                    "`trim={value}` is not an entry count from 1 to {MAX_TRIM}"
+                                ))
                             })?,
                     );
                 }
@@ -289,6 +300,28 @@ mod tests {
         assert!(why.contains("empty"), "{why}");
         let (_, why) = reason(RedisOptions::from_dsn("x", "not a dsn"));
         assert!(!why.is_empty());
+    }
+
+    #[test]
+    fn a_lease_or_trim_redis_cannot_take_is_refused() {
+        // Redis takes XAUTOCLAIM's min-idle-time and XADD's MAXLEN as
+        // signed 64-bit numbers: beyond them every get or send would fail.
+        let (_, why) = reason(RedisOptions::from_dsn(
+            "x",
+            "redis://h?lease=1900000000000000000",
+        ));
+        assert!(why.contains("lease=1900000000000000000"), "{why}");
+        let (_, why) = reason(RedisOptions::from_dsn("x", "redis://h?lease=8761h"));
+        assert!(why.contains("lease=8761h"), "{why}");
+        let (_, why) = reason(RedisOptions::from_dsn(
+            "x",
+            "redis://h?trim=9223372036854775808",
+        ));
+        assert!(why.contains("trim=9223372036854775808"), "{why}");
+        let o =
+            RedisOptions::from_dsn("x", "redis://h?lease=8760h&trim=9223372036854775807").unwrap();
+        assert_eq!(o.lease, Duration::from_secs(365 * 86_400));
+        assert_eq!(o.trim, Some(9_223_372_036_854_775_807));
     }
 
     #[test]
