@@ -533,8 +533,47 @@ pub(crate) fn strip_scheme<'a>(dsn: &'a str, scheme: &str) -> Option<&'a str> {
 }
 
 /// Masks the password in a DSN (`scheme://user:secret@host` →
-/// `scheme://user:***@host`) for error messages and listings.
+/// `scheme://user:***@host`, and `?password=secret` → `?password=***`,
+/// the name in any case) for error messages and listings.
 pub fn mask_dsn(dsn: &str) -> String {
+    mask_query_password(mask_user_password(dsn))
+}
+
+/// Masks the value of every `password` option in the query of `dsn`.
+fn mask_query_password(dsn: String) -> String {
+    let Some(start) = dsn.find('?') else {
+        return dsn;
+    };
+    let end = dsn[start..].find('#').map_or(dsn.len(), |i| start + i);
+    let query = &dsn[start + 1..end];
+    fn password_key(pair: &str) -> Option<&str> {
+        pair.split_once('=')
+            .map(|(key, _)| key)
+            .filter(|key| key.eq_ignore_ascii_case("password"))
+    }
+    if !query.split('&').any(|pair| password_key(pair).is_some()) {
+        return dsn;
+    }
+    let mut out = String::with_capacity(dsn.len());
+    out.push_str(&dsn[..=start]);
+    for (i, pair) in query.split('&').enumerate() {
+        if i > 0 {
+            out.push('&');
+        }
+        match password_key(pair) {
+            Some(key) => {
+                out.push_str(key);
+                out.push_str("=***");
+            }
+            None => out.push_str(pair),
+        }
+    }
+    out.push_str(&dsn[end..]);
+    out
+}
+
+/// Masks the password of the user information of `dsn`.
+fn mask_user_password(dsn: &str) -> String {
     let Some(scheme_end) = dsn.find("://") else {
         return dsn.to_string();
     };
@@ -643,5 +682,26 @@ mod tests {
             "sqlite:///tmp/a:b@c.db?lease=zz"
         );
         assert_eq!(mask_dsn("sqlite://dir/a:b@c.db"), "sqlite://dir/a:b@c.db");
+    }
+
+    #[test]
+    fn mask_dsn_hides_a_password_given_as_a_query_option() {
+        assert_eq!(
+            mask_dsn("postgres://u@h/db?password=hunter2&bogus=1"),
+            "postgres://u@h/db?password=***&bogus=1"
+        );
+        assert_eq!(
+            mask_dsn("postgres://u:pw@h/db?sslmode=disable&PassWord=hunter2#x"),
+            "postgres://u:***@h/db?sslmode=disable&PassWord=***#x"
+        );
+        assert_eq!(
+            mask_dsn("redis://h?password=hunter2"),
+            "redis://h?password=***"
+        );
+        // Other options, and an option merely ending in `password`, stay.
+        assert_eq!(
+            mask_dsn("postgres://h/db?password_hint=x&table=password"),
+            "postgres://h/db?password_hint=x&table=password"
+        );
     }
 }
