@@ -14,7 +14,9 @@
 //! worker, which can then park it with a reason. A field whose name or
 //! value is not UTF-8 is kept as well as it can be read, and
 //! `X-Envoi-Invalid-Headers` names it, so that the worker parks the message
-//! rather than handling it with an altered header.
+//! rather than handling it with an altered header. So does a body or header
+//! given more than once (two `type` fields, say): the message is not
+//! handled with whichever came last.
 
 use std::io::Write;
 
@@ -78,13 +80,16 @@ impl ToRedisArgs for PackedHeaders<'_> {
 }
 
 /// Reads the headers [`PackedHeaders`] wrote; `None` unless `bytes` is a
-/// whole number of well-formed name and value netstrings.
-fn unpack_headers(mut bytes: &[u8]) -> Option<Headers> {
+/// whole number of well-formed name and value netstrings. The names of
+/// headers given more than once go to `twice`.
+fn unpack_headers(mut bytes: &[u8], twice: &mut Vec<String>) -> Option<Headers> {
     let mut headers = Headers::with_capacity(4);
     while !bytes.is_empty() {
         let key = netstring(&mut bytes)?;
         let value = netstring(&mut bytes)?;
-        headers.insert_copy(key, value);
+        if headers.insert_copy(key, value).is_some() {
+            twice.push(format!("`{key}`"));
+        }
     }
     Some(headers)
 }
@@ -173,6 +178,11 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
     // Fields whose name or value is not UTF-8, kept as well as they can be
     // read: the message must not be handled with an altered header.
     let mut altered = Vec::new();
+    // The body or headers given more than once (by a foreign producer):
+    // which one counts is anyone's guess, so the message must not be
+    // handled with either.
+    let mut twice = Vec::new();
+    let mut has_body = false;
     let mut read = |bytes: Vec<u8>| {
         let (text, exact) = text(bytes);
         if !exact {
@@ -184,15 +194,33 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
         let mut field = bytes(field).ok_or("an entry has a field name that is not a string")?;
         let value = bytes(value).ok_or("an entry has a field value that is not a string")?;
         if field == BODY.as_bytes() {
+            if has_body {
+                twice.push(format!("`{BODY}`"));
+            }
+            has_body = true;
             raw.body = value;
         } else if field == HEADERS.as_bytes() {
-            match unpack_headers(&value) {
+            let mut repeated = Vec::new();
+            let unpacked = unpack_headers(&value, &mut repeated);
+            if unpacked.is_some() {
+                twice.append(&mut repeated);
+            }
+            match unpacked {
                 Some(headers) if raw.headers.is_empty() => raw.headers = headers,
-                Some(headers) => raw.headers.extend(headers),
+                Some(headers) => {
+                    for (name, value) in headers {
+                        if raw.headers.contains_key(&name) {
+                            twice.push(format!("`{name}`"));
+                        }
+                        raw.headers.insert(name, value);
+                    }
+                }
                 // Someone else's field of that name: kept as it is.
                 None => {
                     let (field, value) = (read(field), read(value));
-                    raw.headers.insert(field, value);
+                    if raw.headers.insert(field, value).is_some() {
+                        twice.push(format!("`{HEADERS}`"));
+                    }
                 }
             }
         } else {
@@ -200,14 +228,25 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
                 field.drain(..HEADER_PREFIX.len());
             }
             let (field, value) = (read(field), read(value));
+            if raw.headers.contains_key(&field) {
+                twice.push(format!("`{field}`"));
+            }
             raw.headers.insert(field, value);
         }
     }
+    let mut problems = Vec::new();
     if !altered.is_empty() {
-        raw.headers.insert(
-            INVALID_HEADERS_HEADER,
-            format!("fields that are not UTF-8: {}", altered.join(", ")),
-        );
+        problems.push(format!("fields that are not UTF-8: {}", altered.join(", ")));
+    }
+    if !twice.is_empty() {
+        problems.push(format!(
+            "fields or headers given more than once: {}",
+            twice.join(", ")
+        ));
+    }
+    if !problems.is_empty() {
+        raw.headers
+            .insert(INVALID_HEADERS_HEADER, problems.join("; "));
     }
     Ok(raw)
 }
@@ -388,7 +427,10 @@ mod tests {
             String::from_utf8(args[3].clone()).unwrap(),
             "4:kind7:command4:type1:A1:x9:\"quoted\"\n"
         );
-        assert_eq!(unpack_headers(&args[3]).unwrap(), raw.headers);
+        assert_eq!(
+            unpack_headers(&args[3], &mut Vec::new()).unwrap(),
+            raw.headers
+        );
         assert_eq!(fields_size(&raw), (4, args.iter().map(Vec::len).sum()));
 
         let mut bare = redis::cmd("XADD");
@@ -431,7 +473,7 @@ mod tests {
             Some(redis::Arg::Simple(b)) => b.to_vec(),
             _ => panic!("one plain argument expected"),
         };
-        assert_eq!(unpack_headers(&packed).unwrap(), headers);
+        assert_eq!(unpack_headers(&packed, &mut Vec::new()).unwrap(), headers);
     }
 
     #[test]
@@ -472,6 +514,65 @@ mod tests {
         let reason = raw.header(INVALID_HEADERS_HEADER).unwrap();
         assert!(reason.starts_with("fields that are not UTF-8:"), "{reason}");
         let raw = decode_fields(vec![bulk(b"type"), bulk(b"Job")]).unwrap();
+        assert_eq!(raw.header(INVALID_HEADERS_HEADER), None);
+    }
+
+    #[test]
+    fn a_field_or_header_given_twice_marks_the_message_invalid() {
+        for (fields, twice) in [
+            // A foreign producer's `type` field, twice.
+            (
+                vec![
+                    bulk(b"type"),
+                    bulk(b"Job"),
+                    bulk(b"type"),
+                    bulk(b"Evil"),
+                    bulk(b"body"),
+                    bulk(b"{}"),
+                ],
+                "`type`",
+            ),
+            // Two bodies.
+            (
+                vec![bulk(b"body"), bulk(b"{}"), bulk(b"body"), bulk(b"[]")],
+                "`body`",
+            ),
+            // A header both in the `headers` field and as a field of its own.
+            (
+                vec![
+                    bulk(b"headers"),
+                    bulk(b"4:type3:Job"),
+                    bulk(b"h:type"),
+                    bulk(b"Evil"),
+                ],
+                "`type`",
+            ),
+            // Twice in the `headers` field itself.
+            (
+                vec![
+                    bulk(b"headers"),
+                    bulk(b"4:type3:Job4:type4:Evil"),
+                    bulk(b"body"),
+                    bulk(b"{}"),
+                ],
+                "`type`",
+            ),
+        ] {
+            let raw = decode_fields(fields).unwrap();
+            let reason = raw.header(INVALID_HEADERS_HEADER).unwrap_or_default();
+            assert!(
+                reason.contains("given more than once") && reason.contains(twice),
+                "{reason:?} does not name {twice}"
+            );
+        }
+        // Each once: nothing to say.
+        let raw = decode_fields(vec![
+            bulk(b"body"),
+            bulk(b"{}"),
+            bulk(b"headers"),
+            bulk(b"4:type3:Job4:kind7:command"),
+        ])
+        .unwrap();
         assert_eq!(raw.header(INVALID_HEADERS_HEADER), None);
     }
 

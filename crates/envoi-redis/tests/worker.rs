@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 
+use envoi_core::transport::Transport;
 use envoi_core::worker::{StopReason, Worker};
 use envoi_core::{Command, Message, Messenger};
 use envoi_redis::RedisTransportFactory;
@@ -78,5 +79,93 @@ async fn the_worker_handles_every_message_sent_through_a_redis_dsn() {
     assert_eq!(distinct, (0..N).collect(), "some orders were never handled");
     assert_eq!(transport.message_count().await.unwrap(), 0);
     assert!(transport.list(10).await.unwrap().is_empty());
+    common::transport(&url, &name, "").destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_with_its_type_field_given_twice_is_parked_with_the_reason() {
+    let Some(url) =
+        common::url("an_entry_with_its_type_field_given_twice_is_parked_with_the_reason")
+    else {
+        return;
+    };
+    let name = common::unique("twice");
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let dsn = format!("{url}{separator}stream={}{name}&lease=5s", common::PREFIX);
+    let seen = Arc::new(Mutex::new(Vec::<u32>::new()));
+    let handler_seen = Arc::clone(&seen);
+    let failed = Arc::new(envoi_core::in_memory::InMemoryTransport::new());
+    let messenger = Messenger::builder()
+        .command_handler(move |order: ShipOrder| {
+            let seen = Arc::clone(&handler_seen);
+            async move {
+                seen.lock().unwrap().push(order.id);
+                Ok::<_, Infallible>(())
+            }
+        })
+        .transport_factory(RedisTransportFactory)
+        .transport_dsn("orders", dsn)
+        .transport("failed", failed.clone())
+        .failure_transport("failed")
+        .route::<ShipOrder>("orders")
+        .build_async()
+        .await
+        .expect("the messenger builds from a redis DSN");
+    let transport = Arc::clone(messenger.transport("orders").expect("registered"));
+    transport.setup().await.expect("setup");
+
+    // A foreign producer writes `type` twice: which one it meant is
+    // anyone's guess.
+    let mut c = common::raw(&url).await;
+    let _: String = redis::cmd("XADD")
+        .arg(format!("{}{name}", common::PREFIX))
+        .arg("*")
+        .arg("type")
+        .arg("ShipOrder")
+        .arg("type")
+        .arg("ShipOrder")
+        .arg("body")
+        .arg(r#"{"id":7}"#)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    messenger
+        .dispatcher()
+        .dispatch(ShipOrder { id: 1 })
+        .await
+        .expect("dispatch sends to redis");
+
+    let report = Worker::builder(&messenger)
+        .receiver("orders")
+        .stop_when_empty()
+        .build()
+        .expect("worker")
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::Empty);
+    assert_eq!((report.stats.handled, report.stats.failed), (1, 1));
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [1],
+        "only the good message is handled"
+    );
+    assert_eq!(transport.message_count().await.unwrap(), 0);
+
+    let parked = failed.list(10).await.unwrap();
+    assert_eq!(parked.len(), 1, "the entry is parked, not lost");
+    assert_eq!(parked[0].raw.body, br#"{"id":7}"#);
+    // The error-details stamp, as the JSON array the wire holds.
+    let details = parked[0]
+        .raw
+        .header("X-Message-Stamp-ErrorDetails")
+        .expect("an error-details stamp");
+    assert!(
+        details.contains(r#""kind":"decode:invalid_header""#),
+        "{details}"
+    );
+    assert!(
+        details.contains("fields or headers given more than once: `type`"),
+        "{details}"
+    );
     common::transport(&url, &name, "").destroy().await.unwrap();
 }
