@@ -113,6 +113,11 @@ pub(crate) fn encoded_len(headers: &HeaderMap) -> usize {
 /// Rebuilds the envoi message from a NATS message's headers and payload.
 /// Headers JetStream adds (`Nats-*`) and the transport's own are left out.
 ///
+/// A header with several values, or given both natively and in
+/// [`EXTRA_HEADERS`], is kept with its last value and
+/// [`INVALID_HEADERS_HEADER`] naming it, so that the message does not
+/// decode and the worker parks it rather than guess which value counts.
+///
 /// A message whose [`EXTRA_HEADERS`] header is not a JSON object of strings
 /// (written by something else than envoi) is still returned, with that
 /// header kept as it is and [`INVALID_HEADERS_HEADER`] saying what is
@@ -132,6 +137,9 @@ pub(crate) fn decode_delivered(
     let mut due = None;
     if let Some(headers) = headers {
         let mut extra = None;
+        // Headers with several values (set by another producer): which one
+        // counts is anyone's guess, so the message must not be handled.
+        let mut twice = Vec::new();
         for (name, values) in headers.iter() {
             let name: &str = name.as_ref();
             if is_reserved(name) {
@@ -144,13 +152,23 @@ pub(crate) fn decode_delivered(
                 }
                 continue;
             }
+            if values.len() > 1 {
+                twice.push(format!("`{name}`"));
+            }
             if let Some(value) = values.last() {
                 out.insert_copy(name, value.as_str());
             }
         }
         if let Some(extra) = extra {
             match serde_json::from_str::<Headers>(extra.as_str()) {
-                Ok(extra) => out.extend(extra),
+                Ok(extra) => {
+                    for (name, value) in extra {
+                        if out.contains_key(&name) {
+                            twice.push(format!("`{name}`"));
+                        }
+                        out.insert(name, value);
+                    }
+                }
                 Err(error) => {
                     tracing::warn!(%error, "header `{EXTRA_HEADERS}` is not a JSON object of strings");
                     out.insert(EXTRA_HEADERS, extra.as_str().to_string());
@@ -164,6 +182,14 @@ pub(crate) fn decode_delivered(
                     );
                 }
             }
+        }
+        if !twice.is_empty() {
+            let problem = format!("headers given more than once: {}", twice.join(", "));
+            let reason = match out.get(INVALID_HEADERS_HEADER) {
+                Some(earlier) => format!("{earlier}; {problem}"),
+                None => problem,
+            };
+            out.insert(INVALID_HEADERS_HEADER, reason);
         }
     }
     let raw = RawMessage {
@@ -260,6 +286,27 @@ mod tests {
         assert_eq!(raw.body, b"payload");
         let reason = raw.header(INVALID_HEADERS_HEADER).unwrap();
         assert!(reason.contains("not a JSON object of strings"), "{reason}");
+    }
+
+    #[test]
+    fn a_header_with_several_values_marks_the_message_invalid() {
+        let mut map = HeaderMap::new();
+        map.append("type", "Order");
+        map.append("type", "Refund");
+        map.insert("kind", "command");
+        let raw = decode(Some(&map), b"{}");
+        let reason = raw.header(INVALID_HEADERS_HEADER).unwrap_or_default();
+        assert!(
+            reason.contains("headers given more than once: `type`"),
+            "{reason:?}"
+        );
+        // One value each: nothing to say.
+        let mut map = HeaderMap::new();
+        map.insert("type", "Order");
+        assert_eq!(
+            decode(Some(&map), b"{}").header(INVALID_HEADERS_HEADER),
+            None
+        );
     }
 
     #[test]
