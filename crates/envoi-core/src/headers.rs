@@ -274,6 +274,14 @@ impl<'de> Deserialize<'de> for Headers {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Headers, A::Error> {
                 let mut headers = Headers::with_capacity(map.size_hint().unwrap_or(0).min(64));
                 while let Some((Text(k), Text(v))) = map.next_entry()? {
+                    // Which of two values was meant is anyone's guess: a
+                    // message is not handled with either.
+                    if headers.contains_key(&k) {
+                        return Err(serde::de::Error::custom(format_args!(
+                            "header `{}` is given more than once",
+                            &*k
+                        )));
+                    }
                     headers.insert(k, v);
                 }
                 Ok(headers)
@@ -352,6 +360,17 @@ mod tests {
             serde_json::from_str(r#"{"ty\u0070e":"a\"b","k\nind":"x"}"#).unwrap();
         assert_eq!(escaped.get("type"), Some("a\"b"));
         assert_eq!(escaped.get("k\nind"), Some("x"));
+    }
+
+    #[test]
+    fn a_name_given_twice_in_json_is_an_error_not_its_last_value() {
+        let error = serde_json::from_str::<Headers>(r#"{"type":"A","kind":"event","type":"B"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("header `type` is given more than once"),
+            "{error}"
+        );
     }
 
     #[test]

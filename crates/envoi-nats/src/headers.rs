@@ -300,6 +300,17 @@ mod tests {
             reason.contains("headers given more than once: `type`"),
             "{reason:?}"
         );
+        // A name given twice inside the JSON of `Envoi-Headers`.
+        let mut map = HeaderMap::new();
+        map.insert("Envoi-Headers", r#"{"trace":"t1","trace":"t2"}"#);
+        let reason = decode(Some(&map), b"{}")
+            .header(INVALID_HEADERS_HEADER)
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            reason.contains("header `trace` is given more than once"),
+            "{reason:?}"
+        );
         // One value each: nothing to say.
         let mut map = HeaderMap::new();
         map.insert("type", "Order");

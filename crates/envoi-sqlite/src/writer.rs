@@ -160,19 +160,22 @@ fn read_headers(class: &str, stored: &[u8]) -> Headers {
             if text == "{}" {
                 return Headers::new();
             }
-            if let Ok(headers) = serde_json::from_str::<Headers>(text) {
-                return headers;
+            match serde_json::from_str::<Headers>(text) {
+                Ok(headers) => return headers,
+                Err(e) => return salvage_headers(class, stored, Some(e)),
             }
         }
     }
-    salvage_headers(class, stored)
+    salvage_headers(class, stored, None)
 }
 
 /// The headers of a row that are not TEXT holding a JSON object of
 /// strings: every string value of a JSON object, with [`INVALID_HEADERS`]
 /// saying what is wrong and [`STORED_HEADERS`] keeping what was stored.
+/// `parsed` is why reading them as headers failed, if that was tried: a
+/// name given twice, which reading them as a JSON object hides.
 #[cold]
-fn salvage_headers(class: &str, stored: &[u8]) -> Headers {
+fn salvage_headers(class: &str, stored: &[u8], parsed: Option<serde_json::Error>) -> Headers {
     let mut problems = Vec::new();
     let mut headers = Headers::new();
     if class != "TEXT" {
@@ -206,6 +209,9 @@ fn salvage_headers(class: &str, stored: &[u8]) -> Headers {
             }
             Ok(other) => problems.push(format!("{NOT_AN_OBJECT}: they are {}", json_kind(&other))),
             Err(e) => problems.push(format!("{NOT_AN_OBJECT}: {e}")),
+        }
+        if let (true, Some(e)) = (problems.is_empty(), parsed) {
+            problems.push(format!("{NOT_AN_OBJECT}: {e}"));
         }
         if !problems.is_empty() {
             let kept = match text {
@@ -647,7 +653,14 @@ mod tests {
             Option<&'static str>,
             &'static str,
         );
-        let cases: [Case; 7] = [
+        let cases: [Case; 8] = [
+            (
+                r#"'{"type":"Job","type":"Other"}'"#,
+                &[("type", "Other")],
+                Some(r#"{"type":"Job","type":"Other"}"#),
+                "stored headers are not a JSON object of strings: \
+                 header `type` is given more than once at line 1 column 29",
+            ),
             (
                 r#"CAST('{"type":"Job"}' AS BLOB)"#,
                 &[("type", "Job")],
