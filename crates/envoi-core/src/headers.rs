@@ -121,6 +121,22 @@ impl Headers {
         }
     }
 
+    /// Adds header `name` with `value` unless `name` is set already, in
+    /// which case it changes nothing and gives `name` back.
+    fn insert_new(&mut self, name: HeaderText, value: HeaderText) -> Result<(), HeaderText> {
+        if self.entries.last().is_none_or(|(last, _)| **last < *name) {
+            self.entries.push((name, value));
+            return Ok(());
+        }
+        match self.position(&name) {
+            Ok(_) => Err(name),
+            Err(i) => {
+                self.entries.insert(i, (name, value));
+                Ok(())
+            }
+        }
+    }
+
     /// Sets header `name` to `value`, both copied (see [`header_text`]),
     /// returning the value it replaced.
     pub fn insert_copy(&mut self, name: &str, value: &str) -> Option<HeaderText> {
@@ -276,13 +292,12 @@ impl<'de> Deserialize<'de> for Headers {
                 while let Some((Text(k), Text(v))) = map.next_entry()? {
                     // Which of two values was meant is anyone's guess: a
                     // message is not handled with either.
-                    if headers.contains_key(&k) {
+                    if let Err(k) = headers.insert_new(k, v) {
                         return Err(serde::de::Error::custom(format_args!(
                             "header `{}` is given more than once",
                             &*k
                         )));
                     }
-                    headers.insert(k, v);
                 }
                 Ok(headers)
             }
