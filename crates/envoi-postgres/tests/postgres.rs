@@ -15,8 +15,28 @@ use envoi_postgres::{PostgresTransport, PostgresTransportFactory, INVALID_HEADER
 
 const TABLE: &str = "envoi_test_messages";
 
+/// The tests' options, with `extra` added or replacing a default of the
+/// same name (an option given twice is an invalid DSN).
 fn options(extra: &str) -> String {
-    format!("table={TABLE}&lease=2s&wait=200ms&poll=200ms&max_connections=4&{extra}")
+    let given: Vec<&str> = extra
+        .split('&')
+        .filter_map(|o| o.split('=').next())
+        .collect();
+    let defaults = [
+        format!("table={TABLE}"),
+        "lease=2s".into(),
+        "wait=200ms".into(),
+        "poll=200ms".into(),
+        "max_connections=4".into(),
+    ];
+    let mut all: Vec<String> = defaults
+        .into_iter()
+        .filter(|d| !given.contains(&d.split('=').next().unwrap_or_default()))
+        .collect();
+    if !extra.is_empty() {
+        all.push(extra.to_string());
+    }
+    all.join("&")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
