@@ -94,8 +94,10 @@
 //! comes within one and a half intervals of the fetch, so leases must be
 //! longer than that (the transports' defaults are 30 s or more, the
 //! interval's 5 s). A
-//! [rate limit](WorkerBuilder::rate_limit) caps how many messages per period
-//! the worker takes from one transport.
+//! [rate limit](WorkerBuilder::rate_limit) caps the pace at which the worker
+//! takes messages from one transport: a token bucket, which lets a burst of
+//! up to [`messages`](RateLimit::messages) through at once (at the start,
+//! or after a quiet spell), then one every `per / messages`.
 //!
 //! # Events
 //!
@@ -496,7 +498,14 @@ impl fmt::Debug for WorkerProgress {
     }
 }
 
-/// At most `messages` per `per` from one transport.
+/// `messages` per `per` from one transport, on average: a token bucket
+/// holding up to `messages` tokens, one per message taken, refilled at one
+/// every `per / messages`.
+///
+/// A full bucket lets a burst of `messages` through at once, and the refill
+/// goes on meanwhile, so a window of one `per` can see up to about twice
+/// `messages` (a burst, then the steady pace); over longer runs the pace is
+/// `messages` per `per`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RateLimit {
     /// How many messages…
@@ -712,7 +721,9 @@ impl WorkerBuilder {
         self
     }
 
-    /// Takes at most `limit` messages from `transport`.
+    /// Paces how fast messages are taken from `transport`: `limit` per
+    /// period on average, after a first burst of up to `limit.messages`
+    /// (see [`RateLimit`]).
     pub fn rate_limit(mut self, transport: impl Into<String>, limit: RateLimit) -> Self {
         let limit = RateLimit::new(limit.messages, far::clamp(limit.per));
         self.rate_limits.push((transport.into(), limit));
