@@ -297,11 +297,14 @@ pub enum WorkerEvent {
         /// The transport's id of the message.
         id: String,
     },
-    /// A transport operation failed; the worker goes on.
+    /// A transport operation failed; the worker goes on. (A message that
+    /// could not be parked is reported by its
+    /// [`Failed`](WorkerEvent::Failed) event instead, with `released` set
+    /// and why parking failed in its `error`.)
     TransportFailed {
         /// The transport.
         transport: Arc<str>,
-        /// `get`, `ack`, `reject`, `release`, `keepalive`, `park` or `count`.
+        /// `get`, `ack`, `reject`, `release`, `keepalive` or `count`.
         operation: &'static str,
         /// The error.
         error: String,
