@@ -53,7 +53,7 @@
 //! | success, scheduled for a retry by the retry step | acknowledges it (the retry is a new message) | [`Retried`](WorkerEvent::Retried) |
 //! | handler failure, parked in the failure transport by the retry step | acknowledges it | [`Failed`](WorkerEvent::Failed) |
 //! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
-//! | transport failure (the retry could not be sent) | releases it, so it is delivered again, and pauses fetching as when parking fails | [`Failed`](WorkerEvent::Failed) |
+//! | transport failure (the retry step could not send the retry, or park the message) | releases it, so it is delivered again, and pauses fetching as when parking fails | [`Failed`](WorkerEvent::Failed) |
 //! | any other error (no handler, a middleware's error, a panic) | parks it like the retry step would, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //! | it does not decode (unknown type, malformed, too large) | sends the raw message to the failure transport with an `ErrorDetails` stamp header saying why, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //!
