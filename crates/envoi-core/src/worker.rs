@@ -59,8 +59,12 @@
 //!
 //! Parking keeps messages: only a message that cannot be parked because no
 //! failure transport is configured is rejected, and the event says so. A
-//! worker that consumes the failure transport itself moves a message that
-//! fails again to the back of that transport.
+//! message taken from a failure transport is handled as if it came from its
+//! original transport: when its handler fails, the retry step starts a fresh
+//! round of retries on that transport; once it fails for good again (or
+//! fails outside the retry step), it goes back to the failure transport, to
+//! be handed out again only after a growing delay
+//! ([`parked_again_delay`]).
 //!
 //! Acknowledgements are sent in batches, after the events above: one that
 //! fails is reported by a [`TransportFailed`](WorkerEvent::TransportFailed)
