@@ -736,7 +736,10 @@ impl Transport for InMemoryTransport {
             for id in ids {
                 match parse_id(id) {
                     Ok(n) if state.remove(n) => state.acknowledged += 1,
-                    _ => missing = Some(id.clone()),
+                    // The first error is the one returned.
+                    _ => {
+                        missing.get_or_insert_with(|| id.clone());
+                    }
                 }
             }
         }
@@ -892,7 +895,9 @@ impl LocalTransport for InMemoryTransport {
                         removed.push(entry);
                         state.acknowledged += 1;
                     }
-                    None => missing = Some(key),
+                    None => {
+                        missing.get_or_insert(key);
+                    }
                 }
             }
         }
@@ -1003,6 +1008,36 @@ mod tests {
             t.ack("nope").await,
             Err(TransportError::NotFound(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn a_batch_acknowledgement_acknowledges_what_it_can_and_names_the_first_unknown_id() {
+        let t = InMemoryTransport::new();
+        let a = t.send(raw(1), None).await.unwrap();
+        let b = t.send(raw(2), None).await.unwrap();
+        t.get(10).await.unwrap();
+        let ids = ["7".to_string(), a, "8".to_string(), b];
+        assert!(matches!(
+            t.ack_batch(&ids).await,
+            Err(TransportError::NotFound(id)) if id == "7"
+        ));
+        assert_eq!((t.message_count().await.unwrap(), t.acknowledged()), (0, 2));
+
+        for _ in 0..2 {
+            t.send_envelope(Envelope::new(Ping)).await.unwrap();
+        }
+        let keys: Vec<u64> = t
+            .get_local(10)
+            .await
+            .unwrap()
+            .iter()
+            .map(|d| d.id.key())
+            .collect();
+        assert!(matches!(
+            t.ack_local(&[70, keys[0], 80, keys[1]]),
+            Err(TransportError::NotFound(id)) if id == "70"
+        ));
+        assert_eq!((t.message_count().await.unwrap(), t.acknowledged()), (0, 4));
     }
 
     #[tokio::test(start_paused = true)]
