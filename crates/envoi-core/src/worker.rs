@@ -172,7 +172,8 @@ pub enum WorkerError {
 pub enum StopReason {
     /// A [`StopHandle`] asked it to (a signal, for instance).
     Stopped,
-    /// It handled as many messages as its message limit.
+    /// It processed as many messages as its message limit, whatever
+    /// became of them (handled, retried or failed).
     MessageLimit,
     /// It ran for its time limit.
     TimeLimit,
@@ -666,7 +667,8 @@ impl WorkerBuilder {
         self
     }
 
-    /// Stops after `n` messages.
+    /// Stops after `n` messages, whatever became of them: handled, retried
+    /// or failed all count.
     pub fn message_limit(mut self, n: u64) -> Self {
         self.options.message_limit = Some(n);
         self

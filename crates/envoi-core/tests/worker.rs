@@ -257,6 +257,28 @@ async fn the_message_limit_stops_the_worker_and_leaves_the_rest() {
 }
 
 #[tokio::test]
+async fn the_message_limit_counts_failed_messages_too() {
+    let seen = Seen::default();
+    let queue = memory();
+    let messenger = messenger_with(&seen, Duration::ZERO, &[("async", queue.clone())], None);
+    for _ in 0..2 {
+        queue.send(raw("Unknown", b"{}"), None).await.unwrap();
+    }
+    send_jobs(&messenger, 0..5).await;
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .message_limit(3)
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::MessageLimit);
+    assert_eq!((report.stats.failed, report.stats.handled), (2, 1));
+    assert_eq!(seen.get(), [0]);
+    assert_eq!(queue.message_count().await.unwrap(), 4);
+}
+
+#[tokio::test]
 async fn durations_too_long_for_a_clock_mean_no_limit_rather_than_a_panic() {
     let seen = Seen::default();
     let queue = memory();
