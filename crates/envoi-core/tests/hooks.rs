@@ -541,3 +541,45 @@ async fn after_is_not_called_for_a_received_message_whose_handler_failed_and_is_
         "the handler failed: no after"
     );
 }
+
+/// Records, per stage, whether `after` was given a result, and its type.
+struct ResultProbe(Log);
+
+impl Hook for ResultProbe {
+    fn after(&self, ctx: &HookContext<'_>, result: Option<&HandlerResult>) {
+        let seen = match result {
+            None => "none",
+            Some(r) if r.downcast_ref::<()>().is_some() => "unit",
+            Some(r) if r.downcast_ref::<u32>().is_some() => "u32",
+            Some(_) => "other",
+        };
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("{} {}", ctx.message_name(), seen));
+    }
+}
+
+#[tokio::test]
+async fn after_gets_a_result_whenever_a_handler_ran_here_events_included() {
+    let log = Log::default();
+    let m = Messenger::builder()
+        .query_handler(|_: Stock| async { Ok::<_, Infallible>(3) })
+        .event_handler(|_: OrderPlaced| async { Ok::<_, Infallible>(()) })
+        .transport(
+            "async",
+            Arc::new(envoi_core::in_memory::InMemoryTransport::new()),
+        )
+        .route::<Ship>("async")
+        .middleware(HookMiddleware::new(ResultProbe(log.clone())))
+        .build()
+        .unwrap();
+    m.dispatcher().ask(Stock).await.unwrap();
+    m.dispatcher().publish(OrderPlaced).await.unwrap();
+    m.bus().dispatch(Envelope::new(Ship)).await.unwrap();
+    assert_eq!(
+        entries(&log),
+        ["Stock u32", "OrderPlaced unit", "Ship none"],
+        "an event handled here has its handler's `()`; a message sent to a transport has none"
+    );
+}

@@ -203,9 +203,10 @@ pub trait Hook: Send + Sync + 'static {
     }
 
     /// Called after the operation succeeded, if `can_handle` returned
-    /// `true`. `result` is the value the (last) handler returned: present
-    /// for commands and queries handled in this process, absent for events
-    /// and for messages sent to a transport. Does nothing by default.
+    /// `true`. `result` is the value the last handler to run in this
+    /// process returned (`()` for an event); absent when no handler ran
+    /// here: a message sent to a transport that stores it, an event without
+    /// handlers. Does nothing by default.
     fn after(&self, ctx: &HookContext<'_>, result: Option<&HandlerResult>) {
         let _ = (ctx, result);
     }
