@@ -437,7 +437,11 @@ pub trait SenderDispatcher: Send + Sync + 'static {
     }
 }
 
-/// The default [`SenderDispatcher`]: sends at once through named [`Sender`]s.
+/// A [`SenderDispatcher`] that sends at once through named [`Sender`]s.
+///
+/// Not what a [`Messenger`](crate::Messenger) uses by default: it builds a
+/// [`Senders`](crate::transports::Senders), which sends to its registered
+/// transports as well as to its senders.
 #[derive(Default, Clone)]
 pub struct DirectSenders {
     senders: BTreeMap<String, Arc<dyn Sender>>,
