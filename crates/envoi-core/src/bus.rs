@@ -157,8 +157,12 @@ impl MessageBus {
         self.dispatch(Envelope::new(message)).await
     }
 
-    /// Dispatches `envelope` after the dispatch currently running on this
-    /// task has finished (at once if none is running). See
+    /// Dispatches `envelope` after the current dispatch has finished, when
+    /// called while a handler runs (from the handler, or from anything its
+    /// future runs, such as the pipeline of a dispatch it makes): it is
+    /// queued until the dispatch running that handler has succeeded. Called
+    /// outside any handler (by a middleware around the outermost dispatch,
+    /// say), it runs at once. See
     /// [`crate::middleware::dispatch_after_current_bus`].
     pub async fn dispatch_after_current(&self, envelope: Envelope) -> Result<Envelope> {
         self.dispatch(envelope.with(DispatchAfterCurrentBusStamp))

@@ -553,8 +553,9 @@ impl Stamp for SentToFailureTransportStamp {
     const NAME: &'static str = "SentToFailureTransport";
 }
 
-/// Defers a dispatch made while another dispatch on the same task is running
-/// until that outer dispatch has finished successfully.
+/// Defers a dispatch made while a handler runs until the dispatch running
+/// that handler has finished successfully (a dispatch made outside any
+/// handler runs at once).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DispatchAfterCurrentBusStamp;
 
