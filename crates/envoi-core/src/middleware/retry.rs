@@ -57,7 +57,8 @@ pub struct MultiplierRetryStrategy {
     pub max_retries: u32,
     /// The first delay. Default 1 s.
     pub delay: Duration,
-    /// Growth factor per retry. Default 2.
+    /// Growth factor per retry; below 1 counts as 1 (delays never shrink).
+    /// Default 2.
     pub multiplier: f64,
     /// Upper bound of the delay; `None` for none. Default `None`.
     pub max_delay: Option<Duration>,
@@ -471,6 +472,16 @@ mod tests {
                 "{d:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_multiplier_below_one_keeps_the_delay_from_shrinking() {
+        let s = MultiplierRetryStrategy {
+            multiplier: 0.5,
+            ..Default::default()
+        };
+        assert_eq!(s.base_delay(1), Duration::from_secs(1));
+        assert_eq!(s.base_delay(4), Duration::from_secs(1));
     }
 
     #[tokio::test]
