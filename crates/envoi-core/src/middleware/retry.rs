@@ -21,10 +21,13 @@
 //! again. So a worker consuming a failure transport, alone or with the
 //! origin, does not spin on a message that keeps failing for good.
 //!
-//! Errors can steer this: an [`Unrecoverable`](crate::Unrecoverable) anywhere
-//! in every failing handler's `source()` chain skips the retries; a
-//! [`Recoverable`](crate::Recoverable) is retried (within the budget) after
-//! its own delay if it names one.
+//! Errors can steer this. In each failing handler's error and its
+//! `source()` chain, the first [`Unrecoverable`](crate::Unrecoverable) or
+//! [`Recoverable`](crate::Recoverable) found is what counts (an
+//! `Unrecoverable` wrapped in a `Recoverable` is recoverable). When it is
+//! `Unrecoverable` for every failing handler, the retries are skipped; a
+//! `Recoverable` is retried (within the budget) after its own delay if it
+//! names one.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -584,6 +587,19 @@ mod tests {
         let end = FailingEndpoint::new(|| Box::new(Unrecoverable::new("bad card")));
         retry(&senders, 3).handle(e, end.next()).await.unwrap_err();
         assert_eq!(senders.sent_to(), ["failed"]);
+    }
+
+    #[tokio::test]
+    async fn the_first_marker_in_the_chain_counts_so_a_wrapped_unrecoverable_is_retried() {
+        let senders = RecordingSenders::default();
+        let e = Envelope::new(Ping).with(ReceivedStamp::new("async"));
+        let end = FailingEndpoint::new(|| {
+            Box::new(crate::error::Recoverable::new(Unrecoverable::new(
+                "bad card",
+            )))
+        });
+        retry(&senders, 3).handle(e, end.next()).await.unwrap();
+        assert_eq!(senders.sent_to(), ["async"]);
     }
 
     #[tokio::test]
