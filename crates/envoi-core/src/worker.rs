@@ -1772,7 +1772,9 @@ impl Ctx {
             .unwrap_or_default();
         let origin = parks.last().map(|s| s.original_transport.clone());
         let (origin, failure) = failure_target(&self.messenger, transport, origin);
-        let target = failure.and_then(|f| self.messenger.transport(f).map(|t| (f, t)));
+        // A failure transport that is only a sender (it takes envelopes)
+        // cannot take this message: parking fails and it is kept.
+        let target = failure.map(|f| (f, self.messenger.transport(f)));
         let mut outcome = self
             .settle_failure(
                 Failure {
@@ -1789,7 +1791,12 @@ impl Ctx {
                     append_stamp_header(&mut raw, &RedeliveryStamp::new(0));
                     // Back into the transport it came from: later.
                     let delay = (name == &**transport).then(|| parked_again_delay(parks.len()));
-                    let sent = failure.send(raw, delay);
+                    let sent = match failure {
+                        Some(failure) => failure.send(raw, delay),
+                        None => Box::pin(std::future::ready(Err(
+                            TransportError::UnknownTransport(name.to_string()),
+                        ))),
+                    };
                     (name, async move { sent.await.map(Some) })
                 }),
             )

@@ -1649,3 +1649,56 @@ async fn a_rate_limit_counts_a_long_poll_s_messages_when_they_arrive() {
         "four at once at a rate of two a second: {times:?}"
     );
 }
+
+#[tokio::test]
+async fn an_undecodable_message_whose_failure_transport_cannot_take_raw_messages_is_kept() {
+    // The failure transport is a plain sender: it parks envelopes, but a
+    // message that does not decode has none. Rejecting it would lose it.
+    let seen = Seen::default();
+    let queue = memory();
+    let store = memory();
+    let sender = envoi_core::transports::TransportSender::new(
+        "failed",
+        store.clone(),
+        envoi_core::serializer::Serializer::builder()
+            .build()
+            .unwrap(),
+    );
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(Duration::ZERO))
+        .transport("async", queue.clone())
+        .sender("failed", Arc::new(sender))
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    queue.send(raw("Unknown", b"{}"), None).await.unwrap();
+    let released = Arc::new(AtomicUsize::new(0));
+    let count = released.clone();
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .idle_sleep(Duration::from_millis(5))
+        .time_limit(Duration::from_millis(300))
+        .listener(move |e: &WorkerEvent| {
+            if let WorkerEvent::Failed {
+                released: true,
+                parked_in: None,
+                ..
+            } = e
+            {
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::TimeLimit);
+    assert_eq!(queue.rejected(), 0, "not rejected");
+    assert!(released.load(Ordering::Relaxed) >= 1);
+    assert_eq!(
+        queue.message_count().await.unwrap(),
+        1,
+        "the message is kept, not lost"
+    );
+}
