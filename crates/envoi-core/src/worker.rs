@@ -41,7 +41,8 @@
 //! The worker asks its receivers for messages **in priority order**: the
 //! first receiver is asked first, and after every batch it starts again from
 //! the first, so a lower-priority receiver is only read while those before it
-//! are empty. Each message is decoded (messages stored as envelopes by an
+//! are empty, or held back by their [rate limit](WorkerBuilder::rate_limit).
+//! Each message is decoded (messages stored as envelopes by an
 //! in-process transport need no decoding), stamped with a
 //! [`ReceivedStamp`] naming the transport and a [`TransportMessageIdStamp`],
 //! and dispatched on the bus named by its [`BusNameStamp`] (the default bus

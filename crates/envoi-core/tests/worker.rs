@@ -619,6 +619,40 @@ async fn receivers_are_read_in_priority_order() {
 }
 
 #[tokio::test]
+async fn a_lower_receiver_is_read_while_a_higher_one_is_held_back_by_its_rate_limit() {
+    let seen = Seen::default();
+    let (high, low) = (memory(), memory());
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(Duration::ZERO))
+        .transport("high", high.clone())
+        .transport("low", low.clone())
+        .build()
+        .unwrap();
+    for n in 0..3 {
+        envoi_core::transport::LocalTransport::send_envelope(&*high, Envelope::new(Job { n }))
+            .await
+            .unwrap();
+        envoi_core::transport::LocalTransport::send_envelope(
+            &*low,
+            Envelope::new(Job { n: 100 + n }),
+        )
+        .await
+        .unwrap();
+    }
+    let report = Worker::builder(&messenger)
+        .receivers(["high", "low"])
+        .rate_limit("high", RateLimit::new(1, Duration::from_secs(3600)))
+        .message_limit(4)
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::MessageLimit);
+    assert_eq!(seen.get(), [0, 100, 101, 102]);
+    assert_eq!(high.message_count().await.unwrap(), 2);
+}
+
+#[tokio::test]
 async fn no_more_handlers_run_at_once_than_the_concurrency() {
     let current = Arc::new(AtomicUsize::new(0));
     let peak = Arc::new(AtomicUsize::new(0));
