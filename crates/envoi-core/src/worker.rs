@@ -720,7 +720,10 @@ impl WorkerBuilder {
     }
 
     /// Stops once every receiver is empty (no message waiting, delayed or
-    /// leased) and nothing is in flight.
+    /// leased) and nothing is in flight. Emptiness is read from
+    /// [`Transport::message_count`]; a transport that does not implement it
+    /// counts as empty as soon as it hands out nothing, whatever it still
+    /// holds delayed or leased.
     ///
     /// Messages this worker parked back into a receiver they came from — a
     /// failure transport it consumes, where a message failing for good again
