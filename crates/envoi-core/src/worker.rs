@@ -681,8 +681,10 @@ impl WorkerBuilder {
         self
     }
 
-    /// Stops when the process's resident memory exceeds `bytes` (checked
-    /// about once a second; Linux only).
+    /// Stops when the process's resident memory exceeds `bytes` (Linux
+    /// only). It is checked at start, then at most once a second, between
+    /// the worker's steps: while every slot holds a slow handler, it is
+    /// next checked when one finishes or a keepalive tick comes.
     pub fn memory_limit(mut self, bytes: u64) -> Self {
         self.options.memory_limit = Some(bytes);
         self
