@@ -387,8 +387,8 @@ impl MessengerBuilder {
     }
 
     /// Replaces "send now" with another [`SenderDispatcher`] (a
-    /// transactional outbox, for instance). Routes are then not checked
-    /// against registered senders.
+    /// transactional outbox, for instance). Routes and failure transports
+    /// are then not checked against registered transports and senders.
     pub fn sender_dispatcher(mut self, dispatcher: Arc<dyn SenderDispatcher>) -> Self {
         self.sender_dispatcher = Some(dispatcher);
         self

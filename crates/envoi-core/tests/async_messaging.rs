@@ -406,6 +406,18 @@ async fn routes_and_failure_transports_must_name_configured_transports() {
 }
 
 #[tokio::test]
+async fn with_a_sender_dispatcher_of_its_own_routes_and_failure_transports_are_not_checked() {
+    let senders = envoi_core::testing::RecordingSenders::default();
+    Messenger::builder()
+        .transport("async", memory())
+        .route::<Charge>("nowhere")
+        .failure_transport("failed")
+        .sender_dispatcher(Arc::new(senders))
+        .build()
+        .expect("the dispatcher decides where sends go");
+}
+
+#[tokio::test]
 async fn the_messenger_exposes_its_transports_serializer_and_failure_transports() {
     let messenger = Messenger::builder()
         .transport("async", memory())
