@@ -13,8 +13,12 @@
 //!
 //! It is opt-in, because what a sensible limit is — and whether abandoning
 //! work partway is better than finishing it — are decisions only the host
-//! can make. It makes the limit a property of the bus; a dispatch is not
-//! otherwise uncancellable: dropping the dispatch future (a caller's own
+//! can make. Added as a bus [`Middleware`] it limits every dispatch on that
+//! bus, messages a worker receives included; added to a
+//! [`Dispatcher`](crate::Dispatcher) with
+//! [`with`](crate::Dispatcher::with), as below, it limits only the
+//! dispatches made through that dispatcher. A dispatch is not otherwise
+//! uncancellable: dropping the dispatch future (a caller's own
 //! `tokio::time::timeout`, a client hanging up) stops the handler just the
 //! same.
 //!
