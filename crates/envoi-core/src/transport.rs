@@ -359,8 +359,10 @@ impl<T> fmt::Debug for LocalFuture<'_, T> {
 
 /// The in-process side of a transport that lives in this process: it moves
 /// envelopes without encoding them, which is what makes the in-memory
-/// transport fast. Acknowledging, rejecting and releasing go through
-/// [`Transport`] as for any transport.
+/// transport fast. Rejecting, releasing and extending leases go through
+/// [`Transport`] as for any transport; acknowledging does too, unless the
+/// transport takes keys with [`ack_local`](Self::ack_local) (a worker uses
+/// it when it is supported).
 pub trait LocalTransport: Send + Sync {
     /// Stores `envelope` (honouring its last
     /// [`DelayStamp`](crate::stamp::DelayStamp)) and returns it with a
