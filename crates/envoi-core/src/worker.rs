@@ -1799,9 +1799,9 @@ impl Ctx {
                     let delay = (name == &**transport).then(|| parked_again_delay(parks.len()));
                     let sent = match failure {
                         Some(failure) => failure.send(raw, delay),
-                        None => Box::pin(std::future::ready(Err(
-                            TransportError::UnknownTransport(name.to_string()),
-                        ))),
+                        None => Box::pin(std::future::ready(Err(TransportError::Unsupported(
+                            "taking a message that does not decode (this failure transport is only a sender)",
+                        )))),
                     };
                     (name, async move { sent.await.map(Some) })
                 }),
