@@ -14,7 +14,9 @@
 //!   [`STAMP_HISTORY`] of each type are written, so a message that keeps
 //!   failing and coming back does not grow without bound;
 //! * every [envelope header](Envelope::header) is written as a header of its
-//!   own. `type`, `kind` and the `X-Message-Stamp-` prefix are reserved.
+//!   own. `type`, `kind`, the `X-Message-Stamp-` prefix and the two
+//!   markers of a message that must not decode
+//!   ([`INVALID_HEADERS_HEADER`], [`INVALID_BODY_HEADER`]) are reserved.
 //!
 //! # Registries
 //!
@@ -605,7 +607,11 @@ impl Serializer {
 }
 
 fn is_reserved(header: &str) -> bool {
-    header == TYPE_HEADER || header == KIND_HEADER || header.starts_with(STAMP_HEADER_PREFIX)
+    header == TYPE_HEADER
+        || header == KIND_HEADER
+        || header.starts_with(STAMP_HEADER_PREFIX)
+        || header == INVALID_HEADERS_HEADER
+        || header == INVALID_BODY_HEADER
 }
 
 /// Groups the sendable stamps by name, keeping each type's order, and writes
@@ -879,6 +885,14 @@ mod tests {
             .encode(&Envelope::new(order()).with_header("type", "x"))
             .unwrap_err();
         assert_eq!(e.kind(), "invalid_header");
+        // The markers of a message that must not decode: a header of that
+        // name would make this one undecodable.
+        for marker in [INVALID_HEADERS_HEADER, INVALID_BODY_HEADER] {
+            let e = serializer()
+                .encode(&Envelope::new(order()).with_header(marker, "x"))
+                .unwrap_err();
+            assert_eq!(e.kind(), "invalid_header", "{marker}");
+        }
     }
 
     #[test]
