@@ -115,6 +115,9 @@ impl std::fmt::Debug for NatsConfig {
 /// but `get` is meant to return promptly).
 const MAX_WAIT: Duration = Duration::from_secs(30);
 
+/// The longest lease taken: a year.
+const MAX_LEASE: Duration = Duration::from_secs(365 * 86_400);
+
 impl NatsConfig {
     /// Parses `dsn` for the transport called `name`. Fails with
     /// [`TransportError::InvalidDsn`] (password masked) when the DSN or one
@@ -175,6 +178,11 @@ impl NatsConfig {
                     if lease < Duration::from_millis(100) {
                         return Err(invalid("`lease` must be at least 100ms".into()));
                     }
+                    // JetStream keeps `ack_wait` in nanoseconds: past about
+                    // 292 years it overflows and no consumer can be made.
+                    if lease > MAX_LEASE {
+                        return Err(invalid("`lease` must be at most 365 days".into()));
+                    }
                     config.lease = lease;
                 }
                 "wait" => {
@@ -223,7 +231,42 @@ impl NatsConfig {
                 other => return Err(invalid(format!("unknown option `{other}`"))),
             }
         }
+        config.validate().map_err(invalid)?;
         Ok(config)
+    }
+
+    /// Checks what [`from_dsn`](Self::from_dsn) checks, for a configuration
+    /// changed or built in code: the names, the lease, wait, batch and
+    /// `max_ack_pending` ranges.
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        name_option("stream", &self.stream)?;
+        name_option("consumer", &self.consumer)?;
+        subject_option(&self.subject)?;
+        if self.lease < Duration::from_millis(100) || self.lease > MAX_LEASE {
+            return Err(format!(
+                "`lease` must be between 100ms and 365 days, not {:?}",
+                self.lease
+            ));
+        }
+        if self.wait < Duration::from_millis(10) || self.wait > MAX_WAIT {
+            return Err(format!(
+                "`wait` must be between 10ms and 30s, not {:?}",
+                self.wait
+            ));
+        }
+        if !(1..=100_000).contains(&self.batch) {
+            return Err(format!(
+                "`batch` must be a number from 1 to 100000, not {}",
+                self.batch
+            ));
+        }
+        if self.max_ack_pending != -1 && self.max_ack_pending <= 0 {
+            return Err(format!(
+                "`max_ack_pending` must be -1 or a positive number, not {}",
+                self.max_ack_pending
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -413,6 +456,11 @@ mod tests {
         assert!(reason("nats://127.0.0.1:4222?lease=10ms")
             .1
             .contains("lease"));
+        // Past about 292 years JetStream's nanosecond ack_wait overflows and
+        // the consumer cannot be made; a year is the most taken.
+        let (_, why) = reason("nats://127.0.0.1:4222?lease=9300000000s");
+        assert!(why.contains("at most 365 days"), "{why}");
+        assert!(NatsConfig::from_dsn("q", "nats://127.0.0.1:4222?lease=31536000s").is_ok());
         assert!(reason("nats://127.0.0.1:4222?storage=tape")
             .1
             .contains("storage"));

@@ -454,7 +454,20 @@ impl NatsTransport {
     /// Connects to the server named in `config`. Nothing is created on the
     /// server until [`setup`](Transport::setup) (or the first use, when
     /// `auto_setup` is on).
+    ///
+    /// # Errors
+    ///
+    /// [`TransportError::InvalidDsn`] for a name, lease, wait, batch or
+    /// `max_ack_pending` that [`NatsConfig::from_dsn`] would refuse (the
+    /// fields are public, so a configuration may have been changed in
+    /// code); [`TransportError::Backend`] when the server cannot be reached.
     pub async fn connect(config: NatsConfig) -> Result<Self, TransportError> {
+        config
+            .validate()
+            .map_err(|reason| TransportError::InvalidDsn {
+                dsn: mask_dsn(&config.server),
+                reason,
+            })?;
         let options = ConnectOptions::new()
             .name("envoi")
             .require_tls(config.tls)
@@ -1337,6 +1350,29 @@ impl Transport for NatsTransport {
 mod tests {
     use super::{ack_subject_sequences, parse_id, publish_ack, reconnect_delay, sequence_id};
     use std::time::Duration;
+
+    #[tokio::test]
+    async fn connect_refuses_a_configuration_changed_in_code_as_from_dsn_would() {
+        // A port nothing listens on: the check comes before any connection.
+        let base = crate::NatsConfig::from_dsn("q", "nats://127.0.0.1:1").unwrap();
+        type Change = (&'static str, fn(&mut crate::NatsConfig));
+        let changes: [Change; 4] = [
+            ("lease", |c| c.lease = Duration::ZERO),
+            ("batch", |c| c.batch = 0),
+            ("wait", |c| c.wait = Duration::from_secs(3600)),
+            ("stream", |c| c.stream = "a.b".into()),
+        ];
+        for (option, change) in changes {
+            let mut config = base.clone();
+            change(&mut config);
+            match super::NatsTransport::connect(config).await {
+                Err(envoi_core::TransportError::InvalidDsn { reason, .. }) => {
+                    assert!(reason.contains(option), "{option}: {reason}")
+                }
+                other => panic!("{option}: expected InvalidDsn, got {:?}", other.err()),
+            }
+        }
+    }
 
     #[test]
     fn reconnects_start_at_once_then_back_off_to_two_seconds() {
