@@ -169,7 +169,41 @@ impl RedisOptions {
                 }
             }
         }
+        options.validate().map_err(invalid)?;
         Ok(options)
+    }
+
+    /// Checks what [`from_dsn`](Self::from_dsn) checks, for options changed
+    /// or built in code: names not empty, `lease`, `block` and `trim` in
+    /// the ranges Redis can take.
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        for (option, value) in [
+            ("stream", &self.stream),
+            ("group", &self.group),
+            ("consumer", &self.consumer),
+        ] {
+            if value.is_empty() {
+                return Err(format!("option `{option}` is empty"));
+            }
+        }
+        if self.lease < Duration::from_millis(1) || self.lease > MAX_LEASE {
+            return Err(format!(
+                "`lease` must be between 1ms and 365 days, not {:?}",
+                self.lease
+            ));
+        }
+        if self.block < Duration::from_millis(1) || self.block > MAX_BLOCK {
+            return Err(format!(
+                "`block` must be between 1ms and 60s, not {:?}",
+                self.block
+            ));
+        }
+        if let Some(trim) = self.trim.filter(|n| *n == 0 || *n > MAX_TRIM) {
+            return Err(format!(
+                "`trim` must be an entry count from 1 to {MAX_TRIM}, not {trim}"
+            ));
+        }
+        Ok(())
     }
 }
 

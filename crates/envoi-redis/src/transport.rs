@@ -129,8 +129,16 @@ impl RedisTransport {
     /// A transport with `options`. Connects lazily, on first use.
     ///
     /// Fails with [`TransportError::InvalidDsn`] when the `redis` crate
-    /// rejects [`RedisOptions::url`].
+    /// rejects [`RedisOptions::url`], or an option is one
+    /// [`RedisOptions::from_dsn`] would refuse (the fields are public, so
+    /// options may have been changed in code).
     pub fn new(options: RedisOptions) -> Result<Self, TransportError> {
+        options
+            .validate()
+            .map_err(|reason| TransportError::InvalidDsn {
+                dsn: envoi_core::transport::mask_dsn(&options.url),
+                reason,
+            })?;
         let client =
             Client::open(options.url.as_str()).map_err(|e| TransportError::InvalidDsn {
                 dsn: envoi_core::transport::mask_dsn(&options.url),
@@ -1000,6 +1008,28 @@ fn delay_ms(delay: Option<Duration>) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn new_refuses_options_changed_in_code_as_from_dsn_would() {
+        let base = RedisOptions::from_dsn("q", "redis://127.0.0.1:1").unwrap();
+        type Change = (&'static str, fn(&mut RedisOptions));
+        let changes: [Change; 4] = [
+            ("lease", |o| o.lease = Duration::ZERO),
+            ("lease", |o| o.lease = Duration::from_secs(400 * 86_400)),
+            ("block", |o| o.block = Duration::from_secs(3600)),
+            ("trim", |o| o.trim = Some(0)),
+        ];
+        for (option, change) in changes {
+            let mut options = base.clone();
+            change(&mut options);
+            match RedisTransport::new(options) {
+                Err(TransportError::InvalidDsn { reason, .. }) => {
+                    assert!(reason.contains(option), "{option}: {reason}")
+                }
+                other => panic!("{option}: expected InvalidDsn, got {:?}", other.err()),
+            }
+        }
+    }
 
     #[test]
     fn client_names_hold_no_spaces_or_control_characters() {
