@@ -296,6 +296,49 @@ impl AmqpConfig {
         Ok(config)
     }
 
+    /// Checks what [`from_dsn`](Self::from_dsn) checks of the public fields,
+    /// for a configuration changed in code: names, a positive `prefetch`,
+    /// `delivery_limit` and `consumer_idle`, a `lease` and
+    /// `reconnect_timeout` under 10⁹ seconds (a longer one would overflow
+    /// a clock), and `expires` under 49 days.
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        for (key, name) in [("exchange", &self.exchange), ("queue", &self.queue)] {
+            if let Some(name) = name {
+                check_name(key, name)?;
+            }
+        }
+        if self.queue.as_deref() == Some("") {
+            return Err("option `queue` must not be empty".into());
+        }
+        if self.prefetch == 0 {
+            return Err("option `prefetch` must be from 1 to 65535, not 0".into());
+        }
+        if self.delivery_limit == 0 {
+            return Err("option `delivery_limit` must be a positive count, not 0".into());
+        }
+        if self.consumer_idle.is_zero() {
+            return Err("option `consumer_idle` must be a positive duration, not 0".into());
+        }
+        for (key, value) in [
+            ("lease", self.lease),
+            ("reconnect_timeout", Some(self.reconnect_timeout)),
+        ] {
+            if value.is_some_and(|d| d.as_secs_f64() >= MAX_DURATION_SECS) {
+                return Err(format!(
+                    "option `{key}` must be under {MAX_DURATION_SECS} seconds, not {value:?}"
+                ));
+            }
+        }
+        if let Some(expires) = self.expires {
+            if expires.is_zero() || expires.as_millis() > u128::from(u32::MAX) {
+                return Err(format!(
+                    "option `expires` must be a positive duration under 49 days, not {expires:?}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The DSN with its password masked.
     pub fn masked_dsn(&self) -> &str {
         &self.masked
@@ -345,8 +388,12 @@ pub(crate) fn parse_duration(s: &str) -> Option<Duration> {
         "h" => n * 3600.0,
         _ => return None,
     };
-    (secs < 1.0e9).then(|| Duration::from_secs_f64(secs))
+    (secs < MAX_DURATION_SECS).then(|| Duration::from_secs_f64(secs))
 }
+
+/// Durations are shorter than this many seconds (about 31 years): adding
+/// one to a clock cannot overflow.
+const MAX_DURATION_SECS: f64 = 1.0e9;
 
 fn percent_decode(s: &str) -> Option<String> {
     let bytes = s.as_bytes();

@@ -419,7 +419,17 @@ impl AmqpTransport {
     }
 
     /// Like [`connect`](Self::connect) with an already parsed configuration.
+    ///
+    /// Fails with [`TransportError::InvalidDsn`] as well for a value
+    /// [`AmqpConfig::from_dsn`] would refuse (the fields are public, so a
+    /// configuration may have been changed in code).
     pub async fn with_config(name: &str, config: AmqpConfig) -> Result<Self, TransportError> {
+        config
+            .validate()
+            .map_err(|reason| TransportError::InvalidDsn {
+                dsn: config.masked_dsn().to_string(),
+                reason,
+            })?;
         let queue = config.queue.clone().unwrap_or_else(|| name.to_string());
         if queue.is_empty() || queue.len() > MAX_QUEUE_NAME || queue.starts_with("amq.") {
             return Err(TransportError::InvalidDsn {
@@ -1644,6 +1654,30 @@ impl Transport for AmqpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn with_config_refuses_a_configuration_changed_in_code_as_from_dsn_would() {
+        // The check comes before connecting: nothing listens on port 1.
+        let base = AmqpConfig::from_dsn("amqp://127.0.0.1:1/%2f?auto_setup=false").unwrap();
+        type Change = (&'static str, fn(&mut AmqpConfig));
+        let changes: [Change; 5] = [
+            ("prefetch", |c| c.prefetch = 0),
+            ("lease", |c| c.lease = Some(Duration::MAX)),
+            ("consumer_idle", |c| c.consumer_idle = Duration::ZERO),
+            ("expires", |c| c.expires = Some(Duration::ZERO)),
+            ("queue", |c| c.queue = Some("amq.mine".into())),
+        ];
+        for (option, change) in changes {
+            let mut config = base.clone();
+            change(&mut config);
+            match AmqpTransport::with_config("q", config).await {
+                Err(TransportError::InvalidDsn { reason, .. }) => {
+                    assert!(reason.contains(option), "{option}: {reason}")
+                }
+                other => panic!("{option}: expected InvalidDsn, got {:?}", other.err()),
+            }
+        }
+    }
 
     #[test]
     fn delivery_ids_parse_back_to_their_epoch_and_tag() {
