@@ -3,9 +3,10 @@
 //!
 //! * **Not persistent**: messages live as long as the transport does.
 //! * **Ordered**: available messages are handed out in the order they were
-//!   sent (a released or redelivered message takes its old place; sends
-//!   made at the same time from several tasks are ordered by the ids they
-//!   were given).
+//!   sent (a released or redelivered message takes its old place). Sends
+//!   made at the same time from several tasks have no order of their own:
+//!   they come out in the order they reached the queue, which need not be
+//!   the order of their ids. The sends of one task keep their order.
 //! * **Delays** are honoured (with tokio's clock, so paused-time tests work).
 //! * **Leases**: a message handed out by `get` is leased; if it is neither
 //!   acknowledged, rejected nor released within the lease timeout (30 s by
