@@ -296,8 +296,18 @@ impl Envelope {
     /// Whether at least one stamp of type `S` is present.
     #[inline]
     pub fn has<S: Stamp>(&self) -> bool {
+        let bit = StampEntry::bit_of::<S>();
+        let meta = &self.body.meta;
+        if meta.kinds & bit == 0 {
+            return false;
+        }
+        // A built-in kind's bit is its own: set only while an entry of
+        // that kind is there. Every other stamp type shares one bit.
+        if bit != StampEntry::OTHER {
+            return true;
+        }
         let id = TypeId::of::<S>();
-        self.candidates::<S>().iter().any(|e| e.type_id() == id)
+        meta.stamps.iter().any(|e| e.type_id() == id)
     }
 
     /// The entries that may hold an `S`: none when no entry of its kind is

@@ -163,15 +163,20 @@ impl StampEntry {
         }
     }
 
+    /// The bit every stamp type without an inline kind shares (see
+    /// [`bit`](Self::bit)).
+    pub(crate) const OTHER: u8 = 8;
+
     /// The entry's bit in an envelope's summary of the stamp kinds it
-    /// holds: one per inline kind, one shared by every other stamp type.
+    /// holds: one per inline kind, one ([`Self::OTHER`]) shared by every
+    /// other stamp type.
     #[inline]
     pub(crate) fn bit(&self) -> u8 {
         match self {
             StampEntry::BusName(_) => 1,
             StampEntry::Handled(_) => 2,
             StampEntry::Received(_) => 4,
-            StampEntry::Other(_) => 8,
+            StampEntry::Other(_) => Self::OTHER,
             StampEntry::TransportId(_) => 16,
             StampEntry::Sent(_) => 32,
         }
@@ -192,7 +197,7 @@ impl StampEntry {
         } else if id == TypeId::of::<SentStamp>() {
             32
         } else {
-            8
+            Self::OTHER
         }
     }
 
@@ -249,20 +254,20 @@ impl StampEntry {
     /// their variant, with no dynamic call.
     #[inline]
     pub(crate) fn downcast<S: Stamp>(&self, local: Option<NonZeroU64>) -> Option<&S> {
-        let any: &dyn Any = match self {
-            StampEntry::BusName(s) => s,
-            StampEntry::Handled(s) => s,
-            StampEntry::Received(s) => s,
-            StampEntry::Sent(s) => &**s,
+        // Each arm knows its type, so the check folds to a constant.
+        match self {
+            StampEntry::BusName(s) => (s as &dyn Any).downcast_ref::<S>(),
+            StampEntry::Handled(s) => (s as &dyn Any).downcast_ref::<S>(),
+            StampEntry::Received(s) => (s as &dyn Any).downcast_ref::<S>(),
+            StampEntry::Sent(s) => (&**s as &dyn Any).downcast_ref::<S>(),
             StampEntry::TransportId(_) => {
                 if TypeId::of::<S>() != TypeId::of::<TransportMessageIdStamp>() {
                     return None;
                 }
-                return self.erased(local).as_any().downcast_ref::<S>();
+                self.erased(local).as_any().downcast_ref::<S>()
             }
-            StampEntry::Other(s) => return (**s).as_any().downcast_ref::<S>(),
-        };
-        any.downcast_ref::<S>()
+            StampEntry::Other(s) => (**s).as_any().downcast_ref::<S>(),
+        }
     }
 }
 

@@ -22,11 +22,12 @@ impl FailedMessageProcessing {
             // Not received from a transport: nothing to restore.
             return envelope;
         }
-        let original = match (
-            envelope.last::<SentToFailureTransportStamp>(),
-            envelope.last::<ReceivedStamp>(),
-        ) {
-            (Some(failed), Some(received)) if *received.transport != *failed.original_transport => {
+        // Most received messages were never parked: look no further.
+        let Some(failed) = envelope.last::<SentToFailureTransportStamp>() else {
+            return envelope;
+        };
+        let original = match envelope.last::<ReceivedStamp>() {
+            Some(received) if *received.transport != *failed.original_transport => {
                 Arc::<str>::from(failed.original_transport.as_str())
             }
             _ => return envelope,
