@@ -468,8 +468,20 @@ async fn remove(
         writeln!(out, "No failed messages in `{name}`.")?;
         return Ok(());
     }
+    let ids: Vec<String> = selected.iter().map(|d| d.id.clone()).collect();
+    let outcome = transport.ack_batch(&ids).await;
+    // A batch that failed may have removed some (see `Transport::ack_batch`):
+    // those still there are found again.
+    let mut still_there = Vec::new();
+    if outcome.is_err() {
+        for id in &ids {
+            if !matches!(transport.find(id).await, Ok(None)) {
+                still_there.push(id.as_str());
+            }
+        }
+    }
     let mut table = Table::new(&["ID", "MESSAGE", "ERROR"]);
-    for delivery in &selected {
+    for delivery in selected.iter().filter(|d| !still_there.contains(&&*d.id)) {
         let info = inspect(delivery);
         table.row(vec![
             info.id.clone(),
@@ -477,12 +489,28 @@ async fn remove(
             truncate(&info.error_line(), 80),
         ]);
     }
-    let ids: Vec<String> = selected.iter().map(|d| d.id.clone()).collect();
-    transport
-        .ack_batch(&ids)
-        .await
-        .map_err(CliError::transport(name))?;
-    write!(out, "{}", table.render())?;
-    writeln!(out, "Removed {} message(s) from `{name}`.", ids.len())?;
-    Ok(())
+    match outcome {
+        Ok(()) => {
+            write!(out, "{}", table.render())?;
+            writeln!(out, "Removed {} message(s) from `{name}`.", ids.len())?;
+            Ok(())
+        }
+        Err(error) => {
+            let removed = ids.len() - still_there.len();
+            if removed > 0 {
+                write!(out, "{}", table.render())?;
+            }
+            if still_there.is_empty() {
+                writeln!(out, "Removed {removed} message(s) from `{name}`.")?;
+            } else {
+                writeln!(
+                    out,
+                    "Removed {removed} of {} message(s) from `{name}`; still there: {}.",
+                    ids.len(),
+                    still_there.join(", ")
+                )?;
+            }
+            Err(CliError::transport(name)(error))
+        }
+    }
 }

@@ -69,6 +69,10 @@
 //! so and the command exits with status 1: the message is still in the
 //! failure transport, and another retry would handle it again.
 //!
+//! `failed remove` lists what it removed. When the failure transport could
+//! delete only some of the messages, it lists those, names the ones still
+//! there, and exits with status 1.
+//!
 //! ## Embedding the commands in a larger command line
 //!
 //! [`Command`] is a clap subcommand enum, so an application can flatten it

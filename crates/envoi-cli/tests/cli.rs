@@ -945,8 +945,21 @@ async fn failed_show_keeps_each_message_on_one_table_line_whatever_its_headers_h
 }
 
 /// A failure transport that stores messages but cannot delete them, as a
-/// database locked by another process.
-struct Undeletable(Arc<dyn Transport>);
+/// database locked by another process: after the first `deletable` deletes,
+/// every delete fails.
+struct Undeletable {
+    inner: Arc<dyn Transport>,
+    deletable: std::sync::atomic::AtomicUsize,
+}
+
+impl Undeletable {
+    fn new(inner: Arc<dyn Transport>, deletable: usize) -> Self {
+        Self {
+            inner,
+            deletable: deletable.into(),
+        }
+    }
+}
 
 impl Transport for Undeletable {
     fn send(
@@ -954,14 +967,22 @@ impl Transport for Undeletable {
         message: RawMessage,
         delay: Option<Duration>,
     ) -> BoxFuture<'_, Result<String, TransportError>> {
-        self.0.send(message, delay)
+        self.inner.send(message, delay)
     }
 
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
-        self.0.get(max)
+        self.inner.get(max)
     }
 
-    fn ack<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        use std::sync::atomic::Ordering;
+        let allowed = self
+            .deletable
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if allowed {
+            return self.inner.ack(id);
+        }
         Box::pin(async {
             Err(TransportError::backend(
                 "deleting a message",
@@ -971,27 +992,27 @@ impl Transport for Undeletable {
     }
 
     fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        self.0.release(id)
+        self.inner.release(id)
     }
 
     fn setup(&self) -> BoxFuture<'_, Result<(), TransportError>> {
-        self.0.setup()
+        self.inner.setup()
     }
 
     fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
-        self.0.message_count()
+        self.inner.message_count()
     }
 
     fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
-        self.0.list(limit)
+        self.inner.list(limit)
     }
 
     fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
-        self.0.find(id)
+        self.inner.find(id)
     }
 
     fn capabilities(&self) -> Capabilities {
-        self.0.capabilities()
+        self.inner.capabilities()
     }
 }
 
@@ -1007,7 +1028,7 @@ async fn failed_retry_that_cannot_remove_the_old_copy_fails_and_says_so() {
     let messenger = Messenger::builder()
         .command_handler(|_: PlaceOrder| async { Ok::<(), OrderError>(()) })
         .message::<PlaceOrder>()
-        .transport("failed", Arc::new(Undeletable(Arc::new(failed))))
+        .transport("failed", Arc::new(Undeletable::new(Arc::new(failed), 0)))
         .failure_transport("failed")
         .build()
         .unwrap();
@@ -1056,4 +1077,51 @@ async fn consume_writes_each_failure_on_one_line_whatever_its_error_holds() {
         lines[1].contains("Refund Stopped (no more messages)"),
         "{out}"
     );
+}
+
+#[tokio::test]
+async fn failed_remove_that_deletes_only_some_says_which_are_still_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let failed = envoi::sqlite::SqliteTransport::open(
+        "failed",
+        envoi::sqlite::SqliteOptions::new(dir.path().join("envoi.db")),
+    )
+    .await
+    .unwrap();
+    let messenger = Messenger::builder()
+        .command_handler(|_: PlaceOrder| async { Ok::<(), OrderError>(()) })
+        .message::<PlaceOrder>()
+        .transport("failed", Arc::new(Undeletable::new(Arc::new(failed), 1)))
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    let failed = messenger.transport("failed").unwrap();
+    failed.setup().await.unwrap();
+    let mut ids = Vec::new();
+    for n in 1..=3 {
+        let mut raw = RawMessage::default();
+        raw.headers.insert("type", "PlaceOrder");
+        raw.body = format!(r#"{{"id":{n},"fate":"Fine"}}"#).into_bytes();
+        ids.push(failed.send(raw, None).await.unwrap());
+    }
+
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let args = ["app", "failed", "remove", "--all"];
+    let code = envoi_cli::run_with(&messenger, args, &mut out, &mut err).await;
+    let (out, err) = (
+        String::from_utf8(out).unwrap(),
+        String::from_utf8(err).unwrap(),
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "Removed 1 of 3 message(s) from `failed`; still there: {}, {}.",
+            ids[1], ids[2]
+        )),
+        "{out}"
+    );
+    let rows: Vec<&str> = out.lines().filter(|l| l.starts_with(&ids[0])).collect();
+    assert_eq!(rows.len(), 1, "the removed message is listed: {out}");
+    assert!(err.contains("database is locked"), "{err}");
+    assert_eq!(failed.message_count().await.unwrap(), 2);
 }
