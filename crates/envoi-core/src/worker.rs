@@ -1909,9 +1909,32 @@ impl Ctx {
                     again,
                 }
             }
-            // Only a raw park can have no envelope; it does not run user
-            // code, so give the message back rather than lose it.
-            None => Done::new(receiver, Action::Release),
+            // Only a raw park can have no envelope: the failure transport's
+            // send panicked. The message is given back rather than lost, and
+            // fetching pauses as when parking fails, or it would be fetched
+            // and panic again at once.
+            None => {
+                self.parked(false);
+                let transport = &self.receivers[receiver].name;
+                let error = format!("parking it panicked: {message}");
+                tracing::error!(
+                    transport = %transport,
+                    id,
+                    error = %error,
+                    "message released: it did not decode and could not be parked"
+                );
+                self.events.emit(|| WorkerEvent::Failed {
+                    transport: transport.clone(),
+                    id: id.to_string(),
+                    message: Cow::Borrowed("?"),
+                    kind: Cow::Borrowed("panic"),
+                    error,
+                    parked_in: None,
+                    released: true,
+                    envelope: None,
+                });
+                Done::new(receiver, Action::Release)
+            }
         }
     }
 }

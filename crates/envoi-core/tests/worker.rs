@@ -1736,3 +1736,93 @@ async fn an_undecodable_message_whose_failure_transport_cannot_take_raw_messages
         "the message is kept, not lost"
     );
 }
+
+/// A failure transport whose `send` panics, counting the tries.
+struct PanickingSend {
+    sends: AtomicUsize,
+}
+
+impl Transport for PanickingSend {
+    fn send(
+        &self,
+        _: RawMessage,
+        _: Option<Duration>,
+    ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
+        self.sends.fetch_add(1, Ordering::SeqCst);
+        panic!("the failure transport's send panicked")
+    }
+    fn get(
+        &self,
+        _: usize,
+    ) -> envoi_core::middleware::BoxFuture<
+        '_,
+        Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
+    > {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+    fn ack<'a>(
+        &'a self,
+        _: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn release<'a>(
+        &'a self,
+        _: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn capabilities(&self) -> envoi_core::transport::Capabilities {
+        envoi_core::transport::Capabilities::ALL
+    }
+}
+
+#[tokio::test]
+async fn a_panic_while_parking_an_undecodable_message_is_reported_and_paces_the_worker() {
+    let queue = memory();
+    let failed = Arc::new(PanickingSend {
+        sends: AtomicUsize::new(0),
+    });
+    let messenger = Messenger::builder()
+        .transport("async", queue.clone())
+        .transport("failed", failed.clone())
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    queue.send(raw("Unknown", b"{}"), None).await.unwrap();
+    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = events.clone();
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .idle_sleep(Duration::from_millis(5))
+        .time_limit(Duration::from_millis(500))
+        .listener(move |e: &WorkerEvent| {
+            if let WorkerEvent::Failed {
+                kind,
+                error,
+                released,
+                ..
+            } = e
+            {
+                seen.lock()
+                    .unwrap()
+                    .push((kind.to_string(), error.clone(), *released));
+            }
+        })
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::TimeLimit);
+    assert_eq!(queue.message_count().await.unwrap(), 1, "kept, not lost");
+    let events = events.lock().unwrap();
+    let (kind, error, released) = events.first().expect("a Failed event").clone();
+    assert_eq!(kind, "panic");
+    assert!(error.contains("send panicked"), "{error}");
+    assert!(released);
+    assert_eq!(report.stats.failed, events.len() as u64);
+    // Released and fetched again at once, it would panic again at once:
+    // fetching pauses as when parking fails (100 ms, then 200 ms, ...).
+    let sends = failed.sends.load(Ordering::SeqCst);
+    assert!(sends <= 10, "parked {sends} times in half a second");
+}
