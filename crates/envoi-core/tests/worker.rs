@@ -1071,8 +1071,22 @@ async fn a_received_message_s_handler_can_defer_a_dispatch_until_it_has_finished
     }
 }
 
-/// A failure transport that refuses every message.
-struct Refusing;
+/// A failure transport that refuses every message, or panics in `send`;
+/// it counts the tries.
+#[derive(Default)]
+struct Refusing {
+    panics: bool,
+    sends: AtomicUsize,
+}
+
+impl Refusing {
+    fn panicking() -> Self {
+        Self {
+            panics: true,
+            ..Self::default()
+        }
+    }
+}
 
 impl Transport for Refusing {
     fn send(
@@ -1080,6 +1094,8 @@ impl Transport for Refusing {
         _message: RawMessage,
         _delay: Option<Duration>,
     ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
+        self.sends.fetch_add(1, Ordering::SeqCst);
+        assert!(!self.panics, "the failure transport's send panicked");
         Box::pin(async { Err(envoi_core::TransportError::backend("sending", "refused")) })
     }
 
@@ -1119,7 +1135,7 @@ async fn a_message_that_cannot_be_parked_is_kept_and_retried_with_a_growing_paus
     let messenger = Messenger::builder()
         .command_handler(seen.handler(Duration::ZERO))
         .transport("async", queue.clone())
-        .transport("failed", Arc::new(Refusing))
+        .transport("failed", Arc::new(Refusing::default()))
         .route::<Job>("async")
         .failure_transport("failed")
         .build()
@@ -1233,7 +1249,7 @@ async fn a_message_the_retry_step_cannot_park_is_handled_again_only_after_a_paus
             async { Err::<(), _>(JobFailed) }
         })
         .transport("async", queue.clone())
-        .transport("failed", Arc::new(Refusing))
+        .transport("failed", Arc::new(Refusing::default()))
         .route::<Job>("async")
         .failure_transport("failed")
         .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
@@ -1606,7 +1622,7 @@ async fn leases_are_extended_while_fetching_pauses_after_a_failed_park() {
     let messenger = Messenger::builder()
         .command_handler(seen.handler(Duration::from_secs(20)))
         .transport("async", queue.clone())
-        .transport("failed", Arc::new(Refusing))
+        .transport("failed", Arc::new(Refusing::default()))
         .route::<Job>("async")
         .failure_transport("failed")
         .build()
@@ -1737,52 +1753,10 @@ async fn an_undecodable_message_whose_failure_transport_cannot_take_raw_messages
     );
 }
 
-/// A failure transport whose `send` panics, counting the tries.
-struct PanickingSend {
-    sends: AtomicUsize,
-}
-
-impl Transport for PanickingSend {
-    fn send(
-        &self,
-        _: RawMessage,
-        _: Option<Duration>,
-    ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
-        self.sends.fetch_add(1, Ordering::SeqCst);
-        panic!("the failure transport's send panicked")
-    }
-    fn get(
-        &self,
-        _: usize,
-    ) -> envoi_core::middleware::BoxFuture<
-        '_,
-        Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
-    > {
-        Box::pin(async { Ok(Vec::new()) })
-    }
-    fn ack<'a>(
-        &'a self,
-        _: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn release<'a>(
-        &'a self,
-        _: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn capabilities(&self) -> envoi_core::transport::Capabilities {
-        envoi_core::transport::Capabilities::ALL
-    }
-}
-
 #[tokio::test]
 async fn a_panic_while_parking_an_undecodable_message_is_reported_and_paces_the_worker() {
     let queue = memory();
-    let failed = Arc::new(PanickingSend {
-        sends: AtomicUsize::new(0),
-    });
+    let failed = Arc::new(Refusing::panicking());
     let messenger = Messenger::builder()
         .transport("async", queue.clone())
         .transport("failed", failed.clone())
