@@ -1016,8 +1016,11 @@ impl Transport for Undeletable {
     }
 }
 
-#[tokio::test]
-async fn failed_retry_that_cannot_remove_the_old_copy_fails_and_says_so() {
+/// A messenger whose failure transport (on SQLite in a temporary
+/// directory, returned to be kept) can delete only `deletable` messages.
+async fn undeletable_failures(
+    deletable: usize,
+) -> (tempfile::TempDir, Messenger, Arc<dyn Transport>) {
     let dir = tempfile::tempdir().unwrap();
     let failed = envoi::sqlite::SqliteTransport::open(
         "failed",
@@ -1028,12 +1031,21 @@ async fn failed_retry_that_cannot_remove_the_old_copy_fails_and_says_so() {
     let messenger = Messenger::builder()
         .command_handler(|_: PlaceOrder| async { Ok::<(), OrderError>(()) })
         .message::<PlaceOrder>()
-        .transport("failed", Arc::new(Undeletable::new(Arc::new(failed), 0)))
+        .transport(
+            "failed",
+            Arc::new(Undeletable::new(Arc::new(failed), deletable)),
+        )
         .failure_transport("failed")
         .build()
         .unwrap();
-    let failed = messenger.transport("failed").unwrap();
+    let failed = messenger.transport("failed").unwrap().clone();
     failed.setup().await.unwrap();
+    (dir, messenger, failed)
+}
+
+#[tokio::test]
+async fn failed_retry_that_cannot_remove_the_old_copy_fails_and_says_so() {
+    let (_dir, messenger, failed) = undeletable_failures(0).await;
     let mut raw = RawMessage::default();
     raw.headers.insert("type", "PlaceOrder");
     raw.body = br#"{"id":1,"fate":"Fine"}"#.to_vec();
@@ -1081,22 +1093,7 @@ async fn consume_writes_each_failure_on_one_line_whatever_its_error_holds() {
 
 #[tokio::test]
 async fn failed_remove_that_deletes_only_some_says_which_are_still_there() {
-    let dir = tempfile::tempdir().unwrap();
-    let failed = envoi::sqlite::SqliteTransport::open(
-        "failed",
-        envoi::sqlite::SqliteOptions::new(dir.path().join("envoi.db")),
-    )
-    .await
-    .unwrap();
-    let messenger = Messenger::builder()
-        .command_handler(|_: PlaceOrder| async { Ok::<(), OrderError>(()) })
-        .message::<PlaceOrder>()
-        .transport("failed", Arc::new(Undeletable::new(Arc::new(failed), 1)))
-        .failure_transport("failed")
-        .build()
-        .unwrap();
-    let failed = messenger.transport("failed").unwrap();
-    failed.setup().await.unwrap();
+    let (_dir, messenger, failed) = undeletable_failures(1).await;
     let mut ids = Vec::new();
     for n in 1..=3 {
         let mut raw = RawMessage::default();
