@@ -27,18 +27,19 @@ impl Command for ShipOrder {
     type Error = Infallible;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_worker_handles_every_message_sent_through_a_redis_dsn() {
-    const N: u32 = 200;
-    let Some(url) = common::url("the_worker_handles_every_message_sent_through_a_redis_dsn") else {
-        return;
-    };
-    let name = common::unique("worker");
+/// A messenger sending [`ShipOrder`]s to the Redis stream of `name` (made
+/// from a DSN, with a 5 s lease, set up) and recording the ids it handles;
+/// with `failed` as its failure transport when given.
+async fn shipping(
+    url: &str,
+    name: &str,
+    failed: Option<Arc<dyn Transport>>,
+) -> (Messenger, Arc<dyn Transport>, Arc<Mutex<Vec<u32>>>) {
     let separator = if url.contains('?') { '&' } else { '?' };
     let dsn = format!("{url}{separator}stream={}{name}&lease=5s", common::PREFIX);
     let seen = Arc::new(Mutex::new(Vec::<u32>::new()));
     let handler_seen = Arc::clone(&seen);
-    let messenger = Messenger::builder()
+    let mut builder = Messenger::builder()
         .command_handler(move |order: ShipOrder| {
             let seen = Arc::clone(&handler_seen);
             async move {
@@ -48,12 +49,29 @@ async fn the_worker_handles_every_message_sent_through_a_redis_dsn() {
         })
         .transport_factory(RedisTransportFactory)
         .transport_dsn("orders", dsn)
-        .route::<ShipOrder>("orders")
+        .route::<ShipOrder>("orders");
+    if let Some(failed) = failed {
+        builder = builder
+            .transport("failed", failed)
+            .failure_transport("failed");
+    }
+    let messenger = builder
         .build_async()
         .await
         .expect("the messenger builds from a redis DSN");
     let transport = Arc::clone(messenger.transport("orders").expect("registered"));
     transport.setup().await.expect("setup");
+    (messenger, transport, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_handles_every_message_sent_through_a_redis_dsn() {
+    const N: u32 = 200;
+    let Some(url) = common::url("the_worker_handles_every_message_sent_through_a_redis_dsn") else {
+        return;
+    };
+    let name = common::unique("worker");
+    let (messenger, transport, seen) = shipping(&url, &name, None).await;
 
     for id in 0..N {
         messenger
@@ -90,29 +108,8 @@ async fn an_entry_with_its_type_field_given_twice_is_parked_with_the_reason() {
         return;
     };
     let name = common::unique("twice");
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let dsn = format!("{url}{separator}stream={}{name}&lease=5s", common::PREFIX);
-    let seen = Arc::new(Mutex::new(Vec::<u32>::new()));
-    let handler_seen = Arc::clone(&seen);
     let failed = Arc::new(envoi_core::in_memory::InMemoryTransport::new());
-    let messenger = Messenger::builder()
-        .command_handler(move |order: ShipOrder| {
-            let seen = Arc::clone(&handler_seen);
-            async move {
-                seen.lock().unwrap().push(order.id);
-                Ok::<_, Infallible>(())
-            }
-        })
-        .transport_factory(RedisTransportFactory)
-        .transport_dsn("orders", dsn)
-        .transport("failed", failed.clone())
-        .failure_transport("failed")
-        .route::<ShipOrder>("orders")
-        .build_async()
-        .await
-        .expect("the messenger builds from a redis DSN");
-    let transport = Arc::clone(messenger.transport("orders").expect("registered"));
-    transport.setup().await.expect("setup");
+    let (messenger, transport, seen) = shipping(&url, &name, Some(failed.clone())).await;
 
     // A foreign producer writes `type` twice: which one it meant is
     // anyone's guess.
