@@ -20,6 +20,10 @@ use crate::table::flatten;
 use crate::{unknown_transport, CliError, Console};
 
 /// Arguments of `consume`.
+///
+/// The numbers and durations accept a value starting with `-`, so that
+/// `--time-limit -5s` is refused by the duration's parser, which says what
+/// a duration looks like, rather than read as the flags `-5` and `-s`.
 #[derive(Debug, Args)]
 #[non_exhaustive]
 pub struct ConsumeArgs {
@@ -30,28 +34,28 @@ pub struct ConsumeArgs {
     #[arg(required = true, value_name = "TRANSPORT")]
     pub transports: Vec<String>,
     /// Stop after this many messages.
-    #[arg(long, value_name = "N", value_parser = parse_positive_u64)]
+    #[arg(long, value_name = "N", value_parser = parse_positive_u64, allow_hyphen_values = true)]
     pub limit: Option<u64>,
     /// Stop after running this long (500ms, 30s, 5m, 1h30m).
-    #[arg(long, value_name = "DURATION", value_parser = parse_positive_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = parse_positive_duration, allow_hyphen_values = true)]
     pub time_limit: Option<Duration>,
     /// Stop when the process uses more memory than this (128MB, 1G; Linux).
-    #[arg(long, value_name = "SIZE", value_parser = parse_positive_size)]
+    #[arg(long, value_name = "SIZE", value_parser = parse_positive_size, allow_hyphen_values = true)]
     pub memory_limit: Option<u64>,
     /// Stop after this many failed messages.
-    #[arg(long, value_name = "N", value_parser = parse_positive_u64)]
+    #[arg(long, value_name = "N", value_parser = parse_positive_u64, allow_hyphen_values = true)]
     pub failure_limit: Option<u64>,
     /// Handle up to this many messages at once.
-    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_positive)]
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_positive, allow_hyphen_values = true)]
     pub concurrency: usize,
     /// Ask a transport for up to this many messages at a time.
-    #[arg(long, value_name = "N", value_parser = parse_positive)]
+    #[arg(long, value_name = "N", value_parser = parse_positive, allow_hyphen_values = true)]
     pub batch_size: Option<usize>,
     /// Stop once every transport is empty and nothing is in flight.
     #[arg(long)]
     pub stop_when_empty: bool,
     /// How long handlers in flight may take to finish after a stop (default 10s).
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, allow_hyphen_values = true)]
     pub grace_period: Option<Duration>,
     /// Do not print a line per failed message or failed transport operation.
     #[arg(long, short)]

@@ -34,7 +34,12 @@ pub struct ShowArgs {
     /// Show this message in detail (error chain, stamps, headers, body).
     pub id: Option<String>,
     /// List at most this many messages, oldest first.
-    #[arg(long, default_value_t = 50, value_parser = crate::parse::parse_positive)]
+    #[arg(
+        long,
+        default_value_t = 50,
+        value_parser = crate::parse::parse_positive,
+        allow_hyphen_values = true
+    )]
     pub max: usize,
     /// The failure transport (needed when there are several).
     #[arg(long, value_name = "NAME")]

@@ -495,6 +495,40 @@ async fn consume_refuses_bad_limits_as_usage_errors() {
 }
 
 #[tokio::test]
+async fn a_negative_number_or_duration_is_refused_by_its_own_parser_not_taken_for_a_flag() {
+    let app = app().await;
+    for (args, expected) in [
+        (
+            &["consume", "orders", "--time-limit", "-5s"][..],
+            "invalid duration `-5s`",
+        ),
+        (
+            &["consume", "orders", "--grace-period", "-1s"][..],
+            "invalid duration `-1s`",
+        ),
+        (
+            &["consume", "orders", "--limit", "-1"][..],
+            "`-1` is not a whole number of at least 1",
+        ),
+        (
+            &["consume", "orders", "--memory-limit", "-1G"][..],
+            "invalid size `-1G`",
+        ),
+        (
+            &["failed", "show", "--max", "-3"][..],
+            "`-3` is not a whole number of at least 1",
+        ),
+    ] {
+        let (code, out, err) = app.cli(args).await;
+        assert_eq!(code, 2, "{args:?}");
+        assert_eq!(out, "", "{args:?}");
+        assert!(err.contains(expected), "{args:?}: {err}");
+        // Clap's tip for an unknown flag (`use '-- -5'`) fails when pasted.
+        assert!(!err.contains("use '--"), "{args:?}: {err}");
+    }
+}
+
+#[tokio::test]
 async fn consume_accepts_memory_limits_and_durations_with_units() {
     let app = app().await;
     app.place(&[(1, Fate::Fine)]).await;
