@@ -750,10 +750,11 @@ impl Tally {
 
     fn describe(&self, orders: u64) -> String {
         format!(
-            "{} of {orders} orders and {} of {} events handled or parked",
-            self.orders_done(),
-            self.events_done(),
-            Self::get(&self.orders_handled)
+            "{} of {} orders and {} of {} events handled or parked",
+            thousands(self.orders_done()),
+            thousands(orders),
+            thousands(self.events_done()),
+            thousands(Self::get(&self.orders_handled))
         )
     }
 
@@ -1065,6 +1066,17 @@ pub async fn run(config: &FlowConfig) -> Result<Summary, FlowError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_is_described_with_thousands_separated() {
+        let tally = Tally::default();
+        tally.orders_handled.store(3_671, Ordering::Relaxed);
+        tally.events_handled.store(1_200, Ordering::Relaxed);
+        assert_eq!(
+            tally.describe(5_000),
+            "3,671 of 5,000 orders and 1,200 of 3,671 events handled or parked"
+        );
+    }
 
     #[test]
     fn an_empty_database_variable_means_the_default_database() {
