@@ -313,14 +313,17 @@ impl BusInner {
                     Ok(result) => envelope.with(HandledStamp::new(handler.name(), result)),
                     Err(error) => return Err(single_failed(envelope, handler, error)),
                 };
-                let deferred = take_deferred(scope_id);
-                if deferred.is_empty() {
-                    return Ok(out);
-                }
-                return Box::pin(dispatch_after_current_bus::settle(with_deferred(
-                    out, deferred,
-                )))
-                .await;
+                // What the handler deferred goes out of scope before the
+                // await below, so the future keeps no slot for it and the
+                // common, empty case is neither stored nor dropped.
+                let out = {
+                    let deferred = take_deferred(scope_id);
+                    if deferred.is_empty() {
+                        return Ok(out);
+                    }
+                    with_deferred(out, deferred)
+                };
+                return Box::pin(dispatch_after_current_bus::settle(out)).await;
             }
             let out = Box::pin(self.handle.process(envelope)).await?;
             if !out.has::<DeferredDispatches>() {
