@@ -308,9 +308,11 @@ impl BusInner {
             // of `core`, written out because one more nested future costs
             // this path about a sixth of its time.
             if let Some(handler) = self.handle.single(&envelope) {
-                let (scope_id, scoped) = scope(handler.call(&envelope));
-                let out = match scoped.await {
-                    Ok(result) => envelope.with(HandledStamp::new(handler.name(), result)),
+                let (out, scope_id) = match scope(handler.call(&envelope)).await {
+                    Ok((result, scope_id)) => (
+                        envelope.with(HandledStamp::new(handler.name(), result)),
+                        scope_id,
+                    ),
                     Err(error) => return Err(single_failed(envelope, handler, error)),
                 };
                 // What the handler deferred goes out of scope before the
@@ -461,9 +463,8 @@ impl BusInner {
         let Some(handler) = self.handle.single(&envelope) else {
             return Box::pin(self.handle.process(envelope)).await;
         };
-        let (scope_id, scoped) = scope(handler.call(&envelope));
-        match scoped.await {
-            Ok(result) => Ok(with_deferred(
+        match scope(handler.call(&envelope)).await {
+            Ok((result, scope_id)) => Ok(with_deferred(
                 envelope.with(HandledStamp::new(handler.name(), result)),
                 take_deferred(scope_id),
             )),

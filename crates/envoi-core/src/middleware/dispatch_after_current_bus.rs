@@ -167,7 +167,8 @@ impl<F, T, E> Future for Scoped<F>
 where
     F: Future<Output = std::result::Result<T, E>> + Unpin,
 {
-    type Output = F::Output;
+    /// The handler's output; on success, with the scope's id.
+    type Output = std::result::Result<(T, u64), E>;
 
     #[inline]
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -175,12 +176,16 @@ where
         let outer = CURRENT.with(|c| c.replace(id));
         let polled = Pin::new(&mut self.inner).poll(cx);
         CURRENT.with(|c| c.set(outer));
-        // A failed handler's deferred dispatches were consequences of work
-        // that did not happen: left to the drop, which frees them.
-        if let Poll::Ready(Ok(_)) = &polled {
-            self.done = true;
+        match polled {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(value)) => {
+                self.done = true;
+                Poll::Ready(Ok((value, id)))
+            }
+            // A failed handler's deferred dispatches were consequences of
+            // work that did not happen: left to the drop, which frees them.
+            Poll::Ready(Err(error)) => Poll::Ready(Err(error)),
         }
-        polled
     }
 }
 
@@ -195,32 +200,31 @@ impl<F> Drop for Scoped<F> {
 }
 
 /// Wraps a handler's future in a scope that collects the stamped dispatches
-/// it makes. Returns the scope's id: once the future has completed with
-/// `Ok`, what it deferred is taken with [`take_deferred`]`(id)`; a failure
-/// (or dropping it unfinished) drops what it deferred.
+/// it makes. Once the future has completed with `Ok`, its output comes with
+/// the scope's id, and what it deferred is taken with
+/// [`take_deferred`]`(id)`; a failure (or dropping it unfinished) drops what
+/// it deferred. The id comes out with the output, not beside the future,
+/// so the future is built where it is awaited.
 #[inline]
-pub(crate) fn scope<F: Future + Unpin>(handler: F) -> (u64, Scoped<F>) {
-    let id = next_scope_id();
-    (
-        id,
-        Scoped {
-            id,
-            done: false,
-            inner: handler,
-        },
-    )
+pub(crate) fn scope<F: Future + Unpin>(handler: F) -> Scoped<F> {
+    Scoped {
+        id: next_scope_id(),
+        done: false,
+        inner: handler,
+    }
 }
 
 /// Runs a handler's future in a scope; returns its output and what it
 /// deferred.
 #[cfg(test)]
-pub(crate) async fn scoped<F, T, E>(handler: F) -> (F::Output, Vec<Deferred>)
+pub(crate) async fn scoped<F, T, E>(handler: F) -> (std::result::Result<T, E>, Vec<Deferred>)
 where
     F: Future<Output = std::result::Result<T, E>> + Unpin,
 {
-    let (id, scoped) = scope(handler);
-    let out = scoped.await;
-    (out, take_deferred(id))
+    match scope(handler).await {
+        Ok((value, id)) => (Ok(value), take_deferred(id)),
+        Err(error) => (Err(error), Vec::new()),
+    }
 }
 
 /// Runs `next` as step 2: defers a stamped dispatch made inside a handler to

@@ -71,9 +71,8 @@ impl HandleMessage {
         };
         if let [handler] = reg.handlers.as_slice() {
             if !already_handled(&envelope, &**handler) {
-                let (scope_id, scoped) = scope(handler.call(&envelope));
-                return match scoped.await {
-                    Ok(result) => Ok(with_deferred(
+                return match scope(handler.call(&envelope)).await {
+                    Ok((result, scope_id)) => Ok(with_deferred(
                         envelope.with(HandledStamp::new(handler.name(), result)),
                         take_deferred(scope_id),
                     )),
@@ -88,9 +87,8 @@ impl HandleMessage {
             if already_handled(&envelope, &**handler) {
                 continue;
             }
-            let (scope_id, scoped) = scope(handler.call(&envelope));
-            match scoped.await {
-                Ok(result) => {
+            match scope(handler.call(&envelope)).await {
+                Ok((result, scope_id)) => {
                     envelope = with_deferred(
                         envelope.with(HandledStamp::new(handler.name(), result)),
                         take_deferred(scope_id),
