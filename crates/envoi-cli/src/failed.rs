@@ -47,6 +47,20 @@ pub struct ShowArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
+    /// Short for `--format json`.
+    #[arg(long, conflicts_with = "format")]
+    pub json: bool,
+}
+
+impl ShowArgs {
+    /// The format asked for, `--json` included.
+    fn output_format(&self) -> Format {
+        if self.json {
+            Format::Json
+        } else {
+            self.format
+        }
+    }
 }
 
 /// Arguments of `failed retry`.
@@ -184,7 +198,7 @@ async fn show(
     let out = &mut console.out;
     if let Some(id) = &args.id {
         let info = inspect(&find(name, transport, id).await?);
-        match args.format {
+        match args.output_format() {
             Format::Json => {
                 serde_json::to_writer_pretty(&mut *out, &info.detail_json(name))
                     .map_err(std::io::Error::from)?;
@@ -202,7 +216,7 @@ async fn show(
         .iter()
         .map(inspect)
         .collect();
-    if args.format == Format::Json {
+    if args.output_format() == Format::Json {
         let doc = serde_json::json!({
             "transport": name,
             "total": total,

@@ -21,10 +21,10 @@
 //! | command | what it does |
 //! |---|---|
 //! | `consume <transports…>` | runs a [`Worker`](envoi_core::worker::Worker) on the transports, in priority order, with a progress bar and a live rate; `--limit N`, `--time-limit 30s`, `--memory-limit 128MB`, `--failure-limit N`, `--concurrency N` (1 by default), `--batch-size N`, `--grace-period 10s`, `--stop-when-empty`, `-q`/`--quiet` (no line per failed message or failed transport operation); stops gracefully on SIGINT / SIGTERM, and at once on a second one (releasing what is in flight); fails when nothing was read and a fetch failed |
-//! | `failed show [id]` | a table of the messages in the failure transport (id, message, error, retries, failed at), or one message in detail with its error chain and stamps; `--max N`, `--transport NAME`, `--format text\|json` |
+//! | `failed show [id]` | a table of the messages in the failure transport (id, message, error, retries, failed at), or one message in detail with its error chain and stamps; `--max N`, `--transport NAME`, `--format text\|json` (`--json` for short) |
 //! | `failed retry <ids…>` / `--all` | handles failed messages again (see below) |
 //! | `failed remove <ids…>` / `--all` | deletes failed messages |
-//! | `stats [transports…]` | messages waiting per transport; `--format text\|json` |
+//! | `stats [transports…]` | messages waiting per transport; `--format text\|json` (`--json` for short) |
 //! | `setup-transports [transports…]` | creates tables, queues and streams |
 //! | `debug` | each bus's pipeline, the routes, transports and handlers |
 //!

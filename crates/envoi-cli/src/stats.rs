@@ -19,6 +19,9 @@ pub struct StatsArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
+    /// Short for `--format json`.
+    #[arg(long, conflicts_with = "format")]
+    pub json: bool,
 }
 
 /// Arguments of `setup-transports`.
@@ -28,6 +31,17 @@ pub struct SetupArgs {
     /// Only these transports (all by default).
     #[arg(value_name = "TRANSPORT")]
     pub transports: Vec<String>,
+}
+
+impl StatsArgs {
+    /// The format asked for, `--json` included.
+    fn output_format(&self) -> Format {
+        if self.json {
+            Format::Json
+        } else {
+            self.format
+        }
+    }
 }
 
 pub(crate) async fn stats(
@@ -46,7 +60,7 @@ pub(crate) async fn stats(
         .filter(|(_, r)| matches!(r, Err(e) if !matches!(e, TransportError::Unsupported(_))))
         .count();
     let out = &mut console.out;
-    match args.format {
+    match args.output_format() {
         Format::Json => {
             let list: Vec<_> = rows
                 .iter()

@@ -623,6 +623,20 @@ async fn failed_show_json_lists_the_failures() {
     assert_eq!(doc["total"], 2);
     assert_eq!(doc["messages"].as_array().unwrap().len(), 2);
     assert_eq!(doc["messages"][0]["message"], "PlaceOrder");
+    // `--json` is short for `--format json`.
+    assert_eq!(app.ok(&["failed", "show", "--json"]).await, out);
+}
+
+#[tokio::test]
+async fn json_is_short_for_format_json_and_does_not_go_with_another_format() {
+    let app = app().await;
+    assert_eq!(
+        app.ok(&["stats", "--json"]).await,
+        app.ok(&["stats", "--format", "json"]).await
+    );
+    let (code, _, err) = app.cli(&["stats", "--json", "--format", "text"]).await;
+    assert_eq!(code, 2);
+    assert!(err.contains("cannot be used with"), "{err}");
 }
 
 #[tokio::test]
