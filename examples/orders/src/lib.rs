@@ -820,13 +820,22 @@ impl WorkerListener for TallyListener {
 /// The first bytes of every SQLite database file.
 const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
 
-/// Deletes the previous run's database, after checking that it is one: a
-/// mistyped `EXAMPLE_ORDERS_DB` must not delete some other file.
-fn remove_database(path: &Path) -> Result<(), FlowError> {
+/// Fails with [`FlowError::NotADatabase`] when `path` names something
+/// other than an SQLite database or nothing: a directory, or a file that
+/// does not start as every SQLite database does. The flow deletes its
+/// database at the start, so a mistyped `EXAMPLE_ORDERS_DB` must not delete
+/// some other file; checking before [`lock_database`] also leaves no lock
+/// file beside it.
+pub fn check_database(path: &Path) -> Result<(), FlowError> {
     let unreadable = |source| FlowError::Clean {
         path: path.to_path_buf(),
         source,
     };
+    if path.is_dir() {
+        return Err(FlowError::NotADatabase {
+            path: path.to_path_buf(),
+        });
+    }
     match std::fs::File::open(path) {
         Ok(mut file) => {
             use std::io::Read;
@@ -845,6 +854,12 @@ fn remove_database(path: &Path) -> Result<(), FlowError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(source) => return Err(unreadable(source)),
     }
+    Ok(())
+}
+
+/// Deletes the previous run's database, after [`check_database`].
+fn remove_database(path: &Path) -> Result<(), FlowError> {
+    check_database(path)?;
     let mut files = vec![path.to_path_buf()];
     for suffix in ["-wal", "-shm"] {
         let mut name = path.as_os_str().to_owned();

@@ -220,6 +220,20 @@ fn the_main_job_does_not_delete_a_file_that_is_not_a_database() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("is not an SQLite database"), "{err}");
     assert_eq!(std::fs::read_to_string(&notes).unwrap(), "my notes\n");
+    // Nothing left beside it.
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["notes.txt"], "{left:?}");
+
+    // A directory is not a database either.
+    let folder = dir.path().join("folder");
+    std::fs::create_dir(&folder).unwrap();
+    let (code, _, err) = binary(&folder, &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("is not an SQLite database"), "{err}");
+    assert!(folder.is_dir());
 }
 
 #[test]
