@@ -1071,6 +1071,39 @@ async fn a_received_message_s_handler_can_defer_a_dispatch_until_it_has_finished
     }
 }
 
+/// Runs a worker on `async` until `limit`; returns its report and the kind
+/// and error of each `Failed` event that released its message, parked
+/// nowhere.
+async fn run_counting_releases(
+    messenger: &Messenger,
+    limit: Duration,
+) -> (WorkerReport, Vec<(String, String)>) {
+    let released = Arc::new(Mutex::new(Vec::new()));
+    let seen = released.clone();
+    let report = Worker::builder(messenger)
+        .receiver("async")
+        .idle_sleep(Duration::from_millis(5))
+        .time_limit(limit)
+        .listener(move |e: &WorkerEvent| {
+            if let WorkerEvent::Failed {
+                kind,
+                error,
+                released: true,
+                parked_in: None,
+                ..
+            } = e
+            {
+                seen.lock().unwrap().push((kind.to_string(), error.clone()));
+            }
+        })
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    let released = released.lock().unwrap().clone();
+    (report, released)
+}
+
 /// A failure transport that refuses every message, or panics in `send`;
 /// it counts the tries.
 #[derive(Default)]
@@ -1141,25 +1174,11 @@ async fn a_message_that_cannot_be_parked_is_kept_and_retried_with_a_growing_paus
         .build()
         .unwrap();
     queue.send(raw("Unknown", b"{}"), None).await.unwrap();
-    let released = Arc::new(AtomicUsize::new(0));
-    let count = released.clone();
-    let report = Worker::builder(&messenger)
-        .receiver("async")
-        .idle_sleep(Duration::from_millis(5))
-        .time_limit(Duration::from_secs(1))
-        .listener(move |e: &WorkerEvent| {
-            if let WorkerEvent::Failed { released: true, .. } = e {
-                count.fetch_add(1, Ordering::Relaxed);
-            }
-        })
-        .build()
-        .unwrap()
-        .run()
-        .await;
+    let (report, released) = run_counting_releases(&messenger, Duration::from_secs(1)).await;
     assert_eq!(report.reason, StopReason::TimeLimit);
     // Pauses of 100, 200, 400 and 800 ms: a handful of attempts in the
     // second, not one per round trip of the transports.
-    let attempts = released.load(Ordering::Relaxed);
+    let attempts = released.len();
     assert!((2..=8).contains(&attempts), "{attempts} attempts");
     assert_eq!(
         queue.message_count().await.unwrap(),
@@ -1723,29 +1742,10 @@ async fn an_undecodable_message_whose_failure_transport_cannot_take_raw_messages
         .build()
         .unwrap();
     queue.send(raw("Unknown", b"{}"), None).await.unwrap();
-    let released = Arc::new(AtomicUsize::new(0));
-    let count = released.clone();
-    let report = Worker::builder(&messenger)
-        .receiver("async")
-        .idle_sleep(Duration::from_millis(5))
-        .time_limit(Duration::from_millis(300))
-        .listener(move |e: &WorkerEvent| {
-            if let WorkerEvent::Failed {
-                released: true,
-                parked_in: None,
-                ..
-            } = e
-            {
-                count.fetch_add(1, Ordering::Relaxed);
-            }
-        })
-        .build()
-        .unwrap()
-        .run()
-        .await;
+    let (report, released) = run_counting_releases(&messenger, Duration::from_millis(300)).await;
     assert_eq!(report.reason, StopReason::TimeLimit);
     assert_eq!(queue.rejected(), 0, "not rejected");
-    assert!(released.load(Ordering::Relaxed) >= 1);
+    assert!(!released.is_empty());
     assert_eq!(
         queue.message_count().await.unwrap(),
         1,
@@ -1764,36 +1764,12 @@ async fn a_panic_while_parking_an_undecodable_message_is_reported_and_paces_the_
         .build()
         .unwrap();
     queue.send(raw("Unknown", b"{}"), None).await.unwrap();
-    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let seen = events.clone();
-    let report = Worker::builder(&messenger)
-        .receiver("async")
-        .idle_sleep(Duration::from_millis(5))
-        .time_limit(Duration::from_millis(500))
-        .listener(move |e: &WorkerEvent| {
-            if let WorkerEvent::Failed {
-                kind,
-                error,
-                released,
-                ..
-            } = e
-            {
-                seen.lock()
-                    .unwrap()
-                    .push((kind.to_string(), error.clone(), *released));
-            }
-        })
-        .build()
-        .unwrap()
-        .run()
-        .await;
+    let (report, events) = run_counting_releases(&messenger, Duration::from_millis(500)).await;
     assert_eq!(report.reason, StopReason::TimeLimit);
     assert_eq!(queue.message_count().await.unwrap(), 1, "kept, not lost");
-    let events = events.lock().unwrap();
-    let (kind, error, released) = events.first().expect("a Failed event").clone();
+    let (kind, error) = events.first().expect("a Failed event that released it");
     assert_eq!(kind, "panic");
     assert!(error.contains("send panicked"), "{error}");
-    assert!(released);
     assert_eq!(report.stats.failed, events.len() as u64);
     // Released and fetched again at once, it would panic again at once:
     // fetching pauses as when parking fails (100 ms, then 200 ms, ...).
