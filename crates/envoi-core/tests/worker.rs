@@ -586,9 +586,9 @@ async fn events_tell_the_whole_story() {
     );
 }
 
-#[tokio::test]
-async fn receivers_are_read_in_priority_order() {
-    let seen = Seen::default();
+/// A messenger with two in-memory transports, `high` and `low`, whose
+/// handler records into `seen`.
+fn high_and_low(seen: &Seen) -> (Messenger, Arc<InMemoryTransport>, Arc<InMemoryTransport>) {
     let (high, low) = (memory(), memory());
     let messenger = Messenger::builder()
         .command_handler(seen.handler(Duration::ZERO))
@@ -596,6 +596,13 @@ async fn receivers_are_read_in_priority_order() {
         .transport("low", low.clone())
         .build()
         .unwrap();
+    (messenger, high, low)
+}
+
+#[tokio::test]
+async fn receivers_are_read_in_priority_order() {
+    let seen = Seen::default();
+    let (messenger, high, low) = high_and_low(&seen);
     let sender = |t: &Arc<InMemoryTransport>, n: u32| {
         let t = t.clone();
         let e = Envelope::new(Job { n });
@@ -621,13 +628,7 @@ async fn receivers_are_read_in_priority_order() {
 #[tokio::test]
 async fn a_lower_receiver_is_read_while_a_higher_one_is_held_back_by_its_rate_limit() {
     let seen = Seen::default();
-    let (high, low) = (memory(), memory());
-    let messenger = Messenger::builder()
-        .command_handler(seen.handler(Duration::ZERO))
-        .transport("high", high.clone())
-        .transport("low", low.clone())
-        .build()
-        .unwrap();
+    let (messenger, high, low) = high_and_low(&seen);
     for n in 0..3 {
         envoi_core::transport::LocalTransport::send_envelope(&*high, Envelope::new(Job { n }))
             .await
