@@ -152,6 +152,18 @@ impl fmt::Debug for PostgresConfig {
     }
 }
 
+/// The one name of an option the driver takes under several spellings:
+/// given under two of them, the last would win.
+fn same_option(key: &str) -> &str {
+    match key {
+        "ssl-mode" => "sslmode",
+        "ssl-root-cert" | "ssl-ca" => "sslrootcert",
+        "ssl-cert" => "sslcert",
+        "ssl-key" => "sslkey",
+        other => other,
+    }
+}
+
 impl PostgresConfig {
     /// Parses a `postgres://` or `postgresql://` DSN, envoi's options
     /// included (see the [module docs](self)).
@@ -175,13 +187,19 @@ impl PostgresConfig {
         let mut config = PostgresConfig::default();
         let mut driver_params = Vec::new();
         let mut has_application_name = false;
-        let mut seen: Vec<String> = Vec::new();
+        // Each option as given, under the one name of its spellings.
+        let mut seen: Vec<(String, String)> = Vec::new();
         for (key, value) in url.query_pairs() {
             let (key, value) = (key.into_owned(), value.into_owned());
-            if seen.contains(&key) {
-                return Err(invalid(format!("option `{key}` is given twice")));
+            let same = same_option(&key).to_string();
+            if let Some((_, first)) = seen.iter().find(|(s, _)| *s == same) {
+                return Err(invalid(if *first == key {
+                    format!("option `{key}` is given twice")
+                } else {
+                    format!("option `{key}` is given twice (as `{first}`)")
+                }));
             }
-            seen.push(key.clone());
+            seen.push((same, key.clone()));
             match key.as_str() {
                 "table" => config.table = value,
                 "lease" => config.lease = parse_duration(&key, &value).map_err(invalid)?,
@@ -419,6 +437,11 @@ mod tests {
         assert!(
             reason("postgres://h/db?batch=1&b%61tch=2").contains("option `batch` is given twice")
         );
+        // Two spellings of one driver option.
+        assert!(reason("postgres://h/db?sslmode=require&ssl-mode=disable")
+            .contains("option `ssl-mode` is given twice (as `sslmode`)"));
+        assert!(reason("postgres://h/db?ssl-ca=/a.pem&sslrootcert=/b.pem")
+            .contains("option `sslrootcert` is given twice (as `ssl-ca`)"));
     }
 
     #[test]
