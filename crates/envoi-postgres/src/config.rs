@@ -37,8 +37,9 @@
 //! (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`, `statement-cache-capacity`,
 //! `host`, `hostaddr`, `port`, `dbname`, `user`, `password`,
 //! `application_name`, `options`); an unknown one is an error rather than a
-//! silently ignored typo, and so is an option given twice (rather than the
-//! last one silently winning). Without `application_name` the connections
+//! silently ignored typo, and so is an option given twice, under one
+//! spelling or two (`sslmode` and `ssl-mode`), rather than the last one
+//! silently winning. Without `application_name` the connections
 //! are named `envoi`, which is how they show up in `pg_stat_activity`.
 
 use std::fmt;
