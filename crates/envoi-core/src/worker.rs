@@ -1859,7 +1859,14 @@ impl Ctx {
                 error,
             };
         };
-        match send.await {
+        // A failure transport whose `send` panics leaves the message where
+        // it is, like one whose `send` fails: caught here, the panic neither
+        // brings the worker down nor goes unreported.
+        let sent = match futures_util::FutureExt::catch_unwind(AssertUnwindSafe(send)).await {
+            Ok(sent) => sent.map_err(|e| e.to_string()),
+            Err(panic) => Err(format!("it panicked: {}", panic_message(&*panic))),
+        };
+        match sent {
             Ok(id) => {
                 self.parked(true);
                 Settled {

@@ -1777,3 +1777,32 @@ async fn a_panic_while_parking_an_undecodable_message_is_reported_and_paces_the_
     let sends = failed.sends.load(Ordering::SeqCst);
     assert!(sends <= 10, "parked {sends} times in half a second");
 }
+
+#[tokio::test]
+async fn a_panic_while_parking_a_panicked_handler_s_message_keeps_it_and_the_worker() {
+    let queue = memory();
+    let failed = Arc::new(Refusing::panicking());
+    let messenger = Messenger::builder()
+        .command_handler(|_: Job| async {
+            if true {
+                panic!("handler bug");
+            }
+            Ok::<(), JobFailed>(())
+        })
+        .transport("async", queue.clone())
+        .transport("failed", failed.clone())
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    messenger.dispatcher().dispatch(Job { n: 1 }).await.unwrap();
+    let (report, released) = run_counting_releases(&messenger, Duration::from_millis(500)).await;
+    assert_eq!(report.reason, StopReason::TimeLimit);
+    assert_eq!(queue.message_count().await.unwrap(), 1, "kept, not lost");
+    let (kind, error) = released.first().expect("a Failed event that released it");
+    assert_eq!(kind, "panic");
+    assert!(error.contains("send panicked"), "{error}");
+    // Fetching pauses as when parking fails.
+    let sends = failed.sends.load(Ordering::SeqCst);
+    assert!(sends <= 10, "parked {sends} times in half a second");
+}
