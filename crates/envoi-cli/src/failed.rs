@@ -52,17 +52,6 @@ pub struct ShowArgs {
     pub json: bool,
 }
 
-impl ShowArgs {
-    /// The format asked for, `--json` included.
-    fn output_format(&self) -> Format {
-        if self.json {
-            Format::Json
-        } else {
-            self.format
-        }
-    }
-}
-
 /// Arguments of `failed retry`.
 #[derive(Debug, Args)]
 #[command(group(ArgGroup::new("which").required(true).args(["ids", "all"])))]
@@ -198,7 +187,7 @@ async fn show(
     let out = &mut console.out;
     if let Some(id) = &args.id {
         let info = inspect(&find(name, transport, id).await?);
-        match args.output_format() {
+        match args.format.or_json(args.json) {
             Format::Json => {
                 serde_json::to_writer_pretty(&mut *out, &info.detail_json(name))
                     .map_err(std::io::Error::from)?;
@@ -216,7 +205,7 @@ async fn show(
         .iter()
         .map(inspect)
         .collect();
-    if args.output_format() == Format::Json {
+    if args.format.or_json(args.json) == Format::Json {
         let doc = serde_json::json!({
             "transport": name,
             "total": total,

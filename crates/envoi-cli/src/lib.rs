@@ -172,6 +172,17 @@ pub enum Format {
     Json,
 }
 
+impl Format {
+    /// The format asked for with `--format`, or JSON when `--json` was given.
+    pub(crate) fn or_json(self, json: bool) -> Format {
+        if json {
+            Format::Json
+        } else {
+            self
+        }
+    }
+}
+
 /// What a command can fail with. Each prints as one line.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -33,17 +33,6 @@ pub struct SetupArgs {
     pub transports: Vec<String>,
 }
 
-impl StatsArgs {
-    /// The format asked for, `--json` included.
-    fn output_format(&self) -> Format {
-        if self.json {
-            Format::Json
-        } else {
-            self.format
-        }
-    }
-}
-
 pub(crate) async fn stats(
     messenger: &Messenger,
     args: StatsArgs,
@@ -60,7 +49,7 @@ pub(crate) async fn stats(
         .filter(|(_, r)| matches!(r, Err(e) if !matches!(e, TransportError::Unsupported(_))))
         .count();
     let out = &mut console.out;
-    match args.output_format() {
+    match args.format.or_json(args.json) {
         Format::Json => {
             let list: Vec<_> = rows
                 .iter()
