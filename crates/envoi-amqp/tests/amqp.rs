@@ -1,34 +1,19 @@
 //! Behaviour specific to the RabbitMQ transport: DSN errors, topology,
 //! delay queues, dead-lettering, idle consumers, header limits.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_amqp::{AmqpError, AmqpTransport, AmqpTransportFactory};
-use envoi_core::transport::{Delivery, RawMessage, Transport, TransportFactory};
+use envoi_core::transport::{RawMessage, Transport, TransportFactory};
 use envoi_core::{Headers, TransportError};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
-fn url(test: &str) -> Option<String> {
-    match std::env::var("ENVOI_AMQP_URL") {
-        Ok(url) => Some(url),
-        Err(_) => {
-            eprintln!("skipped {test}: ENVOI_AMQP_URL is not set");
-            None
-        }
-    }
-}
-
-fn unique(tag: &str) -> String {
-    format!("{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
-}
-
-fn with_options(url: &str, options: &str) -> String {
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}expires=60s&{options}")
-}
+use common::{dsn, receive, unique, url};
 
 fn message(body: &str, headers: &[(&str, &str)]) -> RawMessage {
     RawMessage {
@@ -38,20 +23,6 @@ fn message(body: &str, headers: &[(&str, &str)]) -> RawMessage {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
     }
-}
-
-async fn receive(t: &dyn Transport, n: usize, within: Duration) -> Vec<Delivery> {
-    let deadline = Instant::now() + within;
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(
-            Instant::now() < deadline,
-            "received {} of {n} messages within {within:?}",
-            out.len()
-        );
-        out.extend(t.get(n - out.len()).await.expect("get failed"));
-    }
-    out
 }
 
 async fn raw_connection(url: &str) -> Connection {
@@ -135,7 +106,7 @@ async fn delayed_message_waits_in_a_ttl_queue_and_comes_back_with_its_own_header
         return;
     };
     let name = unique("amqp_delay");
-    let t = AmqpTransport::connect(&name, &with_options(&url, "lease=2s"))
+    let t = AmqpTransport::connect(&name, &dsn(&url, "lease=2s"))
         .await
         .expect("connect");
     t.setup().await.expect("setup");
@@ -169,12 +140,9 @@ async fn quorum_queue_dead_letters_past_the_delivery_limit_instead_of_dropping()
         return;
     };
     let name = unique("amqp_limit");
-    let t = AmqpTransport::connect(
-        &name,
-        &with_options(&url, "delivery_limit=2&queue_type=quorum"),
-    )
-    .await
-    .expect("connect");
+    let t = AmqpTransport::connect(&name, &dsn(&url, "delivery_limit=2&queue_type=quorum"))
+        .await
+        .expect("connect");
     t.setup().await.expect("setup");
     t.send(message("poison", &[]), None).await.expect("send");
     t.send(message("refused", &[]), None).await.expect("send");
@@ -232,7 +200,7 @@ async fn idle_consumer_gives_its_prefetched_messages_to_other_handles() {
         return;
     };
     let name = unique("amqp_idle");
-    let dsn = with_options(&url, "consumer_idle=300ms&lease=off&prefetch=50");
+    let dsn = dsn(&url, "consumer_idle=300ms&lease=off&prefetch=50");
     let a = AmqpTransport::connect(&name, &dsn)
         .await
         .expect("connect a");
@@ -272,7 +240,7 @@ async fn headers_that_cannot_travel_are_refused_and_the_transport_keeps_working(
         return;
     };
     let name = unique("amqp_headers");
-    let t = AmqpTransport::connect(&name, &with_options(&url, "queue_type=classic"))
+    let t = AmqpTransport::connect(&name, &dsn(&url, "queue_type=classic"))
         .await
         .expect("connect");
     t.setup().await.expect("setup");
@@ -318,13 +286,13 @@ async fn setup_refuses_a_queue_declared_with_another_type() {
         return;
     };
     let name = unique("amqp_mismatch");
-    let classic = AmqpTransport::connect(&name, &with_options(&url, "queue_type=classic"))
+    let classic = AmqpTransport::connect(&name, &dsn(&url, "queue_type=classic"))
         .await
         .expect("connect classic");
     classic.setup().await.expect("setup classic");
     let quorum = AmqpTransport::connect(
         &name,
-        &with_options(
+        &dsn(
             &url,
             "queue_type=quorum&auto_setup=false&reconnect_timeout=2s",
         ),
@@ -353,7 +321,7 @@ async fn close_gives_back_unsettled_messages_and_later_calls_fail_closed() {
         return;
     };
     let name = unique("amqp_close");
-    let dsn = with_options(&url, "lease=off");
+    let dsn = dsn(&url, "lease=off");
     let a = AmqpTransport::connect(&name, &dsn)
         .await
         .expect("connect a");
@@ -385,7 +353,7 @@ async fn acking_a_batch_leaves_an_unacknowledged_earlier_delivery_alone() {
         return;
     };
     let name = unique("amqp_multiple");
-    let dsn = with_options(&url, "lease=off");
+    let dsn = dsn(&url, "lease=off");
     let t = AmqpTransport::connect(&name, &dsn).await.expect("connect");
     for i in 0..6 {
         t.send(message(&format!("m{i}"), &[]), None)
@@ -418,7 +386,7 @@ async fn message_count_includes_what_the_consumer_received_but_no_fetch_took() {
         return;
     };
     let name = unique("amqp_count_held");
-    let dsn = with_options(&url, "lease=off&prefetch=50");
+    let dsn = dsn(&url, "lease=off&prefetch=50");
     let t = AmqpTransport::connect(&name, &dsn).await.expect("connect");
     t.send(message("first", &[]), None).await.expect("send");
     // Starts the consumer and takes the only message.

@@ -1,50 +1,21 @@
 //! A `get` kept pending while other messages are settled, or dropped while
 //! it waits for the broker.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_amqp::AmqpTransport;
-use envoi_core::transport::{Delivery, RawMessage, Transport};
+use envoi_core::transport::{RawMessage, Transport};
 
-fn url(test: &str) -> Option<String> {
-    match std::env::var("ENVOI_AMQP_URL") {
-        Ok(url) => Some(url),
-        Err(_) => {
-            eprintln!("skipped {test}: ENVOI_AMQP_URL is not set");
-            None
-        }
-    }
-}
-
-fn unique(tag: &str) -> String {
-    format!("{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
-}
-
-fn dsn(url: &str, options: &str) -> String {
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}expires=60s&{options}")
-}
+use common::{dsn, receive, unique, url};
 
 fn message(body: &str) -> RawMessage {
     RawMessage {
         body: body.as_bytes().to_vec(),
         ..RawMessage::default()
     }
-}
-
-async fn receive(t: &dyn Transport, n: usize, within: Duration) -> Vec<Delivery> {
-    let deadline = Instant::now() + within;
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(
-            Instant::now() < deadline,
-            "received {} of {n} messages within {within:?}",
-            out.len()
-        );
-        out.extend(t.get(n - out.len()).await.expect("get failed"));
-    }
-    out
 }
 
 /// How many consumers `queue` has, by a passive declare.

@@ -2,6 +2,8 @@
 //! server side with `rabbitmqctl`, or cut by a TCP proxy between client and
 //! server) and the run still handles every message.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -13,27 +15,15 @@ use envoi_core::transport::{RawMessage, Transport};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
+use common::{unique, url};
+
+/// `common::dsn` with a 20 s reconnect timeout.
+fn with_options(url: &str, options: &str) -> String {
+    common::dsn(url, &format!("reconnect_timeout=20s&{options}"))
+}
+
 const MESSAGES: usize = 2000;
 const BATCH: usize = 50;
-
-fn url(test: &str) -> Option<String> {
-    match std::env::var("ENVOI_AMQP_URL") {
-        Ok(url) => Some(url),
-        Err(_) => {
-            eprintln!("skipped {test}: ENVOI_AMQP_URL is not set");
-            None
-        }
-    }
-}
-
-fn unique(tag: &str) -> String {
-    format!("{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
-}
-
-fn with_options(url: &str, options: &str) -> String {
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}expires=60s&reconnect_timeout=20s&{options}")
-}
 
 #[derive(Default)]
 struct Progress {

@@ -1,6 +1,8 @@
 //! The envoi worker consuming a RabbitMQ transport created from a DSN, end
 //! to end: dispatch, send, receive, handle, acknowledge.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
@@ -11,6 +13,8 @@ use envoi_core::transport::{RawMessage, Transport};
 use envoi_core::worker::{StopReason, Worker};
 use envoi_core::{Command, Message, Messenger};
 use serde::{Deserialize, Serialize};
+
+use common::{dsn, unique, url};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct ShipOrder {
@@ -24,25 +28,6 @@ impl Message for ShipOrder {
 impl Command for ShipOrder {
     type Output = ();
     type Error = Infallible;
-}
-
-fn url(test: &str) -> Option<String> {
-    match std::env::var("ENVOI_AMQP_URL") {
-        Ok(url) => Some(url),
-        Err(_) => {
-            eprintln!("skipped {test}: ENVOI_AMQP_URL is not set");
-            None
-        }
-    }
-}
-
-fn dsn(url: &str, options: &str) -> String {
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}expires=60s&{options}")
-}
-
-fn unique(tag: &str) -> String {
-    format!("{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
