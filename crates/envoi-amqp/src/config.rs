@@ -24,8 +24,9 @@
 //!
 //! An unknown option, or one given twice, is an error.
 //!
-//! Durations are a number with an optional unit: `ms`, `s` (the default),
-//! `m` or `h` (`1500ms`, `2s`, `2`, `5m`).
+//! Durations are read by [`envoi_core::transport::parse_duration`], as on
+//! every transport: numbers with a unit (`ms`, `s`, `m`, `h`, `d`), such as
+//! `1500ms`, `2s`, `5m` or `1h30m`, or a bare number of seconds (`2`, `1.5`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -370,25 +371,10 @@ fn check_name(key: &str, value: &str) -> Result<String, String> {
     Ok(value.to_string())
 }
 
-/// Parses `1500ms`, `2s`, `2`, `1.5s`, `5m`, `1h`.
+/// Parses a duration with [`envoi_core::transport::parse_duration`],
+/// refusing one of [`MAX_DURATION_SECS`] or more.
 pub(crate) fn parse_duration(s: &str) -> Option<Duration> {
-    let s = s.trim();
-    let (number, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
-        Some(i) => (&s[..i], &s[i..]),
-        None => (s, "s"),
-    };
-    let n: f64 = number
-        .parse()
-        .ok()
-        .filter(|n: &f64| n.is_finite() && *n >= 0.0)?;
-    let secs = match unit {
-        "ms" => n / 1000.0,
-        "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return None,
-    };
-    (secs < MAX_DURATION_SECS).then(|| Duration::from_secs_f64(secs))
+    envoi_core::transport::parse_duration(s).filter(|d| d.as_secs_f64() < MAX_DURATION_SECS)
 }
 
 /// Durations are shorter than this many seconds (about 31 years): adding
@@ -520,7 +506,8 @@ mod tests {
         assert_eq!(parse_duration("5m"), Some(Duration::from_secs(300)));
         assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
         assert_eq!(parse_duration("-1s"), None);
-        assert_eq!(parse_duration("1d"), None);
+        assert_eq!(parse_duration("1d"), Some(Duration::from_secs(86_400)));
+        assert_eq!(parse_duration("1000000000"), None);
         assert_eq!(parse_duration(""), None);
     }
 }

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 /// Parses a duration: one or more numbers with a unit — `ms`, `s`, `m`,
 /// `h` or `d` — such as `500ms`, `30s`, `1.5m` or `1h30m`. A bare number is
-/// seconds.
+/// seconds. The spellings are those of transport DSNs
+/// ([`envoi_core::transport::parse_duration`]).
 ///
 /// ```
 /// use envoi_cli::parse_duration;
@@ -21,52 +22,11 @@ use std::time::Duration;
 ///
 /// A message saying what a duration looks like.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let bad = || {
+    envoi_core::transport::parse_duration(text).ok_or_else(|| {
         format!(
             "invalid duration `{text}`: use a number with a unit, such as 500ms, 30s, 5m or 1h30m"
         )
-    };
-    let text_trimmed = text.trim();
-    if text_trimmed.is_empty() {
-        return Err(bad());
-    }
-    if let Ok(secs) = text_trimmed.parse::<f64>() {
-        return seconds(secs).ok_or_else(bad);
-    }
-    let mut total = 0.0f64;
-    let mut rest = text_trimmed;
-    while !rest.is_empty() {
-        let number_len = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(rest.len());
-        if number_len == 0 {
-            return Err(bad());
-        }
-        let number: f64 = rest[..number_len].parse().map_err(|_| bad())?;
-        rest = &rest[number_len..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(rest.len());
-        let scale = match &rest[..unit_len] {
-            "ms" => 0.001,
-            "s" | "sec" | "secs" => 1.0,
-            "m" | "min" | "mins" => 60.0,
-            "h" => 3600.0,
-            "d" => 86_400.0,
-            _ => return Err(bad()),
-        };
-        rest = &rest[unit_len..];
-        total += number * scale;
-    }
-    seconds(total).ok_or_else(bad)
-}
-
-fn seconds(secs: f64) -> Option<Duration> {
-    if secs.is_finite() && secs >= 0.0 {
-        Duration::try_from_secs_f64(secs).ok()
-    } else {
-        None
-    }
+    })
 }
 
 /// Parses a size in bytes: a number with an optional unit — `B`, `K`/`KB`/

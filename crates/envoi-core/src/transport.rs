@@ -538,6 +538,68 @@ pub(crate) fn strip_scheme<'a>(dsn: &'a str, scheme: &str) -> Option<&'a str> {
     dsn_has_scheme(dsn, scheme).then(|| &dsn[scheme.len()..])
 }
 
+/// Reads a duration as DSN options and the command line write it: one or
+/// more numbers, each with a unit (`ms`, `s`, `m`, `h` or `d`; `sec`,
+/// `secs`, `min` and `mins` too), such as `250ms`, `30s`, `1.5m` or
+/// `1h30m`, or a bare number of seconds (`2`, `0.5`). Surrounding spaces
+/// are ignored. `None` for anything else: no number, an unknown unit, a
+/// negative, infinite or not-a-number value, or one too large for a
+/// [`Duration`]. Every transport's DSN parser uses it, so one spelling
+/// works everywhere; each checks its own range afterwards.
+///
+/// ```
+/// use envoi_core::transport::parse_duration;
+/// use std::time::Duration;
+///
+/// assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+/// assert_eq!(parse_duration("1h30m"), Some(Duration::from_secs(5400)));
+/// assert_eq!(parse_duration("1.5"), Some(Duration::from_millis(1500)));
+/// assert_eq!(parse_duration("-1s"), None);
+/// assert_eq!(parse_duration("soon"), None);
+/// ```
+pub fn parse_duration(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    if text.is_empty() {
+        return None;
+    }
+    if let Ok(secs) = text.parse::<f64>() {
+        return seconds(secs);
+    }
+    let is_number = |c: char| c.is_ascii_digit() || c == '.';
+    let mut total = 0.0f64;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let number_len = rest.find(|c| !is_number(c)).unwrap_or(rest.len());
+        if number_len == 0 {
+            return None;
+        }
+        let number: f64 = rest[..number_len].parse().ok()?;
+        rest = &rest[number_len..];
+        let unit_len = rest.find(is_number).unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ms" => 0.001,
+            "s" | "sec" | "secs" => 1.0,
+            "m" | "min" | "mins" => 60.0,
+            "h" => 3600.0,
+            "d" => 86_400.0,
+            _ => return None,
+        };
+        rest = &rest[unit_len..];
+        total += number * scale;
+    }
+    seconds(total)
+}
+
+/// `secs` as a [`Duration`] when it is a finite, non-negative number small
+/// enough for one.
+fn seconds(secs: f64) -> Option<Duration> {
+    if secs.is_finite() && secs >= 0.0 {
+        Duration::try_from_secs_f64(secs).ok()
+    } else {
+        None
+    }
+}
+
 /// Masks the password in a DSN (`scheme://user:secret@host` →
 /// `scheme://user:***@host`, and `?password=secret` → `?password=***`,
 /// the name in any case) for error messages and listings.
@@ -608,6 +670,34 @@ fn mask_user_password(dsn: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_take_units_compounds_fractions_and_bare_seconds() {
+        let d = |text| parse_duration(text);
+        assert_eq!(d("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(d("2s"), Some(Duration::from_secs(2)));
+        assert_eq!(d("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(d("5m"), Some(Duration::from_secs(300)));
+        assert_eq!(d("5min"), Some(Duration::from_secs(300)));
+        assert_eq!(d("1h"), Some(Duration::from_secs(3600)));
+        assert_eq!(d("2d"), Some(Duration::from_secs(172_800)));
+        assert_eq!(d("1m30s"), Some(Duration::from_secs(90)));
+        assert_eq!(d("1h30m"), Some(Duration::from_secs(5400)));
+        assert_eq!(d(" 10s "), Some(Duration::from_secs(10)));
+        assert_eq!(d("2"), Some(Duration::from_secs(2)));
+        assert_eq!(d("0.5"), Some(Duration::from_millis(500)));
+        assert_eq!(d("0"), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn durations_without_a_number_or_unit_or_out_of_range_are_none() {
+        for bad in [
+            "", " ", "s", "10x", "-5s", "-1", "1..2s", "ms10", "1e400", "inf", "NaN", "soon",
+            "1 s", "5ms5",
+        ] {
+            assert_eq!(parse_duration(bad), None, "`{bad}`");
+        }
+    }
 
     /// Acknowledges every id but `"bad"`, recording them.
     #[derive(Default)]

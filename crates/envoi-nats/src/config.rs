@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use envoi_core::transport::mask_dsn;
+use envoi_core::transport::{mask_dsn, parse_duration};
 use envoi_core::TransportError;
 use url::Url;
 
@@ -35,7 +35,8 @@ pub enum Storage {
 /// | `auto_setup`      | `auto_setup`        | `true`                      |
 /// | `tls`             | `tls`               | `false`                     |
 ///
-/// Durations are written `1500ms`, `2s`, `1m` or as plain (decimal) seconds.
+/// Durations are read by [`envoi_core::transport::parse_duration`], as on
+/// every transport: `1500ms`, `2s`, `1m`, `1h30m` or plain (decimal) seconds.
 /// `<name>` is the transport name with characters that JetStream does not
 /// allow in names (`.`, `*`, `>`, `/`, `\`, whitespace and control
 /// characters) replaced by `_`.
@@ -326,25 +327,6 @@ fn bool_option(key: &str, value: &str) -> Result<bool, String> {
     }
 }
 
-/// `250ms`, `2s`, `1.5s`, `1m`, `2` (seconds).
-pub(crate) fn parse_duration(value: &str) -> Option<Duration> {
-    let value = value.trim();
-    let (number, unit_secs) = if let Some(n) = value.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = value.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = value.strip_suffix('m') {
-        (n, 60.0)
-    } else {
-        (value, 1.0)
-    };
-    let number: f64 = number.trim().parse().ok()?;
-    if !number.is_finite() || number < 0.0 {
-        return None;
-    }
-    Duration::try_from_secs_f64(number * unit_secs).ok()
-}
-
 /// Whether the literal `subject` is captured by the stream subject `filter`
 /// (which may use `*` and `>` wildcards).
 pub(crate) fn subject_matches(filter: &str, subject: &str) -> bool {
@@ -406,6 +388,14 @@ mod tests {
         assert!(config.tls);
     }
 
+    #[test]
+    fn durations_take_the_same_spellings_as_every_other_transport() {
+        let config =
+            NatsConfig::from_dsn("q", "nats://127.0.0.1:4222?lease=1h&wait=1s500ms").unwrap();
+        assert_eq!(config.lease, Duration::from_secs(3600));
+        assert_eq!(config.wait, Duration::from_millis(1500));
+    }
+
     fn reason(dsn: &str) -> (String, String) {
         match NatsConfig::from_dsn("q", dsn) {
             Err(TransportError::InvalidDsn { dsn, reason }) => (dsn, reason),
@@ -461,17 +451,6 @@ mod tests {
         // The same option, once percent-encoded.
         let (_, why) = reason("nats://127.0.0.1:4222?dedup=true&d%65dup=false");
         assert!(why.contains("option `dedup` is given twice"), "{why}");
-    }
-
-    #[test]
-    fn durations_accept_units_and_plain_seconds() {
-        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
-        assert_eq!(parse_duration("2s"), Some(Duration::from_secs(2)));
-        assert_eq!(parse_duration("1.5"), Some(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("1m"), Some(Duration::from_secs(60)));
-        assert_eq!(parse_duration("-1s"), None);
-        assert_eq!(parse_duration("NaN"), None);
-        assert_eq!(parse_duration("soon"), None);
     }
 
     #[test]

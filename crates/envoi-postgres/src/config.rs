@@ -32,8 +32,8 @@
 //! | `acquire_timeout` | `10s` | longest wait for a pooled connection |
 //! | `max_body` | `1000000000` | largest body `send` accepts, in bytes |
 //!
-//! Durations are a number with an optional unit: `250ms`, `2s`, `1.5` (seconds),
-//! `5m`, `1h`. Any other query parameter must be one sqlx understands
+//! Durations are read by [`envoi_core::transport::parse_duration`], as on
+//! every transport: `250ms`, `2s`, `1.5` (seconds), `5m`, `1h`, `1h30m`. Any other query parameter must be one sqlx understands
 //! (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`, `statement-cache-capacity`,
 //! `host`, `hostaddr`, `port`, `dbname`, `user`, `password`,
 //! `application_name`, `options`); an unknown one is an error rather than a
@@ -342,24 +342,11 @@ fn parse_bool(key: &str, value: &str) -> Result<bool, String> {
     }
 }
 
-/// Parses `250ms`, `2s`, `1.5` (seconds), `5m` or `1h`.
+/// Parses a duration option with [`envoi_core::transport::parse_duration`].
 fn parse_duration(key: &str, value: &str) -> Result<Duration, String> {
-    let error = || {
+    envoi_core::transport::parse_duration(value).ok_or_else(|| {
         format!("option `{key}` must be a duration such as `500ms`, `2s`, `1.5`, `5m` or `1h`, got `{value}`")
-    };
-    let (number, unit_secs) = if let Some(n) = value.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = value.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = value.strip_suffix('m') {
-        (n, 60.0)
-    } else if let Some(n) = value.strip_suffix('h') {
-        (n, 3600.0)
-    } else {
-        (value, 1.0)
-    };
-    let number: f64 = number.trim().parse().map_err(|_| error())?;
-    Duration::try_from_secs_f64(number * unit_secs).map_err(|_| error())
+    })
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use envoi_core::transport::mask_dsn;
+use envoi_core::transport::{mask_dsn, parse_duration};
 use envoi_core::TransportError;
 
 /// The options a [`RedisTransport`](crate::RedisTransport) runs with.
@@ -87,7 +87,8 @@ impl RedisOptions {
     ///
     /// Options: `stream`, `group`, `consumer` (names), `lease` (at most 365
     /// days) and `block` (at most 60 s), durations such as `1500ms`, `2s`,
-    /// `5m` (a bare number is seconds), and `trim` (an entry count from 1 to
+    /// `1.5s`, `5m` or `1h30m` (a bare number is seconds; see
+    /// [`envoi_core::transport::parse_duration`]), and `trim` (an entry count from 1 to
     /// `i64::MAX`). An unknown option, a bad value or a
     /// scheme other than `redis` gives [`TransportError::InvalidDsn`] with
     /// the password masked.
@@ -229,23 +230,6 @@ fn non_empty(option: &str, value: String) -> Result<String, String> {
     }
 }
 
-/// `1500ms`, `2s`, `5m`, `1h`, or a bare number of seconds.
-fn parse_duration(text: &str) -> Option<Duration> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let n: u64 = number.parse().ok()?;
-    match unit {
-        "ms" => Some(Duration::from_millis(n)),
-        "" | "s" => Some(Duration::from_secs(n)),
-        "m" => n.checked_mul(60).map(Duration::from_secs),
-        "h" => n.checked_mul(3600).map(Duration::from_secs),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,6 +239,14 @@ mod tests {
             Err(TransportError::InvalidDsn { dsn, reason }) => (dsn, reason),
             other => panic!("expected InvalidDsn, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn durations_take_fractions_and_compounds_like_every_other_transport() {
+        let o =
+            RedisOptions::from_dsn("x", "redis://127.0.0.1:6379?lease=1.5s&block=1s500ms").unwrap();
+        assert_eq!(o.lease, Duration::from_millis(1500));
+        assert_eq!(o.block, Duration::from_millis(1500));
     }
 
     #[test]
@@ -289,19 +281,6 @@ mod tests {
     fn percent_encoded_option_values_are_decoded() {
         let o = RedisOptions::from_dsn("x", "redis://h?stream=app%3Aorders%20eu").unwrap();
         assert_eq!(o.stream, "app:orders eu");
-    }
-
-    #[test]
-    fn durations_accept_units_and_bare_seconds() {
-        assert_eq!(parse_duration("2"), Some(Duration::from_secs(2)));
-        assert_eq!(parse_duration("2s"), Some(Duration::from_secs(2)));
-        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
-        assert_eq!(parse_duration("5m"), Some(Duration::from_secs(300)));
-        assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
-        assert_eq!(parse_duration("1.5s"), None);
-        assert_eq!(parse_duration("-1s"), None);
-        assert_eq!(parse_duration("soon"), None);
-        assert_eq!(parse_duration(""), None);
     }
 
     #[test]

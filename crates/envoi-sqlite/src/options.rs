@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use envoi_core::transport::{dsn_has_scheme, mask_dsn};
+use envoi_core::transport::{dsn_has_scheme, mask_dsn, parse_duration};
 use envoi_core::TransportError;
 
 /// How a [`SqliteTransport`](crate::SqliteTransport) is configured; parsed
@@ -18,8 +18,9 @@ use envoi_core::TransportError;
 /// | `busy_timeout` | `5s` | how long a statement waits for another connection's write lock, at most `596h` (SQLite's limit) |
 /// | `auto_setup` | `true` | create the table on first use |
 ///
-/// Durations are a number with an optional unit: `ms`, `s` (the default),
-/// `m` or `h`; `1500ms`, `1.5`, `2s` and `1m` are all valid.
+/// Durations are read by [`envoi_core::transport::parse_duration`], as on
+/// every transport: `1500ms`, `1.5` (seconds), `2s`, `1m` and `1h30m` are
+/// all valid.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SqliteOptions {
@@ -227,25 +228,11 @@ fn positive_duration(key: &str, value: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// Parses `1500ms`, `1.5`, `2s`, `1m`, `1h`.
+/// Parses a duration option with [`parse_duration`].
 fn duration(key: &str, value: &str) -> Result<Duration, String> {
-    let bad = || format!("`{key}` must be a duration such as `500ms`, `2s` or `1m`, not `{value}`");
-    let (number, scale) = if let Some(n) = value.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = value.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = value.strip_suffix('m') {
-        (n, 60.0)
-    } else if let Some(n) = value.strip_suffix('h') {
-        (n, 3600.0)
-    } else {
-        (value, 1.0)
-    };
-    let n: f64 = number.parse().map_err(|_| bad())?;
-    if !n.is_finite() || n < 0.0 {
-        return Err(bad());
-    }
-    Duration::try_from_secs_f64(n * scale).map_err(|_| bad())
+    parse_duration(value).ok_or_else(|| {
+        format!("`{key}` must be a duration such as `500ms`, `2s` or `1m`, not `{value}`")
+    })
 }
 
 #[cfg(test)]
