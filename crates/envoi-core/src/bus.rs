@@ -348,17 +348,20 @@ impl BusInner {
                 }
                 None => {
                     let envelope = FailedMessageProcessing::apply(envelope);
-                    Box::pin(self.core(envelope)).await?
+                    match Box::pin(self.core(envelope)).await {
+                        Ok(out) => out,
+                        Err(error) => return dispatch_after_current_bus::failed(error).await,
+                    }
                 }
             },
             // Steps 3 and 4 from the first middleware that takes part.
             Some((chain, start)) => {
                 let envelope = FailedMessageProcessing::apply(envelope);
                 let next = Next::after_asking(&chain.items[start + 1..], Some(&**self));
-                chain.items[*start]
-                    .handle(envelope, next)
-                    .await
-                    .map_err(Box::new)?
+                match chain.items[*start].handle(envelope, next).await {
+                    Ok(out) => out,
+                    Err(error) => return dispatch_after_current_bus::failed(Box::new(error)).await,
+                }
             }
         };
         if !out.has::<DeferredDispatches>() {
@@ -383,7 +386,10 @@ impl BusInner {
     async fn dispatch_received(self: &Arc<Self>, envelope: Envelope) -> StepResult {
         // 1. AddBusNameStamp, 3. FailedMessageProcessing, then the core.
         let envelope = FailedMessageProcessing::apply(self.add_bus_name.apply(envelope));
-        let out = self.core(envelope).await?;
+        let out = match self.core(envelope).await {
+            Ok(out) => out,
+            Err(error) => return dispatch_after_current_bus::failed(error).await,
+        };
         if !out.has::<DeferredDispatches>() {
             return Ok(out);
         }

@@ -1072,6 +1072,111 @@ async fn a_received_message_s_handler_can_defer_a_dispatch_until_it_has_finished
     }
 }
 
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Paid;
+impl Message for Paid {
+    const NAME: &'static str = "Paid";
+}
+impl envoi_core::Event for Paid {
+    type Error = JobFailed;
+}
+
+/// A messenger routing the event [`Paid`] to `async` (failure transport
+/// `failed`, `retries` retries at once) with two handlers: the first
+/// succeeds and defers an [`Audit`] (handled in process, counted), the
+/// second fails while `failing` is set. With a pass-through middleware when
+/// `with_middleware`.
+fn deferring_beside_a_failure(
+    retries: u32,
+    failing: Arc<AtomicBool>,
+    with_middleware: bool,
+) -> (Messenger, Arc<AtomicUsize>, Arc<InMemoryTransport>) {
+    let audits = Arc::new(AtomicUsize::new(0));
+    let failed = memory();
+    let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
+    let (slot, counted) = (bus.clone(), audits.clone());
+    let mut builder = Messenger::builder()
+        .event_handler(move |_: Paid| {
+            let slot = slot.clone();
+            async move {
+                let bus = slot.lock().unwrap().clone().expect("bus set");
+                bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
+                    .await
+                    .expect("a deferred dispatch is accepted");
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .event_handler(move |_: Paid| {
+            let failing = failing.load(Ordering::SeqCst);
+            async move {
+                if failing {
+                    Err(JobFailed)
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .command_handler(move |_: Audit| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, JobFailed>(()) }
+        })
+        .transport("async", memory())
+        .transport("failed", failed.clone())
+        .route::<Paid>("async")
+        .failure_transport("failed")
+        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+            max_retries: retries,
+            delay: Duration::ZERO,
+            jitter: 0.0,
+            ..Default::default()
+        });
+    if with_middleware {
+        builder = builder.middleware(Recorder(Log::default()));
+    }
+    let messenger = builder.build().unwrap();
+    *bus.lock().unwrap() = Some(messenger.bus().clone());
+    (messenger, audits, failed)
+}
+
+#[tokio::test]
+async fn what_a_successful_handler_deferred_is_dispatched_once_whether_the_message_is_retried_or_parked(
+) {
+    // No retries: parked at once. Two retries: retried (the first handler
+    // then skipped, having handled it), then parked.
+    for retries in [0, 2] {
+        for with_middleware in [false, true] {
+            let case = format!("retries: {retries}, middleware: {with_middleware}");
+            let failing = Arc::new(AtomicBool::new(true));
+            let (messenger, audits, failed) =
+                deferring_beside_a_failure(retries, failing.clone(), with_middleware);
+            messenger
+                .bus()
+                .dispatch(Envelope::event(Paid))
+                .await
+                .unwrap();
+            let report = drain(Worker::builder(&messenger).receiver("async")).await;
+            assert_eq!(report.stats.failed, 1, "{case}");
+            assert_eq!(report.stats.retried, u64::from(retries), "{case}");
+            assert_eq!(failed.message_count().await.unwrap(), 1, "parked: {case}");
+            assert_eq!(
+                audits.load(Ordering::SeqCst),
+                1,
+                "the deferred audit is dispatched once the message is parked: {case}"
+            );
+            // Retried from the failure transport, the first handler is
+            // skipped (it handled the message), so it defers nothing again.
+            failing.store(false, Ordering::SeqCst);
+            let report = drain(Worker::builder(&messenger).receiver("failed")).await;
+            assert_eq!(report.stats.handled, 1, "{case}");
+            assert_eq!(
+                audits.load(Ordering::SeqCst),
+                1,
+                "dispatched once in all: {case}"
+            );
+        }
+    }
+}
+
 /// Runs a worker on `async` until `limit`; returns its report and the kind
 /// and error of each `Failed` event that released its message, parked
 /// nowhere.

@@ -13,6 +13,13 @@
 //!
 //! * If the outer dispatch fails, the deferred messages are dropped: they were
 //!   consequences of work that did not happen.
+//! * Except for the handlers that succeeded beside one that failed, on a
+//!   message received from a transport that the [retry step](super::retry)
+//!   schedules for a retry or parks in its failure transport: those
+//!   handlers will not run again (their `HandledStamp`s travel with the
+//!   message), so what they deferred is dispatched here, once, either way —
+//!   after a park, before the failure is returned (a deferred message that
+//!   then fails is logged: the message is parked regardless).
 //! * If deferred messages fail, the others still run, and the outer dispatch
 //!   returns [`BusError::DelayedHandlingFailed`] with every error.
 //! * Messages deferred while handling a deferred message are handled after
@@ -78,6 +85,19 @@ impl<'de> Deserialize<'de> for DeferredDispatches {
 
 impl Stamp for DeferredDispatches {
     const NAME: &'static str = "DeferredDispatches";
+    const SENDABLE: bool = false;
+}
+
+/// Marks the failure of a message that the retry step parked in its
+/// failure transport while it carries [`DeferredDispatches`]: what its
+/// successful handlers deferred is then dispatched, as for a message
+/// scheduled for a retry, instead of dropped — their `HandledStamp`s travel
+/// with the parked message, so they will not run again. Never sent.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct ParkedWithDeferred;
+
+impl Stamp for ParkedWithDeferred {
+    const NAME: &'static str = "ParkedWithDeferred";
     const SENDABLE: bool = false;
 }
 
@@ -250,7 +270,10 @@ where
             return Ok(envelope);
         }
     }
-    let out = next(envelope).await?;
+    let out = match next(envelope).await {
+        Ok(out) => out,
+        Err(error) => return failed(error).await,
+    };
     if !out.has::<DeferredDispatches>() {
         return Ok(out);
     }
@@ -269,7 +292,55 @@ pub(crate) async fn settle(mut out: Envelope) -> StepResult {
     drain(out, deferred).await.map_err(Box::new)
 }
 
-async fn drain(envelope: Envelope, deferred: Vec<Deferred>) -> Result<Envelope> {
+/// Step 2 for a dispatch that failed with `error`: passes it on, and what
+/// the handlers that succeeded deferred is dropped with it — unless the
+/// retry step parked the message ([`ParkedWithDeferred`]). Then, as [`settle`]
+/// does for a message scheduled for a retry, what they deferred is handed
+/// to the enclosing handler's scope or run, and the failure returned after
+/// that; a deferred dispatch that fails is logged, as the message is parked
+/// either way.
+#[inline]
+pub(crate) async fn failed(error: Box<BusError>) -> StepResult {
+    match &*error {
+        BusError::HandlerFailed { envelope, .. } if envelope.has::<ParkedWithDeferred>() => {
+            Box::pin(settle_parked(error)).await
+        }
+        _ => Err(error),
+    }
+}
+
+#[cold]
+async fn settle_parked(error: Box<BusError>) -> StepResult {
+    let (mut envelope, errors) = match *error {
+        BusError::HandlerFailed { envelope, errors } => (envelope, errors),
+        other => return Err(Box::new(other)),
+    };
+    envelope.remove_last::<ParkedWithDeferred>();
+    let deferred = envelope.take_deferred();
+    if let Some(scope) = current_scope() {
+        push_deferred(scope, deferred);
+    } else {
+        let failures = run_all(deferred).await;
+        if !failures.is_empty() {
+            tracing::error!(
+                message = envelope.message_name(),
+                errors = %failures
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; "),
+                "{} of the dispatches deferred by the handlers that succeeded failed; \
+                 the message is parked in its failure transport",
+                failures.len()
+            );
+        }
+    }
+    Err(Box::new(BusError::HandlerFailed { envelope, errors }))
+}
+
+/// Runs `deferred` and what they defer in turn, in order; returns the
+/// errors of those that failed.
+async fn run_all(deferred: Vec<Deferred>) -> Vec<BusError> {
     let mut queue: VecDeque<Deferred> = deferred.into();
     let mut errors = Vec::new();
     while let Some(d) = queue.pop_front() {
@@ -278,6 +349,11 @@ async fn drain(envelope: Envelope, deferred: Vec<Deferred>) -> Result<Envelope> 
             Err(e) => errors.push(e),
         }
     }
+    errors
+}
+
+async fn drain(envelope: Envelope, deferred: Vec<Deferred>) -> Result<Envelope> {
+    let errors = run_all(deferred).await;
     if errors.is_empty() {
         Ok(envelope)
     } else {

@@ -9,6 +9,13 @@
 //! original. Out of budget, the message goes to the failure transport with an
 //! [`ErrorDetailsStamp`] and a [`SentToFailureTransportStamp`].
 //!
+//! An event's handlers that succeeded beside one that failed keep their
+//! `HandledStamp`s on the retry or the parked message, so they do not run
+//! again; what they deferred with a
+//! [`DispatchAfterCurrentBusStamp`](crate::stamp::DispatchAfterCurrentBusStamp)
+//! is therefore dispatched once the retry is sent or the message parked
+//! (by [step 2](super::dispatch_after_current_bus)), not dropped.
+//!
 //! A message sent to the failure transport also gets a `RedeliveryStamp`
 //! with a count of zero, so when it is retried from there it starts with a
 //! fresh budget — and if it fails again, it returns there.
@@ -35,6 +42,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::dispatch_after_current_bus::{DeferredDispatches, ParkedWithDeferred};
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result, RetryHint, StepResult};
@@ -285,8 +293,14 @@ impl RetryConfig {
             .with(RedeliveryStamp::new(0))
             .with(DelayStamp::new(delay));
         let sent = self.dispatcher.send(failure, parked).await?;
+        let mut parked = sent.with(SentStamp::new(failure));
+        // What the handlers that succeeded deferred is dispatched by step 2,
+        // as for a retry: they will not run again.
+        if parked.has::<DeferredDispatches>() {
+            parked = parked.with(ParkedWithDeferred);
+        }
         Err(BusError::HandlerFailed {
-            envelope: Box::new(sent.with(SentStamp::new(failure))),
+            envelope: Box::new(parked),
             errors,
         })
     }
