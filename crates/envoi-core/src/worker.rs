@@ -41,7 +41,8 @@
 //! The worker asks its receivers for messages **in priority order**: the
 //! first receiver is asked first, and after every batch it starts again from
 //! the first, so a lower-priority receiver is only read while those before it
-//! are empty, or held back by their [rate limit](WorkerBuilder::rate_limit).
+//! are empty, held back by their [rate limit](WorkerBuilder::rate_limit), or
+//! paused because one of their messages could not be parked (see below).
 //! Each message is decoded (messages stored as envelopes by an
 //! in-process transport need no decoding), stamped with a
 //! [`ReceivedStamp`] naming the transport and a [`TransportMessageIdStamp`],
@@ -54,12 +55,18 @@
 //! | success, scheduled for a retry by the retry step | acknowledges it (the retry is a new message) | [`Retried`](WorkerEvent::Retried) |
 //! | handler failure, parked in the failure transport by the retry step | acknowledges it | [`Failed`](WorkerEvent::Failed) |
 //! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
-//! | transport failure (the retry step could not send the retry, or park the message) | releases it, so it is delivered again, and pauses fetching as when parking fails | [`Failed`](WorkerEvent::Failed) |
+//! | transport failure (the retry step could not send the retry, or park the message) | releases it, so it is delivered again, and pauses fetching from its receiver as when parking fails | [`Failed`](WorkerEvent::Failed), saying where it could not be parked or retried and why |
 //! | any other error (no handler, a middleware's error, a panic) | parks it like the retry step would, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //! | it does not decode (unknown type, malformed, too large) | sends the raw message to the failure transport with an `ErrorDetails` stamp header saying why, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //!
 //! Parking keeps messages: only a message that cannot be parked because no
 //! failure transport is configured is rejected, and the event says so. A
+//! message the failure transport does not take (it is down, or refuses the
+//! message: too large for it, say) is released, kept where it is, and
+//! reported by a `Failed` event and an error log saying why; fetching from
+//! the receiver it came from then pauses — 100 ms, doubling with each
+//! failure in a row up to 5 s — so it is not handled again in a tight
+//! loop, while the other receivers are read and handled as usual. A
 //! message taken from a failure transport is handled as if it came from its
 //! original transport: when its handler fails, the retry step starts a fresh
 //! round of retries on that transport; once it fails for good again (or
@@ -1107,16 +1114,23 @@ struct Ctx {
     receivers: Vec<Receiver>,
     /// The messenger has only the default bus: every message goes there.
     single_bus: bool,
-    /// Parking attempts that failed in a row (reset by one that works).
-    park_failures: AtomicU32,
-    /// Whether a park failed since [`Ctx::park_backoff`] last looked.
-    park_failed: AtomicBool,
+    /// Per receiver, the attempts to park its messages that failed in a
+    /// row (reset by one that works).
+    park_failures: Vec<AtomicU32>,
+    /// Per receiver, whether parking one of its messages failed since
+    /// [`Ctx::park_backoff`] last looked.
+    park_failed: Vec<AtomicBool>,
+    /// Whether parking failed for any receiver since
+    /// [`Ctx::take_park_failed`] last looked.
+    any_park_failed: AtomicBool,
 }
 
-/// The first pause in fetching after a message could not be parked; it
-/// doubles with each failure in a row, up to [`MAX_PARK_BACKOFF`].
+/// The first pause in fetching from a receiver after one of its messages
+/// could not be parked; it doubles with each failure in a row, up to
+/// [`MAX_PARK_BACKOFF`]. The other receivers are read meanwhile.
 const PARK_BACKOFF: Duration = Duration::from_millis(100);
-/// The longest pause in fetching while parking keeps failing.
+/// The longest pause in fetching from a receiver while parking its
+/// messages keeps failing.
 const MAX_PARK_BACKOFF: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1482,32 +1496,42 @@ impl Ctx {
             messenger,
             events,
             counters,
+            park_failures: receivers.iter().map(|_| AtomicU32::new(0)).collect(),
+            park_failed: receivers.iter().map(|_| AtomicBool::new(false)).collect(),
+            any_park_failed: AtomicBool::new(false),
             receivers,
-            park_failures: AtomicU32::new(0),
-            park_failed: AtomicBool::new(false),
         }
     }
 
-    /// Notes whether parking a message (or sending its retry, which the
-    /// retry step does) worked.
-    fn parked(&self, worked: bool) {
+    /// Notes whether parking a message of `receiver` (or sending its
+    /// retry, which the retry step does) worked.
+    fn parked(&self, receiver: usize, worked: bool) {
         if worked {
-            self.park_failures.store(0, Ordering::Relaxed);
+            self.park_failures[receiver].store(0, Ordering::Relaxed);
         } else {
-            self.park_failures.fetch_add(1, Ordering::Relaxed);
-            self.park_failed.store(true, Ordering::Relaxed);
+            self.park_failures[receiver].fetch_add(1, Ordering::Relaxed);
+            self.park_failed[receiver].store(true, Ordering::Relaxed);
+            self.any_park_failed.store(true, Ordering::Relaxed);
         }
     }
 
-    /// How long to pause fetching when parking failed since the last call:
-    /// a message that could not be parked is released, and fetched again at
-    /// once it would fail again at once, in a loop as fast as the transports
-    /// go.
-    fn park_backoff(&self) -> Option<Duration> {
-        if !self.park_failed.swap(false, Ordering::Relaxed) {
+    /// Whether parking failed for any receiver since the last call (then
+    /// [`Ctx::park_backoff`] tells which).
+    fn take_park_failed(&self) -> bool {
+        self.any_park_failed.swap(false, Ordering::Relaxed)
+    }
+
+    /// How long to pause fetching from `receiver` when parking one of its
+    /// messages failed since the last call: a message that could not be
+    /// parked is released, and fetched again at once it would fail again
+    /// at once, in a loop as fast as the transports go. Only its receiver
+    /// pauses: a message that can never be parked (too large for the
+    /// failure transport, say) must not hold up the others' work.
+    fn park_backoff(&self, receiver: usize) -> Option<Duration> {
+        if !self.park_failed[receiver].swap(false, Ordering::Relaxed) {
             return None;
         }
-        let failures = self.park_failures.load(Ordering::Relaxed).max(1);
+        let failures = self.park_failures[receiver].load(Ordering::Relaxed).max(1);
         let factor = 1u32 << (failures - 1).min(16);
         Some((PARK_BACKOFF * factor).min(MAX_PARK_BACKOFF))
     }
@@ -1592,7 +1616,7 @@ impl Ctx {
             Ok(after) => {
                 if after.all::<RedeliveryStamp>().count() > redeliveries {
                     bump(&self.counters.retried);
-                    self.parked(true);
+                    self.parked(receiver, true);
                     self.events.emit(|| WorkerEvent::Retried {
                         transport: transport.clone(),
                         id: id.text().into_owned(),
@@ -1620,7 +1644,7 @@ impl Ctx {
                     .then(|| failed.last::<SentStamp>().map(|s| s.transport.clone()))
                     .flatten();
                 let action = if parked_in.is_some() {
-                    self.parked(true);
+                    self.parked(receiver, true);
                     Action::Ack
                 } else {
                     Action::Reject
@@ -1647,20 +1671,7 @@ impl Ctx {
                 action
             }
             Err(error @ BusError::Transport { .. }) => {
-                bump(&self.counters.failed);
-                // Fetched again at once, it would be handled and fail again
-                // at once: pause fetching as when the worker cannot park.
-                self.parked(false);
-                self.events.emit(|| WorkerEvent::Failed {
-                    transport: transport.clone(),
-                    id: id.text().into_owned(),
-                    message: Cow::Borrowed(envelope.message_name()),
-                    kind: Cow::Borrowed("transport"),
-                    error: error.to_string(),
-                    parked_in: None,
-                    released: true,
-                    envelope: Some(envelope.clone()),
-                });
+                self.not_sent(receiver, &id, &envelope, error);
                 Action::Release
             }
             Err(error) => {
@@ -1674,6 +1685,48 @@ impl Ctx {
             action,
             again,
         }
+    }
+
+    /// Reports a message whose retry, or park, the retry step could not
+    /// send (`error`): it is released and kept, and, fetched again at once,
+    /// it would be handled and fail again at once, so fetching from its
+    /// receiver pauses as when the worker cannot park.
+    #[cold]
+    #[inline(never)]
+    fn not_sent(&self, receiver: usize, id: &MessageId, envelope: &Envelope, error: BusError) {
+        bump(&self.counters.failed);
+        self.parked(receiver, false);
+        let transport = &self.receivers[receiver].name;
+        let origin = envelope
+            .last::<SentToFailureTransportStamp>()
+            .map(|s| s.original_transport.clone());
+        let (_, failure) = failure_target(&self.messenger, transport, origin);
+        let error = match &error {
+            BusError::Transport { transport: to, .. } if failure == Some(to.as_str()) => {
+                format!("it failed and could not be parked in `{to}`: {error}")
+            }
+            BusError::Transport { transport: to, .. } => {
+                format!("it failed and its retry could not be sent to `{to}`: {error}")
+            }
+            _ => error.to_string(),
+        };
+        tracing::error!(
+            transport = %transport,
+            id = %id.text(),
+            message = envelope.message_name(),
+            error = %error,
+            "message released and kept: fetching from its transport pauses, the others are read"
+        );
+        self.events.emit(|| WorkerEvent::Failed {
+            transport: transport.clone(),
+            id: id.text().into_owned(),
+            message: Cow::Borrowed(envelope.message_name()),
+            kind: Cow::Borrowed("transport"),
+            error,
+            parked_in: None,
+            released: true,
+            envelope: Some(envelope.clone()),
+        });
     }
 
     /// Parks a message whose dispatch failed with `error` outside the
@@ -1713,6 +1766,7 @@ impl Ctx {
         let mut outcome = self
             .settle_failure(
                 Failure {
+                    receiver,
                     transport,
                     id,
                     message,
@@ -1784,6 +1838,7 @@ impl Ctx {
         let mut outcome = self
             .settle_failure(
                 Failure {
+                    receiver,
                     transport,
                     id,
                     message: &message,
@@ -1835,6 +1890,7 @@ impl Ctx {
         send: Option<(&str, impl Future<Output = Result<Option<String>, E>>)>,
     ) -> Settled {
         let Failure {
+            receiver,
             transport,
             id,
             message,
@@ -1868,7 +1924,7 @@ impl Ctx {
         };
         match sent {
             Ok(id) => {
-                self.parked(true);
+                self.parked(receiver, true);
                 Settled {
                     action: Action::Ack,
                     parked_in: Some(name.to_string()),
@@ -1878,7 +1934,7 @@ impl Ctx {
                 }
             }
             Err(e) => {
-                self.parked(false);
+                self.parked(receiver, false);
                 error = format!("{error}; parking in `{name}` failed: {e}");
                 tracing::error!(
                     transport = %transport,
@@ -1921,7 +1977,7 @@ impl Ctx {
             // fetching pauses as when parking fails, or it would be fetched
             // and panic again at once.
             None => {
-                self.parked(false);
+                self.parked(receiver, false);
                 let transport = &self.receivers[receiver].name;
                 let error = format!("parking it panicked: {message}");
                 tracing::error!(
@@ -1960,6 +2016,8 @@ impl Settled {
 
 /// A message that failed, as the worker logs it.
 struct Failure<'a> {
+    /// The receiver it came from.
+    receiver: usize,
     transport: &'a str,
     id: &'a str,
     message: &'a str,
@@ -2098,8 +2156,9 @@ struct Run<'a, F> {
     ahead: Option<Ahead<'a>>,
     processed: u64,
     started: Instant,
-    /// No fetching before this: parking failed (see [`Ctx::park_backoff`]).
-    fetch_after: Option<Instant>,
+    /// Per receiver, no fetching from it before this: parking one of its
+    /// messages failed (see [`Ctx::park_backoff`]).
+    fetch_after: Vec<Option<Instant>>,
     /// Per receiver, the ids of messages this run parked back into it (a
     /// failure transport being consumed) and has not fetched again: they
     /// do not count as waiting work for [`WorkerBuilder::stop_when_empty`]
@@ -2187,7 +2246,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             panicked: Vec::new(),
             processed: 0,
             started: now,
-            fetch_after: None,
+            fetch_after: ctx.receivers.iter().map(|_| None).collect(),
             again: ctx.receivers.iter().map(|_| HashSet::new()).collect(),
             keepalive_every,
             ticker,
@@ -2283,9 +2342,36 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 self.transport_failed(receiver, "release", &e);
             }
         }
-        if let Some(pause) = self.ctx.park_backoff() {
-            self.fetch_after = Some(Instant::now() + pause);
+        if self.ctx.take_park_failed() {
+            let now = Instant::now();
+            for (receiver, after) in self.fetch_after.iter_mut().enumerate() {
+                if let Some(pause) = self.ctx.park_backoff(receiver) {
+                    *after = Some(now + pause);
+                }
+            }
         }
+    }
+
+    /// When fetching from `receiver` pauses after a failed park, and it is
+    /// not over yet: its end.
+    #[inline]
+    fn paused(&self, receiver: usize, now: Instant) -> Option<Instant> {
+        self.fetch_after[receiver].filter(|until| now < *until)
+    }
+
+    /// When fetching from every receiver pauses after a failed park: the
+    /// soonest end of those pauses.
+    fn all_paused(&self) -> Option<Instant> {
+        if self.fetch_after.iter().any(Option::is_none) {
+            return None;
+        }
+        let now = Instant::now();
+        let mut soonest: Option<Instant> = None;
+        for receiver in 0..self.fetch_after.len() {
+            let until = self.paused(receiver, now)?;
+            soonest = Some(soonest.map_or(until, |s| s.min(until)));
+        }
+        soonest
     }
 
     /// The pending acknowledgements, to be sent; new ones go to the spare
@@ -2436,6 +2522,14 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
     {
         let mut wait: Option<Duration> = None;
         for receiver in from..self.ctx.receivers.len() {
+            // Paused after one of its messages could not be parked: the
+            // receivers after it are read meanwhile.
+            if self.fetch_after[receiver].is_some() {
+                if self.paused(receiver, Instant::now()).is_some() {
+                    continue;
+                }
+                self.fetch_after[receiver] = None;
+            }
             let mut want = self
                 .options
                 .batch_size
@@ -2716,22 +2810,20 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 continue;
             }
             if fetching {
-                if let Some(until) = self.fetch_after.take() {
-                    if Instant::now() < until {
-                        // Parking failed: wait before fetching (the message
-                        // given back) again, handling what is in flight.
-                        self.fetch_after = Some(until);
-                        tokio::select! {
-                            finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
-                            _ = stopped.changed() => {}
-                            _ = &mut deadline, if self.options.time_limit.is_some() => {}
-                            _ = tokio::time::sleep_until(until) => {}
-                            // The pause (up to 5 s) must not let the leases
-                            // of what is in flight run out.
-                            _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
-                        }
-                        continue;
+                if let Some(until) = self.all_paused() {
+                    // Parking failed for every receiver: wait before
+                    // fetching (the messages given back) again, handling
+                    // what is in flight.
+                    tokio::select! {
+                        finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
+                        _ = stopped.changed() => {}
+                        _ = &mut deadline, if self.options.time_limit.is_some() => {}
+                        _ = tokio::time::sleep_until(until) => {}
+                        // The pause (up to 5 s) must not let the leases of
+                        // what is in flight run out.
+                        _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
                     }
+                    continue;
                 }
                 let (n, token_wait) = self.fetch(budget).await;
                 // A `get` still out: the worker must stop, or settle what
@@ -2751,14 +2843,19 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 let idle = token_wait.map_or(self.options.idle_sleep, |w| {
                     w.max(Duration::from_millis(1)).min(self.options.idle_sleep)
                 });
+                let now = Instant::now();
                 let waits: Vec<BoxFuture<'_, ()>> = ctx
                     .receivers
                     .iter()
                     .enumerate()
                     .map(|(i, r)| {
-                        // A rate-limited receiver must not wake us before
-                        // its next token.
-                        if self.buckets[i].is_some() {
+                        // A paused receiver (holding the message it could
+                        // not park) wakes us when its pause ends, not at
+                        // once; a rate-limited one not before its next
+                        // token.
+                        if let Some(until) = self.paused(i, now) {
+                            Box::pin(tokio::time::sleep_until(until)) as BoxFuture<'_, ()>
+                        } else if self.buckets[i].is_some() {
                             Box::pin(tokio::time::sleep(idle)) as BoxFuture<'_, ()>
                         } else {
                             r.transport.wait_for_messages(idle)

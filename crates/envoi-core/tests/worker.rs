@@ -1911,3 +1911,95 @@ async fn a_panic_while_parking_a_panicked_handler_s_message_keeps_it_and_the_wor
     let sends = failed.sends.load(Ordering::SeqCst);
     assert!(sends <= 10, "parked {sends} times in half a second");
 }
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Upload {
+    data: String,
+}
+impl Message for Upload {
+    const NAME: &'static str = "Upload";
+}
+impl Command for Upload {
+    type Output = ();
+    type Error = JobFailed;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_message_its_failure_transport_cannot_take_pauses_only_its_own_receiver() {
+    // `bulk` stores envelopes as they are; the failure transport encodes
+    // them, with a body limit the upload is over: it can never be parked.
+    let seen = Seen::default();
+    let (bulk, queue) = (memory(), memory());
+    let mut encoding = InMemoryConfig::default();
+    encoding.serialize = true;
+    let failed = Arc::new(InMemoryTransport::with_config(encoding));
+    let uploads = Arc::new(AtomicUsize::new(0));
+    let tried = uploads.clone();
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(Duration::ZERO))
+        .command_handler(move |_: Upload| {
+            tried.fetch_add(1, Ordering::SeqCst);
+            async { Err::<(), _>(JobFailed) }
+        })
+        .transport("bulk", bulk.clone())
+        .transport("async", queue.clone())
+        .transport("failed", failed.clone())
+        .route::<Upload>("bulk")
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .max_body_size(1024)
+        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+            max_retries: 0,
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    messenger
+        .dispatcher()
+        .dispatch(Upload {
+            data: "x".repeat(4096),
+        })
+        .await
+        .unwrap();
+    send_jobs(&messenger, 0..10).await;
+    let released = Arc::new(Mutex::new(Vec::new()));
+    let record = released.clone();
+    // The upload once, then the ten jobs: `bulk` comes first, but while
+    // it is paused `async` is read.
+    let report = Worker::builder(&messenger)
+        .receivers(["bulk", "async"])
+        .message_limit(11)
+        .listener(move |e: &WorkerEvent| {
+            if let WorkerEvent::Failed {
+                transport,
+                error,
+                released: true,
+                parked_in: None,
+                ..
+            } = e
+            {
+                record
+                    .lock()
+                    .unwrap()
+                    .push((transport.to_string(), error.clone()));
+            }
+        })
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::MessageLimit);
+    assert_eq!(uploads.load(Ordering::SeqCst), 1, "tried once, then paused");
+    assert_eq!(seen.get(), (0..10).collect::<Vec<_>>(), "every job handled");
+    assert_eq!((report.stats.handled, report.stats.failed), (10, 1));
+    assert_eq!(bulk.message_count().await.unwrap(), 1, "kept, not lost");
+    assert_eq!(failed.message_count().await.unwrap(), 0);
+    let released = released.lock().unwrap().clone();
+    assert_eq!(released.len(), 1, "{released:?}");
+    let (transport, error) = &released[0];
+    assert_eq!(transport, "bulk");
+    assert!(
+        error.contains("could not be parked in `failed`") && error.contains("exceeds the limit"),
+        "{error}"
+    );
+}
