@@ -84,6 +84,7 @@ use crate::handler::TypeMap;
 use crate::headers::Headers;
 use crate::message::{Message, MessageKind};
 use crate::middleware::correlation::{CausationIdStamp, CorrelationIdStamp};
+use crate::middleware::dedup::DedupClaimStamp;
 use crate::stamp::{
     BusNameStamp, DelayStamp, ErasedStamp, ErrorDetailsStamp, HandledStamp, MessageIdStamp,
     RedeliveryStamp, SentToFailureTransportStamp, Stamp,
@@ -282,6 +283,7 @@ impl Default for SerializerBuilder {
             .stamp::<MessageIdStamp>()
             .stamp::<CorrelationIdStamp>()
             .stamp::<CausationIdStamp>()
+            .stamp::<DedupClaimStamp>()
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use envoi_core::error::BoxError;
 use envoi_core::middleware::circuit_breaker::CircuitBreaker;
 use envoi_core::middleware::correlation::{CausationIdStamp, Correlation, CorrelationIdStamp};
-use envoi_core::middleware::dedup::{DedupStore, Deduplicate, InMemoryDedupStore};
+use envoi_core::middleware::dedup::{DedupClaim, DedupStore, Deduplicate, InMemoryDedupStore};
 use envoi_core::middleware::logging::Logging;
 use envoi_core::middleware::retry::MultiplierRetryStrategy;
 use envoi_core::middleware::validation::{Validate, Validation};
@@ -295,8 +295,9 @@ impl DedupStore for StuckStore {
         &'a self,
         key: &'a str,
         window: Duration,
+        claim: DedupClaim,
     ) -> BoxFuture<'a, Result<bool, BoxError>> {
-        self.0.insert(key, window)
+        self.0.insert(key, window, claim)
     }
     fn remove<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
         Box::pin(async { Err("store down".into()) })
@@ -351,6 +352,56 @@ async fn a_store_that_cannot_forget_a_failed_message_leaves_the_handler_failure_
         1,
         "parked once, by the retry step"
     );
+}
+
+#[tokio::test]
+async fn a_retry_whose_key_could_not_be_forgotten_crosses_the_transport_and_is_handled() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let m = Messenger::builder()
+        // Fails the first time, succeeds the second.
+        .command_handler(move |_: Charge| {
+            let first = c.fetch_add(1, Ordering::SeqCst) == 0;
+            async move {
+                if first {
+                    Err(GatewayDown)
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .transport_dsn("async", "in-memory://?serialize=true")
+        .route::<Charge>("async")
+        .default_retry_strategy(MultiplierRetryStrategy {
+            max_retries: 1,
+            delay: Duration::ZERO,
+            jitter: 0.0,
+            ..Default::default()
+        })
+        .middleware(
+            Deduplicate::new(Duration::from_secs(3600))
+                .key(|c: &Charge| c.reference.clone())
+                .store(StuckStore(InMemoryDedupStore::new())),
+        )
+        .build_async()
+        .await
+        .unwrap();
+    m.dispatcher().dispatch(charge("pay-1", 5)).await.unwrap();
+    drain(&m, "async").await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "the retry was handled, not acknowledged as a duplicate"
+    );
+    m.dispatcher().dispatch(charge("pay-1", 5)).await.unwrap();
+    drain(&m, "async").await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "another message with the key is a duplicate"
+    );
+    let queue = m.transport("async").unwrap();
+    assert_eq!(queue.message_count().await.unwrap(), 0);
 }
 
 // ----- circuit breaker -----

@@ -20,6 +20,16 @@
 //! the handler failure is still what the dispatch returns (so a worker
 //! parks or rejects the message as usual) and the store error is logged;
 //! after other outcomes the store error is returned.
+//!
+//! The retry of a failed message is never taken for a duplicate of itself,
+//! even when its key could not be forgotten: each attempt claims the key
+//! with a fresh token, carried by the message as a [`DedupClaimStamp`] (it
+//! crosses transports, so retries and messages parked in a failure
+//! transport keep it), and the store lets through a message presenting the
+//! token its key is claimed by, claiming it anew. Another message with the
+//! same key has no such token and is still a duplicate, and so is a second
+//! delivery of an attempt that was handled (its token is no longer the
+//! claim).
 //! Where the bus sends a message to a transport, the middleware lets it
 //! through: duplicates are caught where messages are handled.
 //!
@@ -54,6 +64,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
+use uuid::Uuid;
 
 use super::retry::was_retried;
 use super::{BoxFuture, Middleware, Next};
@@ -75,14 +86,44 @@ impl Stamp for DeduplicatedStamp {
     const SENDABLE: bool = false;
 }
 
-/// Where the keys seen recently are kept.
+/// The token of the handling attempt that claimed a message's key, added
+/// by [`Deduplicate`] before the message is handled. It is sent with the
+/// message, so a retry presents it and is not taken for a duplicate of
+/// itself when the failed attempt's key could not be forgotten.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DedupClaimStamp {
+    /// The token the key was claimed with.
+    pub claim: Uuid,
+}
+
+impl Stamp for DedupClaimStamp {
+    const NAME: &'static str = "DedupClaim";
+}
+
+/// How a handling attempt claims a key in [`DedupStore::insert`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DedupClaim {
+    /// The token this attempt claims the key with: fresh for every attempt.
+    pub token: Uuid,
+    /// The token of the same message's previous attempt (the newest
+    /// [`DedupClaimStamp`] it carries), if it had one.
+    pub previous: Option<Uuid>,
+}
+
+/// Where the keys seen recently are kept, each with the token of the
+/// attempt that claimed it.
 pub trait DedupStore: Send + Sync + 'static {
-    /// Remembers `key` for `window` unless it is remembered already.
-    /// Returns `true` when the key is new (the message is to be handled).
+    /// Remembers `key` for `window`, claimed by `claim.token`, unless it is
+    /// remembered already under a token other than `claim.previous`.
+    /// Returns `true` when the key was new or claimed by `claim.previous`
+    /// (the message is to be handled; the key is now claimed by
+    /// `claim.token` for `window`), `false` when it is a duplicate (the
+    /// key and its claim are left as they were).
     fn insert<'a>(
         &'a self,
         key: &'a str,
         window: Duration,
+        claim: DedupClaim,
     ) -> BoxFuture<'a, Result<bool, BoxError>>;
 
     /// Forgets `key`, so a message with it is handled again.
@@ -93,7 +134,8 @@ pub trait DedupStore: Send + Sync + 'static {
 /// new ones arrive.
 #[derive(Debug, Default)]
 pub struct InMemoryDedupStore {
-    keys: Mutex<HashMap<String, Instant>>,
+    /// Each key with when it expires and the token that claimed it.
+    keys: Mutex<HashMap<String, (Instant, Uuid)>>,
 }
 
 impl InMemoryDedupStore {
@@ -118,16 +160,29 @@ impl DedupStore for InMemoryDedupStore {
         &'a self,
         key: &'a str,
         window: Duration,
+        claim: DedupClaim,
     ) -> BoxFuture<'a, Result<bool, BoxError>> {
         let now = Instant::now();
+        let until = now + far::clamp(window);
         let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
         if keys.len() >= 1024 && keys.len().is_power_of_two() {
-            keys.retain(|_, until| *until > now);
+            keys.retain(|_, (until, _)| *until > now);
         }
-        let fresh = match keys.get(key) {
-            Some(until) if *until > now => false,
-            _ => {
-                keys.insert(key.to_owned(), now + far::clamp(window));
+        let fresh = match keys.get_mut(key) {
+            Some((expires, token)) if *expires > now => {
+                let mine = claim.previous == Some(*token);
+                if mine {
+                    *expires = until;
+                    *token = claim.token;
+                }
+                mine
+            }
+            Some(expired) => {
+                *expired = (until, claim.token);
+                true
+            }
+            None => {
+                keys.insert(key.to_owned(), (until, claim.token));
                 true
             }
         };
@@ -252,7 +307,11 @@ impl Middleware for Deduplicate {
                 key,
                 armed: true,
             };
-            let fresh = self.store.insert(&reserved.key, self.window).await;
+            let claim = DedupClaim {
+                token: Uuid::new_v4(),
+                previous: envelope.last::<DedupClaimStamp>().map(|s| s.claim),
+            };
+            let fresh = self.store.insert(&reserved.key, self.window, claim).await;
             let fresh = fresh.map_err(|e| {
                 reserved.armed = false;
                 Self::store_error(e)
@@ -262,6 +321,9 @@ impl Middleware for Deduplicate {
                 let key = std::mem::take(&mut reserved.key);
                 return Ok(envelope.with(DeduplicatedStamp { key }));
             }
+            // Carried by a retry of this attempt, which the store then
+            // lets through even if it could not forget the key.
+            let envelope = envelope.with(DedupClaimStamp { claim: claim.token });
             let before = envelope.clone();
             let out = next.run(envelope).await;
             let handled = matches!(&out, Ok(after) if !was_retried(&before, after));
@@ -281,7 +343,8 @@ impl Middleware for Deduplicate {
                         key = %reserved.key,
                         error = %e,
                         "Deduplicate: could not forget the key of a failed message; \
-                         it is acknowledged as a duplicate if it comes again within the window"
+                         its retry is still handled, but another message with the key \
+                         is acknowledged as a duplicate within the window"
                     );
                     out
                 }
@@ -396,7 +459,12 @@ mod tests {
 
     struct BrokenStore;
     impl DedupStore for BrokenStore {
-        fn insert<'a>(&'a self, _: &'a str, _: Duration) -> BoxFuture<'a, Result<bool, BoxError>> {
+        fn insert<'a>(
+            &'a self,
+            _: &'a str,
+            _: Duration,
+            _: DedupClaim,
+        ) -> BoxFuture<'a, Result<bool, BoxError>> {
             Box::pin(async { Err("store down".into()) })
         }
         fn remove<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
@@ -430,9 +498,10 @@ mod tests {
             &'a self,
             key: &'a str,
             w: Duration,
+            claim: DedupClaim,
         ) -> BoxFuture<'a, Result<bool, BoxError>> {
             Box::pin(async move {
-                let fresh = self.keys.insert(key, w).await;
+                let fresh = self.keys.insert(key, w, claim).await;
                 tokio::task::yield_now().await;
                 fresh
             })
@@ -491,12 +560,40 @@ mod tests {
             &'a self,
             key: &'a str,
             w: Duration,
+            claim: DedupClaim,
         ) -> BoxFuture<'a, Result<bool, BoxError>> {
-            self.0.insert(key, w)
+            self.0.insert(key, w, claim)
         }
         fn remove<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
             Box::pin(async { Err("store down".into()) })
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_retry_of_a_failed_message_whose_key_could_not_be_forgotten_is_handled() {
+        let d = dedup().store(ForgetfulStore(InMemoryDedupStore::new()));
+        let bad = FailingEndpoint::plain();
+        let failed = match d.handle(Envelope::new(Pay("r-1")), bad.next()).await {
+            Err(BusError::HandlerFailed { envelope, .. }) => *envelope,
+            other => panic!("expected the handler failure, got {other:?}"),
+        };
+        // What the retry step sends again: the failed attempt's envelope.
+        let retry = failed.with(RedeliveryStamp::new(1));
+        let end = RecordingEndpoint::new();
+        let out = d.handle(retry.clone(), end.next()).await.unwrap();
+        assert!(!out.has::<DeduplicatedStamp>());
+        assert_eq!(end.calls().len(), 1, "the retry is handled");
+
+        // Another message with the key, and the handled retry delivered
+        // twice, are duplicates.
+        let other = d
+            .handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        assert!(other.has::<DeduplicatedStamp>());
+        let again = d.handle(retry, end.next()).await.unwrap();
+        assert!(again.has::<DeduplicatedStamp>());
+        assert_eq!(end.calls().len(), 1);
     }
 
     #[tokio::test]
