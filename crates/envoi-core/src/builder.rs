@@ -330,6 +330,15 @@ impl MessengerBuilder {
         self
     }
 
+    /// Limits the size of an encoded message's headers, in bytes: every
+    /// header name and value added up, stamp headers included (1 MiB by
+    /// default). Messages with larger headers fail to send; received ones
+    /// go to the failure transport.
+    pub fn max_headers_size(mut self, bytes: usize) -> Self {
+        self.serializer.set_max_headers_size(bytes);
+        self
+    }
+
     /// Registers the sender of `transport`.
     pub fn sender(mut self, transport: impl Into<String>, sender: Arc<dyn Sender>) -> Self {
         self.senders.push((transport.into(), sender));

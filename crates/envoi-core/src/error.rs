@@ -391,6 +391,15 @@ pub enum SerializationError {
         /// The limit.
         limit: usize,
     },
+    /// The headers (names and values, stamp headers included) add up to
+    /// more bytes than the configured limit.
+    #[error("headers of {size} bytes exceed the limit of {limit} bytes")]
+    HeadersTooLarge {
+        /// The headers' size: the bytes of every name and value.
+        size: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// A header has a value the serializer cannot use, or an envelope header
     /// uses a name the serializer reserves.
     #[error("invalid header `{header}`: {reason}")]

@@ -163,6 +163,16 @@ impl Headers {
         self.entries.is_empty()
     }
 
+    /// The size of the headers as encoded: the bytes of every name and
+    /// value, added up. What the serializer's
+    /// [`max_headers_size`](crate::serializer::SerializerBuilder::max_headers_size)
+    /// limits.
+    pub fn encoded_size(&self) -> usize {
+        self.entries
+            .iter()
+            .fold(0usize, |n, (k, v)| n.saturating_add(k.len() + v.len()))
+    }
+
     /// The headers as `(name, value)`, in name order.
     pub fn iter(&self) -> Iter<'_> {
         Iter(self.entries.iter())

@@ -39,7 +39,11 @@
 //!
 //! A body larger than [`max_body_size`](SerializerBuilder::max_body_size)
 //! (16 MiB by default) fails with [`SerializationError::TooLarge`], both when
-//! encoding and when decoding. A body that does not decode as the named type
+//! encoding and when decoding. Headers larger than
+//! [`max_headers_size`](SerializerBuilder::max_headers_size) (1 MiB by
+//! default; the bytes of every header name and value added up, stamp
+//! headers included) fail with [`SerializationError::HeadersTooLarge`],
+//! both when encoding and when decoding. A body that does not decode as the named type
 //! fails with [`SerializationError::Malformed`], a bad stamp header with
 //! [`SerializationError::MalformedStamp`]. Decoding never panics; the worker
 //! moves what does not decode to the failure transport with the error.
@@ -114,6 +118,9 @@ pub(crate) fn is_history(name: &str) -> bool {
 
 /// The default limit of a body's size: 16 MiB.
 pub const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
+/// The default limit of a message's headers, names and values added up
+/// (stamp headers included): 1 MiB.
+pub const DEFAULT_MAX_HEADERS_SIZE: usize = 1024 * 1024;
 /// The header a transport sets on a message whose stored headers it could
 /// not read as they should be, saying what was wrong: the message does not
 /// decode (the error names this header and its text), so the worker parks
@@ -263,6 +270,7 @@ pub struct SerializerBuilder {
     stamps: NameMap<(TypeId, StampDecodeFn)>,
     errors: Vec<RegistryError>,
     max_body_size: usize,
+    max_headers_size: usize,
 }
 
 impl Default for SerializerBuilder {
@@ -272,6 +280,7 @@ impl Default for SerializerBuilder {
             stamps: NameMap::default(),
             errors: Vec::new(),
             max_body_size: DEFAULT_MAX_BODY_SIZE,
+            max_headers_size: DEFAULT_MAX_HEADERS_SIZE,
         };
         builder
             .stamp::<BusNameStamp>()
@@ -294,6 +303,7 @@ impl fmt::Debug for SerializerBuilder {
         f.debug_struct("SerializerBuilder")
             .field("messages", &messages)
             .field("max_body_size", &self.max_body_size)
+            .field("max_headers_size", &self.max_headers_size)
             .finish_non_exhaustive()
     }
 }
@@ -361,6 +371,17 @@ impl SerializerBuilder {
         self.max_body_size = bytes;
     }
 
+    /// Limits the size of a message's headers, in bytes: every header name
+    /// and value added up, stamp headers included (1 MiB by default).
+    pub fn max_headers_size(mut self, bytes: usize) -> Self {
+        self.max_headers_size = bytes;
+        self
+    }
+
+    pub(crate) fn set_max_headers_size(&mut self, bytes: usize) {
+        self.max_headers_size = bytes;
+    }
+
     /// Builds the serializer; fails when two types share a wire name.
     pub fn build(self) -> Result<Serializer, RegistryError> {
         if let Some(e) = self.errors.into_iter().next() {
@@ -381,6 +402,7 @@ impl SerializerBuilder {
                     .map(|(name, (_, decode))| (name, decode))
                     .collect(),
                 max_body_size: self.max_body_size,
+                max_headers_size: self.max_headers_size,
                 buses: RwLock::new(Vec::new()),
             }),
         })
@@ -392,6 +414,7 @@ struct Inner {
     by_type: TypeMap<(&'static str, MessageCodec)>,
     stamps: NameMap<StampDecodeFn>,
     max_body_size: usize,
+    max_headers_size: usize,
     /// The bus names read or written so far, each with its `BusName` stamp
     /// header: shared by the stamps and messages naming that bus.
     buses: RwLock<Vec<(&'static str, &'static str)>>,
@@ -461,6 +484,7 @@ impl fmt::Debug for Serializer {
         f.debug_struct("Serializer")
             .field("messages", &self.message_names())
             .field("max_body_size", &self.inner.max_body_size)
+            .field("max_headers_size", &self.inner.max_headers_size)
             .finish_non_exhaustive()
     }
 }
@@ -491,6 +515,23 @@ impl Serializer {
     /// The body size limit in bytes.
     pub fn max_body_size(&self) -> usize {
         self.inner.max_body_size
+    }
+
+    /// The headers size limit in bytes (names and values added up).
+    pub fn max_headers_size(&self) -> usize {
+        self.inner.max_headers_size
+    }
+
+    /// Fails when `headers` are over the headers size limit.
+    fn check_headers_size(&self, headers: &Headers) -> Result<(), SerializationError> {
+        let size = headers.encoded_size();
+        if size > self.inner.max_headers_size {
+            return Err(SerializationError::HeadersTooLarge {
+                size,
+                limit: self.inner.max_headers_size,
+            });
+        }
+        Ok(())
     }
 
     /// Encodes `envelope`: the message as the body, its kind, type, sendable
@@ -534,12 +575,14 @@ impl Serializer {
         encode_stamps(&self.inner, envelope, &mut headers)?;
         headers.insert(KIND_HEADER, envelope.kind().as_str());
         headers.insert(TYPE_HEADER, name);
+        self.check_headers_size(&headers)?;
         Ok(RawMessage { body, headers })
     }
 
     /// Decodes `raw` back into an envelope. Fails, without panicking, when
-    /// the body is too large, the type is missing or unknown, the body does
-    /// not decode as that type, or a header is malformed.
+    /// the body or the headers are too large, the type is missing or
+    /// unknown, the body does not decode as that type, or a header is
+    /// malformed.
     pub fn decode(&self, raw: &RawMessage) -> Result<Envelope, SerializationError> {
         if raw.body.len() > self.inner.max_body_size {
             return Err(SerializationError::TooLarge {
@@ -547,6 +590,7 @@ impl Serializer {
                 limit: self.inner.max_body_size,
             });
         }
+        self.check_headers_size(&raw.headers)?;
         for marker in [INVALID_HEADERS_HEADER, INVALID_BODY_HEADER] {
             if let Some(reason) = raw.header(marker) {
                 return Err(SerializationError::InvalidHeader {
@@ -768,7 +812,8 @@ fn merge_arrays(first: &str, second: &str) -> String {
 impl SerializationError {
     /// A short, stable classification for error-details stamps and metrics:
     /// `unknown_type`, `missing_header`, `malformed`, `malformed_stamp`,
-    /// `invalid_header`, `too_large`, `not_registered` or `encode`.
+    /// `invalid_header`, `too_large`, `headers_too_large`, `not_registered`
+    /// or `encode`.
     pub fn kind(&self) -> &'static str {
         match self {
             SerializationError::UnknownType(_) => "unknown_type",
@@ -777,6 +822,7 @@ impl SerializationError {
             SerializationError::MalformedStamp { .. } => "malformed_stamp",
             SerializationError::InvalidHeader { .. } => "invalid_header",
             SerializationError::TooLarge { .. } => "too_large",
+            SerializationError::HeadersTooLarge { .. } => "headers_too_large",
             SerializationError::NotRegistered(_) => "not_registered",
             SerializationError::Encode { .. } => "encode",
         }

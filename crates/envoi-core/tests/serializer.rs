@@ -162,6 +162,64 @@ fn a_body_over_the_limit_fails_both_ways() {
 }
 
 #[test]
+fn headers_over_the_limit_fail_both_ways_stamp_headers_included() {
+    let envelope = Envelope::new(order())
+        .with_header("note", "n".repeat(100))
+        .with(Tenant {
+            tenant: "t".repeat(100),
+        });
+    let raw = serializer().encode(&envelope).unwrap();
+    let size = raw.headers.encoded_size();
+    let names_and_values: usize = raw.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+    assert_eq!(size, names_and_values);
+    assert!(size > 200, "the envelope header and the stamp header count");
+
+    let with_limit = |limit| {
+        Serializer::builder()
+            .message::<PlaceOrder>()
+            .stamp::<Tenant>()
+            .max_headers_size(limit)
+            .build()
+            .unwrap()
+    };
+    let exact = with_limit(size);
+    assert_eq!(exact.max_headers_size(), size);
+    assert_eq!(exact.encode(&envelope).unwrap().headers, raw.headers);
+    assert_eq!(
+        exact.decode(&raw).unwrap().header("note").unwrap().len(),
+        100
+    );
+
+    let small = with_limit(size - 1);
+    match small.encode(&envelope) {
+        Err(SerializationError::HeadersTooLarge { size: s, limit }) => {
+            assert_eq!((s, limit), (size, size - 1));
+        }
+        other => panic!("expected HeadersTooLarge, got {other:?}"),
+    }
+    let err = small.decode(&raw).unwrap_err();
+    assert_eq!(err.kind(), "headers_too_large");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "headers of {size} bytes exceed the limit of {} bytes",
+            size - 1
+        )
+    );
+    // A huge stamp header alone is refused before it is parsed.
+    let mut huge = serializer().encode(&Envelope::new(order())).unwrap();
+    huge.headers.insert(
+        "X-Message-Stamp-Tenant",
+        format!("[{{\"tenant\":\"{}\"}}]", "t".repeat(2 * 1024 * 1024)),
+    );
+    assert_eq!(
+        serializer().decode(&huge).unwrap_err().kind(),
+        "headers_too_large",
+        "the default limit is 1 MiB"
+    );
+}
+
+#[test]
 fn unknown_stamp_headers_are_kept_verbatim_and_sent_again() {
     let mut raw = serializer().encode(&Envelope::new(order())).unwrap();
     let odd = r#"[{"who":"other service"}]"#;

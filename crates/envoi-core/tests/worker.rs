@@ -150,12 +150,16 @@ async fn undecodable_messages_are_parked_with_the_reason_and_the_worker_goes_on(
         .route::<Job>("async")
         .failure_transport("failed")
         .max_body_size(64)
+        .max_headers_size(256)
         .build()
         .unwrap();
     send_jobs(&messenger, 0..1).await;
     queue.send(raw("Unknown", b"{}"), None).await.unwrap();
     queue.send(raw("Job", b"{\"n\": oops"), None).await.unwrap();
     queue.send(raw("Job", &[b' '; 100]), None).await.unwrap();
+    let mut big_headers = raw("Job", b"{\"n\": 7}");
+    big_headers.headers.insert("X-Big", "b".repeat(300));
+    queue.send(big_headers, None).await.unwrap();
     send_jobs(&messenger, 1..2).await;
 
     let report = drain(Worker::builder(&messenger).receiver("async")).await;
@@ -164,11 +168,11 @@ async fn undecodable_messages_are_parked_with_the_reason_and_the_worker_goes_on(
         [0, 1],
         "the good messages around them were handled"
     );
-    assert_eq!((report.stats.handled, report.stats.failed), (2, 3));
+    assert_eq!((report.stats.handled, report.stats.failed), (2, 4));
     assert_eq!(queue.message_count().await.unwrap(), 0);
 
     let parked = failed.list(10).await.unwrap();
-    assert_eq!(parked.len(), 3, "nothing lost");
+    assert_eq!(parked.len(), 4, "nothing lost");
     let kinds: Vec<String> = parked
         .iter()
         .map(|d| {
@@ -183,9 +187,23 @@ async fn undecodable_messages_are_parked_with_the_reason_and_the_worker_goes_on(
         [
             "decode:unknown_type",
             "decode:malformed",
-            "decode:too_large"
+            "decode:too_large",
+            "decode:headers_too_large"
         ]
     );
+    let details: Vec<ErrorDetailsStamp> = serde_json::from_str(
+        parked[3]
+            .raw
+            .header("X-Message-Stamp-ErrorDetails")
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(
+        details[0].message.contains("exceed the limit of 256 bytes"),
+        "{}",
+        details[0].message
+    );
+    assert_eq!(parked[3].raw.header("X-Big").unwrap().len(), 300);
     // Kept as they were, plus the stamps saying where they came from.
     assert_eq!(parked[0].raw.body, b"{}");
     assert_eq!(parked[0].raw.header("X-Message-Stamp-Trace"), Some("[1]"));
