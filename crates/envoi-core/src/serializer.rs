@@ -10,7 +10,8 @@
 //!   that type's stamps, oldest first. Stamps that are not
 //!   [sendable](crate::Stamp::SENDABLE) are dropped. Of the stamps the
 //!   retry step and the worker add on every retry and park (`Redelivery`,
-//!   `Delay`, `ErrorDetails`, `SentToFailureTransport`), only the newest
+//!   `Delay`, `ErrorDetails`, `SentToFailureTransport`) and of the
+//!   `DedupClaim` stamps deduplication adds on every attempt, only the newest
 //!   [`STAMP_HISTORY`] of each type are written, so a message that keeps
 //!   failing and coming back does not grow without bound;
 //! * every [envelope header](Envelope::header) is written as a header of its
@@ -102,8 +103,8 @@ pub const KIND_HEADER: &str = "kind";
 /// The prefix of the headers holding stamps: `X-Message-Stamp-<name>`.
 pub const STAMP_HEADER_PREFIX: &str = "X-Message-Stamp-";
 /// How many stamps of each retry-history type (`Redelivery`, `Delay`,
-/// `ErrorDetails`, `SentToFailureTransport`) a message keeps on the wire:
-/// the newest ones. Enough for the longest
+/// `ErrorDetails`, `SentToFailureTransport`, `DedupClaim`) a message keeps
+/// on the wire: the newest ones. Enough for the longest
 /// [`parked_again_delay`](crate::middleware::retry::parked_again_delay).
 pub const STAMP_HISTORY: usize = 16;
 
@@ -114,6 +115,7 @@ pub(crate) fn is_history(name: &str) -> bool {
         || name == DelayStamp::NAME
         || name == ErrorDetailsStamp::NAME
         || name == SentToFailureTransportStamp::NAME
+        || name == DedupClaimStamp::NAME
 }
 
 /// The default limit of a body's size: 16 MiB.
@@ -1035,6 +1037,24 @@ mod tests {
         assert_eq!(delays, (40 - STAMP_HISTORY as u64..40).collect::<Vec<_>>());
         // Other stamps are all kept.
         assert_eq!(back.all::<HandledStamp>().count(), 40);
+    }
+
+    #[test]
+    fn only_the_newest_dedup_claims_are_written() {
+        let claims: Vec<DedupClaimStamp> = (0..40)
+            .map(|_| DedupClaimStamp {
+                claim: uuid::Uuid::new_v4(),
+            })
+            .collect();
+        let e = claims
+            .iter()
+            .fold(Envelope::new(order()), |e, c| e.with(*c));
+        let back = serializer()
+            .decode(&serializer().encode(&e).unwrap())
+            .unwrap();
+        let kept: Vec<DedupClaimStamp> = back.all::<DedupClaimStamp>().copied().collect();
+        assert_eq!(kept, claims[40 - STAMP_HISTORY..]);
+        assert_eq!(back.last::<DedupClaimStamp>(), claims.last());
     }
 
     #[test]
