@@ -53,7 +53,8 @@
 //! |---|---|---|
 //! | success | acknowledges it | [`Handled`](WorkerEvent::Handled) |
 //! | success, scheduled for a retry by the retry step | acknowledges it (the retry is a new message) | [`Retried`](WorkerEvent::Retried) |
-//! | handler failure, parked in the failure transport by the retry step | acknowledges it | [`Failed`](WorkerEvent::Failed) |
+//! | handled, or scheduled for a retry, but dispatches its handlers [deferred](crate::middleware::dispatch_after_current_bus) failed ([`BusError::DelayedHandlingFailed`]) | parks each deferred message that failed in the failure transport, as a message of its own with an `ErrorDetails` stamp saying why, then acknowledges the message (it is not parked itself: the handlers that deferred them would be skipped there, and a retry already holds it); rejects it when there is no failure transport; releases it, so its handlers run and defer them again, and pauses fetching from its receiver, when one cannot be parked | [`Handled`](WorkerEvent::Handled) or [`Retried`](WorkerEvent::Retried), and a [`Failed`](WorkerEvent::Failed) for each deferred message, naming it |
+//! | handler failure, parked in the failure transport by the retry step | acknowledges it; dispatches deferred by its handlers that succeeded that then failed are parked too, each on its own, as below (released when one cannot be) | [`Failed`](WorkerEvent::Failed) |
 //! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
 //! | transport failure (the retry step could not send the retry, or park the message) | releases it, so it is delivered again, and pauses fetching from its receiver as when parking fails | [`Failed`](WorkerEvent::Failed), saying where it could not be parked or retried and why |
 //! | any other error (no handler, a middleware's error, a panic) | parks it like the retry step would, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
@@ -138,6 +139,7 @@ use crate::bus::MessageBus;
 use crate::envelope::Envelope;
 use crate::error::{BusError, TransportError};
 use crate::far;
+use crate::middleware::dispatch_after_current_bus::FailedDeferred;
 use crate::middleware::retry::{park_delay, parked_again_delay};
 use crate::middleware::BoxFuture;
 use crate::serializer::STAMP_HEADER_PREFIX;
@@ -217,7 +219,8 @@ pub struct WorkerStats {
     /// Messages whose handling failed and that were scheduled for a retry.
     pub retried: u64,
     /// Messages that failed: parked, rejected, or released after a
-    /// transport failure.
+    /// transport failure; also each dispatch a handler deferred that
+    /// failed (parked on its own, or not).
     pub failed: u64,
     /// Messages given back to their transport at a graceful stop.
     pub released: u64,
@@ -1613,42 +1616,46 @@ impl Ctx {
         let duration = started.map(|s| s.elapsed()).unwrap_or_default();
         let mut again = None;
         let action = match result {
-            Ok(after) => {
-                if after.all::<RedeliveryStamp>().count() > redeliveries {
-                    bump(&self.counters.retried);
-                    self.parked(receiver, true);
-                    self.events.emit(|| WorkerEvent::Retried {
-                        transport: transport.clone(),
-                        id: id.text().into_owned(),
-                        retry_count: after.last::<RedeliveryStamp>().map_or(0, |r| r.retry_count),
-                        envelope: after,
-                        duration,
-                    });
-                } else {
-                    bump(&self.counters.handled);
-                    self.events.emit(|| WorkerEvent::Handled {
-                        transport: transport.clone(),
-                        id: id.text().into_owned(),
-                        envelope: after,
-                        duration,
-                    });
+            Ok(after) => self.succeeded(receiver, &id, after, redeliveries, duration),
+            // The message was handled, or its retry sent, but dispatches its
+            // handlers deferred failed: those are parked, each on its own,
+            // and the message is acknowledged as if they had not failed.
+            Err(BusError::DelayedHandlingFailed {
+                envelope: mut after,
+                ..
+            }) if after.has::<FailedDeferred>() => {
+                match self
+                    .park_deferred(receiver, &id, &envelope, &mut after)
+                    .await
+                {
+                    None => self.succeeded(receiver, &id, *after, redeliveries, duration),
+                    Some(action) => action,
                 }
-                Action::Ack
             }
             Err(BusError::HandlerFailed {
-                envelope: failed,
+                envelope: mut failed,
                 errors,
             }) => {
                 bump(&self.counters.failed);
                 let parked_in = (failed.all::<SentToFailureTransportStamp>().count() > parked)
                     .then(|| failed.last::<SentStamp>().map(|s| s.transport.clone()))
                     .flatten();
-                let action = if parked_in.is_some() {
+                let mut action = if parked_in.is_some() {
                     self.parked(receiver, true);
                     Action::Ack
                 } else {
                     Action::Reject
                 };
+                // Parked, with dispatches its handlers that succeeded
+                // deferred that failed: those are parked too.
+                if parked_in.is_some() && failed.has::<FailedDeferred>() {
+                    let deferred = self
+                        .park_deferred(receiver, &id, &envelope, &mut failed)
+                        .await;
+                    if let Some(Action::Release) = deferred {
+                        action = Action::Release;
+                    }
+                }
                 if parked_in.as_deref() == Some(&**transport) {
                     again = failed
                         .last::<TransportMessageIdStamp>()
@@ -1685,6 +1692,122 @@ impl Ctx {
             action,
             again,
         }
+    }
+
+    /// Counts and reports a message whose dispatch succeeded (`after`):
+    /// handled, or scheduled for a retry by the retry step. It is
+    /// acknowledged.
+    fn succeeded(
+        &self,
+        receiver: usize,
+        id: &MessageId,
+        after: Envelope,
+        redeliveries: usize,
+        duration: Duration,
+    ) -> Action {
+        let transport = &self.receivers[receiver].name;
+        if after.all::<RedeliveryStamp>().count() > redeliveries {
+            bump(&self.counters.retried);
+            self.parked(receiver, true);
+            self.events.emit(|| WorkerEvent::Retried {
+                transport: transport.clone(),
+                id: id.text().into_owned(),
+                retry_count: after.last::<RedeliveryStamp>().map_or(0, |r| r.retry_count),
+                envelope: after,
+                duration,
+            });
+        } else {
+            bump(&self.counters.handled);
+            self.events.emit(|| WorkerEvent::Handled {
+                transport: transport.clone(),
+                id: id.text().into_owned(),
+                envelope: after,
+                duration,
+            });
+        }
+        Action::Ack
+    }
+
+    /// Parks in the failure transport of the received message `envelope`,
+    /// each as a message of its own, the dispatches deferred by its
+    /// handlers that failed, with why ([`FailedDeferred`] on `after`, taken
+    /// off it): they are
+    /// consequences of handling that happened and will not happen again
+    /// (the message is acknowledged, or its retry, or parked copy, carries
+    /// the `HandledStamp`s of the handlers that deferred them). Each gets a
+    /// [`Failed`](WorkerEvent::Failed) event and counts as failed. Returns
+    /// `None` when every one was parked; otherwise what to do with the
+    /// received message instead of acknowledging it: release it, so its
+    /// handlers run and defer them again, when one could not be parked (and
+    /// its receiver pauses, as when parking fails); reject it when there is
+    /// no failure transport.
+    #[cold]
+    fn park_deferred<'a>(
+        &'a self,
+        receiver: usize,
+        id: &'a MessageId,
+        envelope: &'a Envelope,
+        after: &mut Envelope,
+    ) -> BoxFuture<'a, Option<Action>> {
+        let failed = after
+            .last::<FailedDeferred>()
+            .map(|f| f.0.clone())
+            .unwrap_or_default();
+        after.remove_last::<FailedDeferred>();
+        Box::pin(async move {
+            let transport = &self.receivers[receiver].name;
+            let origin = envelope
+                .last::<SentToFailureTransportStamp>()
+                .map(|s| s.original_transport.clone());
+            let (origin, failure) = failure_target(&self.messenger, transport, origin);
+            let id = id.text();
+            let mut action = None;
+            for (mut deferred, details) in failed {
+                bump(&self.counters.failed);
+                drop(deferred.take_deferred());
+                let message = deferred.message_name();
+                let outcome = self
+                    .settle_failure(
+                        Failure {
+                            receiver,
+                            transport,
+                            id: &id,
+                            message,
+                            kind: &details.kind,
+                            error: details.message.clone(),
+                            what: "was deferred by a handler and failed",
+                        },
+                        failure.map(|failure| {
+                            let delay = park_delay(&deferred, failure == &**transport);
+                            let parked = deferred
+                                .clone()
+                                .with(details.clone())
+                                .with(SentToFailureTransportStamp::new(origin.clone()))
+                                .with(RedeliveryStamp::new(0))
+                                .with(DelayStamp::new(delay));
+                            let sent = self.messenger.sender_dispatcher().send(failure, parked);
+                            (failure, async move { sent.await.map(|_| None) })
+                        }),
+                    )
+                    .await;
+                self.events.emit(|| WorkerEvent::Failed {
+                    transport: transport.clone(),
+                    id: id.to_string(),
+                    message: Cow::Borrowed(message),
+                    kind: Cow::Owned(details.kind),
+                    error: outcome.error,
+                    parked_in: outcome.parked_in,
+                    released: outcome.released,
+                    envelope: Some(deferred),
+                });
+                match outcome.action {
+                    Action::Ack => {}
+                    Action::Reject => action = Some(Action::Reject),
+                    Action::Release => return Some(Action::Release),
+                }
+            }
+            action
+        })
     }
 
     /// Reports a message whose retry, or park, the retry step could not

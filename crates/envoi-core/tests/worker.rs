@@ -1195,6 +1195,274 @@ async fn what_a_successful_handler_deferred_is_dispatched_once_whether_the_messa
     }
 }
 
+/// A messenger routing the event [`Paid`] to `async` (failure transport
+/// `failed`, `retries` retries at once; `Paid` handled in process when not
+/// `routed`) with two handlers: the first succeeds, counting its runs, and
+/// defers an [`Audit`]; the second fails while `failing` is set. The
+/// audit's dispatch fails: when `unsent`, it is routed to `down`, a
+/// transport that refuses every message; otherwise its in-process handler
+/// fails while `audit_failing` is set. Its handler counts the audits it
+/// handles.
+struct FailingAudit {
+    messenger: Messenger,
+    paid_runs: Arc<AtomicUsize>,
+    audits: Arc<AtomicUsize>,
+    queue: Arc<InMemoryTransport>,
+    failed: Arc<InMemoryTransport>,
+}
+
+fn deferring_a_failing_audit(
+    retries: u32,
+    failing: Arc<AtomicBool>,
+    unsent: bool,
+    audit_failing: Arc<AtomicBool>,
+    with_middleware: bool,
+    routed: bool,
+) -> FailingAudit {
+    let (paid_runs, audits) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (queue, failed) = (memory(), memory());
+    let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
+    let (slot, runs, counted) = (bus.clone(), paid_runs.clone(), audits.clone());
+    let mut builder = Messenger::builder()
+        .event_handler(move |_: Paid| {
+            let slot = slot.clone();
+            runs.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let bus = slot.lock().unwrap().clone().expect("bus set");
+                bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
+                    .await
+                    .expect("a deferred dispatch is accepted");
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .event_handler(move |_: Paid| {
+            let failing = failing.load(Ordering::SeqCst);
+            async move {
+                if failing {
+                    Err(JobFailed)
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .command_handler(move |_: Audit| {
+            let result = if audit_failing.load(Ordering::SeqCst) {
+                Err(JobFailed)
+            } else {
+                counted.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            };
+            async move { result }
+        })
+        .transport("async", queue.clone())
+        .transport("down", Arc::new(Refusing::default()))
+        .transport("failed", failed.clone())
+        .failure_transport("failed")
+        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+            max_retries: retries,
+            delay: Duration::ZERO,
+            jitter: 0.0,
+            ..Default::default()
+        });
+    if routed {
+        builder = builder.route::<Paid>("async");
+    }
+    if unsent {
+        builder = builder.route::<Audit>("down");
+    }
+    if with_middleware {
+        builder = builder.middleware(Recorder(Log::default()));
+    }
+    let messenger = builder.build().unwrap();
+    *bus.lock().unwrap() = Some(messenger.bus().clone());
+    FailingAudit {
+        messenger,
+        paid_runs,
+        audits,
+        queue,
+        failed,
+    }
+}
+
+/// Drains `transport` with a worker; returns its report and the names of
+/// the messages it received, sorted.
+async fn drain_names(messenger: &Messenger, transport: &str) -> (WorkerReport, Vec<String>) {
+    let names: Log = Log::default();
+    let seen = names.clone();
+    let report = drain(Worker::builder(messenger).receiver(transport).listener(
+        move |e: &WorkerEvent| {
+            if let WorkerEvent::Received { message, .. } = e {
+                seen.lock().unwrap().push(message.to_string());
+            }
+        },
+    ))
+    .await;
+    let mut names = names.lock().unwrap().clone();
+    names.sort();
+    (report, names)
+}
+
+#[tokio::test]
+async fn a_handled_message_whose_deferred_dispatch_fails_is_acknowledged_and_only_the_failed_dispatch_is_parked(
+) {
+    for unsent in [true, false] {
+        for with_middleware in [false, true] {
+            let case = format!("unsent: {unsent}, middleware: {with_middleware}");
+            let audit_failing = Arc::new(AtomicBool::new(!unsent));
+            let t = deferring_a_failing_audit(
+                0,
+                Arc::new(AtomicBool::new(false)),
+                unsent,
+                audit_failing.clone(),
+                with_middleware,
+                true,
+            );
+            t.messenger
+                .bus()
+                .dispatch(Envelope::event(Paid))
+                .await
+                .unwrap();
+            let report = drain(Worker::builder(&t.messenger).receiver("async")).await;
+            assert_eq!(report.stats.handled, 1, "{case}");
+            assert_eq!(report.stats.failed, 1, "the audit failed: {case}");
+            assert_eq!(t.queue.message_count().await.unwrap(), 0, "{case}");
+            // The failure transport holds the audit, not the handled event:
+            // retried from there, the audit is handled; the event's handler
+            // does not run again.
+            audit_failing.store(false, Ordering::SeqCst);
+            let (report, names) = drain_names(&t.messenger, "failed").await;
+            assert_eq!(names, ["Audit"], "only the failed audit was parked: {case}");
+            assert_eq!(report.stats.handled, 1, "{case}");
+            assert_eq!(
+                t.audits.load(Ordering::SeqCst),
+                1,
+                "the audit is not lost: {case}"
+            );
+            assert_eq!(t.paid_runs.load(Ordering::SeqCst), 1, "{case}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_retried_message_whose_deferred_dispatch_fails_is_not_parked_beside_its_retry() {
+    for unsent in [true, false] {
+        for with_middleware in [false, true] {
+            let case = format!("unsent: {unsent}, middleware: {with_middleware}");
+            let failing = Arc::new(AtomicBool::new(true));
+            let audit_failing = Arc::new(AtomicBool::new(!unsent));
+            let t = deferring_a_failing_audit(
+                1,
+                failing.clone(),
+                unsent,
+                audit_failing.clone(),
+                with_middleware,
+                true,
+            );
+            t.messenger
+                .bus()
+                .dispatch(Envelope::event(Paid))
+                .await
+                .unwrap();
+            // The first delivery only: its retry is sent back to `async`.
+            let report = drain(
+                Worker::builder(&t.messenger)
+                    .receiver("async")
+                    .message_limit(1),
+            )
+            .await;
+            assert_eq!(report.stats.retried, 1, "{case}");
+            assert_eq!(
+                t.queue.message_count().await.unwrap(),
+                1,
+                "the retry: {case}"
+            );
+            audit_failing.store(false, Ordering::SeqCst);
+            let (_, names) = drain_names(&t.messenger, "failed").await;
+            assert_eq!(
+                names,
+                ["Audit"],
+                "the event lives once, as its retry; only the audit is parked: {case}"
+            );
+            assert_eq!(t.audits.load(Ordering::SeqCst), 1, "{case}");
+            // The retry succeeds without running the first handler again,
+            // so the audit is not deferred twice.
+            failing.store(false, Ordering::SeqCst);
+            let report = drain(Worker::builder(&t.messenger).receiver("async")).await;
+            assert_eq!(report.stats.handled, 1, "{case}");
+            assert_eq!(t.paid_runs.load(Ordering::SeqCst), 1, "{case}");
+            assert_eq!(t.audits.load(Ordering::SeqCst), 1, "{case}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_parked_message_whose_successful_handler_s_deferred_dispatch_fails_has_it_parked_too() {
+    for unsent in [true, false] {
+        let case = format!("unsent: {unsent}");
+        let failing = Arc::new(AtomicBool::new(true));
+        let audit_failing = Arc::new(AtomicBool::new(!unsent));
+        let t = deferring_a_failing_audit(
+            0,
+            failing.clone(),
+            unsent,
+            audit_failing.clone(),
+            false,
+            true,
+        );
+        t.messenger
+            .bus()
+            .dispatch(Envelope::event(Paid))
+            .await
+            .unwrap();
+        let report = drain(Worker::builder(&t.messenger).receiver("async")).await;
+        assert_eq!(report.stats.failed, 2, "the event and its audit: {case}");
+        failing.store(false, Ordering::SeqCst);
+        audit_failing.store(false, Ordering::SeqCst);
+        let (report, names) = drain_names(&t.messenger, "failed").await;
+        assert_eq!(names, ["Audit", "Paid"], "{case}");
+        assert_eq!(report.stats.handled, 2, "{case}");
+        assert_eq!(
+            t.audits.load(Ordering::SeqCst),
+            1,
+            "the audit is not lost: {case}"
+        );
+        assert_eq!(t.paid_runs.load(Ordering::SeqCst), 1, "{case}");
+    }
+}
+
+#[tokio::test]
+async fn an_application_dispatch_whose_deferred_dispatch_fails_returns_the_deferred_errors() {
+    for unsent in [true, false] {
+        let t = deferring_a_failing_audit(
+            0,
+            Arc::new(AtomicBool::new(false)),
+            unsent,
+            Arc::new(AtomicBool::new(!unsent)),
+            false,
+            false,
+        );
+        let error = t
+            .messenger
+            .bus()
+            .dispatch(Envelope::event(Paid))
+            .await
+            .unwrap_err();
+        match error {
+            envoi_core::BusError::DelayedHandlingFailed { envelope, errors } => {
+                assert_eq!(envelope.message_name(), "Paid");
+                assert_eq!(errors.len(), 1, "unsent: {unsent}");
+                assert_eq!(
+                    errors[0].kind(),
+                    if unsent { "transport" } else { "handler" }
+                );
+            }
+            other => panic!("unexpected error: {other}"),
+        }
+        assert_eq!(t.failed.message_count().await.unwrap(), 0, "nothing parked");
+        assert_eq!(t.paid_runs.load(Ordering::SeqCst), 1);
+    }
+}
+
 /// Runs a worker on `async` until `limit`; returns its report and the kind
 /// and error of each `Failed` event that released its message, parked
 /// nowhere.

@@ -19,9 +19,20 @@
 //!   handlers will not run again (their `HandledStamp`s travel with the
 //!   message), so what they deferred is dispatched here, once, either way —
 //!   after a park, before the failure is returned (a deferred message that
-//!   then fails is logged: the message is parked regardless).
+//!   then fails is parked by the worker too, on its own, beside the
+//!   message: see below).
 //! * If deferred messages fail, the others still run, and the outer dispatch
-//!   returns [`BusError::DelayedHandlingFailed`] with every error.
+//!   returns [`BusError::DelayedHandlingFailed`] with every error. Called
+//!   from application code, the caller gets that error and decides what to
+//!   do. For a message a [worker](crate::worker) received, the error also
+//!   carries each failed deferred message (as it was when it failed: the
+//!   `HandledStamp`s of its own handlers that succeeded, whose deferred
+//!   messages are then run too), and the worker parks each of them in the
+//!   failure transport, as a message of its own, and acknowledges the
+//!   message: its own handling succeeded (or its retry was sent), and
+//!   parked or retried it would skip the handlers that deferred them, so
+//!   they would be lost. A failed consequence is therefore kept, at least
+//!   once, and the message not duplicated.
 //! * Messages deferred while handling a deferred message are handled after
 //!   it, in order.
 //! * Only stamped messages wait: a handler that asks a query (or dispatches
@@ -44,7 +55,7 @@ use serde::{Deserialize, Serialize};
 use super::{BoxFuture, Endpoint, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, StepResult};
-use crate::stamp::{DispatchAfterCurrentBusStamp, Stamp};
+use crate::stamp::{DispatchAfterCurrentBusStamp, ErrorDetailsStamp, ReceivedStamp, Stamp};
 
 /// A dispatch waiting for the outer one, with where to run it.
 #[derive(Clone)]
@@ -98,6 +109,45 @@ pub(crate) struct ParkedWithDeferred;
 
 impl Stamp for ParkedWithDeferred {
     const NAME: &'static str = "ParkedWithDeferred";
+    const SENDABLE: bool = false;
+}
+
+/// On the envelope of a failed dispatch of a message received from a
+/// transport: the dispatches deferred by its handlers that failed, each
+/// with why (each envelope with the stamps its own handling added, such as
+/// the `HandledStamp`s of its handlers that succeeded). The worker parks
+/// each of them in the failure transport, so a failed consequence is kept
+/// even when the message itself is not (it was handled, or its retry was
+/// sent). Never sent.
+#[derive(Clone, Default)]
+pub(crate) struct FailedDeferred(pub(crate) Vec<(Envelope, ErrorDetailsStamp)>);
+
+impl fmt::Debug for FailedDeferred {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "FailedDeferred({})", self.0.len())
+    }
+}
+
+impl Serialize for FailedDeferred {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        serializer.serialize_unit()
+    }
+}
+
+impl<'de> Deserialize<'de> for FailedDeferred {
+    fn deserialize<D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> std::result::Result<Self, D::Error> {
+        <()>::deserialize(deserializer)?;
+        Ok(Self::default())
+    }
+}
+
+impl Stamp for FailedDeferred {
+    const NAME: &'static str = "FailedDeferred";
     const SENDABLE: bool = false;
 }
 
@@ -297,8 +347,8 @@ pub(crate) async fn settle(mut out: Envelope) -> StepResult {
 /// retry step parked the message ([`ParkedWithDeferred`]). Then, as [`settle`]
 /// does for a message scheduled for a retry, what they deferred is handed
 /// to the enclosing handler's scope or run, and the failure returned after
-/// that; a deferred dispatch that fails is logged, as the message is parked
-/// either way.
+/// that; the deferred dispatches that fail go with it ([`FailedDeferred`]),
+/// for the worker to park them too.
 #[inline]
 pub(crate) async fn failed(error: Box<BusError>) -> StepResult {
     match &*error {
@@ -320,43 +370,68 @@ async fn settle_parked(error: Box<BusError>) -> StepResult {
     if let Some(scope) = current_scope() {
         push_deferred(scope, deferred);
     } else {
-        let failures = run_all(deferred).await;
+        // The parked message is received (the retry step only parks those):
+        // the worker parks the deferred dispatches that fail beside it.
+        let (failures, failed) = run_all(deferred, true).await;
         if !failures.is_empty() {
-            tracing::error!(
+            tracing::warn!(
                 message = envelope.message_name(),
                 errors = %failures
                     .iter()
                     .map(ToString::to_string)
                     .collect::<Vec<_>>()
                     .join("; "),
-                "{} of the dispatches deferred by the handlers that succeeded failed; \
-                 the message is parked in its failure transport",
+                "{} of the dispatches deferred by the handlers that succeeded failed",
                 failures.len()
             );
+            envelope = Box::new(envelope.with(FailedDeferred(failed)));
         }
     }
     Err(Box::new(BusError::HandlerFailed { envelope, errors }))
 }
 
 /// Runs `deferred` and what they defer in turn, in order; returns the
-/// errors of those that failed.
-async fn run_all(deferred: Vec<Deferred>) -> Vec<BusError> {
+/// errors of those that failed and, when `keep`, their envelopes with why
+/// (see [`FailedDeferred`]). Then, a failed dispatch's handlers
+/// that succeeded keep their `HandledStamp`s on the envelope kept, so what
+/// they deferred is run too, as after a park by the retry step.
+async fn run_all(
+    deferred: Vec<Deferred>,
+    keep: bool,
+) -> (Vec<BusError>, Vec<(Envelope, ErrorDetailsStamp)>) {
     let mut queue: VecDeque<Deferred> = deferred.into();
     let mut errors = Vec::new();
+    let mut failed = Vec::new();
     while let Some(d) = queue.pop_front() {
+        let kept = keep.then(|| d.envelope.clone());
         match d.target.call(d.envelope).await {
             Ok(mut handled) => queue.extend(handled.take_deferred()),
-            Err(e) => errors.push(e),
+            Err(e) => {
+                if let Some(kept) = kept {
+                    let mut envelope = e.envelope().cloned().unwrap_or(kept);
+                    queue.extend(envelope.take_deferred());
+                    failed.push((envelope, ErrorDetailsStamp::from_error(e.kind(), &e)));
+                }
+                errors.push(e);
+            }
         }
     }
-    errors
+    (errors, failed)
 }
 
 async fn drain(envelope: Envelope, deferred: Vec<Deferred>) -> Result<Envelope> {
-    let errors = run_all(deferred).await;
+    // Only a worker, for a message it received, can keep the failed
+    // deferred messages (in the failure transport): the others are told.
+    let keep = envelope.has::<ReceivedStamp>();
+    let (errors, failed) = run_all(deferred, keep).await;
     if errors.is_empty() {
         Ok(envelope)
     } else {
+        let envelope = if keep {
+            envelope.with(FailedDeferred(failed))
+        } else {
+            envelope
+        };
         Err(BusError::DelayedHandlingFailed {
             envelope: Box::new(envelope),
             errors,
