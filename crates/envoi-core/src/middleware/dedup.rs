@@ -10,15 +10,50 @@
 //! without calling the rest of the pipeline, stamped with
 //! [`DeduplicatedStamp`], so a worker acknowledges it.
 //!
+//! A key is remembered in two steps. While its message is being handled,
+//! the key is only claimed for the *processing timeout*
+//! ([`DEFAULT_PROCESSING_TIMEOUT`], 20 s, or
+//! [`Deduplicate::processing_timeout`]; never longer than the window), and
+//! the claim is renewed every half processing timeout as long as the
+//! handler runs. Once the message was handled, its key is remembered for
+//! the window. A copy that comes in either step is a duplicate.
+//!
+//! The claim expires on its own so that a message whose process died while
+//! handling it (killed, crashed, out of memory) is not lost: nothing renews
+//! or forgets the claim then, it lapses within the processing timeout, and
+//! the message the transport redelivers after its lease is handled. So keep
+//! the processing timeout shorter than the time the transport takes to
+//! redeliver the message of a consumer that died: its lease (30 s by
+//! default for the in-memory, Redis and NATS transports, 60 s for SQLite,
+//! 300 s for PostgreSQL) less the worker's keepalive interval (5 s). A
+//! redelivery that comes while the dead process's claim holds is
+//! acknowledged as a duplicate, and the message is lost; RabbitMQ, which
+//! hands a dead consumer's messages out again as soon as its connection
+//! closes, can do that. (A *copy* that comes then is no loss: the original
+//! is redelivered and handled later.)
+//!
+//! The trade-offs: a handler slower than the processing timeout keeps its
+//! key only through the renewals, one store call every half processing
+//! timeout (none for a quicker handler); if the store cannot renew the
+//! claim (the error is logged), a copy that comes after the processing
+//! timeout is handled while the first still runs. Without renewals, a
+//! processing timeout short enough for the leases would let a copy of every
+//! slow message through. The renewal is the middleware's own, not the
+//! worker's lease keepalive, but stops with the process in the same way.
+//! When the store cannot remember a handled message's key for the window,
+//! the dispatch still succeeds (a worker acknowledges the message) and the
+//! error is logged; a copy that comes after the processing timeout is then
+//! handled again.
+//!
 //! A key is forgotten when its message fails, is scheduled for a retry or
 //! is abandoned before it finished (its dispatch dropped by a deadline or a
-//! stopping worker), so the redelivery is handled; otherwise it is
-//! remembered for the window. A message abandoned while the store is
-//! still remembering its key forgets it too: whether the key was new is not
-//! known then, and handling a message twice beats never handling it.
-//! When the store cannot forget the key of a message whose handler failed,
-//! the handler failure is still what the dispatch returns (so a worker
-//! parks or rejects the message as usual) and the store error is logged;
+//! stopping worker), so the redelivery is handled. A message abandoned
+//! while the store is still remembering its key forgets it too: whether
+//! the key was new is not known then, and handling a message twice beats
+//! never handling it. When the store cannot forget the key of a message
+//! whose handler failed, the handler failure is still what the dispatch
+//! returns (so a worker parks or rejects the message as usual) and the
+//! store error is logged (the claim lapses after the processing timeout);
 //! after other outcomes the store error is returned.
 //!
 //! The retry of a failed message is never taken for a duplicate of itself,
@@ -49,7 +84,10 @@
 //! struct CapturePayment { reference: String }
 //! impl Message for CapturePayment { const NAME: &'static str = "CapturePayment"; }
 //!
+//! // Handled payments are remembered for an hour; one being handled is
+//! // claimed 20 s at a time (the default), renewed while its handler runs.
 //! let dedup = Deduplicate::new(Duration::from_secs(3600))
+//!     .processing_timeout(Duration::from_secs(20))
 //!     .key(|p: &CapturePayment| p.reference.clone());
 //! # let _ = dedup;
 //! ```
@@ -111,20 +149,49 @@ pub struct DedupClaim {
 }
 
 /// Where the keys seen recently are kept, each with the token of the
-/// attempt that claimed it.
+/// attempt that claimed it and until when.
+///
+/// [`Deduplicate`] claims a key with [`insert`](Self::insert) for the
+/// processing timeout only, renews that claim with [`hold`](Self::hold)
+/// while the handler runs, and once the message was handled calls `hold`
+/// with the window. A claim left by a process that died is therefore gone
+/// after the processing timeout, and the redelivered message is handled.
 pub trait DedupStore: Send + Sync + 'static {
-    /// Remembers `key` for `window`, claimed by `claim.token`, unless it is
-    /// remembered already under a token other than `claim.previous`.
-    /// Returns `true` when the key was new or claimed by `claim.previous`
-    /// (the message is to be handled; the key is now claimed by
-    /// `claim.token` for `window`), `false` when it is a duplicate (the
-    /// key and its claim are left as they were).
+    /// Claims `key` for `hold` (the processing timeout) with `claim.token`,
+    /// unless it is claimed already, and not expired, under a token other
+    /// than `claim.previous`. Returns `true` when the key was new, expired
+    /// or claimed by `claim.previous` (the message is to be handled; the
+    /// key is now claimed by `claim.token` until `hold` from now), `false`
+    /// when it is a duplicate (the key and its claim are left as they
+    /// were).
     fn insert<'a>(
         &'a self,
         key: &'a str,
-        window: Duration,
+        hold: Duration,
         claim: DedupClaim,
     ) -> BoxFuture<'a, Result<bool, BoxError>>;
+
+    /// Keeps `key` claimed by `token` until `hold` from now, if it is
+    /// claimed by `token`, expired or not remembered; a key another token
+    /// claimed (and that has not expired) is left as it is. Called with the
+    /// processing timeout to renew the claim of a message still being
+    /// handled, and with the window once it was handled.
+    ///
+    /// The default implementation is
+    /// `insert(key, hold, DedupClaim { token, previous: Some(token) })`,
+    /// which does just that.
+    fn hold<'a>(
+        &'a self,
+        key: &'a str,
+        token: Uuid,
+        hold: Duration,
+    ) -> BoxFuture<'a, Result<(), BoxError>> {
+        let claim = DedupClaim {
+            token,
+            previous: Some(token),
+        };
+        Box::pin(self.insert(key, hold, claim).map(|r| r.map(|_| ())))
+    }
 
     /// Forgets `key`, so a message with it is handled again.
     fn remove<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<(), BoxError>>;
@@ -159,11 +226,11 @@ impl DedupStore for InMemoryDedupStore {
     fn insert<'a>(
         &'a self,
         key: &'a str,
-        window: Duration,
+        hold: Duration,
         claim: DedupClaim,
     ) -> BoxFuture<'a, Result<bool, BoxError>> {
         let now = Instant::now();
-        let until = now + far::clamp(window);
+        let until = now + far::clamp(hold);
         let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
         if keys.len() >= 1024 && keys.len().is_power_of_two() {
             keys.retain(|_, (until, _)| *until > now);
@@ -230,10 +297,19 @@ impl Drop for Reservation<'_> {
     }
 }
 
+/// How long [`Deduplicate`] holds the key of a message being handled
+/// unless told otherwise ([`Deduplicate::processing_timeout`]): 20 seconds,
+/// shorter than the leases of the transports (30 seconds by default for the
+/// in-memory, Redis and NATS transports, less the worker's 5-second
+/// keepalive interval), so the message of a process that died is not yet
+/// redelivered when its claim expires.
+pub const DEFAULT_PROCESSING_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// The deduplication middleware; see the [module docs](self).
 #[derive(Clone)]
 pub struct Deduplicate {
     window: Duration,
+    processing: Duration,
     store: Arc<dyn DedupStore>,
     keys: HashMap<TypeId, Arc<KeyFn>>,
 }
@@ -242,16 +318,20 @@ impl fmt::Debug for Deduplicate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Deduplicate")
             .field("window", &self.window)
+            .field("processing_timeout", &self.processing)
             .field("types", &self.keys.len())
             .finish()
     }
 }
 
 impl Deduplicate {
-    /// Remembers keys for `window`, in an [`InMemoryDedupStore`].
+    /// Remembers the keys of handled messages for `window`, in an
+    /// [`InMemoryDedupStore`]; holds the key of a message being handled for
+    /// [`DEFAULT_PROCESSING_TIMEOUT`] at a time.
     pub fn new(window: Duration) -> Self {
         Self {
             window,
+            processing: DEFAULT_PROCESSING_TIMEOUT,
             store: Arc::new(InMemoryDedupStore::new()),
             keys: HashMap::new(),
         }
@@ -263,6 +343,61 @@ impl Deduplicate {
         let f = move |e: &Envelope| e.message::<M>().map(|m| format!("{}:{}", M::NAME, key(m)));
         self.keys.insert(TypeId::of::<M>(), Arc::new(f));
         self
+    }
+
+    /// Holds the key of a message being handled for `timeout` at a time
+    /// (renewed every half `timeout` while its handler runs, at most the
+    /// window) instead of [`DEFAULT_PROCESSING_TIMEOUT`]. Keep it shorter
+    /// than the time the transport takes to redeliver the message of a
+    /// consumer that died (its lease, less the worker's keepalive
+    /// interval): a redelivery that comes while the claim holds is
+    /// acknowledged as a duplicate, and the message is lost. See the
+    /// [module docs](self).
+    #[must_use = "`processing_timeout` returns the configured middleware"]
+    pub fn processing_timeout(mut self, timeout: Duration) -> Self {
+        self.processing = timeout;
+        self
+    }
+
+    /// How long the key of a message being handled is held at a time: the
+    /// processing timeout, at most the window.
+    fn processing(&self) -> Duration {
+        far::clamp(self.processing.min(self.window))
+    }
+
+    /// Runs the handler, renewing the claim `token` has on `key` every half
+    /// processing timeout while it runs, so a message handled for longer
+    /// than the processing timeout keeps its key while its process lives.
+    async fn run_holding(
+        &self,
+        key: &str,
+        token: Uuid,
+        run: impl std::future::Future<Output = Result<Envelope>>,
+    ) -> Result<Envelope> {
+        let hold = self.processing();
+        let every = hold / 2;
+        if every.is_zero() {
+            return run.await;
+        }
+        let renew = async {
+            let mut next = Instant::now();
+            loop {
+                next += every;
+                tokio::time::sleep_until(next).await;
+                if let Err(e) = self.store.hold(key, token, hold).await {
+                    tracing::warn!(
+                        key,
+                        error = %e,
+                        "Deduplicate: could not renew the claim of a message being handled; \
+                         a copy that comes after the processing timeout is handled too"
+                    );
+                }
+            }
+        };
+        tokio::select! {
+            out = run => out,
+            never = renew => never,
+        }
     }
 
     /// Keeps keys in `store` instead of in memory.
@@ -311,7 +446,10 @@ impl Middleware for Deduplicate {
                 token: Uuid::new_v4(),
                 previous: envelope.last::<DedupClaimStamp>().map(|s| s.claim),
             };
-            let fresh = self.store.insert(&reserved.key, self.window, claim).await;
+            let fresh = self
+                .store
+                .insert(&reserved.key, self.processing(), claim)
+                .await;
             let fresh = fresh.map_err(|e| {
                 reserved.armed = false;
                 Self::store_error(e)
@@ -325,14 +463,31 @@ impl Middleware for Deduplicate {
             // lets through even if it could not forget the key.
             let envelope = envelope.with(DedupClaimStamp { claim: claim.token });
             let before = envelope.clone();
-            let out = next.run(envelope).await;
+            let out = self
+                .run_holding(&reserved.key, claim.token, next.run(envelope))
+                .await;
             let handled = matches!(&out, Ok(after) if !was_retried(&before, after));
-            let removed = if handled {
-                Ok(())
-            } else {
-                // Let the redelivery (or a new attempt) through.
-                self.store.remove(&reserved.key).await
-            };
+            if handled {
+                // Remembered for the window only now that it was handled.
+                let kept = self
+                    .store
+                    .hold(&reserved.key, claim.token, self.window)
+                    .await;
+                reserved.armed = false;
+                if let Err(e) = kept {
+                    // Handled all the same: a worker must acknowledge it.
+                    tracing::warn!(
+                        key = %reserved.key,
+                        error = %e,
+                        "Deduplicate: could not remember the key of a handled message \
+                         for the window; a copy that comes after the processing timeout \
+                         is handled again"
+                    );
+                }
+                return out;
+            }
+            // Let the redelivery (or a new attempt) through.
+            let removed = self.store.remove(&reserved.key).await;
             reserved.armed = false;
             match removed {
                 Ok(()) => out,
@@ -344,7 +499,7 @@ impl Middleware for Deduplicate {
                         error = %e,
                         "Deduplicate: could not forget the key of a failed message; \
                          its retry is still handled, but another message with the key \
-                         is acknowledged as a duplicate within the window"
+                         is acknowledged as a duplicate within the processing timeout"
                     );
                     out
                 }
@@ -611,5 +766,170 @@ mod tests {
             }
             other => panic!("expected the handler failure, got {other:?}"),
         }
+    }
+
+    /// A window far longer than the processing timeout, as in production.
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    fn hourly(store: Arc<dyn DedupStore>) -> Deduplicate {
+        Deduplicate::new(HOUR)
+            .key(|p: &Pay| p.0.to_string())
+            .store_arc(store)
+    }
+
+    /// Starts handling `Pay("r-1")` with a handler that never finishes, in
+    /// a task, and lets it claim the key.
+    async fn handling_forever(d: &Deduplicate) -> tokio::task::JoinHandle<()> {
+        let d = d.clone();
+        let task = tokio::spawn(async move {
+            let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
+            let _ = d
+                .handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck))
+                .await;
+        });
+        settle().await;
+        task
+    }
+
+    /// Whether a copy of `Pay("r-1")` is acknowledged as a duplicate (and
+    /// the handler not run).
+    async fn is_duplicate(d: &Deduplicate) -> bool {
+        let end = RecordingEndpoint::new();
+        let out = d
+            .handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        assert_eq!(end.calls().is_empty(), out.has::<DeduplicatedStamp>());
+        out.has::<DeduplicatedStamp>()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_message_whose_process_died_mid_handling_is_handled_when_redelivered_after_the_processing_timeout(
+    ) {
+        let store: Arc<dyn DedupStore> = Arc::new(InMemoryDedupStore::new());
+        // The process that died: it claimed the key and started the
+        // handler, then nothing of it ran again (no cleanup, no renewal).
+        let dead = hourly(store.clone());
+        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
+        let mut handling =
+            Box::pin(dead.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
+        assert!((&mut handling).now_or_never().is_none());
+        std::mem::forget(handling);
+
+        // Another worker gets the message the transport redelivers after
+        // the lease (30 s by default).
+        let alive = hourly(store);
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(is_duplicate(&alive).await, "within the processing timeout");
+        tokio::time::advance(DEFAULT_PROCESSING_TIMEOUT + Duration::from_secs(20)).await;
+        assert!(
+            !is_duplicate(&alive).await,
+            "the redelivery is handled, not acknowledged as a duplicate"
+        );
+        assert!(
+            is_duplicate(&alive).await,
+            "and its key is kept once handled"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_processing_timeout_is_configurable_and_at_most_the_window() {
+        let store: Arc<dyn DedupStore> = Arc::new(InMemoryDedupStore::new());
+        let dead = hourly(store.clone()).processing_timeout(Duration::from_secs(5));
+        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
+        let mut handling =
+            Box::pin(dead.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
+        assert!((&mut handling).now_or_never().is_none());
+        std::mem::forget(handling);
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert!(is_duplicate(&hourly(store.clone())).await);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!(!is_duplicate(&hourly(store)).await, "claimed for 5 s only");
+
+        // A window shorter than the processing timeout bounds the claim.
+        let short = Deduplicate::new(Duration::from_secs(3))
+            .key(|p: &Pay| p.0.to_string())
+            .processing_timeout(Duration::from_secs(60));
+        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
+        let mut handling =
+            Box::pin(short.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
+        assert!((&mut handling).now_or_never().is_none());
+        std::mem::forget(handling);
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert!(!is_duplicate(&short).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_copy_that_comes_while_the_first_is_being_handled_is_a_duplicate() {
+        let d = hourly(Arc::new(InMemoryDedupStore::new()));
+        let first = handling_forever(&d).await;
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(is_duplicate(&d).await);
+        first.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_message_handled_for_longer_than_the_processing_timeout_keeps_its_key_while_its_handler_runs(
+    ) {
+        let d = hourly(Arc::new(InMemoryDedupStore::new()));
+        let first = handling_forever(&d).await;
+        for _ in 0..10 {
+            tokio::time::advance(DEFAULT_PROCESSING_TIMEOUT / 2).await;
+            settle().await;
+        }
+        assert!(
+            is_duplicate(&d).await,
+            "the claim is renewed while the handler runs (100 s)"
+        );
+        first.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_copy_that_comes_after_the_first_was_handled_is_a_duplicate_for_the_window() {
+        let d = hourly(Arc::new(InMemoryDedupStore::new()));
+        assert!(!is_duplicate(&d).await);
+        tokio::time::advance(DEFAULT_PROCESSING_TIMEOUT * 3).await;
+        assert!(is_duplicate(&d).await, "past the processing timeout");
+        tokio::time::advance(HOUR - DEFAULT_PROCESSING_TIMEOUT * 4).await;
+        assert!(is_duplicate(&d).await, "just before the window ends");
+        tokio::time::advance(DEFAULT_PROCESSING_TIMEOUT * 2).await;
+        assert!(!is_duplicate(&d).await, "after the window");
+    }
+
+    /// Claims keys in memory but cannot keep them once handled.
+    struct NoHoldStore(InMemoryDedupStore);
+    impl DedupStore for NoHoldStore {
+        fn insert<'a>(
+            &'a self,
+            key: &'a str,
+            hold: Duration,
+            claim: DedupClaim,
+        ) -> BoxFuture<'a, Result<bool, BoxError>> {
+            self.0.insert(key, hold, claim)
+        }
+        fn hold<'a>(
+            &'a self,
+            _: &'a str,
+            _: Uuid,
+            _: Duration,
+        ) -> BoxFuture<'a, Result<(), BoxError>> {
+            Box::pin(async { Err("store down".into()) })
+        }
+        fn remove<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
+            self.0.remove(key)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_failure_remembering_a_handled_message_keeps_the_success() {
+        let d = dedup().store(NoHoldStore(InMemoryDedupStore::new()));
+        let end = RecordingEndpoint::new();
+        let out = d
+            .handle(Envelope::new(Pay("r-1")), end.next())
+            .await
+            .unwrap();
+        assert!(!out.has::<DeduplicatedStamp>());
+        assert_eq!(end.calls().len(), 1);
+        assert!(is_duplicate(&d).await, "the processing claim still holds");
     }
 }
