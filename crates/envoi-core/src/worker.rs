@@ -53,8 +53,8 @@
 //! |---|---|---|
 //! | success | acknowledges it | [`Handled`](WorkerEvent::Handled) |
 //! | success, scheduled for a retry by the retry step | acknowledges it (the retry is a new message) | [`Retried`](WorkerEvent::Retried) |
-//! | handled, or scheduled for a retry, but dispatches its handlers [deferred](crate::middleware::dispatch_after_current_bus) failed ([`BusError::DelayedHandlingFailed`]) | parks each deferred message that failed in the failure transport, as a message of its own with an `ErrorDetails` stamp saying why, then acknowledges the message (it is not parked itself: the handlers that deferred them would be skipped there, and a retry already holds it); rejects it when there is no failure transport; releases it, so its handlers run and defer them again, and pauses fetching from its receiver, when one cannot be parked | [`Handled`](WorkerEvent::Handled) or [`Retried`](WorkerEvent::Retried), and a [`Failed`](WorkerEvent::Failed) for each deferred message, naming it |
-//! | handler failure, parked in the failure transport by the retry step | acknowledges it; dispatches deferred by its handlers that succeeded that then failed are parked too, each on its own, as below (released when one cannot be) | [`Failed`](WorkerEvent::Failed) |
+//! | handled, or scheduled for a retry, but dispatches its handlers [deferred](crate::middleware::dispatch_after_current_bus) failed ([`BusError::DelayedHandlingFailed`]) | parks each deferred message that failed in the failure transport, as a message of its own with an `ErrorDetails` stamp saying why, then acknowledges the message (it is not parked itself: the handlers that deferred them would be skipped there, and a retry already holds it). A handled message is rejected when there is no failure transport, and released, so its handlers run and defer them again, when one cannot be parked (fetching from its receiver then pauses); a retried one is acknowledged all the same, its retry holding it, and a deferred message that cannot be parked is dropped with an error log | [`Handled`](WorkerEvent::Handled) or [`Retried`](WorkerEvent::Retried), and a [`Failed`](WorkerEvent::Failed) for each deferred message, naming it |
+//! | handler failure, parked in the failure transport by the retry step | acknowledges it; dispatches deferred by its handlers that succeeded that then failed are parked too, each on its own, as above (the message is acknowledged all the same: one that cannot be parked is dropped with an error log, as the parked message holds the handlers that deferred it) | [`Failed`](WorkerEvent::Failed) |
 //! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
 //! | transport failure (the retry step could not send the retry, or park the message) | releases it, so it is delivered again, and pauses fetching from its receiver as when parking fails | [`Failed`](WorkerEvent::Failed), saying where it could not be parked or retried and why |
 //! | any other error (no handler, a middleware's error, a panic) | parks it like the retry step would, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
@@ -1624,8 +1624,9 @@ impl Ctx {
                 envelope: mut after,
                 ..
             }) if after.has::<FailedDeferred>() => {
+                let retried = after.all::<RedeliveryStamp>().count() > redeliveries;
                 match self
-                    .park_deferred(receiver, &id, &envelope, &mut after)
+                    .park_deferred(receiver, &id, &envelope, &mut after, retried)
                     .await
                 {
                     None => self.succeeded(receiver, &id, *after, redeliveries, duration),
@@ -1640,7 +1641,7 @@ impl Ctx {
                 let parked_in = (failed.all::<SentToFailureTransportStamp>().count() > parked)
                     .then(|| failed.last::<SentStamp>().map(|s| s.transport.clone()))
                     .flatten();
-                let mut action = if parked_in.is_some() {
+                let action = if parked_in.is_some() {
                     self.parked(receiver, true);
                     Action::Ack
                 } else {
@@ -1649,12 +1650,10 @@ impl Ctx {
                 // Parked, with dispatches its handlers that succeeded
                 // deferred that failed: those are parked too.
                 if parked_in.is_some() && failed.has::<FailedDeferred>() {
-                    let deferred = self
-                        .park_deferred(receiver, &id, &envelope, &mut failed)
+                    // The message is parked: it is acknowledged whatever
+                    // becomes of them.
+                    self.park_deferred(receiver, &id, &envelope, &mut failed, true)
                         .await;
-                    if let Some(Action::Release) = deferred {
-                        action = Action::Release;
-                    }
                 }
                 if parked_in.as_deref() == Some(&**transport) {
                     again = failed
@@ -1740,7 +1739,11 @@ impl Ctx {
     /// received message instead of acknowledging it: release it, so its
     /// handlers run and defer them again, when one could not be parked (and
     /// its receiver pauses, as when parking fails); reject it when there is
-    /// no failure transport.
+    /// no failure transport. When `kept` — the message lives on as its
+    /// retry or parked copy, whose handlers that deferred them do not run
+    /// again — it is always `None`: given back too, the message would be
+    /// handled twice and retried or parked twice, so a deferred dispatch
+    /// that cannot be parked is dropped, with an error log.
     #[cold]
     fn park_deferred<'a>(
         &'a self,
@@ -1748,6 +1751,7 @@ impl Ctx {
         id: &'a MessageId,
         envelope: &'a Envelope,
         after: &mut Envelope,
+        kept: bool,
     ) -> BoxFuture<'a, Option<Action>> {
         let failed = after
             .last::<FailedDeferred>()
@@ -1776,6 +1780,7 @@ impl Ctx {
                             kind: &details.kind,
                             error: details.message.clone(),
                             what: "was deferred by a handler and failed",
+                            release: !kept,
                         },
                         failure.map(|failure| {
                             let delay = park_delay(&deferred, failure == &**transport);
@@ -1801,6 +1806,9 @@ impl Ctx {
                     envelope: Some(deferred),
                 });
                 match outcome.action {
+                    // The message lives on as its retry or parked copy: it
+                    // is acknowledged whatever became of this dispatch.
+                    _ if kept => {}
                     Action::Ack => {}
                     Action::Reject => action = Some(Action::Reject),
                     Action::Release => return Some(Action::Release),
@@ -1896,6 +1904,7 @@ impl Ctx {
                     kind: &details.kind,
                     error: details.message.clone(),
                     what: "failed",
+                    release: true,
                 },
                 failure.map(|failure| {
                     // Back into the transport it came from: later, not at
@@ -1968,6 +1977,7 @@ impl Ctx {
                     kind: &details.kind,
                     error: error.to_string(),
                     what: "did not decode",
+                    release: true,
                 },
                 target.map(|(name, failure)| {
                     append_stamp_header(&mut raw, &details);
@@ -2020,6 +2030,7 @@ impl Ctx {
             kind,
             mut error,
             what,
+            release,
         } = failed;
         let Some((name, send)) = send else {
             tracing::warn!(
@@ -2052,6 +2063,24 @@ impl Ctx {
                     action: Action::Ack,
                     parked_in: Some(name.to_string()),
                     id,
+                    released: false,
+                    error,
+                }
+            }
+            Err(e) if !release => {
+                self.parked(receiver, false);
+                error = format!("{error}; parking in `{name}` failed, so it is dropped: {e}");
+                tracing::error!(
+                    transport = %transport,
+                    id,
+                    message,
+                    error = %error,
+                    "message dropped: it {what} and could not be parked"
+                );
+                Settled {
+                    action: Action::Ack,
+                    parked_in: None,
+                    id: None,
                     released: false,
                     error,
                 }
@@ -2148,6 +2177,11 @@ struct Failure<'a> {
     error: String,
     /// What went wrong, for the log: "failed", "did not decode".
     what: &'static str,
+    /// Whether it is released, kept where it is, when it cannot be parked;
+    /// otherwise it is dropped (a deferred dispatch of a message that lives
+    /// on as its retry or parked copy: released, the message would be
+    /// duplicated).
+    release: bool,
 }
 
 /// What became of a message that failed.

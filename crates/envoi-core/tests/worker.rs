@@ -2289,3 +2289,150 @@ async fn a_message_its_failure_transport_cannot_take_pauses_only_its_own_receive
         "{error}"
     );
 }
+
+/// A failure transport (in memory) that refuses the messages of one type.
+struct RefusingType(Arc<InMemoryTransport>, &'static str);
+
+impl Transport for RefusingType {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
+        if message.header(envoi_core::serializer::TYPE_HEADER) == Some(self.1) {
+            return Box::pin(async {
+                Err(envoi_core::TransportError::backend("sending", "refused"))
+            });
+        }
+        self.0.send(message, delay)
+    }
+
+    fn get(
+        &self,
+        max: usize,
+    ) -> envoi_core::middleware::BoxFuture<
+        '_,
+        Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
+    > {
+        self.0.get(max)
+    }
+
+    fn ack<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        self.0.ack(id)
+    }
+
+    fn release<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        self.0.release(id)
+    }
+
+    fn message_count(
+        &self,
+    ) -> envoi_core::middleware::BoxFuture<'_, Result<u64, envoi_core::TransportError>> {
+        self.0.message_count()
+    }
+
+    fn capabilities(&self) -> envoi_core::transport::Capabilities {
+        self.0.capabilities()
+    }
+
+    fn bind(&self, binding: &envoi_core::transport::TransportBinding) {
+        self.0.bind(binding);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retried_or_parked_message_whose_deferred_dispatch_cannot_be_parked_is_not_duplicated() {
+    for retries in [0, 1] {
+        let case = format!("retries: {retries}");
+        let (queue, failed) = (memory(), memory());
+        let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
+        let slot = bus.clone();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = runs.clone();
+        let messenger = Messenger::builder()
+            .event_handler(move |_: Paid| {
+                let slot = slot.clone();
+                counted.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let bus = slot.lock().unwrap().clone().expect("bus set");
+                    bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
+                        .await
+                        .expect("a deferred dispatch is accepted");
+                    Ok::<_, JobFailed>(())
+                }
+            })
+            .event_handler(|_: Paid| async { Err::<(), _>(JobFailed) })
+            .command_handler(|_: Audit| async { Ok::<_, JobFailed>(()) })
+            .transport("async", queue.clone())
+            // The audit's dispatch fails, and the failure transport does not
+            // take it either.
+            .transport("down", Arc::new(Refusing::default()))
+            .transport("failed", Arc::new(RefusingType(failed.clone(), "Audit")))
+            .route::<Paid>("async")
+            .route::<Audit>("down")
+            .failure_transport("failed")
+            .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+                max_retries: retries,
+                delay: Duration::ZERO,
+                jitter: 0.0,
+                ..Default::default()
+            })
+            .build()
+            .unwrap();
+        *bus.lock().unwrap() = Some(messenger.bus().clone());
+        messenger
+            .bus()
+            .dispatch(Envelope::event(Paid))
+            .await
+            .unwrap();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let seen = events.clone();
+        let report = drain(
+            Worker::builder(&messenger)
+                .receiver("async")
+                .message_limit(1)
+                .listener(move |e: &WorkerEvent| {
+                    if let WorkerEvent::Failed {
+                        message,
+                        parked_in,
+                        released,
+                        ..
+                    } = e
+                    {
+                        seen.lock().unwrap().push((
+                            message.to_string(),
+                            parked_in.clone(),
+                            *released,
+                        ));
+                    }
+                }),
+        )
+        .await;
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{case}");
+        // The event lives on once: as its retry, or parked. Released as
+        // well, it would be handled again and retried or parked again.
+        let (in_queue, parked) = if retries == 0 { (0, 1) } else { (1, 0) };
+        assert_eq!(
+            queue.message_count().await.unwrap(),
+            in_queue,
+            "the event is not given back beside its retry or parked copy: {case}"
+        );
+        assert_eq!(failed.message_count().await.unwrap(), parked, "{case}");
+        assert_eq!(report.stats.retried, u64::from(retries), "{case}");
+        let events = events.lock().unwrap().clone();
+        assert!(
+            events.contains(&("Audit".to_string(), None, false)),
+            "the audit that could not be parked is reported, not released: {case}: {events:?}"
+        );
+        assert!(
+            events.iter().all(|(_, _, released)| !released),
+            "{case}: {events:?}"
+        );
+    }
+}

@@ -32,7 +32,10 @@
 //!   message: its own handling succeeded (or its retry was sent), and
 //!   parked or retried it would skip the handlers that deferred them, so
 //!   they would be lost. A failed consequence is therefore kept, at least
-//!   once, and the message not duplicated.
+//!   once, and the message not duplicated. (One the failure transport does
+//!   not take is kept by releasing a handled message, whose handlers then
+//!   run again; beside a retry or a parked copy it is dropped, with an
+//!   error log, as releasing the message would duplicate it.)
 //! * Messages deferred while handling a deferred message are handled after
 //!   it, in order.
 //! * Only stamped messages wait: a handler that asks a query (or dispatches
