@@ -1629,8 +1629,15 @@ impl Ctx {
                     .park_deferred(receiver, &id, &envelope, &mut after, retried)
                     .await
                 {
-                    None => self.succeeded(receiver, &id, *after, redeliveries, duration),
-                    Some(action) => action,
+                    // Given back: it is handled again.
+                    Some(Action::Release) => Action::Release,
+                    // Handled (or retried) all the same, so counted and
+                    // reported as such; rejected when a deferred dispatch
+                    // had nowhere to be parked.
+                    rejected => {
+                        let acked = self.succeeded(receiver, &id, *after, redeliveries, duration);
+                        rejected.unwrap_or(acked)
+                    }
                 }
             }
             Err(BusError::HandlerFailed {

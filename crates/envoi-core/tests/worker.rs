@@ -2436,3 +2436,49 @@ async fn a_retried_or_parked_message_whose_deferred_dispatch_cannot_be_parked_is
         );
     }
 }
+
+#[tokio::test]
+async fn a_handled_message_rejected_for_want_of_a_failure_transport_for_its_deferred_dispatch_still_counts_as_handled(
+) {
+    let queue = memory();
+    let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
+    let slot = bus.clone();
+    let messenger = Messenger::builder()
+        .event_handler(move |_: Paid| {
+            let slot = slot.clone();
+            async move {
+                let bus = slot.lock().unwrap().clone().expect("bus set");
+                bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
+                    .await
+                    .expect("a deferred dispatch is accepted");
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .command_handler(|_: Audit| async { Err::<(), _>(JobFailed) })
+        .transport("async", queue.clone())
+        .route::<Paid>("async")
+        .build()
+        .unwrap();
+    *bus.lock().unwrap() = Some(messenger.bus().clone());
+    messenger
+        .bus()
+        .dispatch(Envelope::event(Paid))
+        .await
+        .unwrap();
+    let handled = Arc::new(AtomicUsize::new(0));
+    let seen = handled.clone();
+    let report = drain(Worker::builder(&messenger).receiver("async").listener(
+        move |e: &WorkerEvent| {
+            if let WorkerEvent::Handled { .. } = e {
+                seen.fetch_add(1, Ordering::SeqCst);
+            }
+        },
+    ))
+    .await;
+    // The event was handled; only its audit failed (and, with nowhere to
+    // park it, the event is rejected).
+    assert_eq!(report.stats.handled, 1, "{:?}", report.stats);
+    assert_eq!(report.stats.failed, 1, "the audit: {:?}", report.stats);
+    assert_eq!(handled.load(Ordering::SeqCst), 1, "a Handled event");
+    assert_eq!(queue.message_count().await.unwrap(), 0);
+}
