@@ -735,7 +735,9 @@ impl WorkerBuilder {
     /// leased) and nothing is in flight. Emptiness is read from
     /// [`Transport::message_count`]; a transport that does not implement it
     /// counts as empty as soon as it hands out nothing, whatever it still
-    /// holds delayed or leased.
+    /// holds delayed or leased. A receiver paused because one of its
+    /// messages could not be parked is asked again, once its pause is
+    /// over, before the worker stops.
     ///
     /// Messages this worker parked back into a receiver they came from — a
     /// failure transport it consumes, where a message failing for good again
@@ -2997,8 +2999,12 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 }
                 if self.in_flight.is_empty() && self.buffer.is_empty() {
                     self.flush().await;
+                    // A receiver paused after a failed park holds the
+                    // message given back, and was not asked since: it is
+                    // not known to be empty (it may not count).
                     if self.options.stop_when_empty
                         && self.panicked.is_empty()
+                        && self.fetch_after.iter().all(Option::is_none)
                         && self.all_empty().await
                     {
                         break StopReason::Empty;

@@ -2482,3 +2482,94 @@ async fn a_handled_message_rejected_for_want_of_a_failure_transport_for_its_defe
     assert_eq!(handled.load(Ordering::SeqCst), 1, "a Handled event");
     assert_eq!(queue.message_count().await.unwrap(), 0);
 }
+
+/// An in-memory queue that cannot count its messages (as a broker that
+/// does not tell), and that refuses the first `refuse` sends.
+struct Uncounted(Arc<InMemoryTransport>, AtomicUsize);
+
+impl Transport for Uncounted {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
+        let refused = self
+            .1
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if refused {
+            return Box::pin(async {
+                Err(envoi_core::TransportError::backend("sending", "refused"))
+            });
+        }
+        self.0.send(message, delay)
+    }
+
+    fn get(
+        &self,
+        max: usize,
+    ) -> envoi_core::middleware::BoxFuture<
+        '_,
+        Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
+    > {
+        self.0.get(max)
+    }
+
+    fn ack<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        self.0.ack(id)
+    }
+
+    fn release<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        self.0.release(id)
+    }
+
+    fn capabilities(&self) -> envoi_core::transport::Capabilities {
+        self.0.capabilities()
+    }
+
+    fn bind(&self, binding: &envoi_core::transport::TransportBinding) {
+        self.0.bind(binding);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn stop_when_empty_does_not_stop_before_asking_again_a_receiver_paused_after_a_failed_park() {
+    let seen = Seen::default();
+    let (paused, other, failed) = (memory(), memory(), memory());
+    let messenger = Messenger::builder()
+        .command_handler(seen.handler(Duration::ZERO))
+        .transport(
+            "paused",
+            Arc::new(Uncounted(paused.clone(), AtomicUsize::new(0))),
+        )
+        .transport("other", other.clone())
+        // Down at first: the message `paused` holds cannot be parked, so it
+        // is given back and `paused` is not read for a while.
+        .transport(
+            "failed",
+            Arc::new(Uncounted(failed.clone(), AtomicUsize::new(1))),
+        )
+        .route::<Job>("other")
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    paused.send(raw("Unknown", b"{}"), None).await.unwrap();
+    let report = drain(Worker::builder(&messenger).receivers(["paused", "other"])).await;
+    assert_eq!(report.reason, StopReason::Empty);
+    // `paused` cannot say it still holds the message: only asking it again
+    // (after its pause) tells, and by then the message can be parked.
+    assert_eq!(
+        failed.message_count().await.unwrap(),
+        1,
+        "parked at the second try: {:?}",
+        report.stats
+    );
+    assert_eq!(paused.message_count().await.unwrap(), 0);
+    assert_eq!(report.stats.failed, 2, "the failed park, then the park");
+}
