@@ -15,9 +15,13 @@
 //!   [`STAMP_HISTORY`] of each type are written, so a message that keeps
 //!   failing and coming back does not grow without bound;
 //! * every [envelope header](Envelope::header) is written as a header of its
-//!   own. `type`, `kind`, the `X-Message-Stamp-` prefix and the two
+//!   own. `type`, `kind`, the `X-Message-Stamp-` prefix, the two
 //!   markers of a message that must not decode
-//!   ([`INVALID_HEADERS_HEADER`], [`INVALID_BODY_HEADER`]) are reserved.
+//!   ([`INVALID_HEADERS_HEADER`], [`INVALID_BODY_HEADER`]) and the mark of
+//!   a redelivery ([`REDELIVERED_HEADER`]) are reserved. A received message
+//!   with that mark (set by its transport, see
+//!   [`Delivery::redelivered`](crate::transport::Delivery::redelivered))
+//!   decodes with a [`RedeliveredStamp`] instead of the header.
 //!
 //! # Registries
 //!
@@ -92,9 +96,9 @@ use crate::middleware::correlation::{CausationIdStamp, CorrelationIdStamp};
 use crate::middleware::dedup::DedupClaimStamp;
 use crate::stamp::{
     BusNameStamp, DelayStamp, ErasedStamp, ErrorDetailsStamp, HandledStamp, MessageIdStamp,
-    RedeliveryStamp, SentToFailureTransportStamp, Stamp,
+    RedeliveredStamp, RedeliveryStamp, SentToFailureTransportStamp, Stamp,
 };
-use crate::transport::RawMessage;
+use crate::transport::{RawMessage, REDELIVERED_HEADER};
 
 /// The header holding the message's stable name.
 pub const TYPE_HEADER: &str = "type";
@@ -624,7 +628,11 @@ impl Serializer {
                 continue;
             }
             let Some(stamp) = key.strip_prefix(STAMP_HEADER_PREFIX) else {
-                envelope = envelope.with_header(key, value);
+                envelope = if key == REDELIVERED_HEADER {
+                    envelope.with(RedeliveredStamp::new())
+                } else {
+                    envelope.with_header(key, value)
+                };
                 continue;
             };
             if stamp == BusNameStamp::NAME {
@@ -660,6 +668,7 @@ fn is_reserved(header: &str) -> bool {
         || header.starts_with(STAMP_HEADER_PREFIX)
         || header == INVALID_HEADERS_HEADER
         || header == INVALID_BODY_HEADER
+        || header == REDELIVERED_HEADER
 }
 
 /// Groups the sendable stamps by name, keeping each type's order, and writes
@@ -943,6 +952,30 @@ mod tests {
                 .unwrap_err();
             assert_eq!(e.kind(), "invalid_header", "{marker}");
         }
+    }
+
+    #[test]
+    fn a_delivery_marked_redelivered_decodes_with_a_redelivered_stamp_that_is_not_sent_again() {
+        use crate::transport::Delivery;
+        let raw = serializer().encode(&Envelope::new(order())).unwrap();
+        let plain = Delivery {
+            id: "1".into(),
+            raw: raw.clone(),
+        };
+        assert!(!serializer()
+            .decode(&plain.raw)
+            .unwrap()
+            .has::<RedeliveredStamp>());
+        let marked = plain.redelivered();
+        let back = serializer().decode(&marked.raw).unwrap();
+        assert!(back.has::<RedeliveredStamp>());
+        assert_eq!(back.header(REDELIVERED_HEADER), None, "not a header");
+        assert_eq!(serializer().encode(&back).unwrap(), raw, "nor sent again");
+        // A producer cannot set the mark.
+        let e = serializer()
+            .encode(&Envelope::new(order()).with_header(REDELIVERED_HEADER, "true"))
+            .unwrap_err();
+        assert_eq!(e.kind(), "invalid_header");
     }
 
     #[test]

@@ -322,6 +322,35 @@ impl Stamp for ReceivedStamp {
     const SENDABLE: bool = false;
 }
 
+/// Marks an envelope received from a transport that said it had handed the
+/// message out before and it was not acknowledged: a consumer took it and
+/// died, or gave it back, before it was handled (RabbitMQ's `redelivered`
+/// flag, for one). The transport marks the [`Delivery`] with
+/// [`Delivery::redelivered`] and the serializer turns the mark into this
+/// stamp when it decodes the message; it never crosses a transport.
+///
+/// [`Deduplicate`](crate::middleware::dedup::Deduplicate) handles such a
+/// message when its key is only claimed by an attempt still in processing
+/// (whose process may have died) instead of taking it for a duplicate.
+///
+/// [`Delivery`]: crate::transport::Delivery
+/// [`Delivery::redelivered`]: crate::transport::Delivery::redelivered
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct RedeliveredStamp {}
+
+impl RedeliveredStamp {
+    /// The stamp.
+    pub fn new() -> Self {
+        Self {}
+    }
+}
+
+impl Stamp for RedeliveredStamp {
+    const NAME: &'static str = "Redelivered";
+    const SENDABLE: bool = false;
+}
+
 /// Records that the envelope was sent to a transport; one per transport.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SentStamp {

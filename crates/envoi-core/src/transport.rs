@@ -53,6 +53,16 @@ impl RawMessage {
     }
 }
 
+/// The header a transport sets on a [`Delivery`] it handed out before
+/// without it being acknowledged (see [`Delivery::redelivered`]). The
+/// serializer turns it into a [`RedeliveredStamp`] when decoding and refuses
+/// an envelope header of that name when encoding, so a producer cannot set
+/// it; a transport that stores headers other producers write drops a header
+/// of that name on the way in.
+///
+/// [`RedeliveredStamp`]: crate::stamp::RedeliveredStamp
+pub const REDELIVERED_HEADER: &str = "X-Envoi-Redelivered";
+
 /// A message handed out by [`Transport::get`], to be acknowledged, rejected
 /// or released by its `id`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,6 +71,38 @@ pub struct Delivery {
     pub id: String,
     /// The stored message.
     pub raw: RawMessage,
+}
+
+impl Delivery {
+    /// Marks the message as handed out before and not acknowledged: a
+    /// consumer took it and died (or gave it back) before it was handled.
+    /// A transport that knows it exactly (RabbitMQ's `redelivered` flag)
+    /// marks it, and the received envelope then carries a
+    /// [`RedeliveredStamp`], which lets
+    /// [`Deduplicate`](crate::middleware::dedup::Deduplicate) handle it while
+    /// the attempt of a consumer that died still claims its key. Sets
+    /// [`REDELIVERED_HEADER`].
+    ///
+    /// ```
+    /// use envoi_core::transport::{Delivery, RawMessage};
+    ///
+    /// let d = Delivery { id: "1".into(), raw: RawMessage::default() };
+    /// assert!(!d.is_redelivered());
+    /// assert!(d.redelivered().is_redelivered());
+    /// ```
+    ///
+    /// [`RedeliveredStamp`]: crate::stamp::RedeliveredStamp
+    #[must_use = "`redelivered` returns the marked delivery"]
+    pub fn redelivered(mut self) -> Self {
+        self.raw.headers.insert(REDELIVERED_HEADER, "true");
+        self
+    }
+
+    /// Whether the transport marked the message with
+    /// [`redelivered`](Self::redelivered).
+    pub fn is_redelivered(&self) -> bool {
+        self.raw.headers.contains_key(REDELIVERED_HEADER)
+    }
 }
 
 /// What a transport promises; the conformance suite reads it to decide which

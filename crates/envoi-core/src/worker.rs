@@ -1958,6 +1958,8 @@ impl Ctx {
         error: crate::error::SerializationError,
     ) -> Done {
         bump(&self.counters.failed);
+        // Its transport's mark, not the message's: it does not go along.
+        raw.headers.remove(crate::transport::REDELIVERED_HEADER);
         let transport = &self.receivers[receiver].name;
         let details = ErrorDetailsStamp::from_error(format!("decode:{}", error.kind()), &error);
         let message = raw

@@ -16,7 +16,7 @@ use envoi_core::middleware::validation::{Validate, Validation};
 use envoi_core::middleware::BoxFuture;
 use envoi_core::middleware::{from_fn, Next};
 use envoi_core::stamp::{MessageIdStamp, ReceivedStamp};
-use envoi_core::worker::{Worker, WorkerEvent};
+use envoi_core::worker::{Outcome, Worker, WorkerEvent};
 use envoi_core::{BusError, Command, DispatchError, Dispatcher, Envelope, Message, Messenger};
 use serde::{Deserialize, Serialize};
 
@@ -286,6 +286,52 @@ async fn a_duplicate_delivered_by_a_transport_is_acked_without_running_the_handl
         0,
         "the duplicate was acked"
     );
+}
+
+#[tokio::test]
+async fn a_delivery_its_transport_marks_as_redelivered_is_handled_while_a_dead_consumer_claims_its_key(
+) {
+    let count = Arc::new(AtomicU32::new(0));
+    let store = Arc::new(InMemoryDedupStore::new());
+    let m = Messenger::builder()
+        .command_handler(counting_handler(&count))
+        .transport_dsn("async", "in-memory://?serialize=true")
+        .route::<Charge>("async")
+        .middleware(
+            Deduplicate::new(Duration::from_secs(3600))
+                .key(|c: &Charge| c.reference.clone())
+                .store_arc(store.clone()),
+        )
+        .build_async()
+        .await
+        .unwrap();
+    // The consumer that died mid-handling claimed the key.
+    let dead = DedupClaim {
+        token: uuid::Uuid::new_v4(),
+        previous: None,
+        redelivered: false,
+    };
+    assert!(store
+        .insert("Charge:pay-1", Duration::from_secs(20), dead)
+        .await
+        .unwrap());
+    let bus = m.dispatcher();
+    bus.dispatch(charge("pay-1", 5)).await.unwrap();
+    bus.dispatch(charge("pay-1", 5)).await.unwrap();
+    let mut got = m.transport("async").unwrap().get(2).await.unwrap();
+    assert_eq!(got.len(), 2);
+    let redelivered = got.pop().unwrap().redelivered();
+    let copy = got.pop().unwrap();
+
+    let outcome = envoi_core::worker::consume_one(&m, "async", copy)
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Handled), "{outcome:?}");
+    assert_eq!(count.load(Ordering::SeqCst), 0, "a copy is a duplicate");
+    envoi_core::worker::consume_one(&m, "async", redelivered)
+        .await
+        .unwrap();
+    assert_eq!(count.load(Ordering::SeqCst), 1, "the redelivery is handled");
 }
 
 /// Remembers keys in memory but cannot forget them.

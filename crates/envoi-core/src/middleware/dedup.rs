@@ -27,10 +27,25 @@
 //! default for the in-memory, Redis and NATS transports, 60 s for SQLite,
 //! 300 s for PostgreSQL) less the worker's keepalive interval (5 s). A
 //! redelivery that comes while the dead process's claim holds is
-//! acknowledged as a duplicate, and the message is lost; RabbitMQ, which
-//! hands a dead consumer's messages out again as soon as its connection
-//! closes, can do that. (A *copy* that comes then is no loss: the original
-//! is redelivered and handled later.)
+//! acknowledged as a duplicate, and the message is lost, unless its
+//! transport marks it as redelivered. (A *copy* that comes then is no loss:
+//! the original is redelivered and handled later.)
+//!
+//! A transport that knows a message was handed out before and not
+//! acknowledged marks it ([`Delivery::redelivered`]; the RabbitMQ transport
+//! does, from AMQP's `redelivered` flag, since RabbitMQ hands a dead
+//! consumer's messages out again as soon as its connection closes), and the
+//! received envelope carries a [`RedeliveredStamp`]. Such a redelivery is
+//! handled when its key is only claimed by an attempt in processing (it
+//! takes the claim over), and is a duplicate when its key is remembered
+//! after its message was handled, as a copy is. A copy without the mark
+//! is a duplicate in either step. So a message whose consumer died is
+//! handled at once; if that consumer had only lost its connection and
+//! still runs the handler, the message is handled twice, which beats
+//! never. A [`DedupStore`] tells the two steps apart by the token: a
+//! handled message's key is claimed by [`DedupClaim::HANDLED`].
+//!
+//! [`Delivery::redelivered`]: crate::transport::Delivery::redelivered
 //!
 //! The trade-offs: a handler slower than the processing timeout keeps its
 //! key only through the renewals, one store call every half processing
@@ -110,7 +125,7 @@ use crate::envelope::Envelope;
 use crate::error::{BoxError, BusError, Result};
 use crate::far;
 use crate::message::Message;
-use crate::stamp::Stamp;
+use crate::stamp::{RedeliveredStamp, Stamp};
 
 /// Marks an envelope that was recognised as a duplicate and not handled.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -141,11 +156,26 @@ impl Stamp for DedupClaimStamp {
 /// How a handling attempt claims a key in [`DedupStore::insert`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DedupClaim {
-    /// The token this attempt claims the key with: fresh for every attempt.
+    /// The token this attempt claims the key with: fresh for every attempt,
+    /// or [`DedupClaim::HANDLED`] to remember the key of a handled message.
     pub token: Uuid,
     /// The token of the same message's previous attempt (the newest
     /// [`DedupClaimStamp`] it carries), if it had one.
     pub previous: Option<Uuid>,
+    /// The message's transport handed it out before without it being
+    /// acknowledged (it carries a [`RedeliveredStamp`]): a key claimed by an
+    /// attempt in processing, whose consumer may have died, is taken over;
+    /// a key claimed by [`DedupClaim::HANDLED`] is not.
+    pub redelivered: bool,
+}
+
+impl DedupClaim {
+    /// The token a key is claimed by once its message was handled, for the
+    /// window: [`Deduplicate`] claims it so with `previous` set to the
+    /// handling attempt's token. A redelivery does not take it over, so
+    /// stores tell a key remembered after success from one merely claimed
+    /// by this token. (The nil UUID: never the token of an attempt.)
+    pub const HANDLED: Uuid = Uuid::nil();
 }
 
 /// Where the keys seen recently are kept, each with the token of the
@@ -153,17 +183,29 @@ pub struct DedupClaim {
 ///
 /// [`Deduplicate`] claims a key with [`insert`](Self::insert) for the
 /// processing timeout only, renews that claim with [`hold`](Self::hold)
-/// while the handler runs, and once the message was handled calls `hold`
-/// with the window. A claim left by a process that died is therefore gone
-/// after the processing timeout, and the redelivered message is handled.
+/// while the handler runs, and once the message was handled claims it with
+/// `insert` for the window under [`DedupClaim::HANDLED`]. A claim left by a
+/// process that died is therefore gone after the processing timeout, and
+/// the redelivered message is handled; a message its transport marks as
+/// redelivered takes such a claim over at once (see
+/// [`DedupClaim::redelivered`]).
 pub trait DedupStore: Send + Sync + 'static {
-    /// Claims `key` for `hold` (the processing timeout) with `claim.token`,
-    /// unless it is claimed already, and not expired, under a token other
-    /// than `claim.previous`. Returns `true` when the key was new, expired
-    /// or claimed by `claim.previous` (the message is to be handled; the
+    /// Claims `key` for `hold` with `claim.token`, unless it is claimed
+    /// already, and not expired, under a token other than `claim.previous`
+    /// (and, for a `claim.redelivered`, other than any token but
+    /// [`DedupClaim::HANDLED`]). Returns `true` when the key was new,
+    /// expired, claimed by `claim.previous` and not by
+    /// [`DedupClaim::HANDLED`], or `claim.redelivered` and not claimed by
+    /// [`DedupClaim::HANDLED`] (the message is to be handled, or, for a
+    /// `claim.token` of [`DedupClaim::HANDLED`], its key remembered; the
     /// key is now claimed by `claim.token` until `hold` from now), `false`
     /// when it is a duplicate (the key and its claim are left as they
     /// were).
+    ///
+    /// A store that ignores `claim.redelivered` takes a redelivery for a
+    /// duplicate while the key is claimed, so the message of a consumer that
+    /// died is lost when its transport redelivers it within the processing
+    /// timeout (RabbitMQ does).
     fn insert<'a>(
         &'a self,
         key: &'a str,
@@ -178,8 +220,11 @@ pub trait DedupStore: Send + Sync + 'static {
     /// handled, and with the window once it was handled.
     ///
     /// The default implementation is
-    /// `insert(key, hold, DedupClaim { token, previous: Some(token) })`,
-    /// which does just that.
+    /// `insert(key, hold, DedupClaim { token, previous: Some(token),
+    /// redelivered: false })`, which does just that.
+    ///
+    /// [`Deduplicate`] calls it with the processing timeout, to renew the
+    /// claim of a message still being handled.
     fn hold<'a>(
         &'a self,
         key: &'a str,
@@ -189,6 +234,7 @@ pub trait DedupStore: Send + Sync + 'static {
         let claim = DedupClaim {
             token,
             previous: Some(token),
+            redelivered: false,
         };
         Box::pin(self.insert(key, hold, claim).map(|r| r.map(|_| ())))
     }
@@ -237,7 +283,8 @@ impl DedupStore for InMemoryDedupStore {
         }
         let fresh = match keys.get_mut(key) {
             Some((expires, token)) if *expires > now => {
-                let mine = claim.previous == Some(*token);
+                let mine = *token != DedupClaim::HANDLED
+                    && (claim.redelivered || claim.previous == Some(*token));
                 if mine {
                     *expires = until;
                     *token = claim.token;
@@ -351,8 +398,8 @@ impl Deduplicate {
     /// than the time the transport takes to redeliver the message of a
     /// consumer that died (its lease, less the worker's keepalive
     /// interval): a redelivery that comes while the claim holds is
-    /// acknowledged as a duplicate, and the message is lost. See the
-    /// [module docs](self).
+    /// acknowledged as a duplicate, and the message is lost, unless its
+    /// transport marks it as redelivered. See the [module docs](self).
     #[must_use = "`processing_timeout` returns the configured middleware"]
     pub fn processing_timeout(mut self, timeout: Duration) -> Self {
         self.processing = timeout;
@@ -445,6 +492,7 @@ impl Middleware for Deduplicate {
             let claim = DedupClaim {
                 token: Uuid::new_v4(),
                 previous: envelope.last::<DedupClaimStamp>().map(|s| s.claim),
+                redelivered: envelope.has::<RedeliveredStamp>(),
             };
             let fresh = self
                 .store
@@ -468,11 +516,16 @@ impl Middleware for Deduplicate {
                 .await;
             let handled = matches!(&out, Ok(after) if !was_retried(&before, after));
             if handled {
-                // Remembered for the window only now that it was handled.
-                let kept = self
-                    .store
-                    .hold(&reserved.key, claim.token, self.window)
-                    .await;
+                // Remembered for the window only now that it was handled,
+                // as handled: a redelivery does not take it over. (Not
+                // remembered if a redelivery took the claim over meanwhile:
+                // that attempt remembers it when it is handled.)
+                let handled = DedupClaim {
+                    token: DedupClaim::HANDLED,
+                    previous: Some(claim.token),
+                    redelivered: false,
+                };
+                let kept = self.store.insert(&reserved.key, self.window, handled).await;
                 reserved.armed = false;
                 if let Err(e) = kept {
                     // Handled all the same: a worker must acknowledge it.
@@ -832,6 +885,58 @@ mod tests {
         );
     }
 
+    /// Whether a copy of `Pay("r-1")` its transport marked as redelivered
+    /// is acknowledged as a duplicate (and the handler not run).
+    async fn redelivery_is_duplicate(d: &Deduplicate) -> bool {
+        let end = RecordingEndpoint::new();
+        let redelivered = Envelope::new(Pay("r-1")).with(RedeliveredStamp::new());
+        let out = d.handle(redelivered, end.next()).await.unwrap();
+        assert_eq!(end.calls().is_empty(), out.has::<DeduplicatedStamp>());
+        out.has::<DeduplicatedStamp>()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_redelivery_is_handled_while_the_key_is_only_claimed_but_not_once_the_message_was_handled(
+    ) {
+        let store: Arc<dyn DedupStore> = Arc::new(InMemoryDedupStore::new());
+        // A consumer claimed the key and died mid-handling; RabbitMQ hands
+        // its message out again at once, marked as redelivered.
+        let dead = hourly(store.clone());
+        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
+        let mut handling =
+            Box::pin(dead.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
+        assert!((&mut handling).now_or_never().is_none());
+        std::mem::forget(handling);
+
+        let alive = hourly(store);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(
+            is_duplicate(&alive).await,
+            "a copy that is no redelivery is still a duplicate"
+        );
+        assert!(
+            !redelivery_is_duplicate(&alive).await,
+            "the redelivery is handled while the dead consumer's claim holds"
+        );
+        assert!(
+            redelivery_is_duplicate(&alive).await,
+            "once handled, a redelivery is a duplicate"
+        );
+        assert!(is_duplicate(&alive).await, "and so is a copy");
+        tokio::time::advance(DEFAULT_PROCESSING_TIMEOUT * 3).await;
+        assert!(
+            redelivery_is_duplicate(&alive).await,
+            "for the window, past the processing timeout"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_redelivery_of_a_handled_message_is_a_duplicate() {
+        let d = hourly(Arc::new(InMemoryDedupStore::new()));
+        assert!(!is_duplicate(&d).await);
+        assert!(redelivery_is_duplicate(&d).await);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_processing_timeout_is_configurable_and_at_most_the_window() {
         let store: Arc<dyn DedupStore> = Arc::new(InMemoryDedupStore::new());
@@ -905,6 +1010,9 @@ mod tests {
             hold: Duration,
             claim: DedupClaim,
         ) -> BoxFuture<'a, Result<bool, BoxError>> {
+            if claim.token == DedupClaim::HANDLED {
+                return Box::pin(async { Err("store down".into()) });
+            }
             self.0.insert(key, hold, claim)
         }
         fn hold<'a>(
