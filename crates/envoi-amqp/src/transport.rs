@@ -1191,12 +1191,19 @@ impl Shared {
                             break;
                         };
                         state.leased.insert(d.delivery_tag, lease_end);
-                        out.push(Delivery {
+                        let delivery = Delivery {
                             id: delivery_id(link.epoch, d.delivery_tag),
                             raw: RawMessage {
                                 headers: headers::decode(d.properties.headers().as_ref()),
                                 body: d.data,
                             },
+                        };
+                        // Handed out before and not acknowledged (a
+                        // consumer's connection closed, or it gave it back).
+                        out.push(if d.redelivered {
+                            delivery.redelivered()
+                        } else {
+                            delivery
                         });
                     }
                 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_amqp::{AmqpError, AmqpTransport, AmqpTransportFactory};
-use envoi_core::transport::{RawMessage, Transport, TransportFactory};
+use envoi_core::transport::{RawMessage, Transport, TransportFactory, REDELIVERED_HEADER};
 use envoi_core::{Headers, TransportError};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
@@ -345,6 +345,37 @@ async fn close_gives_back_unsettled_messages_and_later_calls_fail_closed() {
         .delete()
         .await
         .expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_a_consumer_did_not_acknowledge_before_its_connection_closed_comes_back_marked_as_redelivered(
+) {
+    let Some(url) = url("a_message_a_consumer_did_not_acknowledge_before_its_connection_closed_comes_back_marked_as_redelivered") else {
+        return;
+    };
+    let name = unique("amqp_redelivered");
+    let dsn = dsn(&url, "lease=off");
+    let a = AmqpTransport::connect(&name, &dsn)
+        .await
+        .expect("connect a");
+    // A producer cannot mark a message itself.
+    a.send(message("held", &[(REDELIVERED_HEADER, "true")]), None)
+        .await
+        .expect("send");
+    let held = receive(&a, 1, Duration::from_secs(10)).await;
+    assert!(!held[0].is_redelivered(), "handed out the first time");
+    assert_eq!(held[0].raw, message("held", &[]));
+    // The consumer dies: its connection closes with the message unsettled.
+    a.close().await.expect("close");
+
+    let b = AmqpTransport::connect(&name, &dsn)
+        .await
+        .expect("connect b");
+    let again = receive(&b, 1, Duration::from_secs(10)).await;
+    assert_eq!(again[0].raw.body, b"held");
+    assert!(again[0].is_redelivered(), "handed out again, marked");
+    b.ack(&again[0].id).await.expect("ack");
+    b.delete().await.expect("delete");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
