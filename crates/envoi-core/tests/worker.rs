@@ -955,6 +955,31 @@ async fn consume_one_retries_a_parked_message_as_a_worker_would() {
 }
 
 #[tokio::test]
+async fn an_undecodable_redelivery_is_parked_without_its_transports_redelivered_mark() {
+    let queue = memory();
+    let failed = memory();
+    let messenger = Messenger::builder()
+        .command_handler(|_: Job| async { Ok::<(), JobFailed>(()) })
+        .transport("async", queue.clone())
+        .transport("failed", failed.clone())
+        .route::<Job>("async")
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    queue.send(raw("Unknown", b"{}"), None).await.unwrap();
+    let got = queue.get(1).await.unwrap().remove(0).redelivered();
+    envoi_core::worker::consume_one(&messenger, "async", got)
+        .await
+        .unwrap();
+    let parked = failed.list(10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert!(
+        !parked[0].is_redelivered(),
+        "the mark stays with its transport"
+    );
+}
+
+#[tokio::test]
 async fn an_undecodable_message_retried_from_the_failure_transport_keeps_its_origin_and_waits() {
     let seen = Seen::default();
     let failed = memory();
