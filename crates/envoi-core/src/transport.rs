@@ -604,10 +604,11 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
     if text.is_empty() {
         return None;
     }
-    if let Ok(secs) = text.parse::<f64>() {
-        return seconds(secs);
-    }
     let is_number = |c: char| c.is_ascii_digit() || c == '.';
+    if text.chars().all(is_number) {
+        // Only digits and a point: `+5`, `-0` or `1e3` are not durations.
+        return seconds(text.parse().ok()?);
+    }
     let mut total = 0.0f64;
     let mut rest = text;
     while !rest.is_empty() {
@@ -735,7 +736,7 @@ mod tests {
     fn durations_without_a_number_or_unit_or_out_of_range_are_none() {
         for bad in [
             "", " ", "s", "10x", "-5s", "-1", "1..2s", "ms10", "1e400", "inf", "NaN", "soon",
-            "1 s", "5ms5",
+            "1 s", "5ms5", "+5", "-0", "1e3", "1e3s", ".", "1.2.3",
         ] {
             assert_eq!(parse_duration(bad), None, "`{bad}`");
         }
