@@ -37,7 +37,7 @@
 
 use std::any::{Any, TypeId};
 use std::borrow::Cow;
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::num::NonZeroU64;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -518,29 +518,66 @@ pub struct ErrorDetailsStamp {
 }
 
 impl ErrorDetailsStamp {
-    /// Details of `error`, classified as `kind`.
+    /// The longest `message` (and `kind`) kept, in bytes; a longer text is
+    /// cut at a character boundary and says how much was cut. A message
+    /// keeps up to [`STAMP_HISTORY`](crate::serializer::STAMP_HISTORY)
+    /// of these stamps, one per failure, in a header, so an error that
+    /// prints a whole response body must not make it too large to park.
+    pub const MAX_MESSAGE_LEN: usize = 4096;
+    /// The most `source()` errors kept in `chain`, outermost first; a line
+    /// after them says how many more were cut.
+    pub const MAX_CHAIN: usize = 8;
+    /// The longest entry of `chain` kept, in bytes (cut as `message` is).
+    pub const MAX_CHAIN_ENTRY_LEN: usize = 1024;
+
+    /// Details of `error`, classified as `kind`, its texts cut to the
+    /// limits above.
     pub fn from_error(kind: impl Into<String>, error: &(dyn std::error::Error + 'static)) -> Self {
         let mut chain = Vec::new();
+        let mut cut = 0usize;
         let mut source = error.source();
         while let Some(e) = source {
-            chain.push(e.to_string());
+            if chain.len() < Self::MAX_CHAIN {
+                chain.push(truncated(e.to_string(), Self::MAX_CHAIN_ENTRY_LEN));
+            } else {
+                cut += 1;
+            }
             source = e.source();
         }
+        if cut > 0 {
+            chain.push(format!("… and {cut} more sources"));
+        }
         Self {
-            kind: kind.into(),
-            message: error.to_string(),
+            kind: truncated(kind.into(), Self::MAX_MESSAGE_LEN),
+            message: truncated(error.to_string(), Self::MAX_MESSAGE_LEN),
             chain,
         }
     }
 
-    /// Details from a plain message.
+    /// Details from a plain message, cut to [`MAX_MESSAGE_LEN`](Self::MAX_MESSAGE_LEN).
     pub fn new(kind: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
-            kind: kind.into(),
-            message: message.into(),
+            kind: truncated(kind.into(), Self::MAX_MESSAGE_LEN),
+            message: truncated(message.into(), Self::MAX_MESSAGE_LEN),
             chain: Vec::new(),
         }
     }
+}
+
+/// `text` cut to at most `max` bytes (at a character boundary), followed by
+/// how many bytes were cut; unchanged when it fits.
+fn truncated(mut text: String, max: usize) -> String {
+    if text.len() <= max {
+        return text;
+    }
+    let total = text.len();
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.truncate(end);
+    let _ = write!(text, "… [{} more bytes]", total - end);
+    text
 }
 
 impl Stamp for ErrorDetailsStamp {
@@ -621,6 +658,59 @@ impl Stamp for MessageIdStamp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error whose message is `text` and whose source is `source`.
+    #[derive(Debug)]
+    struct Layer(String, Option<Box<Layer>>);
+    impl fmt::Display for Layer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(&self.0)
+        }
+    }
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    #[test]
+    fn error_details_cut_long_texts_and_long_chains_and_say_so() {
+        let mut error = Layer("é".repeat(3000), None);
+        for i in 0..20 {
+            error = Layer(
+                format!("layer {i}: {}", "x".repeat(5000)),
+                Some(Box::new(error)),
+            );
+        }
+        let d = ErrorDetailsStamp::from_error("handler", &error);
+        assert!(d.message.len() < ErrorDetailsStamp::MAX_MESSAGE_LEN + 40);
+        assert!(d.message.starts_with("layer 19: xxx"));
+        assert!(d.message.ends_with("more bytes]"), "{}", &d.message[4000..]);
+        assert_eq!(d.chain.len(), ErrorDetailsStamp::MAX_CHAIN + 1);
+        assert!(d.chain[0].starts_with("layer 18: "));
+        assert!(d
+            .chain
+            .iter()
+            .take(ErrorDetailsStamp::MAX_CHAIN)
+            .all(|c| c.len() < ErrorDetailsStamp::MAX_CHAIN_ENTRY_LEN + 40));
+        assert_eq!(d.chain[8], "… and 12 more sources");
+
+        // Cut at a character boundary: 3000 two-byte characters.
+        let d = ErrorDetailsStamp::new("decode", "é".repeat(3000));
+        assert!(d.message.starts_with(&"é".repeat(2048)));
+        assert!(
+            d.message.ends_with("… [1904 more bytes]"),
+            "{}",
+            &d.message[4000..]
+        );
+
+        // Short texts are kept as they are.
+        let d = ErrorDetailsStamp::new("decode", "bad body");
+        assert_eq!(
+            (d.kind.as_str(), d.message.as_str()),
+            ("decode", "bad body")
+        );
+    }
 
     #[test]
     fn unit_handler_results_are_stored_without_a_value() {

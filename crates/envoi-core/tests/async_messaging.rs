@@ -919,3 +919,62 @@ async fn the_worker_dispatches_on_the_bus_the_message_was_sent_from() {
     drain(&messenger, &["async"]).await;
     assert_eq!(*log.lock().unwrap(), [false, true]);
 }
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Upload;
+impl Message for Upload {
+    const NAME: &'static str = "Upload";
+}
+
+/// An error that prints a whole (large) response body.
+#[derive(Debug, thiserror::Error)]
+#[error("storage refused the upload: {0}")]
+struct Refused(String);
+
+impl Command for Upload {
+    type Output = ();
+    type Error = Refused;
+}
+
+#[tokio::test]
+async fn a_handler_error_larger_than_the_header_limit_still_lets_the_message_be_parked() {
+    let messenger = Messenger::builder()
+        .command_handler(|_: Upload| async { Err::<(), _>(Refused("x".repeat(2 << 20))) })
+        .transport("async", memory())
+        .transport_dsn("failed", "in-memory://?serialize=true")
+        .route::<Upload>("async")
+        .default_retry_strategy(fast_retries(0))
+        .failure_transport("failed")
+        .build_async()
+        .await
+        .unwrap();
+    messenger.dispatcher().dispatch(Upload).await.unwrap();
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .message_limit(1)
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.stats.failed, 1);
+    let async_queue = messenger.transport("async").unwrap();
+    assert_eq!(
+        async_queue.message_count().await.unwrap(),
+        0,
+        "parked, not kept"
+    );
+    let parked = messenger
+        .transport("failed")
+        .unwrap()
+        .list(10)
+        .await
+        .unwrap();
+    assert_eq!(parked.len(), 1);
+    let details = parked[0]
+        .raw
+        .header("X-Message-Stamp-ErrorDetails")
+        .expect("the error details travel with it");
+    assert!(details.len() < 8 * 1024, "{} bytes", details.len());
+    assert!(details.contains("storage refused the upload: xxx"));
+    assert!(details.contains("more bytes]"));
+}
