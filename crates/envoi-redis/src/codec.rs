@@ -16,12 +16,14 @@
 //! `X-Envoi-Invalid-Headers` names it, so that the worker parks the message
 //! rather than handling it with an altered header. So does a body or header
 //! given more than once (two `type` fields, say): the message is not
-//! handled with whichever came last.
+//! handled with whichever came last. A field named `X-Envoi-Redelivered`
+//! is dropped: only the transport marks a redelivery
+//! ([`Delivery::redelivered`]).
 
 use std::io::Write;
 
 use envoi_core::serializer::INVALID_HEADERS_HEADER;
-use envoi_core::transport::{Delivery, RawMessage};
+use envoi_core::transport::{Delivery, RawMessage, REDELIVERED_HEADER};
 use envoi_core::Headers;
 use redis::{Cmd, RedisWrite, ToRedisArgs, Value};
 
@@ -234,6 +236,9 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
             raw.headers.insert(field, value);
         }
     }
+    // The mark of a redelivery is the transport's to give (entries taken
+    // over with `XAUTOCLAIM`), not a producer's.
+    raw.headers.remove(REDELIVERED_HEADER);
     let mut problems = Vec::new();
     if !altered.is_empty() {
         problems.push(format!("fields that are not UTF-8: {}", altered.join(", ")));
@@ -351,6 +356,22 @@ mod tests {
 
     fn bulk(s: &[u8]) -> Value {
         Value::BulkString(s.to_vec())
+    }
+
+    #[test]
+    fn a_redelivery_mark_a_producer_wrote_is_dropped() {
+        // As a field of its own and inside the packed headers.
+        let fields = vec![
+            bulk(b"body"),
+            bulk(b"{}"),
+            bulk(b"headers"),
+            bulk(b"4:type3:Job19:X-Envoi-Redelivered4:true"),
+            bulk(b"h:X-Envoi-Redelivered"),
+            bulk(b"true"),
+        ];
+        let raw = decode_fields(fields).unwrap();
+        assert_eq!(raw.header("type"), Some("Job"));
+        assert_eq!(raw.header(REDELIVERED_HEADER), None);
     }
 
     #[test]

@@ -470,7 +470,14 @@ impl RedisTransport {
                 "reclaimed entries whose lease expired"
             );
         }
-        Ok((next, entries.deliveries))
+        // Handed out before and not acknowledged in time: marked, so a
+        // deduplicating handler takes over the key a dead consumer claimed.
+        let deliveries = entries
+            .deliveries
+            .into_iter()
+            .map(Delivery::redelivered)
+            .collect();
+        Ok((next, deliveries))
     }
 
     /// Entries deleted while pending carry nothing to deliver; settle them so

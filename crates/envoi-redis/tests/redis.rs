@@ -381,8 +381,10 @@ async fn a_consumer_whose_lease_expired_loses_the_message_to_the_claimer() {
     a.setup().await.unwrap();
     a.send(text("contested"), None).await.unwrap();
     let held = receive(&a, 1, Duration::from_secs(10)).await.remove(0);
+    assert!(!held.is_redelivered(), "handed out the first time");
     let again = receive(&b, 1, Duration::from_secs(10)).await.remove(0);
     assert_eq!(again.id, held.id, "XAUTOCLAIM hands over the same entry");
+    assert!(again.is_redelivered(), "the claimed entry is marked");
     assert!(
         matches!(
             a.keepalive(&held.id).await,
