@@ -281,7 +281,8 @@ mod tests {
             ("sqlite://x.db?lease=0s", "at least 1ms"),
             ("sqlite://x.db?poll=-1", "`poll` must be a duration"),
             ("sqlite://x.db?poll=61s", "`poll` must be at most 1m"),
-            ("sqlite://x.db?poll=1e9", "`poll` must be at most 1m"),
+            ("sqlite://x.db?poll=1000000000", "`poll` must be at most 1m"),
+            ("sqlite://x.db?poll=1e9", "`poll` must be a duration"),
             (
                 "sqlite://x.db?busy_timeout=1000h",
                 "`busy_timeout` must be at most",
