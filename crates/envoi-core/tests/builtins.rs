@@ -345,7 +345,7 @@ impl DedupStore for StuckStore {
     ) -> BoxFuture<'a, Result<bool, BoxError>> {
         self.0.insert(key, window, claim)
     }
-    fn remove<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
+    fn remove<'a>(&'a self, _: &'a str, _: uuid::Uuid) -> BoxFuture<'a, Result<(), BoxError>> {
         Box::pin(async { Err("store down".into()) })
     }
 }

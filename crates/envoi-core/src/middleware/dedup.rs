@@ -65,7 +65,11 @@
 //! stopping worker), so the redelivery is handled. A message abandoned
 //! while the store is still remembering its key forgets it too: whether
 //! the key was new is not known then, and handling a message twice beats
-//! never handling it. When the store cannot forget the key of a message
+//! never handling it. Only the attempt's own claim is forgotten
+//! ([`DedupStore::remove`] takes its token): the retry of a failed attempt,
+//! sent before that attempt forgets the key, or a redelivery that took the
+//! claim over while the attempt still ran, may hold the key by then, and a
+//! copy that comes while it is handled is still a duplicate. When the store cannot forget the key of a message
 //! whose handler failed, the handler failure is still what the dispatch
 //! returns (so a worker parks or rejects the message as usual) and the
 //! store error is logged (the claim lapses after the processing timeout);
@@ -239,8 +243,17 @@ pub trait DedupStore: Send + Sync + 'static {
         Box::pin(self.insert(key, hold, claim).map(|r| r.map(|_| ())))
     }
 
-    /// Forgets `key`, so a message with it is handled again.
-    fn remove<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<(), BoxError>>;
+    /// Forgets `key` if it is claimed by `token` (expired or not), so a
+    /// message with it is handled again; a key claimed by another token is
+    /// left as it is. [`Deduplicate`] calls it with the token of an attempt
+    /// that failed, was scheduled for a retry or was abandoned.
+    ///
+    /// A store that forgets the key whoever claims it lets a copy through
+    /// while another attempt handles the message: the retry of a failed
+    /// attempt, sent before that attempt forgets the key, may already have
+    /// claimed it anew, and so may a redelivery that took the claim over
+    /// while the attempt still ran.
+    fn remove<'a>(&'a self, key: &'a str, token: Uuid) -> BoxFuture<'a, Result<(), BoxError>>;
 }
 
 /// A [`DedupStore`] in this process's memory; expired keys are pruned as
@@ -303,11 +316,11 @@ impl DedupStore for InMemoryDedupStore {
         Box::pin(std::future::ready(Ok(fresh)))
     }
 
-    fn remove<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
-        self.keys
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(key);
+    fn remove<'a>(&'a self, key: &'a str, token: Uuid) -> BoxFuture<'a, Result<(), BoxError>> {
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if keys.get(key).is_some_and(|(_, claim)| *claim == token) {
+            keys.remove(key);
+        }
         Box::pin(std::future::ready(Ok(())))
     }
 }
@@ -316,10 +329,13 @@ type KeyFn = dyn Fn(&Envelope) -> Option<String> + Send + Sync;
 
 /// A key remembered for a message still running: forgotten if the message
 /// is abandoned (its future dropped) before it settled — while the store
-/// remembers the key, while the handler runs, or while the store forgets it.
+/// remembers the key, while the handler runs, or while the store forgets it
+/// — unless another attempt claimed it meanwhile.
 struct Reservation<'a> {
     store: &'a Arc<dyn DedupStore>,
     key: String,
+    /// The token this attempt claims the key with.
+    token: Uuid,
     /// Cleared once the message settled.
     armed: bool,
 }
@@ -330,9 +346,9 @@ impl Drop for Reservation<'_> {
             return;
         }
         let key = std::mem::take(&mut self.key);
-        let store = self.store.clone();
+        let (store, token) = (self.store.clone(), self.token);
         let mut forget = Box::pin(async move {
-            let _ = store.remove(&key).await;
+            let _ = store.remove(&key, token).await;
         });
         // An in-memory store forgets at once; another one gets a task, when
         // there is a runtime to run it.
@@ -484,15 +500,16 @@ impl Middleware for Deduplicate {
             // handled when it comes again. Armed before the store is asked:
             // a store that is not in memory may remember the key before its
             // `insert` returns.
-            let mut reserved = Reservation {
-                store: &self.store,
-                key,
-                armed: true,
-            };
             let claim = DedupClaim {
                 token: Uuid::new_v4(),
                 previous: envelope.last::<DedupClaimStamp>().map(|s| s.claim),
                 redelivered: envelope.has::<RedeliveredStamp>(),
+            };
+            let mut reserved = Reservation {
+                store: &self.store,
+                key,
+                token: claim.token,
+                armed: true,
             };
             let fresh = self
                 .store
@@ -539,8 +556,10 @@ impl Middleware for Deduplicate {
                 }
                 return out;
             }
-            // Let the redelivery (or a new attempt) through.
-            let removed = self.store.remove(&reserved.key).await;
+            // Let the redelivery (or a new attempt) through, unless the
+            // key is claimed by another attempt already (this one's retry,
+            // or a redelivery that took it over).
+            let removed = self.store.remove(&reserved.key, claim.token).await;
             reserved.armed = false;
             match removed {
                 Ok(()) => out,
@@ -675,7 +694,7 @@ mod tests {
         ) -> BoxFuture<'a, Result<bool, BoxError>> {
             Box::pin(async { Err("store down".into()) })
         }
-        fn remove<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
+        fn remove<'a>(&'a self, _: &'a str, _: Uuid) -> BoxFuture<'a, Result<(), BoxError>> {
             Box::pin(async { Ok(()) })
         }
     }
@@ -714,10 +733,10 @@ mod tests {
                 fresh
             })
         }
-        fn remove<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
+        fn remove<'a>(&'a self, key: &'a str, token: Uuid) -> BoxFuture<'a, Result<(), BoxError>> {
             Box::pin(async move {
                 tokio::task::yield_now().await;
-                self.keys.remove(key).await
+                self.keys.remove(key, token).await
             })
         }
     }
@@ -772,7 +791,7 @@ mod tests {
         ) -> BoxFuture<'a, Result<bool, BoxError>> {
             self.0.insert(key, w, claim)
         }
-        fn remove<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
+        fn remove<'a>(&'a self, _: &'a str, _: Uuid) -> BoxFuture<'a, Result<(), BoxError>> {
             Box::pin(async { Err("store down".into()) })
         }
     }
@@ -833,12 +852,19 @@ mod tests {
     /// Starts handling `Pay("r-1")` with a handler that never finishes, in
     /// a task, and lets it claim the key.
     async fn handling_forever(d: &Deduplicate) -> tokio::task::JoinHandle<()> {
+        handling_forever_from(d, Envelope::new(Pay("r-1"))).await
+    }
+
+    /// Starts handling `envelope` with a handler that never finishes, in a
+    /// task, and lets it claim its key.
+    async fn handling_forever_from(
+        d: &Deduplicate,
+        envelope: Envelope,
+    ) -> tokio::task::JoinHandle<()> {
         let d = d.clone();
         let task = tokio::spawn(async move {
             let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
-            let _ = d
-                .handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck))
-                .await;
+            let _ = d.handle(envelope, Next::to_endpoint(&stuck)).await;
         });
         settle().await;
         task
@@ -1023,8 +1049,8 @@ mod tests {
         ) -> BoxFuture<'a, Result<(), BoxError>> {
             Box::pin(async { Err("store down".into()) })
         }
-        fn remove<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<(), BoxError>> {
-            self.0.remove(key)
+        fn remove<'a>(&'a self, key: &'a str, token: Uuid) -> BoxFuture<'a, Result<(), BoxError>> {
+            self.0.remove(key, token)
         }
     }
 
@@ -1039,5 +1065,83 @@ mod tests {
         assert!(!out.has::<DeduplicatedStamp>());
         assert_eq!(end.calls().len(), 1);
         assert!(is_duplicate(&d).await, "the processing claim still holds");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retried_attempt_does_not_forget_the_key_its_retry_claimed_already() {
+        let d = hourly(Arc::new(InMemoryDedupStore::new()));
+        let worker = d.clone();
+        let retry = Arc::new(Mutex::new(None));
+        let running = retry.clone();
+        // Schedules a retry, which another worker picks up (presenting this
+        // attempt's token, it claims the key anew) before this attempt
+        // forgets the key.
+        let retrying = FnEndpoint::new(move |e| {
+            let (worker, running) = (worker.clone(), running.clone());
+            Box::pin(async move {
+                let sent = e.with(RedeliveryStamp::new(1));
+                let task = handling_forever_from(&worker, sent.clone()).await;
+                *running.lock().unwrap() = Some(task);
+                Ok(sent)
+            })
+        });
+        d.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&retrying))
+            .await
+            .unwrap();
+        assert!(
+            is_duplicate(&d).await,
+            "a copy that comes while the retry is handled is a duplicate"
+        );
+        let task = retry.lock().unwrap().take().unwrap();
+        task.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_that_fails_after_a_redelivery_took_its_claim_over_leaves_that_claim() {
+        let d = hourly(Arc::new(InMemoryDedupStore::new()));
+        // A consumer that only lost its connection: its handler still runs,
+        // and fails once the redelivery took the claim over.
+        let fail = Arc::new(tokio::sync::Notify::new());
+        let failing = fail.clone();
+        let slow_failure = FnEndpoint::new(move |_| {
+            let failing = failing.clone();
+            Box::pin(async move {
+                failing.notified().await;
+                Err(BusError::Middleware {
+                    middleware: "Handler".into(),
+                    source: "boom".into(),
+                })
+            })
+        });
+        let mut old =
+            Box::pin(d.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&slow_failure)));
+        assert!((&mut old).now_or_never().is_none());
+        let redelivered = Envelope::new(Pay("r-1")).with(RedeliveredStamp::new());
+        let redelivery = handling_forever_from(&d, redelivered).await;
+        fail.notify_one();
+        old.await.unwrap_err();
+        assert!(
+            is_duplicate(&d).await,
+            "a copy that comes while the redelivery is handled is a duplicate"
+        );
+        redelivery.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_abandoned_after_a_redelivery_took_its_claim_over_leaves_that_claim() {
+        let d = hourly(Arc::new(InMemoryDedupStore::new()));
+        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
+        let mut old = Box::pin(d.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
+        assert!((&mut old).now_or_never().is_none());
+        let redelivered = Envelope::new(Pay("r-1")).with(RedeliveredStamp::new());
+        let redelivery = handling_forever_from(&d, redelivered).await;
+        // Its dispatch is dropped (a deadline, a stopping worker).
+        drop(old);
+        settle().await;
+        assert!(
+            is_duplicate(&d).await,
+            "a copy that comes while the redelivery is handled is a duplicate"
+        );
+        redelivery.abort();
     }
 }
