@@ -306,11 +306,7 @@ async fn a_delivery_its_transport_marks_as_redelivered_is_handled_while_a_dead_c
         .await
         .unwrap();
     // The consumer that died mid-handling claimed the key.
-    let dead = DedupClaim {
-        token: uuid::Uuid::new_v4(),
-        previous: None,
-        redelivered: false,
-    };
+    let dead = DedupClaim::new(uuid::Uuid::new_v4());
     assert!(store
         .insert("Charge:pay-1", Duration::from_secs(20), dead)
         .await

@@ -158,7 +158,22 @@ impl Stamp for DedupClaimStamp {
 }
 
 /// How a handling attempt claims a key in [`DedupStore::insert`].
+///
+/// Stores read its fields; [`Deduplicate`] builds it. It may gain fields,
+/// so outside this crate it is built with [`DedupClaim::new`] (a store's
+/// tests claiming a key as an attempt would), not as a struct literal:
+///
+/// ```compile_fail
+/// use envoi_core::middleware::dedup::DedupClaim;
+///
+/// let claim = DedupClaim {
+///     token: DedupClaim::HANDLED,
+///     previous: None,
+///     redelivered: false,
+/// };
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DedupClaim {
     /// The token this attempt claims the key with: fresh for every attempt,
     /// or [`DedupClaim::HANDLED`] to remember the key of a handled message.
@@ -180,6 +195,42 @@ impl DedupClaim {
     /// stores tell a key remembered after success from one merely claimed
     /// by this token. (The nil UUID: never the token of an attempt.)
     pub const HANDLED: Uuid = Uuid::nil();
+
+    /// A claim with `token` by a first attempt (no `previous` token) that
+    /// is no redelivery.
+    ///
+    /// ```
+    /// use envoi_core::middleware::dedup::DedupClaim;
+    ///
+    /// # let (token, previous) = (DedupClaim::HANDLED, DedupClaim::HANDLED);
+    /// let claim = DedupClaim::new(token)
+    ///     .with_previous(Some(previous))
+    ///     .with_redelivered(true);
+    /// assert_eq!((claim.token, claim.previous, claim.redelivered), (token, Some(previous), true));
+    /// ```
+    pub fn new(token: Uuid) -> Self {
+        Self {
+            token,
+            previous: None,
+            redelivered: false,
+        }
+    }
+
+    /// The claim with `previous` as the token of the message's previous
+    /// attempt (see [`DedupClaim::previous`]).
+    #[must_use = "`with_previous` returns the changed claim"]
+    pub fn with_previous(mut self, previous: Option<Uuid>) -> Self {
+        self.previous = previous;
+        self
+    }
+
+    /// The claim of a message its transport marked as redelivered, or not
+    /// (see [`DedupClaim::redelivered`]).
+    #[must_use = "`with_redelivered` returns the changed claim"]
+    pub fn with_redelivered(mut self, redelivered: bool) -> Self {
+        self.redelivered = redelivered;
+        self
+    }
 }
 
 /// Where the keys seen recently are kept, each with the token of the
