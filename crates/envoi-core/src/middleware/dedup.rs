@@ -508,7 +508,10 @@ impl Deduplicate {
                 }
             }
         };
+        // The handler first: one that finishes on its first poll sets no
+        // renewal timer.
         tokio::select! {
+            biased;
             out = run => out,
             never = renew => never,
         }
@@ -1194,5 +1197,24 @@ mod tests {
             "a copy that comes while the redelivery is handled is a duplicate"
         );
         redelivery.abort();
+    }
+
+    #[test]
+    fn a_handler_that_finishes_at_once_sets_no_renewal_timer() {
+        // No time driver: setting a timer panics here.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let end = RecordingEndpoint::new();
+            for _ in 0..64 {
+                let out = dedup()
+                    .handle(Envelope::new(Pay("r-1")), end.next())
+                    .await
+                    .unwrap();
+                assert!(!out.has::<DeduplicatedStamp>());
+            }
+            assert_eq!(end.calls().len(), 64);
+        });
     }
 }
