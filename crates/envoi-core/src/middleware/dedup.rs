@@ -13,7 +13,8 @@
 //! A key is remembered in two steps. While its message is being handled,
 //! the key is only claimed for the *processing timeout*
 //! ([`DEFAULT_PROCESSING_TIMEOUT`], 20 s, or
-//! [`Deduplicate::processing_timeout`]; never longer than the window), and
+//! [`Deduplicate::processing_timeout`], at least [`MIN_PROCESSING_TIMEOUT`];
+//! never longer than the window), and
 //! the claim is renewed every half processing timeout as long as the
 //! handler runs. Once the message was handled, its key is remembered for
 //! the window. A copy that comes in either step is a duplicate.
@@ -419,6 +420,13 @@ impl Drop for Reservation<'_> {
 /// redelivered when its claim expires.
 pub const DEFAULT_PROCESSING_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// The shortest processing timeout [`Deduplicate::processing_timeout`]
+/// sets: 10 milliseconds. A shorter one (zero included) is taken as this:
+/// a claim that lapses at once would let every copy through while its
+/// message is handled, and one renewed more often than every 5 ms would
+/// outpace the timer's 1 ms resolution and the store's round trip.
+pub const MIN_PROCESSING_TIMEOUT: Duration = Duration::from_millis(10);
+
 /// The deduplication middleware; see the [module docs](self).
 #[derive(Clone)]
 pub struct Deduplicate {
@@ -441,7 +449,8 @@ impl fmt::Debug for Deduplicate {
 impl Deduplicate {
     /// Remembers the keys of handled messages for `window`, in an
     /// [`InMemoryDedupStore`]; holds the key of a message being handled for
-    /// [`DEFAULT_PROCESSING_TIMEOUT`] at a time.
+    /// [`DEFAULT_PROCESSING_TIMEOUT`] at a time (at most `window`: a window
+    /// of zero remembers no key, not even while its message is handled).
     pub fn new(window: Duration) -> Self {
         Self {
             window,
@@ -467,9 +476,13 @@ impl Deduplicate {
     /// interval): a redelivery that comes while the claim holds is
     /// acknowledged as a duplicate, and the message is lost, unless its
     /// transport marks it as redelivered. See the [module docs](self).
+    ///
+    /// A `timeout` shorter than [`MIN_PROCESSING_TIMEOUT`] (10 ms), zero
+    /// included, is taken as that minimum: duplicates are always caught
+    /// while a message is handled.
     #[must_use = "`processing_timeout` returns the configured middleware"]
     pub fn processing_timeout(mut self, timeout: Duration) -> Self {
-        self.processing = timeout;
+        self.processing = timeout.max(MIN_PROCESSING_TIMEOUT);
         self
     }
 
@@ -1216,5 +1229,21 @@ mod tests {
             }
             assert_eq!(end.calls().len(), 64);
         });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_zero_processing_timeout_still_claims_the_key_while_the_message_is_handled() {
+        let d = hourly(Arc::new(InMemoryDedupStore::new())).processing_timeout(Duration::ZERO);
+        let first = handling_forever(&d).await;
+        assert!(is_duplicate(&d).await, "while the handler runs");
+        for _ in 0..10 {
+            tokio::time::advance(MIN_PROCESSING_TIMEOUT / 2).await;
+            settle().await;
+        }
+        assert!(
+            is_duplicate(&d).await,
+            "renewed every half minimum processing timeout"
+        );
+        first.abort();
     }
 }
