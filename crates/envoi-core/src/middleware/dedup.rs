@@ -85,6 +85,15 @@
 //! same key has no such token and is still a duplicate, and so is a second
 //! delivery of an attempt that was handled (its token is no longer the
 //! claim).
+//!
+//! A known gap: the key is remembered as handled when the handler
+//! succeeded, before the dispatches it
+//! [deferred](crate::middleware::dispatch_after_current_bus) run. When one
+//! of those fails and cannot be parked, a [worker](crate::worker) releases
+//! the handled message so its handlers defer it again; with this middleware
+//! the redelivery is acknowledged as a duplicate instead, and the deferred
+//! dispatch is lost (the worker reports its failure, with `released`).
+//!
 //! Where the bus sends a message to a transport, the middleware lets it
 //! through: duplicates are caught where messages are handled.
 //!
