@@ -96,7 +96,7 @@ use crate::middleware::correlation::{CausationIdStamp, CorrelationIdStamp};
 use crate::middleware::dedup::DedupClaimStamp;
 use crate::stamp::{
     BusNameStamp, DelayStamp, ErasedStamp, ErrorDetailsStamp, HandledStamp, MessageIdStamp,
-    RedeliveredStamp, RedeliveryStamp, SentToFailureTransportStamp, Stamp,
+    RedeliveredStamp, RedeliveryStamp, SentToFailureTransportStamp, Stamp, UnsentStamp,
 };
 use crate::transport::{RawMessage, REDELIVERED_HEADER};
 
@@ -295,6 +295,7 @@ impl Default for SerializerBuilder {
             .stamp::<DelayStamp>()
             .stamp::<ErrorDetailsStamp>()
             .stamp::<SentToFailureTransportStamp>()
+            .stamp::<UnsentStamp>()
             .stamp::<MessageIdStamp>()
             .stamp::<CorrelationIdStamp>()
             .stamp::<CausationIdStamp>()

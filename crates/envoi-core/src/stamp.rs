@@ -624,6 +624,31 @@ impl Stamp for SentToFailureTransportStamp {
     const NAME: &'static str = "SentToFailureTransport";
 }
 
+/// Marks a message parked in the failure transport because sending it to
+/// `transport` failed (a dispatch a handler deferred, routed there): it was
+/// never received, so, retried from the failure transport, it is sent to
+/// `transport` again (without this stamp) rather than handled. Its
+/// [`SentToFailureTransportStamp`] names `transport` too, so once it arrives
+/// there it is handled as any message of that transport.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnsentStamp {
+    /// The transport the message could not be sent to.
+    pub transport: String,
+}
+
+impl UnsentStamp {
+    /// A stamp naming the transport the message could not be sent to.
+    pub fn new(transport: impl Into<String>) -> Self {
+        Self {
+            transport: transport.into(),
+        }
+    }
+}
+
+impl Stamp for UnsentStamp {
+    const NAME: &'static str = "Unsent";
+}
+
 /// Defers a dispatch made while a handler runs until the dispatch running
 /// that handler has finished successfully (a dispatch made outside any
 /// handler runs at once).

@@ -53,9 +53,10 @@
 //! |---|---|---|
 //! | success | acknowledges it | [`Handled`](WorkerEvent::Handled) |
 //! | success, scheduled for a retry by the retry step | acknowledges it (the retry is a new message) | [`Retried`](WorkerEvent::Retried) |
-//! | handled, or scheduled for a retry, but dispatches its handlers [deferred](crate::middleware::dispatch_after_current_bus) failed ([`BusError::DelayedHandlingFailed`]) | parks each deferred message that failed in the failure transport, as a message of its own with an `ErrorDetails` stamp saying why, then acknowledges the message (it is not parked itself: the handlers that deferred them would be skipped there, and a retry already holds it). A handled message is rejected when there is no failure transport, and released, so its handlers run and defer them again, when one cannot be parked (fetching from its receiver then pauses); a retried one is acknowledged all the same, its retry holding it, and a deferred message that cannot be parked is dropped with an error log | [`Handled`](WorkerEvent::Handled) or [`Retried`](WorkerEvent::Retried), and a [`Failed`](WorkerEvent::Failed) for each deferred message, naming it |
+//! | handled, or scheduled for a retry, but dispatches its handlers [deferred](crate::middleware::dispatch_after_current_bus) failed ([`BusError::DelayedHandlingFailed`]) | parks each deferred message that failed in the failure transport, as a message of its own with an `ErrorDetails` stamp saying why (and an [`UnsentStamp`] when it could not be sent: see below), then acknowledges the message (it is not parked itself: the handlers that deferred them would be skipped there, and a retry already holds it). A handled message is rejected when there is no failure transport, and released, so its handlers run and defer them again, when one cannot be parked (fetching from its receiver then pauses); a retried one is acknowledged all the same, its retry holding it, and a deferred message that cannot be parked is dropped with an error log | [`Handled`](WorkerEvent::Handled) or [`Retried`](WorkerEvent::Retried), and a [`Failed`](WorkerEvent::Failed) for each deferred message, naming it |
 //! | handler failure, parked in the failure transport by the retry step | acknowledges it; dispatches deferred by its handlers that succeeded that then failed are parked too, each on its own, as above (the message is acknowledged all the same: one that cannot be parked is dropped with an error log, as the parked message holds the handlers that deferred it) | [`Failed`](WorkerEvent::Failed) |
 //! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
+//! | not dispatched: it carries an [`UnsentStamp`] (a deferred message parked because it could not be sent to its transport) | sends it to that transport, without the stamp, and acknowledges it; when that fails, releases it and pauses fetching from its receiver, as for a transport failure | [`Handled`](WorkerEvent::Handled), or [`Failed`](WorkerEvent::Failed) |
 //! | transport failure (the retry step could not send the retry, or park the message) | releases it, so it is delivered again, and pauses fetching from its receiver as when parking fails | [`Failed`](WorkerEvent::Failed), saying where it could not be parked or retried and why |
 //! | any other error (no handler, a middleware's error, a panic) | parks it like the retry step would, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //! | it does not decode (unknown type, malformed, too large) | sends the raw message to the failure transport with an `ErrorDetails` stamp header saying why, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
@@ -145,7 +146,7 @@ use crate::middleware::BoxFuture;
 use crate::serializer::STAMP_HEADER_PREFIX;
 use crate::stamp::{
     BusNameStamp, DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
-    SentToFailureTransportStamp, Stamp, TransportMessageIdStamp,
+    SentToFailureTransportStamp, Stamp, TransportMessageIdStamp, UnsentStamp,
 };
 use crate::transport::{LocalId, Payload, RawMessage, Transport};
 
@@ -1599,6 +1600,10 @@ impl Ctx {
             id: id.text().into_owned(),
             message: envelope.message_name(),
         });
+        // Parked because it could not be sent: it is sent, not handled.
+        if envelope.has::<UnsentStamp>() {
+            return Box::pin(self.send_unsent(receiver, id, envelope)).await;
+        }
         let redeliveries = envelope.all::<RedeliveryStamp>().count();
         let parked = envelope.all::<SentToFailureTransportStamp>().count();
         // `envelope` is shared (with the transport's lease, with the copy
@@ -1702,6 +1707,44 @@ impl Ctx {
         }
     }
 
+    /// Sends a message parked because it could not be sent ([`UnsentStamp`])
+    /// to the transport it was going to, without that stamp, instead of
+    /// handling it: it was never received. Sent, it is acknowledged, and
+    /// counted and reported as handled; otherwise it is released and kept,
+    /// and fetching from its receiver pauses, as when a retry cannot be
+    /// sent.
+    #[cold]
+    async fn send_unsent(&self, receiver: usize, id: MessageId, envelope: Envelope) -> Done {
+        let started = self.events.enabled().then(Instant::now);
+        let redeliveries = envelope.all::<RedeliveryStamp>().count();
+        let mut unsent = envelope.clone();
+        let to = unsent
+            .last::<UnsentStamp>()
+            .map(|u| u.transport.clone())
+            .unwrap_or_default();
+        unsent.remove_last::<UnsentStamp>();
+        // Not delayed by its park.
+        if unsent.last::<DelayStamp>().is_some_and(|d| d.ms > 0) {
+            unsent = unsent.with(DelayStamp::new(Duration::ZERO));
+        }
+        let action = match self.messenger.sender_dispatcher().send(&to, unsent).await {
+            Ok(sent) => {
+                let duration = started.map(|s| s.elapsed()).unwrap_or_default();
+                let sent = sent.with(SentStamp::new(to));
+                self.succeeded(receiver, &id, sent, redeliveries, duration)
+            }
+            Err(error) => {
+                self.not_sent(receiver, &id, &envelope, error);
+                Action::Release
+            }
+        };
+        Done {
+            receiver,
+            action,
+            again: None,
+        }
+    }
+
     /// Counts and reports a message whose dispatch succeeded (`after`):
     /// handled, or scheduled for a retry by the retry step. It is
     /// acknowledged.
@@ -1793,10 +1836,15 @@ impl Ctx {
                         },
                         failure.map(|failure| {
                             let delay = park_delay(&deferred, failure == &**transport);
+                            // One that could not be sent comes from where
+                            // it was going: retried, it is sent there.
+                            let origin = deferred
+                                .last::<UnsentStamp>()
+                                .map_or_else(|| origin.clone(), |u| u.transport.clone());
                             let parked = deferred
                                 .clone()
                                 .with(details.clone())
-                                .with(SentToFailureTransportStamp::new(origin.clone()))
+                                .with(SentToFailureTransportStamp::new(origin))
                                 .with(RedeliveryStamp::new(0))
                                 .with(DelayStamp::new(delay));
                             let sent = self.messenger.sender_dispatcher().send(failure, parked);
@@ -1828,7 +1876,9 @@ impl Ctx {
     }
 
     /// Reports a message whose retry, or park, the retry step could not
-    /// send (`error`): it is released and kept, and, fetched again at once,
+    /// send (`error`), or a message parked because it could not be sent
+    /// ([`UnsentStamp`]) that could not be sent again: it is released and
+    /// kept, and, fetched again at once,
     /// it would be handled and fail again at once, so fetching from its
     /// receiver pauses as when the worker cannot park.
     #[cold]
@@ -1842,6 +1892,9 @@ impl Ctx {
             .map(|s| s.original_transport.clone());
         let (_, failure) = failure_target(&self.messenger, transport, origin);
         let error = match &error {
+            BusError::Transport { transport: to, .. } if envelope.has::<UnsentStamp>() => {
+                format!("it could not be sent to `{to}` again: {error}")
+            }
             BusError::Transport { transport: to, .. } if failure == Some(to.as_str()) => {
                 format!("it failed and could not be parked in `{to}`: {error}")
             }

@@ -1225,27 +1225,82 @@ async fn what_a_successful_handler_deferred_is_dispatched_once_whether_the_messa
 /// `routed`) with two handlers: the first succeeds, counting its runs, and
 /// defers an [`Audit`]; the second fails while `failing` is set. The
 /// audit's dispatch fails: when `unsent`, it is routed to `down`, a
-/// transport that refuses every message; otherwise its in-process handler
-/// fails while `audit_failing` is set. Its handler counts the audits it
-/// handles.
+/// transport that refuses every message until [`FailingAudit::up`] is set;
+/// otherwise its in-process handler fails while `audit_failing` is set.
+/// Its handler, registered unless `audit_failing` is `None`, counts the
+/// audits it handles.
 struct FailingAudit {
     messenger: Messenger,
     paid_runs: Arc<AtomicUsize>,
     audits: Arc<AtomicUsize>,
     queue: Arc<InMemoryTransport>,
     failed: Arc<InMemoryTransport>,
+    /// What `down` holds once it takes messages.
+    down: Arc<InMemoryTransport>,
+    /// Whether `down` takes messages.
+    up: Arc<AtomicBool>,
+}
+
+/// A transport that refuses every message sent while `up` is not set, and
+/// otherwise is `inner`.
+struct Switchable {
+    inner: Arc<InMemoryTransport>,
+    up: Arc<AtomicBool>,
+}
+
+impl Transport for Switchable {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
+        if self.up.load(Ordering::SeqCst) {
+            self.inner.send(message, delay)
+        } else {
+            Box::pin(async { Err(envoi_core::TransportError::backend("sending", "down")) })
+        }
+    }
+
+    fn get(
+        &self,
+        max: usize,
+    ) -> envoi_core::middleware::BoxFuture<
+        '_,
+        Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
+    > {
+        self.inner.get(max)
+    }
+
+    fn ack<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        self.inner.ack(id)
+    }
+
+    fn release<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        self.inner.release(id)
+    }
+
+    fn capabilities(&self) -> envoi_core::transport::Capabilities {
+        self.inner.capabilities()
+    }
 }
 
 fn deferring_a_failing_audit(
     retries: u32,
     failing: Arc<AtomicBool>,
     unsent: bool,
-    audit_failing: Arc<AtomicBool>,
+    audit_failing: Option<Arc<AtomicBool>>,
     with_middleware: bool,
     routed: bool,
 ) -> FailingAudit {
     let (paid_runs, audits) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let (queue, failed) = (memory(), memory());
+    let (queue, failed, down) = (memory(), memory(), memory());
+    let up = Arc::new(AtomicBool::new(false));
     let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
     let (slot, runs, counted) = (bus.clone(), paid_runs.clone(), audits.clone());
     let mut builder = Messenger::builder()
@@ -1270,17 +1325,14 @@ fn deferring_a_failing_audit(
                 }
             }
         })
-        .command_handler(move |_: Audit| {
-            let result = if audit_failing.load(Ordering::SeqCst) {
-                Err(JobFailed)
-            } else {
-                counted.fetch_add(1, Ordering::SeqCst);
-                Ok(())
-            };
-            async move { result }
-        })
         .transport("async", queue.clone())
-        .transport("down", Arc::new(Refusing::default()))
+        .transport(
+            "down",
+            Arc::new(Switchable {
+                inner: down.clone(),
+                up: up.clone(),
+            }),
+        )
         .transport("failed", failed.clone())
         .failure_transport("failed")
         .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
@@ -1289,6 +1341,17 @@ fn deferring_a_failing_audit(
             jitter: 0.0,
             ..Default::default()
         });
+    if let Some(audit_failing) = audit_failing {
+        builder = builder.command_handler(move |_: Audit| {
+            let result = if audit_failing.load(Ordering::SeqCst) {
+                Err(JobFailed)
+            } else {
+                counted.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            };
+            async move { result }
+        });
+    }
     if routed {
         builder = builder.route::<Paid>("async");
     }
@@ -1306,6 +1369,8 @@ fn deferring_a_failing_audit(
         audits,
         queue,
         failed,
+        down,
+        up,
     }
 }
 
@@ -1338,7 +1403,7 @@ async fn a_handled_message_whose_deferred_dispatch_fails_is_acknowledged_and_onl
                 0,
                 Arc::new(AtomicBool::new(false)),
                 unsent,
-                audit_failing.clone(),
+                Some(audit_failing.clone()),
                 with_middleware,
                 true,
             );
@@ -1355,9 +1420,15 @@ async fn a_handled_message_whose_deferred_dispatch_fails_is_acknowledged_and_onl
             // retried from there, the audit is handled; the event's handler
             // does not run again.
             audit_failing.store(false, Ordering::SeqCst);
+            t.up.store(true, Ordering::SeqCst);
             let (report, names) = drain_names(&t.messenger, "failed").await;
             assert_eq!(names, ["Audit"], "only the failed audit was parked: {case}");
             assert_eq!(report.stats.handled, 1, "{case}");
+            if unsent {
+                // Sent to `down` from there, and handled when read from it.
+                assert_eq!(t.audits.load(Ordering::SeqCst), 0, "{case}");
+                drain(Worker::builder(&t.messenger).receiver("down")).await;
+            }
             assert_eq!(
                 t.audits.load(Ordering::SeqCst),
                 1,
@@ -1379,7 +1450,7 @@ async fn a_retried_message_whose_deferred_dispatch_fails_is_not_parked_beside_it
                 1,
                 failing.clone(),
                 unsent,
-                audit_failing.clone(),
+                Some(audit_failing.clone()),
                 with_middleware,
                 true,
             );
@@ -1402,12 +1473,16 @@ async fn a_retried_message_whose_deferred_dispatch_fails_is_not_parked_beside_it
                 "the retry: {case}"
             );
             audit_failing.store(false, Ordering::SeqCst);
+            t.up.store(true, Ordering::SeqCst);
             let (_, names) = drain_names(&t.messenger, "failed").await;
             assert_eq!(
                 names,
                 ["Audit"],
                 "the event lives once, as its retry; only the audit is parked: {case}"
             );
+            if unsent {
+                drain(Worker::builder(&t.messenger).receiver("down")).await;
+            }
             assert_eq!(t.audits.load(Ordering::SeqCst), 1, "{case}");
             // The retry succeeds without running the first handler again,
             // so the audit is not deferred twice.
@@ -1430,7 +1505,7 @@ async fn a_parked_message_whose_successful_handler_s_deferred_dispatch_fails_has
             0,
             failing.clone(),
             unsent,
-            audit_failing.clone(),
+            Some(audit_failing.clone()),
             false,
             true,
         );
@@ -1443,14 +1518,87 @@ async fn a_parked_message_whose_successful_handler_s_deferred_dispatch_fails_has
         assert_eq!(report.stats.failed, 2, "the event and its audit: {case}");
         failing.store(false, Ordering::SeqCst);
         audit_failing.store(false, Ordering::SeqCst);
+        t.up.store(true, Ordering::SeqCst);
         let (report, names) = drain_names(&t.messenger, "failed").await;
         assert_eq!(names, ["Audit", "Paid"], "{case}");
         assert_eq!(report.stats.handled, 2, "{case}");
+        if unsent {
+            drain(Worker::builder(&t.messenger).receiver("down")).await;
+        }
         assert_eq!(
             t.audits.load(Ordering::SeqCst),
             1,
             "the audit is not lost: {case}"
         );
+        assert_eq!(t.paid_runs.load(Ordering::SeqCst), 1, "{case}");
+    }
+}
+
+#[tokio::test]
+async fn a_deferred_dispatch_that_could_not_be_sent_is_sent_again_not_handled_when_retried_from_the_failure_transport(
+) {
+    for local_handler in [false, true] {
+        let case = format!("local handler: {local_handler}");
+        let t = deferring_a_failing_audit(
+            0,
+            Arc::new(AtomicBool::new(false)),
+            true,
+            local_handler.then(|| Arc::new(AtomicBool::new(false))),
+            false,
+            true,
+        );
+        t.messenger
+            .bus()
+            .dispatch(Envelope::event(Paid))
+            .await
+            .unwrap();
+        let report = drain(Worker::builder(&t.messenger).receiver("async")).await;
+        assert_eq!(report.stats.failed, 1, "the audit was not sent: {case}");
+        assert_eq!(t.failed.message_count().await.unwrap(), 1, "{case}");
+        // Retried while `down` still refuses it: kept where it is.
+        let report = drain(
+            Worker::builder(&t.messenger)
+                .receiver("failed")
+                .message_limit(1),
+        )
+        .await;
+        assert_eq!(report.stats.failed, 1, "{case}");
+        assert_eq!(t.failed.message_count().await.unwrap(), 1, "{case}");
+        assert_eq!(t.down.message_count().await.unwrap(), 0, "{case}");
+        // Once `down` is back, retrying it sends it there.
+        t.up.store(true, Ordering::SeqCst);
+        let (report, names) = drain_names(&t.messenger, "failed").await;
+        assert_eq!(names, ["Audit"], "{case}");
+        assert_eq!(report.stats.handled, 1, "{case}");
+        assert_eq!(report.stats.failed, 0, "{case}");
+        assert_eq!(t.failed.message_count().await.unwrap(), 0, "{case}");
+        assert_eq!(
+            t.audits.load(Ordering::SeqCst),
+            0,
+            "not handled in this process: {case}"
+        );
+        let sent = t.down.get(10).await.unwrap();
+        assert_eq!(sent.len(), 1, "delivered to `down`: {case}");
+        let envelope = t.messenger.serializer().decode(&sent[0].raw).unwrap();
+        assert_eq!(envelope.message_name(), "Audit", "{case}");
+        assert!(
+            !envelope.has::<envoi_core::stamp::UnsentStamp>(),
+            "no longer unsent: {case}"
+        );
+        assert_eq!(
+            envelope
+                .last::<SentToFailureTransportStamp>()
+                .unwrap()
+                .original_transport,
+            "down",
+            "read from `down`, it is handled as a message of `down`: {case}"
+        );
+        t.down.release(&sent[0].id).await.unwrap();
+        if local_handler {
+            let report = drain(Worker::builder(&t.messenger).receiver("down")).await;
+            assert_eq!(report.stats.handled, 1, "{case}");
+            assert_eq!(t.audits.load(Ordering::SeqCst), 1, "{case}");
+        }
         assert_eq!(t.paid_runs.load(Ordering::SeqCst), 1, "{case}");
     }
 }
@@ -1462,7 +1610,7 @@ async fn an_application_dispatch_whose_deferred_dispatch_fails_returns_the_defer
             0,
             Arc::new(AtomicBool::new(false)),
             unsent,
-            Arc::new(AtomicBool::new(!unsent)),
+            Some(Arc::new(AtomicBool::new(!unsent))),
             false,
             false,
         );

@@ -32,7 +32,10 @@
 //!   message: its own handling succeeded (or its retry was sent), and
 //!   parked or retried it would skip the handlers that deferred them, so
 //!   they would be lost. A failed consequence is therefore kept, at least
-//!   once, and the message not duplicated. (One the failure transport does
+//!   once, and the message not duplicated. One that could not be sent to
+//!   the transport it is routed to is parked with an
+//!   [`UnsentStamp`] naming that transport: retried from the
+//!   failure transport, it is sent there again, not handled as received. (One the failure transport does
 //!   not take is kept by releasing a handled message, whose handlers then
 //!   run again; beside a retry or a parked copy it is dropped, with an
 //!   error log, as releasing the message would duplicate it.)
@@ -58,7 +61,9 @@ use serde::{Deserialize, Serialize};
 use super::{BoxFuture, Endpoint, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, StepResult};
-use crate::stamp::{DispatchAfterCurrentBusStamp, ErrorDetailsStamp, ReceivedStamp, Stamp};
+use crate::stamp::{
+    DispatchAfterCurrentBusStamp, ErrorDetailsStamp, ReceivedStamp, Stamp, UnsentStamp,
+};
 
 /// A dispatch waiting for the outer one, with where to run it.
 #[derive(Clone)]
@@ -413,6 +418,11 @@ async fn run_all(
                 if let Some(kept) = kept {
                     let mut envelope = e.envelope().cloned().unwrap_or(kept);
                     queue.extend(envelope.take_deferred());
+                    // Not sent: parked, it is to be sent there again when
+                    // retried, not handled as if it had been received.
+                    if let BusError::Transport { transport, .. } = &e {
+                        envelope = envelope.with(UnsentStamp::new(transport.clone()));
+                    }
                     failed.push((envelope, ErrorDetailsStamp::from_error(e.kind(), &e)));
                 }
                 errors.push(e);
