@@ -4,12 +4,10 @@ use std::io::Write;
 use std::sync::Arc;
 
 use clap::{ArgGroup, Args, Subcommand};
-use envoi_core::stamp::{
-    BusNameStamp, ReceivedStamp, RedeliveryStamp, SentStamp, SentToFailureTransportStamp,
-    TransportMessageIdStamp,
-};
+use envoi_core::stamp::{SentStamp, TransportMessageIdStamp};
 use envoi_core::transport::{Delivery, Transport};
-use envoi_core::{BusError, Envelope, Messenger};
+use envoi_core::worker::{handle_one, Outcome as WorkerOutcome, Settlement, WorkerEvent};
+use envoi_core::Messenger;
 
 use crate::inspect::{inspect, Inspected};
 use crate::table::{truncate, Table};
@@ -21,7 +19,7 @@ use crate::{unknown_transport, CliError, Console, Format};
 pub enum FailedCommand {
     /// List the failed messages, or show one in detail.
     Show(ShowArgs),
-    /// Handle failed messages again; those handled or sent for another try leave the failure transport.
+    /// Handle failed messages again, as a worker would; those handled or sent for another try leave the failure transport.
     Retry(RetryArgs),
     /// Delete failed messages for good.
     Remove(RemoveArgs),
@@ -298,7 +296,8 @@ fn write_detail(out: &mut dyn Write, transport: &str, info: &Inspected) -> std::
 
 /// What became of one retried message.
 enum Outcome {
-    /// Handled; removed from the failure transport.
+    /// Handled (or, parked because it could not be sent, sent); removed
+    /// from the failure transport.
     Handled,
     /// Failed with retries left; sent back to `transport` for another try.
     Rescheduled { transport: String },
@@ -308,62 +307,73 @@ enum Outcome {
     Kept { reason: String },
 }
 
-async fn retry_one(messenger: &Messenger, failure: &str, delivery: &Delivery) -> Outcome {
-    let envelope = match messenger.serializer().decode(&delivery.raw) {
-        Ok(e) => e,
+/// Retries one message as a worker consuming the failure transport would
+/// ([`handle_one`]): what its handlers deferred that fails is parked on its
+/// own, and a message parked because it could not be sent is sent. Also
+/// returns a line for each deferred dispatch that failed.
+async fn retry_one(
+    messenger: &Messenger,
+    failure: &str,
+    delivery: &Delivery,
+) -> (Outcome, Vec<String>) {
+    // Kept as it is: parked again, it would only fail again.
+    if let Err(e) = messenger.serializer().decode(&delivery.raw) {
+        let reason = format!("does not decode: {e}");
+        return (Outcome::Kept { reason }, Vec::new());
+    }
+    let handled = match handle_one(messenger, failure, delivery.clone()).await {
+        Ok(handled) => handled,
         Err(e) => {
-            return Outcome::Kept {
-                reason: format!("does not decode: {e}"),
-            }
+            let reason = e.to_string();
+            return (Outcome::Kept { reason }, Vec::new());
         }
     };
-    let redeliveries = envelope.all::<RedeliveryStamp>().count();
-    let parked = envelope.all::<SentToFailureTransportStamp>().count();
-    let bus = envelope
-        .last::<BusNameStamp>()
-        .and_then(|b| messenger.bus_named(&b.bus))
-        .unwrap_or_else(|| messenger.bus())
-        .clone();
-    let envelope: Envelope = envelope
-        .with(ReceivedStamp::new(failure))
-        .with(TransportMessageIdStamp::new(delivery.id.clone()));
-    // On a task of its own, so a handler that panics is reported, not fatal.
-    let joined = tokio::spawn(async move { bus.dispatch(envelope).await }).await;
-    match joined {
-        Err(join) => Outcome::Kept {
-            reason: if join.is_panic() {
-                "a handler panicked".to_string()
-            } else {
-                "the dispatch was cancelled".to_string()
+    let (own, deferred) = handled
+        .events
+        .split_last()
+        .map_or((None, &[][..]), |(own, deferred)| (Some(own), deferred));
+    let deferred = deferred
+        .iter()
+        .filter_map(|e| match e {
+            WorkerEvent::Failed {
+                message,
+                error,
+                parked_in,
+                ..
+            } => Some(match parked_in {
+                Some(to) => format!("its deferred `{message}` failed, parked in `{to}`: {error}"),
+                None => format!("its deferred `{message}` failed and was not parked: {error}"),
+            }),
+            _ => None,
+        })
+        .collect();
+    let outcome = match (handled.settlement, own) {
+        (Settlement::Ack, Some(WorkerEvent::Retried { envelope, .. })) => Outcome::Rescheduled {
+            transport: envelope
+                .last::<SentStamp>()
+                .map_or_else(|| "?".to_string(), |s| s.transport.clone()),
+        },
+        (
+            Settlement::Ack,
+            Some(WorkerEvent::Failed {
+                error, envelope, ..
+            }),
+        ) => Outcome::FailedAgain {
+            new_id: envelope
+                .as_ref()
+                .and_then(|e| e.last::<TransportMessageIdStamp>())
+                .map_or_else(|| "?".to_string(), |s| s.id.clone()),
+            error: error.clone(),
+        },
+        (Settlement::Ack, _) => Outcome::Handled,
+        (_, own) => Outcome::Kept {
+            reason: match (&handled.outcome, own) {
+                (WorkerOutcome::Failed { error, .. }, _) => error.clone(),
+                _ => "a dispatch its handlers deferred failed and could not be parked".to_string(),
             },
         },
-        Ok(Ok(after)) if after.all::<RedeliveryStamp>().count() > redeliveries => {
-            Outcome::Rescheduled {
-                transport: after
-                    .last::<SentStamp>()
-                    .map_or_else(|| "?".to_string(), |s| s.transport.clone()),
-            }
-        }
-        Ok(Ok(_)) => Outcome::Handled,
-        Ok(Err(BusError::HandlerFailed { envelope, errors }))
-            if envelope.all::<SentToFailureTransportStamp>().count() > parked =>
-        {
-            let error = errors
-                .iter()
-                .map(|e| format!("{}: {}", e.handler, e.error))
-                .collect::<Vec<_>>()
-                .join("; ");
-            Outcome::FailedAgain {
-                new_id: envelope
-                    .last::<TransportMessageIdStamp>()
-                    .map_or_else(|| "?".to_string(), |s| s.id.clone()),
-                error,
-            }
-        }
-        Ok(Err(e)) => Outcome::Kept {
-            reason: e.to_string(),
-        },
-    }
+    };
+    (outcome, deferred)
 }
 
 /// The widest outcome `failed retry` puts in its table; a longer one is
@@ -390,7 +400,7 @@ async fn retry(
     // Outcomes too long for the table, written in full after it.
     let mut long = Vec::new();
     for delivery in &selected {
-        let outcome = retry_one(messenger, name, delivery).await;
+        let (outcome, deferred) = retry_one(messenger, name, delivery).await;
         let remove = !matches!(outcome, Outcome::Kept { .. });
         let mut text = match outcome {
             Outcome::Handled => {
@@ -414,6 +424,9 @@ async fn retry(
                 format!("kept: {reason}")
             }
         };
+        for line in deferred {
+            text = format!("{text}; {line}");
+        }
         if remove {
             if let Err(e) = transport.ack(&delivery.id).await {
                 not_removed += 1;

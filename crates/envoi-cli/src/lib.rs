@@ -49,21 +49,32 @@
 //!
 //! ## Retrying failed messages
 //!
-//! `failed retry` takes each message from the failure transport and
-//! dispatches it as a message received from there, with a
+//! `failed retry` takes each message from the failure transport and handles
+//! it as a worker consuming that transport would
+//! ([`handle_one`](envoi_core::worker::handle_one)): it dispatches it as a
+//! message received from there, with a
 //! [`ReceivedStamp`](envoi_core::stamp::ReceivedStamp) naming the failure
 //! transport. The pipeline's `FailedMessageProcessing` step then treats it
 //! like its original delivery, with a fresh retry budget:
 //!
-//! * handled — it is removed from the failure transport;
+//! * handled — it is removed from the failure transport; a dispatch its
+//!   handlers deferred that fails is parked there on its own (the table
+//!   says so), as the worker does, and the message removed all the same;
+//!   when one cannot be parked, the message stays, to be handled again;
+//! * a deferred dispatch parked because it could not be sent to its
+//!   transport (an `UnsentStamp`) — it is sent there and removed, not
+//!   handled;
 //! * failed with retries left — the retry step sends it back to its original
 //!   transport with a delay (a worker consuming that transport handles it),
 //!   and it is removed from the failure transport;
 //! * failed for good — the retry step parks it in the failure transport
 //!   again (under a new id, due 1 s later, doubling each time it comes
-//!   back) and the old copy is removed;
-//! * anything else (it does not decode, no handler, a transport error, a
-//!   panic) — it stays where it is and the command exits with status 1.
+//!   back) and the old copy is removed; so does the worker when it fails
+//!   otherwise (no handler, a middleware's error, a panic); dispatches
+//!   its handlers that succeeded deferred that fail are parked too;
+//! * anything else (it does not decode, a transport error, parking it
+//!   fails, there is no failure transport for its origin) — it stays where
+//!   it is and the command exits with status 1.
 //!
 //! When the old copy of a retried message cannot be removed, the table says
 //! so and the command exits with status 1: the message is still in the

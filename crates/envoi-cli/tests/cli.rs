@@ -3,7 +3,7 @@
 //! transports.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -691,7 +691,7 @@ async fn failed_retry_removes_what_is_handled_and_parks_again_what_fails_for_goo
         "{out}"
     );
     assert!(
-        out.contains("}: card declined"),
+        out.contains("` failed: card declined"),
         "the handler's own error: {out}"
     );
     let show = app.ok(&["failed", "show", &now[0]]).await;
@@ -1169,4 +1169,185 @@ async fn failed_remove_that_deletes_only_some_says_which_are_still_there() {
     assert_eq!(rows.len(), 1, "the removed message is listed: {out}");
     assert!(err.contains("database is locked"), "{err}");
     assert_eq!(failed.message_count().await.unwrap(), 2);
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Audit {
+    order: u32,
+}
+impl Message for Audit {
+    const NAME: &'static str = "Audit";
+}
+impl Command for Audit {
+    type Output = ();
+    type Error = OrderError;
+}
+
+/// A messenger with an in-memory failure transport whose `PlaceOrder`
+/// handler (counting its runs) defers an `Audit` whose handler fails while
+/// `audit_failing` is set, and counts the audits it handles otherwise.
+fn deferring_a_failing_audit(
+    audit_failing: Arc<AtomicBool>,
+) -> (Messenger, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let (orders, audits) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let bus: Arc<Mutex<Option<envoi::MessageBus>>> = Arc::default();
+    let (slot, placed, audited) = (bus.clone(), orders.clone(), audits.clone());
+    let messenger = Messenger::builder()
+        .command_handler(move |order: PlaceOrder| {
+            let slot = slot.clone();
+            placed.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let bus = slot.lock().unwrap().clone().expect("bus set");
+                bus.dispatch_after_current(envoi::Envelope::new(Audit { order: order.id }))
+                    .await
+                    .expect("a deferred dispatch is accepted");
+                Ok::<(), OrderError>(())
+            }
+        })
+        .command_handler(move |_: Audit| {
+            let result = if audit_failing.load(Ordering::SeqCst) {
+                Err(OrderError::Warehouse)
+            } else {
+                audited.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            };
+            async move { result }
+        })
+        .message::<PlaceOrder>()
+        .message::<Audit>()
+        .transport(
+            "failed",
+            Arc::new(envoi::in_memory::InMemoryTransport::new()),
+        )
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    *bus.lock().unwrap() = Some(messenger.bus().clone());
+    (messenger, orders, audits)
+}
+
+#[tokio::test]
+async fn failed_retry_of_a_message_handled_whose_deferred_dispatch_fails_removes_it_and_parks_only_the_dispatch(
+) {
+    let audit_failing = Arc::new(AtomicBool::new(true));
+    let (messenger, orders, audits) = deferring_a_failing_audit(audit_failing.clone());
+    let failed = messenger.transport("failed").unwrap().clone();
+    let mut raw = RawMessage::default();
+    raw.headers.insert("type", "PlaceOrder");
+    raw.body = br#"{"id":1,"fate":"Fine"}"#.to_vec();
+    let id = failed.send(raw, None).await.unwrap();
+    let run = |args: Vec<String>| {
+        let messenger = messenger.clone();
+        async move {
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            let argv = std::iter::once("app".to_string()).chain(args);
+            let code = envoi_cli::run_with(&messenger, argv, &mut out, &mut err).await;
+            (
+                code,
+                String::from_utf8(out).unwrap(),
+                String::from_utf8(err).unwrap(),
+            )
+        }
+    };
+    let retry = |id: &str| vec!["failed".into(), "retry".into(), id.to_string()];
+
+    let (code, out, err) = run(retry(&id)).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("handled; its deferred `Audit` failed, parked in `failed`"),
+        "{out}"
+    );
+    assert!(
+        out.contains("1 handled, 0 sent for another try, 0 failed again, 0 kept"),
+        "{out}"
+    );
+    // The order left the failure transport; only its audit is there.
+    let left = failed.list(10).await.unwrap();
+    assert_eq!(left.len(), 1, "{out}");
+    assert!(left[0].id != id, "the order was removed");
+    assert_eq!(left[0].raw.header("type"), Some("Audit"));
+    assert_eq!(orders.load(Ordering::SeqCst), 1);
+
+    // Retried in turn, the audit is handled, and the order not again.
+    audit_failing.store(false, Ordering::SeqCst);
+    let (code, out, err) = run(retry(&left[0].id)).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(audits.load(Ordering::SeqCst), 1);
+    assert_eq!(orders.load(Ordering::SeqCst), 1);
+    assert_eq!(failed.message_count().await.unwrap(), 0);
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Paid {
+    order: u32,
+}
+impl Message for Paid {
+    const NAME: &'static str = "Paid";
+}
+impl envoi::Event for Paid {
+    type Error = OrderError;
+}
+
+#[tokio::test]
+async fn failed_retry_of_a_message_parked_again_parks_what_its_successful_handler_deferred_that_fails(
+) {
+    let audits = Arc::new(AtomicUsize::new(0));
+    let bus: Arc<Mutex<Option<envoi::MessageBus>>> = Arc::default();
+    let (slot, audited) = (bus.clone(), audits.clone());
+    let messenger = Messenger::builder()
+        .event_handler(move |paid: Paid| {
+            let slot = slot.clone();
+            async move {
+                let bus = slot.lock().unwrap().clone().expect("bus set");
+                bus.dispatch_after_current(envoi::Envelope::new(Audit { order: paid.order }))
+                    .await
+                    .expect("a deferred dispatch is accepted");
+                Ok::<(), OrderError>(())
+            }
+        })
+        .event_handler(|_: Paid| async {
+            Err::<(), _>(OrderError::Declined(Unrecoverable::new("for good")))
+        })
+        .command_handler(move |_: Audit| {
+            audited.fetch_add(1, Ordering::SeqCst);
+            async { Err::<(), _>(OrderError::Warehouse) }
+        })
+        .message::<Paid>()
+        .message::<Audit>()
+        .transport(
+            "failed",
+            Arc::new(envoi::in_memory::InMemoryTransport::new()),
+        )
+        .failure_transport("failed")
+        .build()
+        .unwrap();
+    *bus.lock().unwrap() = Some(messenger.bus().clone());
+    let failed = messenger.transport("failed").unwrap().clone();
+    let mut raw = RawMessage::default();
+    raw.headers.insert("type", "Paid");
+    raw.body = br#"{"order":1}"#.to_vec();
+    let id = failed.send(raw, None).await.unwrap();
+
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let args = ["app", "failed", "retry", id.as_str()];
+    let code = envoi_cli::run_with(&messenger, args, &mut out, &mut err).await;
+    let out = String::from_utf8(out).unwrap();
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("failed again, back in `failed`"), "{out}");
+    assert!(
+        out.contains("its deferred `Audit` failed, parked in `failed`"),
+        "{out}"
+    );
+    assert_eq!(audits.load(Ordering::SeqCst), 1);
+    // The event, parked again, and the audit its first handler deferred,
+    // which will not be deferred again (that handler does not run again).
+    let mut names: Vec<String> = failed
+        .list(10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|d| d.raw.header("type").unwrap_or("?").to_string())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["Audit", "Paid"], "{out}");
 }

@@ -986,26 +986,55 @@ pub enum Outcome {
     },
 }
 
+/// What the transport of a message handled by [`handle_one`] is to do
+/// with it, as a worker would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Settlement {
+    /// Remove it: it was handled, its retry sent, or it was parked.
+    Ack,
+    /// Reject it: it failed and there is no failure transport.
+    Reject,
+    /// Give it back, to be delivered again: it could not be parked (or a
+    /// dispatch its handlers deferred could not be), or sent.
+    Release,
+}
+
+/// A message handled by [`handle_one`], not yet settled with its transport.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct HandledOne {
+    /// What became of it.
+    pub outcome: Outcome,
+    /// What its transport is to do with it.
+    pub settlement: Settlement,
+    /// The [`Handled`](WorkerEvent::Handled),
+    /// [`Retried`](WorkerEvent::Retried) and [`Failed`](WorkerEvent::Failed)
+    /// events, in order: a dispatch its handlers deferred that failed, and
+    /// was parked on its own (or could not be), has a `Failed` event of its
+    /// own, before the message's.
+    pub events: Vec<WorkerEvent>,
+}
+
 /// Handles one message of `transport` exactly as a worker would — decode,
-/// dispatch with a [`ReceivedStamp`], then acknowledge, reject, release or
-/// park it — and says what became of it. This is how a command line retries
-/// one message from a failure transport: [`find`](Transport::find) it, then
-/// hand it here.
+/// dispatch with a [`ReceivedStamp`] (or send one parked because it could
+/// not be sent), park it or what its handlers deferred that failed — but
+/// leaves settling it with the transport to the caller: what a worker
+/// would do is [`HandledOne::settlement`]. [`consume_one`] does it too.
 ///
 /// Fails with [`WorkerError::UnknownTransport`] for a transport the
-/// messenger does not have, and with [`WorkerError::Transport`] when
-/// acknowledging, rejecting or releasing it fails.
-pub async fn consume_one(
+/// messenger does not have.
+pub async fn handle_one(
     messenger: &Messenger,
     transport: &str,
     delivery: crate::transport::Delivery,
-) -> Result<Outcome, WorkerError> {
+) -> Result<HandledOne, WorkerError> {
     let t = messenger
         .transport(transport)
         .ok_or_else(|| WorkerError::UnknownTransport(transport.to_string()))?
         .clone();
-    let last = Arc::new(std::sync::Mutex::new(None::<WorkerEvent>));
-    let record = last.clone();
+    let events = Arc::new(std::sync::Mutex::new(Vec::<WorkerEvent>::new()));
+    let record = events.clone();
     let ctx = Ctx::new(
         messenger.clone(),
         Events {
@@ -1016,7 +1045,10 @@ pub async fn consume_one(
                         | WorkerEvent::Retried { .. }
                         | WorkerEvent::Failed { .. }
                 ) {
-                    *record.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
+                    record
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(e.clone());
                 }
             })],
             tx: None,
@@ -1024,7 +1056,7 @@ pub async fn consume_one(
         Arc::new(Counters::default()),
         vec![Receiver {
             name: Arc::from(transport),
-            transport: t.clone(),
+            transport: t,
             rate: None,
         }],
     );
@@ -1040,43 +1072,76 @@ pub async fn consume_one(
         Some(finished) => finished,
         None => in_flight.next().await,
     };
-    let (done, id) = match finished {
-        Finished::Done(done, id) => (done, id),
+    let done = match finished {
+        Finished::Done(done, _) => done,
         Finished::Panicked {
             receiver,
             id,
             envelope,
             message,
-        } => (
+        } => {
             ctx.park_panicked(receiver, &id.text(), envelope, message)
-                .await,
-            id,
-        ),
+                .await
+        }
     };
-    let result = match done.action {
-        Action::Ack => t.ack(&id.text()).await,
-        Action::Reject => t.reject(&id.text()).await,
-        Action::Release => t.release(&id.text()).await,
-    };
-    result.map_err(|e| WorkerError::Transport {
-        transport: transport.to_string(),
-        error: e.to_string(),
-    })?;
-    let event = last.lock().unwrap_or_else(|p| p.into_inner()).take();
-    Ok(match event {
-        Some(WorkerEvent::Retried { retry_count, .. }) => Outcome::Retried { retry_count },
+    let events = std::mem::take(&mut *events.lock().unwrap_or_else(|p| p.into_inner()));
+    let outcome = match events.last() {
+        Some(WorkerEvent::Retried { retry_count, .. }) => Outcome::Retried {
+            retry_count: *retry_count,
+        },
         Some(WorkerEvent::Failed {
             error,
             parked_in,
             released,
             ..
         }) => Outcome::Failed {
-            error,
-            parked_in,
-            released,
+            error: error.clone(),
+            parked_in: parked_in.clone(),
+            released: *released,
         },
         _ => Outcome::Handled,
+    };
+    let settlement = match done.action {
+        Action::Ack => Settlement::Ack,
+        Action::Reject => Settlement::Reject,
+        Action::Release => Settlement::Release,
+    };
+    Ok(HandledOne {
+        outcome,
+        settlement,
+        events,
     })
+}
+
+/// Handles one message of `transport` exactly as a worker would — decode,
+/// dispatch with a [`ReceivedStamp`], then acknowledge, reject, release or
+/// park it — and says what became of it. This is how a command line retries
+/// one message from a failure transport: [`find`](Transport::find) it, then
+/// hand it here (or to [`handle_one`], to settle it itself).
+///
+/// Fails with [`WorkerError::UnknownTransport`] for a transport the
+/// messenger does not have, and with [`WorkerError::Transport`] when
+/// acknowledging, rejecting or releasing it fails.
+pub async fn consume_one(
+    messenger: &Messenger,
+    transport: &str,
+    delivery: crate::transport::Delivery,
+) -> Result<Outcome, WorkerError> {
+    let id = delivery.id.clone();
+    let handled = handle_one(messenger, transport, delivery).await?;
+    let t = messenger
+        .transport(transport)
+        .ok_or_else(|| WorkerError::UnknownTransport(transport.to_string()))?;
+    let result = match handled.settlement {
+        Settlement::Ack => t.ack(&id).await,
+        Settlement::Reject => t.reject(&id).await,
+        Settlement::Release => t.release(&id).await,
+    };
+    result.map_err(|e| WorkerError::Transport {
+        transport: transport.to_string(),
+        error: e.to_string(),
+    })?;
+    Ok(handled.outcome)
 }
 
 struct Events {
