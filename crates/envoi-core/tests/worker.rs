@@ -1726,7 +1726,12 @@ impl Transport for Refusing {
     }
 }
 
-#[tokio::test]
+/// The gaps between the times (since the start) in `times`.
+fn gaps(times: &[Duration]) -> Vec<Duration> {
+    times.windows(2).map(|w| w[1] - w[0]).collect()
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_message_that_cannot_be_parked_is_kept_and_retried_with_a_growing_pause() {
     let seen = Seen::default();
     let queue = memory();
@@ -1739,12 +1744,38 @@ async fn a_message_that_cannot_be_parked_is_kept_and_retried_with_a_growing_paus
         .build()
         .unwrap();
     queue.send(raw("Unknown", b"{}"), None).await.unwrap();
-    let (report, released) = run_counting_releases(&messenger, Duration::from_secs(1)).await;
+    let start = Instant::now();
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let seen_at = attempts.clone();
+    let report = Worker::builder(&messenger)
+        .receiver("async")
+        .idle_sleep(Duration::from_millis(5))
+        .time_limit(Duration::from_secs(1))
+        .listener(move |e: &WorkerEvent| {
+            if let WorkerEvent::Failed {
+                released: true,
+                parked_in: None,
+                ..
+            } = e
+            {
+                seen_at.lock().unwrap().push(start.elapsed());
+            }
+        })
+        .build()
+        .unwrap()
+        .run()
+        .await;
     assert_eq!(report.reason, StopReason::TimeLimit);
-    // Pauses of 100, 200, 400 and 800 ms: a handful of attempts in the
-    // second, not one per round trip of the transports.
-    let attempts = released.len();
-    assert!((2..=8).contains(&attempts), "{attempts} attempts");
+    // Tried again after pauses of 100, 200 and 400 ms (the next, of 800
+    // ms, would end after the time limit), not once per round trip of the
+    // transports.
+    let attempts = attempts.lock().unwrap().clone();
+    assert_eq!(attempts[0], Duration::ZERO, "{attempts:?}");
+    assert_eq!(
+        gaps(&attempts),
+        [100, 200, 400].map(Duration::from_millis),
+        "{attempts:?}"
+    );
     assert_eq!(
         queue.message_count().await.unwrap(),
         1,
@@ -1822,14 +1853,15 @@ async fn a_panicking_listener_neither_fails_messages_nor_stops_the_worker() {
     assert_eq!(calls.load(Ordering::SeqCst), 8);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_message_the_retry_step_cannot_park_is_handled_again_only_after_a_pause() {
     let queue = memory();
-    let runs = Arc::new(AtomicUsize::new(0));
-    let count = runs.clone();
+    let start = Instant::now();
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let seen_at = runs.clone();
     let messenger = Messenger::builder()
         .command_handler(move |_: Job| {
-            count.fetch_add(1, Ordering::Relaxed);
+            seen_at.lock().unwrap().push(start.elapsed());
             async { Err::<(), _>(JobFailed) }
         })
         .transport("async", queue.clone())
@@ -1853,10 +1885,16 @@ async fn a_message_the_retry_step_cannot_park_is_handled_again_only_after_a_paus
         .await;
     assert_eq!(report.reason, StopReason::TimeLimit);
     // The retry step's park fails and the message is released: handled
-    // again after pauses of 100, 200, 400 and 800 ms, not at once in a
-    // loop as fast as the transports go.
-    let runs = runs.load(Ordering::Relaxed);
-    assert!((2..=8).contains(&runs), "handled {runs} times");
+    // again after pauses of 100, 200 and 400 ms (the next, of 800 ms,
+    // would end after the time limit), not at once in a loop as fast as
+    // the transports go.
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs[0], Duration::ZERO, "{runs:?}");
+    assert_eq!(
+        gaps(&runs),
+        [100, 200, 400].map(Duration::from_millis),
+        "{runs:?}"
+    );
     assert_eq!(queue.message_count().await.unwrap(), 1, "kept, not lost");
 }
 
