@@ -35,7 +35,9 @@
 //! A transport that knows a message was handed out before and not
 //! acknowledged marks it ([`Delivery::redelivered`]; the RabbitMQ transport
 //! does, from AMQP's `redelivered` flag, since RabbitMQ hands a dead
-//! consumer's messages out again as soon as its connection closes), and the
+//! consumer's messages out again as soon as its connection closes, and so
+//! does the Redis transport for the entries it takes over with
+//! `XAUTOCLAIM`, whatever its lease), and the
 //! received envelope carries a [`RedeliveredStamp`]. Such a redelivery is
 //! handled when its key is only claimed by an attempt in processing (it
 //! takes the claim over), and is a duplicate when its key is remembered
