@@ -627,7 +627,9 @@ impl Stamp for SentToFailureTransportStamp {
 /// Marks a message parked in the failure transport because sending it to
 /// `transport` failed (a dispatch a handler deferred, routed there): it was
 /// never received, so, retried from the failure transport, it is sent to
-/// `transport` again (without this stamp) rather than handled. Its
+/// `transport` again (without this stamp) rather than handled, and to the
+/// transports its type is routed to after `transport`, which the failed
+/// send never reached. Its
 /// [`SentToFailureTransportStamp`] names `transport` too, so once it arrives
 /// there it is handled as any message of that transport.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -56,7 +56,7 @@
 //! | handled, or scheduled for a retry, but dispatches its handlers [deferred](crate::middleware::dispatch_after_current_bus) failed ([`BusError::DelayedHandlingFailed`]) | parks each deferred message that failed in the failure transport, as a message of its own with an `ErrorDetails` stamp saying why (and an [`UnsentStamp`] when it could not be sent: see below), then acknowledges the message (it is not parked itself: the handlers that deferred them would be skipped there, and a retry already holds it). A handled message is rejected when there is no failure transport, and released, so its handlers run and defer them again, when one cannot be parked (fetching from its receiver then pauses); a retried one is acknowledged all the same, its retry holding it, and a deferred message that cannot be parked is dropped with an error log | [`Handled`](WorkerEvent::Handled) or [`Retried`](WorkerEvent::Retried), and a [`Failed`](WorkerEvent::Failed) for each deferred message, naming it |
 //! | handler failure, parked in the failure transport by the retry step | acknowledges it; dispatches deferred by its handlers that succeeded that then failed are parked too, each on its own, as above (the message is acknowledged all the same: one that cannot be parked is dropped with an error log, as the parked message holds the handlers that deferred it) | [`Failed`](WorkerEvent::Failed) |
 //! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
-//! | not dispatched: it carries an [`UnsentStamp`] (a deferred message parked because it could not be sent to its transport) | sends it to that transport, without the stamp, and acknowledges it; when that fails, releases it and pauses fetching from its receiver, as for a transport failure | [`Handled`](WorkerEvent::Handled), or [`Failed`](WorkerEvent::Failed) |
+//! | not dispatched: it carries an [`UnsentStamp`] (a deferred message parked because it could not be sent to its transport) | sends it to that transport, without the stamp, and to those its type is routed to after that one (the failed send stopped before them), and acknowledges it; when a send fails (the ones before it get it again on its next delivery), releases it and pauses fetching from its receiver, as for a transport failure | [`Handled`](WorkerEvent::Handled), or [`Failed`](WorkerEvent::Failed) |
 //! | transport failure (the retry step could not send the retry, or park the message) | releases it, so it is delivered again, and pauses fetching from its receiver as when parking fails | [`Failed`](WorkerEvent::Failed), saying where it could not be parked or retried and why |
 //! | any other error (no handler, a middleware's error, a panic) | parks it like the retry step would, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //! | it does not decode (unknown type, malformed, too large) | sends the raw message to the failure transport with an `ErrorDetails` stamp header saying why, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
@@ -1774,7 +1774,9 @@ impl Ctx {
 
     /// Sends a message parked because it could not be sent ([`UnsentStamp`])
     /// to the transport it was going to, without that stamp, instead of
-    /// handling it: it was never received. Sent, it is acknowledged, and
+    /// handling it: it was never received. The transports its message type
+    /// is routed to after that one are sent to as well: the failed send
+    /// stopped before them. Sent, it is acknowledged, and
     /// counted and reported as handled; otherwise it is released and kept,
     /// and fetching from its receiver pauses, as when a retry cannot be
     /// sent.
@@ -1792,10 +1794,34 @@ impl Ctx {
         if unsent.last::<DelayStamp>().is_some_and(|d| d.ms > 0) {
             unsent = unsent.with(DelayStamp::new(Duration::ZERO));
         }
-        let action = match self.messenger.sender_dispatcher().send(&to, unsent).await {
+        // The routes after `to` were not sent to either: the failed send
+        // stopped there.
+        let after: Vec<Arc<str>> = self
+            .bus_for(&unsent)
+            .send_step()
+            .and_then(|step| step.routes().get(unsent.message_type_id()))
+            .map(|routes| {
+                routes
+                    .iter()
+                    .skip_while(|route| ***route != *to)
+                    .skip(1)
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut sent = Ok(unsent);
+        for target in std::iter::once(&*to).chain(after.iter().map(|t| &**t)) {
+            let Ok(envelope) = sent else { break };
+            sent = self
+                .messenger
+                .sender_dispatcher()
+                .send(target, envelope)
+                .await
+                .map(|e| e.with(SentStamp::new(target)));
+        }
+        let action = match sent {
             Ok(sent) => {
                 let duration = started.map(|s| s.elapsed()).unwrap_or_default();
-                let sent = sent.with(SentStamp::new(to));
                 self.succeeded(receiver, &id, sent, redeliveries, duration)
             }
             Err(error) => {

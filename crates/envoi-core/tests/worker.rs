@@ -1604,6 +1604,69 @@ async fn a_deferred_dispatch_that_could_not_be_sent_is_sent_again_not_handled_wh
 }
 
 #[tokio::test]
+async fn a_deferred_dispatch_routed_to_several_transports_reaches_those_after_the_one_it_could_not_be_sent_to(
+) {
+    let (queue, failed, down, audit) = (memory(), memory(), memory(), memory());
+    let up = Arc::new(AtomicBool::new(false));
+    let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
+    let slot = bus.clone();
+    let messenger = Messenger::builder()
+        .event_handler(move |_: Paid| {
+            let slot = slot.clone();
+            async move {
+                let bus = slot.lock().unwrap().clone().expect("bus set");
+                bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
+                    .await
+                    .expect("a deferred dispatch is accepted");
+                Ok::<_, JobFailed>(())
+            }
+        })
+        .transport("async", queue.clone())
+        .transport(
+            "down",
+            Arc::new(Switchable {
+                inner: down.clone(),
+                up: up.clone(),
+            }),
+        )
+        .transport("audit", audit.clone())
+        .transport("failed", failed.clone())
+        .failure_transport("failed")
+        .route::<Paid>("async")
+        // `down` first: its send fails before `audit` is sent to.
+        .route::<Audit>("down")
+        .route::<Audit>("audit")
+        .build()
+        .unwrap();
+    *bus.lock().unwrap() = Some(messenger.bus().clone());
+    messenger
+        .bus()
+        .dispatch(Envelope::event(Paid))
+        .await
+        .unwrap();
+    let report = drain(Worker::builder(&messenger).receiver("async")).await;
+    assert_eq!(report.stats.failed, 1, "the audit was not sent");
+    assert_eq!(failed.message_count().await.unwrap(), 1);
+    assert_eq!(
+        audit.message_count().await.unwrap(),
+        0,
+        "not sent there yet"
+    );
+    // Retried once `down` is back: sent to `down`, and to `audit`, which
+    // the failed send kept it from.
+    up.store(true, Ordering::SeqCst);
+    let report = drain(Worker::builder(&messenger).receiver("failed")).await;
+    assert_eq!(report.stats.handled, 1);
+    assert_eq!(failed.message_count().await.unwrap(), 0);
+    assert_eq!(down.message_count().await.unwrap(), 1, "sent to `down`");
+    assert_eq!(
+        audit.message_count().await.unwrap(),
+        1,
+        "and to the route after it"
+    );
+}
+
+#[tokio::test]
 async fn an_application_dispatch_whose_deferred_dispatch_fails_returns_the_deferred_errors() {
     for unsent in [true, false] {
         let t = deferring_a_failing_audit(
