@@ -633,6 +633,7 @@ impl Stamp for SentToFailureTransportStamp {
 /// [`SentToFailureTransportStamp`] names `transport` too, so once it arrives
 /// there it is handled as any message of that transport.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct UnsentStamp {
     /// The transport the message could not be sent to.
     pub transport: String,

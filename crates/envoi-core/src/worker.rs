@@ -1003,6 +1003,7 @@ pub enum Settlement {
 /// A message handled by [`handle_one`], not yet settled with its transport.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
+#[must_use = "the message is not settled with its transport: apply `settlement`"]
 pub struct HandledOne {
     /// What became of it.
     pub outcome: Outcome,
@@ -1024,6 +1025,41 @@ pub struct HandledOne {
 ///
 /// Fails with [`WorkerError::UnknownTransport`] for a transport the
 /// messenger does not have.
+///
+/// ```
+/// # use std::sync::Arc;
+/// # use envoi_core::in_memory::InMemoryTransport;
+/// # use envoi_core::transport::Transport;
+/// # use envoi_core::worker::{handle_one, Outcome, Settlement};
+/// # use envoi_core::{Command, Envelope, Message, Messenger};
+/// # #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+/// # struct Ping;
+/// # impl Message for Ping { const NAME: &'static str = "Ping"; }
+/// # impl Command for Ping { type Output = (); type Error = std::convert::Infallible; }
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let queue = Arc::new(InMemoryTransport::new());
+/// let messenger = Messenger::builder()
+///     .command_handler(|_: Ping| async { Ok::<_, std::convert::Infallible>(()) })
+///     .transport("async", queue.clone())
+///     .route::<Ping>("async")
+///     .build()
+///     .unwrap();
+/// messenger.bus().dispatch(Envelope::new(Ping)).await.unwrap();
+/// let delivery = queue.get(1).await.unwrap().remove(0);
+/// let id = delivery.id.clone();
+/// let handled = handle_one(&messenger, "async", delivery).await.unwrap();
+/// assert!(matches!(handled.outcome, Outcome::Handled));
+/// // Settled as a worker would.
+/// match handled.settlement {
+///     Settlement::Ack => queue.ack(&id).await.unwrap(),
+///     Settlement::Reject => queue.reject(&id).await.unwrap(),
+///     Settlement::Release => queue.release(&id).await.unwrap(),
+///     _ => unreachable!(),
+/// }
+/// assert_eq!(queue.message_count().await.unwrap(), 0);
+/// # }
+/// ```
 pub async fn handle_one(
     messenger: &Messenger,
     transport: &str,
