@@ -33,12 +33,13 @@
 //!   parked or retried it would skip the handlers that deferred them, so
 //!   they would be lost. A failed consequence is therefore kept, at least
 //!   once, and the message not duplicated. One that could not be sent to
-//!   the transport it is routed to is parked with an
-//!   [`UnsentStamp`] naming that transport: retried from the
-//!   failure transport, it is sent there again (and to the transports routed
-//!   after it, which the failed send did not reach), not handled as received. (One the failure transport does
-//!   not take is kept by releasing a handled message, whose handlers then
-//!   run again; beside a retry or a parked copy it is dropped, with an
+//!   the transport it is routed to is parked with an [`UnsentStamp`]
+//!   naming that transport: retried from the failure transport, it is sent
+//!   there again (and to the transports routed after it, which the failed
+//!   send did not reach), not handled as received. (One the failure
+//!   transport does not take is kept by releasing a handled message, whose
+//!   handlers then run again and defer it again, along with the others
+//!   they deferred; beside a retry or a parked copy it is dropped, with an
 //!   error log, as releasing the message would duplicate it.)
 //! * Messages deferred while handling a deferred message are handled after
 //!   it, in order.
