@@ -4,7 +4,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use clap::{ArgGroup, Args, Subcommand};
-use envoi_core::stamp::{SentStamp, TransportMessageIdStamp};
+use envoi_core::stamp::{SentStamp, TransportMessageIdStamp, UnsentStamp};
 use envoi_core::transport::{Delivery, Transport};
 use envoi_core::worker::{handle_one, Outcome as WorkerOutcome, Settlement, WorkerEvent};
 use envoi_core::Messenger;
@@ -296,9 +296,12 @@ fn write_detail(out: &mut dyn Write, transport: &str, info: &Inspected) -> std::
 
 /// What became of one retried message.
 enum Outcome {
-    /// Handled (or, parked because it could not be sent, sent); removed
-    /// from the failure transport.
+    /// Handled; removed from the failure transport.
     Handled,
+    /// Parked because it could not be sent to `transport`: sent there (and
+    /// to the transports routed after it), not handled; removed from the
+    /// failure transport.
+    Sent { transport: String },
     /// Failed with retries left; sent back to `transport` for another try.
     Rescheduled { transport: String },
     /// Failed again and parked (again) under `new_id`.
@@ -317,10 +320,13 @@ async fn retry_one(
     delivery: &Delivery,
 ) -> (Outcome, Vec<String>) {
     // Kept as it is: parked again, it would only fail again.
-    if let Err(e) = messenger.serializer().decode(&delivery.raw) {
-        let reason = format!("does not decode: {e}");
-        return (Outcome::Kept { reason }, Vec::new());
-    }
+    let unsent = match messenger.serializer().decode(&delivery.raw) {
+        Ok(envelope) => envelope.last::<UnsentStamp>().map(|u| u.transport.clone()),
+        Err(e) => {
+            let reason = format!("does not decode: {e}");
+            return (Outcome::Kept { reason }, Vec::new());
+        }
+    };
     let handled = match handle_one(messenger, failure, delivery.clone()).await {
         Ok(handled) => handled,
         Err(e) => {
@@ -365,7 +371,10 @@ async fn retry_one(
                 .map_or_else(|| "?".to_string(), |s| s.id.clone()),
             error: error.clone(),
         },
-        (Settlement::Ack, _) => Outcome::Handled,
+        (Settlement::Ack, _) => match unsent {
+            Some(transport) => Outcome::Sent { transport },
+            None => Outcome::Handled,
+        },
         (_, own) => Outcome::Kept {
             reason: match (&handled.outcome, own) {
                 (WorkerOutcome::Failed { error, .. }, _) => error.clone(),
@@ -394,6 +403,8 @@ async fn retry(
     }
     let mut table = Table::new(&["ID", "MESSAGE", "OUTCOME"]);
     let (mut handled, mut rescheduled, mut failed_again, mut kept) = (0, 0, 0, 0);
+    // Parked because they could not be sent: sent on, not handled.
+    let mut sent = 0;
     // Retried, but their old copy could not be removed: still there too.
     let mut not_removed = 0;
     let mut destinations: Vec<String> = Vec::new();
@@ -406,6 +417,10 @@ async fn retry(
             Outcome::Handled => {
                 handled += 1;
                 "handled".to_string()
+            }
+            Outcome::Sent { transport } => {
+                sent += 1;
+                format!("sent to `{transport}`, which it could not be sent to before")
             }
             Outcome::Rescheduled { transport } => {
                 rescheduled += 1;
@@ -445,9 +460,14 @@ async fn retry(
                 .try_for_each(|(id, text)| writeln!(out, "{id}: {text}"))
         })
         .and_then(|()| {
+            let sent = if sent > 0 {
+                format!(", {sent} sent on to its transport")
+            } else {
+                String::new()
+            };
             writeln!(
                 out,
-                "Retried {} message(s) from `{name}`: {handled} handled, {rescheduled} sent for another try, {failed_again} failed again, {kept} kept.",
+                "Retried {} message(s) from `{name}`: {handled} handled, {rescheduled} sent for another try, {failed_again} failed again, {kept} kept{sent}.",
                 selected.len()
             )
         })

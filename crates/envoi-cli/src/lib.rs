@@ -62,8 +62,9 @@
 //!   says so), as the worker does, and the message removed all the same;
 //!   when one cannot be parked, the message stays, to be handled again;
 //! * a deferred dispatch parked because it could not be sent to its
-//!   transport (an `UnsentStamp`) — it is sent there and removed, not
-//!   handled;
+//!   transport (an `UnsentStamp`) — it is sent there (and to the
+//!   transports routed after it) and removed, not handled; the table says
+//!   where it was sent, and the summary counts it apart;
 //! * failed with retries left — the retry step sends it back to its original
 //!   transport with a delay (a worker consuming that transport handles it),
 //!   and it is removed from the failure transport;

@@ -1351,3 +1351,44 @@ async fn failed_retry_of_a_message_parked_again_parks_what_its_successful_handle
     names.sort();
     assert_eq!(names, ["Audit", "Paid"], "{out}");
 }
+
+#[tokio::test]
+async fn failed_retry_of_a_dispatch_parked_because_it_could_not_be_sent_says_where_it_was_sent() {
+    let audits = Arc::new(AtomicUsize::new(0));
+    let audited = audits.clone();
+    let down = Arc::new(envoi::in_memory::InMemoryTransport::new());
+    let messenger = Messenger::builder()
+        .command_handler(move |_: Audit| {
+            audited.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<(), OrderError>(()) }
+        })
+        .transport("down", down.clone())
+        .transport(
+            "failed",
+            Arc::new(envoi::in_memory::InMemoryTransport::new()),
+        )
+        .failure_transport("failed")
+        .route::<Audit>("down")
+        .build()
+        .unwrap();
+    let failed = messenger.transport("failed").unwrap().clone();
+    let parked = envoi::Envelope::new(Audit { order: 1 })
+        .with(envoi::stamp::UnsentStamp::new("down"))
+        .with(envoi::stamp::SentToFailureTransportStamp::new("down"));
+    let raw = messenger.serializer().encode(&parked).unwrap();
+    let id = failed.send(raw, None).await.unwrap();
+
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let args = ["app", "failed", "retry", id.as_str()];
+    let code = envoi_cli::run_with(&messenger, args, &mut out, &mut err).await;
+    let out = String::from_utf8(out).unwrap();
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("sent to `down`"), "{out}");
+    assert!(
+        out.contains("0 handled, 0 sent for another try, 0 failed again, 0 kept, 1 sent on to its transport."),
+        "{out}"
+    );
+    assert_eq!(audits.load(Ordering::SeqCst), 0, "not handled here");
+    assert_eq!(down.message_count().await.unwrap(), 1);
+    assert_eq!(failed.message_count().await.unwrap(), 0);
+}
