@@ -993,7 +993,8 @@ pub enum Outcome {
 pub enum Settlement {
     /// Remove it: it was handled, its retry sent, or it was parked.
     Ack,
-    /// Reject it: it failed and there is no failure transport.
+    /// Reject it: it failed, or a dispatch its handlers deferred failed,
+    /// and there is no failure transport.
     Reject,
     /// Give it back, to be delivered again: it could not be parked (or a
     /// dispatch its handlers deferred could not be), or sent.
@@ -1013,7 +1014,9 @@ pub struct HandledOne {
     /// [`Retried`](WorkerEvent::Retried) and [`Failed`](WorkerEvent::Failed)
     /// events, in order: a dispatch its handlers deferred that failed, and
     /// was parked on its own (or could not be), has a `Failed` event of its
-    /// own, before the message's.
+    /// own, before the message's. A message given back because such a
+    /// dispatch could not be parked has no event of its own: the last one
+    /// is that dispatch's, which [`outcome`](Self::outcome) reports.
     pub events: Vec<WorkerEvent>,
 }
 
