@@ -237,8 +237,12 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
         }
     }
     // The mark of a redelivery is the transport's to give (entries taken
-    // over with `XAUTOCLAIM`), not a producer's.
-    raw.headers.remove(REDELIVERED_HEADER);
+    // over with `XAUTOCLAIM`), not a producer's: dropped, however often it
+    // was given.
+    if raw.headers.remove(REDELIVERED_HEADER).is_some() && !twice.is_empty() {
+        let mark = format!("`{REDELIVERED_HEADER}`");
+        twice.retain(|name| *name != mark);
+    }
     let mut problems = Vec::new();
     if !altered.is_empty() {
         problems.push(format!("fields that are not UTF-8: {}", altered.join(", ")));
@@ -372,6 +376,8 @@ mod tests {
         let raw = decode_fields(fields).unwrap();
         assert_eq!(raw.header("type"), Some("Job"));
         assert_eq!(raw.header(REDELIVERED_HEADER), None);
+        // Dropped, it is not given twice: the message is not held invalid.
+        assert_eq!(raw.header(INVALID_HEADERS_HEADER), None);
     }
 
     #[test]
