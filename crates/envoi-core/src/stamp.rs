@@ -536,16 +536,22 @@ impl ErrorDetailsStamp {
         let mut chain = Vec::new();
         let mut cut = 0usize;
         let mut source = error.source();
+        // Counted up to a bound: a source chain that loops back on itself
+        // must not hang the worker.
         while let Some(e) = source {
             if chain.len() < Self::MAX_CHAIN {
                 chain.push(truncated(e.to_string(), Self::MAX_CHAIN_ENTRY_LEN));
+            } else if cut == MAX_COUNTED_SOURCES {
+                break;
             } else {
                 cut += 1;
             }
             source = e.source();
         }
-        if cut > 0 {
-            chain.push(format!("… and {cut} more sources"));
+        match cut {
+            0 => {}
+            MAX_COUNTED_SOURCES => chain.push(format!("… and over {cut} more sources")),
+            _ => chain.push(format!("… and {cut} more sources")),
         }
         Self {
             kind: truncated(kind.into(), Self::MAX_MESSAGE_LEN),
@@ -563,6 +569,10 @@ impl ErrorDetailsStamp {
         }
     }
 }
+
+/// How many sources past [`ErrorDetailsStamp::MAX_CHAIN`] are counted
+/// before the walk stops (a chain may loop).
+const MAX_COUNTED_SOURCES: usize = 1000;
 
 /// `text` cut to at most `max` bytes (at a character boundary), followed by
 /// how many bytes were cut; unchanged when it fits.
@@ -722,6 +732,23 @@ mod tests {
             .take(ErrorDetailsStamp::MAX_CHAIN)
             .all(|c| c.len() < ErrorDetailsStamp::MAX_CHAIN_ENTRY_LEN + 40));
         assert_eq!(d.chain[8], "… and 12 more sources");
+
+        // A chain that loops back on itself ends.
+        #[derive(Debug)]
+        struct Loop;
+        impl fmt::Display for Loop {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("again")
+            }
+        }
+        impl std::error::Error for Loop {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&Loop)
+            }
+        }
+        let d = ErrorDetailsStamp::from_error("handler", &Loop);
+        assert_eq!(d.chain.len(), ErrorDetailsStamp::MAX_CHAIN + 1);
+        assert_eq!(d.chain[8], "… and over 1000 more sources");
 
         // Cut at a character boundary: 3000 two-byte characters.
         let d = ErrorDetailsStamp::new("decode", "é".repeat(3000));
