@@ -11,6 +11,19 @@
 //! * **Leases**: a message handed out by `get` is leased; if it is neither
 //!   acknowledged, rejected nor released within the lease timeout (30 s by
 //!   default, extended by `keepalive`), it is handed out again.
+//! * **Redeliveries are marked**: a message whose lease ran out is handed
+//!   out again marked as redelivered, from then on: a raw message with
+//!   [`Delivery::redelivered`] (the [`REDELIVERED_HEADER`] header, which the
+//!   serializer decodes into a [`RedeliveredStamp`]), an envelope with a
+//!   [`RedeliveredStamp`]. So
+//!   [`Deduplicate`](crate::middleware::dedup::Deduplicate) handles it even
+//!   when the lease is shorter than its processing timeout and the key is
+//!   still claimed by the consumer that let the lease run out. A message
+//!   given back with `release` is not marked: the consumer that gave it
+//!   back is alive, and a worker releases a message only once its dispatch
+//!   ended or was dropped, which forgets the key it claimed. A
+//!   [`REDELIVERED_HEADER`] header on a raw message sent to the transport
+//!   is dropped: only the transport marks a redelivery.
 //! * **No encoding by default**: messages sent through a messenger are
 //!   stored as envelopes and handed back (and listed) as envelopes without
 //!   their non-sendable stamps, as a real transport would drop them, which
@@ -58,10 +71,10 @@ use crate::far;
 use crate::headers::Headers;
 use crate::middleware::BoxFuture;
 use crate::serializer::{Serializer, INVALID_BODY_HEADER, KIND_HEADER, TYPE_HEADER};
-use crate::stamp::DelayStamp;
+use crate::stamp::{DelayStamp, RedeliveredStamp};
 use crate::transport::{
     mask_dsn, strip_scheme, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalId,
-    LocalTransport, Payload, RawMessage, Transport, TransportBinding,
+    LocalTransport, Payload, RawMessage, Transport, TransportBinding, REDELIVERED_HEADER,
 };
 
 /// How an [`InMemoryTransport`] behaves.
@@ -144,30 +157,63 @@ impl InMemoryConfig {
 /// many).
 enum Stored {
     Envelope(Envelope),
+    /// An envelope whose lease ran out, made sendable and then given a
+    /// [`RedeliveredStamp`] (which [`make_sendable`](Self::make_sendable)
+    /// leaves on it).
+    Redelivered(Envelope),
     Raw(Box<RawMessage>),
 }
 
 impl Stored {
-    fn new(payload: Payload) -> Self {
-        match payload {
-            Payload::Envelope(e) => Stored::Envelope(e),
-            Payload::Raw(raw) => Stored::Raw(Box::new(raw)),
+    /// A raw message as it is stored: without a [`REDELIVERED_HEADER`] its
+    /// producer set, as only the transport marks a redelivery.
+    fn raw(mut raw: RawMessage) -> Self {
+        raw.headers.remove(REDELIVERED_HEADER);
+        Stored::Raw(Box::new(raw))
+    }
+
+    /// The message of a lease that ran out, marked as redelivered to be
+    /// handed out again.
+    fn redelivered(self) -> Self {
+        match self {
+            Stored::Envelope(e) => {
+                Stored::Redelivered(e.into_sendable().with(RedeliveredStamp::new()))
+            }
+            Stored::Raw(mut raw) => {
+                let marked = Delivery {
+                    id: String::new(),
+                    raw: std::mem::take(&mut *raw),
+                }
+                .redelivered();
+                *raw = marked.raw;
+                Stored::Raw(raw)
+            }
+            marked => marked,
         }
+    }
+
+    /// Whether it is an envelope marked by [`redelivered`](Self::redelivered)
+    /// (a raw message carries the mark in its headers).
+    fn is_redelivered_envelope(&self) -> bool {
+        matches!(self, Stored::Redelivered(_))
     }
 
     /// A copy to hand out, once [`make_sendable`](Self::make_sendable)
     /// ran.
     fn handout(&self) -> Payload {
         match self {
-            Stored::Envelope(e) => Payload::Envelope(e.clone()),
+            Stored::Envelope(e) | Stored::Redelivered(e) => Payload::Envelope(e.clone()),
             Stored::Raw(raw) => Payload::Raw((**raw).clone()),
         }
     }
 
-    /// A copy to hand out: an envelope without its non-sendable stamps.
+    /// A copy to list: an envelope without its non-sendable stamps (the
+    /// mark of a redelivery included).
     fn payload(&self) -> Payload {
         match self {
-            Stored::Envelope(e) => Payload::Envelope(e.clone().into_sendable()),
+            Stored::Envelope(e) | Stored::Redelivered(e) => {
+                Payload::Envelope(e.clone().into_sendable())
+            }
             Stored::Raw(raw) => Payload::Raw((**raw).clone()),
         }
     }
@@ -363,7 +409,14 @@ impl State {
         }
         if self.earliest_expiry.is_some_and(|t| t <= now) {
             for lease in self.leased.take_expired(now) {
-                self.insert_ready(lease.entry);
+                // Handed out and not settled in time: marked, so a
+                // deduplicating handler takes over the key its consumer
+                // claimed.
+                let Entry { id, stored } = lease.entry;
+                self.insert_ready(Entry {
+                    id,
+                    stored: stored.redelivered(),
+                });
             }
             self.earliest_expiry = self.leased.iter().map(|l| l.expires).min();
         }
@@ -611,8 +664,7 @@ impl InMemoryTransport {
         LocalId::new(self.last_key.fetch_add(1, AtomicOrdering::Relaxed) + 1)
     }
 
-    fn store(&self, payload: Payload, delay: Option<Duration>) -> LocalId {
-        let stored = Stored::new(payload);
+    fn store(&self, stored: Stored, delay: Option<Duration>) -> LocalId {
         let id = self.next_id();
         self.put(id, stored, delay);
         self.wake();
@@ -679,7 +731,7 @@ impl Transport for InMemoryTransport {
         message: RawMessage,
         delay: Option<Duration>,
     ) -> BoxFuture<'_, Result<String, TransportError>> {
-        let id = self.store(Payload::Raw(message), delay);
+        let id = self.store(Stored::raw(message), delay);
         Box::pin(async move { Ok(id.to_string()) })
     }
 
@@ -689,7 +741,7 @@ impl Transport for InMemoryTransport {
     ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
         let stored: Vec<(Stored, Option<Duration>)> = messages
             .into_iter()
-            .map(|(m, d)| (Stored::Raw(Box::new(m)), d))
+            .map(|(m, d)| (Stored::raw(m), d))
             .collect();
         let ids: Vec<LocalId> = {
             let mut state = self.lock();
@@ -711,9 +763,21 @@ impl Transport for InMemoryTransport {
         let mut taken = Vec::new();
         self.lock_to_take(max)
             .take(max, self.config.lease_timeout, |e| {
-                taken.push((e.id, e.stored.handout()))
+                taken.push((e.id, e.stored.handout(), e.stored.is_redelivered_envelope()))
             });
-        let out = taken.into_iter().map(|(id, p)| self.raw(&id, p)).collect();
+        // An envelope's mark is a non-sendable stamp, which encoding drops:
+        // the raw message gets it back as a header.
+        let out = taken
+            .into_iter()
+            .map(|(id, p, marked)| {
+                let d = self.raw(&id, p);
+                if marked {
+                    d.redelivered()
+                } else {
+                    d
+                }
+            })
+            .collect();
         Box::pin(async move { Ok(out) })
     }
 
@@ -966,7 +1030,139 @@ mod tests {
         assert_eq!(bodies(&t.get(10).await.unwrap()), [2]);
         tokio::time::advance(Duration::from_secs(1)).await;
         let again = t.get(10).await.unwrap();
-        assert_eq!(again, first, "same id and body");
+        assert_eq!(
+            again,
+            [first[0].clone().redelivered()],
+            "same id and body, marked"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_raw_message_whose_lease_ran_out_is_handed_out_again_marked_as_redelivered() {
+        let t = short_lease();
+        t.send(raw(1), None).await.unwrap();
+        let first = t.get(1).await.unwrap().remove(0);
+        assert!(!first.is_redelivered(), "handed out the first time");
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let again = t.get(1).await.unwrap().remove(0);
+        assert_eq!((&again.id, &again.raw.body), (&first.id, &first.raw.body));
+        assert!(again.is_redelivered(), "its lease ran out");
+        // Given back by the consumer that holds it now, it stays marked.
+        t.release(&again.id).await.unwrap();
+        assert!(t.get(1).await.unwrap()[0].is_redelivered());
+    }
+
+    #[tokio::test]
+    async fn a_released_message_is_not_marked_as_redelivered() {
+        let t = InMemoryTransport::new();
+        t.send(raw(1), None).await.unwrap();
+        let first = t.get(1).await.unwrap().remove(0);
+        t.release(&first.id).await.unwrap();
+        let again = t.get(1).await.unwrap().remove(0);
+        assert_eq!(again, first, "same id and body, unmarked");
+    }
+
+    #[tokio::test]
+    async fn a_redelivery_mark_a_producer_set_is_dropped() {
+        let t = InMemoryTransport::new();
+        let mut marked = raw(1);
+        marked.headers.insert(REDELIVERED_HEADER, "true");
+        t.send(marked.clone(), None).await.unwrap();
+        t.send_batch(vec![(marked, None)]).await.unwrap();
+        let got = t.get(10).await.unwrap();
+        assert_eq!(got.len(), 2);
+        assert!(got.iter().all(|d| d.raw == raw(1)), "{got:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_encoded_message_whose_lease_ran_out_decodes_with_a_redelivered_stamp() {
+        let serializer = Serializer::builder().message::<Ping>().build().unwrap();
+        let t = InMemoryTransport::from_dsn("in-memory://?serialize=true&lease_timeout_ms=5000")
+            .unwrap()
+            .with_serializer(serializer.clone());
+        assert!(t.local().is_none(), "every message is encoded");
+        t.send(serializer.encode(&Envelope::new(Ping)).unwrap(), None)
+            .await
+            .unwrap();
+        let first = t.get(1).await.unwrap().remove(0);
+        assert!(!serializer
+            .decode(&first.raw)
+            .unwrap()
+            .has::<RedeliveredStamp>());
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let again = t.get(1).await.unwrap().remove(0);
+        assert_eq!(again.id, first.id);
+        assert!(serializer
+            .decode(&again.raw)
+            .unwrap()
+            .has::<RedeliveredStamp>());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_envelope_whose_lease_ran_out_is_handed_out_again_with_a_redelivered_stamp() {
+        let t =
+            short_lease().with_serializer(Serializer::builder().message::<Ping>().build().unwrap());
+        t.send_envelope(Envelope::new(Ping)).await.unwrap();
+        t.send_envelope(Envelope::new(Ping)).await.unwrap();
+        let envelope = |d: &LocalDelivery| match &d.payload {
+            Payload::Envelope(e) => e.clone(),
+            Payload::Raw(_) => panic!("expected an envelope"),
+        };
+        let first = t.get_local(1).await.unwrap();
+        assert!(!envelope(&first[0]).has::<RedeliveredStamp>());
+        // The other one is first handed out raw.
+        assert!(!t.get(1).await.unwrap()[0].is_redelivered());
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let again = t.get_local(1).await.unwrap();
+        assert_eq!(again[0].id, first[0].id);
+        let marked = envelope(&again[0]);
+        assert_eq!(marked.all::<RedeliveredStamp>().count(), 1);
+        // Raw, the encoded envelope carries the mark as a header.
+        assert!(t.get(1).await.unwrap()[0].is_redelivered());
+        // Expired again, it carries one mark still.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let third = t.get_local(10).await.unwrap();
+        assert_eq!(third.len(), 2);
+        assert_eq!(envelope(&third[0]).all::<RedeliveredStamp>().count(), 1);
+        // Listing shows the message as it was sent.
+        let Payload::Envelope(listed) = &t.stored()[0].payload else {
+            panic!("expected an envelope")
+        };
+        assert!(!listed.has::<RedeliveredStamp>());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deduplicating_handler_takes_over_the_key_of_a_consumer_whose_lease_ran_out() {
+        use crate::middleware::dedup::Deduplicate;
+        use crate::middleware::{Middleware, Next};
+        use crate::testing::{FnEndpoint, RecordingEndpoint};
+        use futures_util::FutureExt;
+
+        // A lease shorter than the processing timeout (20 s by default).
+        let t = short_lease();
+        let dedup = Deduplicate::new(Duration::from_secs(3600)).key(|_: &Ping| "ping".to_string());
+        t.send_envelope(Envelope::new(Ping)).await.unwrap();
+        let Payload::Envelope(first) = t.get_local(1).await.unwrap().remove(0).payload else {
+            panic!("expected an envelope")
+        };
+        // The consumer claims the key, starts the handler and dies: nothing
+        // of it runs again, neither a keepalive nor the dedup cleanup.
+        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
+        let mut dead = Box::pin(dedup.handle(first, Next::to_endpoint(&stuck)));
+        assert!((&mut dead).now_or_never().is_none());
+        std::mem::forget(dead);
+
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let Payload::Envelope(again) = t.get_local(1).await.unwrap().remove(0).payload else {
+            panic!("expected an envelope")
+        };
+        let end = RecordingEndpoint::new();
+        let out = dedup.handle(again, end.next()).await.unwrap();
+        assert!(
+            !out.has::<crate::middleware::dedup::DeduplicatedStamp>(),
+            "the redelivery is no duplicate"
+        );
+        assert_eq!(end.calls().len(), 1, "the redelivery is handled");
     }
 
     #[tokio::test(start_paused = true)]
