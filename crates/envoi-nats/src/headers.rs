@@ -5,14 +5,15 @@
 //! and lose leading and trailing whitespace, and `Nats-*` names steer the
 //! server. Headers that would not survive (or would steer the server) travel
 //! JSON-encoded in one [`EXTRA_HEADERS`] header instead, so every header comes
-//! back exactly as it was sent.
+//! back exactly as it was sent. A received [`REDELIVERED_HEADER`] is
+//! dropped: only the transport marks a redelivery.
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
 
 use async_nats::header::{HeaderMap, HeaderName, HeaderValue};
 use envoi_core::serializer::INVALID_HEADERS_HEADER;
-use envoi_core::transport::RawMessage;
+use envoi_core::transport::{RawMessage, REDELIVERED_HEADER};
 use envoi_core::Headers;
 
 /// The time (milliseconds since the Unix epoch) before which a delayed
@@ -111,7 +112,9 @@ pub(crate) fn encoded_len(headers: &HeaderMap) -> usize {
 }
 
 /// Rebuilds the envoi message from a NATS message's headers and payload.
-/// Headers JetStream adds (`Nats-*`) and the transport's own are left out.
+/// Headers JetStream adds (`Nats-*`) and the transport's own are left out,
+/// and so is a [`REDELIVERED_HEADER`] a producer set: the mark of a
+/// redelivery is the transport's to give.
 ///
 /// A header with several values, or given both natively and in
 /// [`EXTRA_HEADERS`], is kept with its last value and
@@ -152,6 +155,9 @@ pub(crate) fn decode_delivered(
                 }
                 continue;
             }
+            if name == REDELIVERED_HEADER {
+                continue;
+            }
             if values.len() > 1 {
                 twice.push(format!("`{name}`"));
             }
@@ -163,6 +169,9 @@ pub(crate) fn decode_delivered(
             match serde_json::from_str::<Headers>(extra.as_str()) {
                 Ok(extra) => {
                     for (name, value) in extra {
+                        if name == REDELIVERED_HEADER {
+                            continue;
+                        }
                         if out.contains_key(&name) {
                             twice.push(format!("`{name}`"));
                         }
@@ -210,6 +219,22 @@ mod tests {
             .collect();
         let map = encode(&headers, Some(uuid::Uuid::nil()), None).unwrap();
         decode(Some(&map), b"body").headers
+    }
+
+    #[test]
+    fn a_redelivery_mark_a_producer_set_is_dropped() {
+        // As a NATS header, and in the extra headers (where a value NATS
+        // cannot carry sends it).
+        for value in ["true", "  true"] {
+            let got = roundtrip(&[("type", "Job"), (REDELIVERED_HEADER, value)]);
+            assert_eq!(got, Headers::from([("type", "Job")]), "{value:?}");
+        }
+        // Given twice, it does not make the message invalid either.
+        let mut map = HeaderMap::new();
+        map.append(REDELIVERED_HEADER, "true");
+        map.append(REDELIVERED_HEADER, "true");
+        map.insert(EXTRA_HEADERS, r#"{"X-Envoi-Redelivered":"true"}"#);
+        assert_eq!(decode(Some(&map), b"").headers, Headers::new());
     }
 
     #[test]

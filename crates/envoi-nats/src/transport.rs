@@ -794,9 +794,19 @@ impl NatsTransport {
             }
             tracing::trace!(sequence, delivered, "message handed out");
             leased.push((sequence, Lease { reply, touched }));
-            out.push(Delivery {
+            let delivery = Delivery {
                 id: sequence_id(sequence),
                 raw,
+            };
+            // Delivered before and not acknowledged (its lease ran out, its
+            // consumer gave it back): marked, so a deduplicating handler
+            // takes over the key a dead consumer claimed. Not a delayed
+            // message: deferring it until it is due counts as a delivery
+            // too, so its count cannot tell.
+            out.push(if due.is_none() && delivered > 1 {
+                delivery.redelivered()
+            } else {
+                delivery
             });
         }
         if !leased.is_empty() {

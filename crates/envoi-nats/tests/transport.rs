@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use common::{get_n, nats_url, transport, unique_name};
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{RawMessage, Transport, REDELIVERED_HEADER};
 use envoi_core::{Headers, TransportError};
 
 fn message(body: &str) -> RawMessage {
@@ -72,6 +72,32 @@ async fn an_unacknowledged_message_comes_back_after_the_lease() {
 }
 
 #[tokio::test]
+async fn a_message_not_acknowledged_within_its_lease_comes_back_marked_as_redelivered() {
+    let Some(url) =
+        nats_url("a_message_not_acknowledged_within_its_lease_comes_back_marked_as_redelivered")
+    else {
+        return;
+    };
+    let t = transport(&url, &unique_name("redelivered"), "lease=1s&wait=200ms").await;
+    // A producer cannot mark a message itself.
+    let mut sent = message("m");
+    sent.headers.insert(REDELIVERED_HEADER, "true");
+    t.send(sent, None).await.unwrap();
+    let first = get_n(&t, 1, Duration::from_secs(5)).await;
+    assert_eq!(first.len(), 1);
+    assert!(!first[0].is_redelivered(), "handed out the first time");
+    assert_eq!(first[0].raw, message("m"));
+
+    let again = get_n(&t, 1, Duration::from_secs(6)).await;
+    assert_eq!(again.len(), 1, "message not redelivered after the lease");
+    assert_eq!(again[0].id, first[0].id);
+    assert!(again[0].is_redelivered(), "handed out again, marked");
+    assert_eq!(again[0].raw.body, b"m");
+    t.ack(&again[0].id).await.unwrap();
+    t.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_released_message_is_handed_out_again_before_its_lease_ends() {
     let Some(url) = nats_url("a_released_message_is_handed_out_again_before_its_lease_ends") else {
         return;
@@ -85,7 +111,8 @@ async fn a_released_message_is_handed_out_again_before_its_lease_ends() {
     let again = get_n(&t, 1, Duration::from_secs(5)).await;
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].id, first[0].id);
-    assert_eq!(again[0].raw, first[0].raw);
+    // JetStream counts the delivery the consumer gave back: marked.
+    assert_eq!(again[0].raw, first[0].clone().redelivered().raw);
     assert!(
         released_at.elapsed() < Duration::from_secs(10),
         "waited for the lease"
@@ -140,7 +167,9 @@ async fn a_delayed_message_is_not_handed_out_before_it_is_due() {
     let elapsed = sent_at.elapsed();
     assert_eq!(later.len(), 1, "delayed message never arrived");
     assert_eq!(later[0].id, delayed);
-    assert_eq!(later[0].raw, message("later"));
+    // Deferred until due, it was delivered before: not marked, as that
+    // does not tell a deferral from a redelivery.
+    assert_eq!(later[0].raw, message("later"), "unmarked");
     assert!(elapsed >= Duration::from_millis(1150), "early: {elapsed:?}");
     assert!(
         elapsed < Duration::from_secs(6),

@@ -36,17 +36,19 @@
 //! acknowledged marks it ([`Delivery::redelivered`]; the RabbitMQ transport
 //! does, from AMQP's `redelivered` flag, since RabbitMQ hands a dead
 //! consumer's messages out again as soon as its connection closes; so do
-//! the Redis transport for the entries it takes over with `XAUTOCLAIM` and
-//! the in-memory transport for a message whose lease ran out, whatever the
-//! lease), and the received envelope carries a [`RedeliveredStamp`]. Such
-//! a redelivery is handled when its key is only claimed by an attempt in
-//! processing (it takes the claim over), and is a duplicate when its key is
-//! remembered after its message was handled, as a copy is. A copy without
-//! the mark is a duplicate in either step. So a message whose consumer died is
-//! handled at once; if that consumer had only lost its connection and
-//! still runs the handler, the message is handled twice, which beats
-//! never. A [`DedupStore`] tells the two steps apart by the token: a
-//! handled message's key is claimed by [`DedupClaim::HANDLED`].
+//! the Redis transport for the entries it takes over with `XAUTOCLAIM`, the
+//! in-memory transport for a message whose lease ran out, whatever the
+//! lease, and the NATS transport for a message JetStream delivered before,
+//! unless it is delayed), and the received envelope carries a
+//! [`RedeliveredStamp`]. Such a redelivery is handled when its key is only
+//! claimed by an attempt in processing (it takes the claim over), and is a
+//! duplicate when its key is remembered after its message was handled, as
+//! a copy is. A copy without the mark is a duplicate in either step. So a
+//! message whose consumer died is handled at once; if that consumer had
+//! only lost its connection and still runs the handler, the message is
+//! handled twice, which beats never. A [`DedupStore`] tells the two steps
+//! apart by the token: a handled message's key is claimed by
+//! [`DedupClaim::HANDLED`].
 //!
 //! [`Delivery::redelivered`]: crate::transport::Delivery::redelivered
 //!
