@@ -36,8 +36,8 @@ use crate::error::{BusError, Result, StepResult};
 use crate::message::Message;
 use crate::middleware::add_bus_name::AddBusNameStamp;
 use crate::middleware::dispatch_after_current_bus;
-use crate::middleware::dispatch_after_current_bus::DeferredDispatches;
 use crate::middleware::dispatch_after_current_bus::{scope, take_deferred};
+use crate::middleware::dispatch_after_current_bus::{DeferredDispatches, Settle};
 use crate::middleware::failed_message_processing::FailedMessageProcessing;
 use crate::middleware::handle_message::{single_failed, with_deferred, HandleMessage};
 use crate::middleware::retry::Retry;
@@ -334,8 +334,9 @@ impl BusInner {
             return Box::pin(dispatch_after_current_bus::settle(out)).await;
         }
         // Step 2 has nothing to defer: the steps after it run here, and
-        // step 2 settles what the handlers deferred afterwards.
-        let out = match &user {
+        // step 2 settles what the handlers deferred afterwards, awaited in
+        // one place so the future keeps one slot for it.
+        let result = match &user {
             // No user middleware with work to do: sent (step 5) or,
             // once received, steps 3, 6 and 7.
             None => match self.route(&envelope) {
@@ -348,26 +349,23 @@ impl BusInner {
                 }
                 None => {
                     let envelope = FailedMessageProcessing::apply(envelope);
-                    match Box::pin(self.core(envelope)).await {
-                        Ok(out) => out,
-                        Err(error) => return dispatch_after_current_bus::failed(error).await,
-                    }
+                    Box::pin(self.core(envelope)).await
                 }
             },
             // Steps 3 and 4 from the first middleware that takes part.
             Some((chain, start)) => {
                 let envelope = FailedMessageProcessing::apply(envelope);
                 let next = Next::after_asking(&chain.items[start + 1..], Some(&**self));
-                match chain.items[*start].handle(envelope, next).await {
-                    Ok(out) => out,
-                    Err(error) => return dispatch_after_current_bus::failed(Box::new(error)).await,
-                }
+                chain.items[*start]
+                    .handle(envelope, next)
+                    .await
+                    .map_err(Box::new)
             }
         };
-        if !out.has::<DeferredDispatches>() {
-            return Ok(out);
+        match dispatch_after_current_bus::after(result) {
+            Settle::Ready(result) => result,
+            Settle::Pending(settling) => settling.await,
         }
-        Box::pin(dispatch_after_current_bus::settle(out)).await
     }
 
     /// [`MessageBus::receives_inline`].
@@ -386,14 +384,10 @@ impl BusInner {
     async fn dispatch_received(self: &Arc<Self>, envelope: Envelope) -> StepResult {
         // 1. AddBusNameStamp, 3. FailedMessageProcessing, then the core.
         let envelope = FailedMessageProcessing::apply(self.add_bus_name.apply(envelope));
-        let out = match self.core(envelope).await {
-            Ok(out) => out,
-            Err(error) => return dispatch_after_current_bus::failed(error).await,
-        };
-        if !out.has::<DeferredDispatches>() {
-            return Ok(out);
+        match dispatch_after_current_bus::after(self.core(envelope).await) {
+            Settle::Ready(result) => result,
+            Settle::Pending(settling) => settling.await,
         }
-        Box::pin(dispatch_after_current_bus::settle(out)).await
     }
 
     /// The user middleware chain and the position of its first middleware

@@ -361,11 +361,36 @@ pub(crate) async fn settle(mut out: Envelope) -> StepResult {
 /// for the worker to park them too.
 #[inline]
 pub(crate) async fn failed(error: Box<BusError>) -> StepResult {
-    match &*error {
-        BusError::HandlerFailed { envelope, .. } if envelope.has::<ParkedWithDeferred>() => {
-            Box::pin(settle_parked(error)).await
-        }
-        _ => Err(error),
+    match after(Err(error)) {
+        Settle::Ready(result) => result,
+        Settle::Pending(settling) => settling.await,
+    }
+}
+
+/// What step 2 still has to do with the `result` of the steps after it.
+pub(crate) enum Settle {
+    /// Nothing: `result` is the dispatch's.
+    Ready(StepResult),
+    /// Deferred dispatches to hand on or run, boxed so the dispatch futures
+    /// that await it keep one pointer for it.
+    Pending(BoxFuture<'static, StepResult>),
+}
+
+/// Step 2 after the steps after it returned `result`: ready at once unless
+/// the envelope carries deferred dispatches ([`settle`]) or the retry step
+/// parked it beside successful handlers' deferred dispatches ([`failed`]).
+/// The bus's dispatch futures await the pending case in one place.
+#[inline]
+pub(crate) fn after(result: StepResult) -> Settle {
+    match result {
+        Ok(out) if !out.has::<DeferredDispatches>() => Settle::Ready(Ok(out)),
+        Ok(out) => Settle::Pending(Box::pin(settle(out))),
+        Err(error) => match &*error {
+            BusError::HandlerFailed { envelope, .. } if envelope.has::<ParkedWithDeferred>() => {
+                Settle::Pending(Box::pin(settle_parked(error)))
+            }
+            _ => Settle::Ready(Err(error)),
+        },
     }
 }
 
