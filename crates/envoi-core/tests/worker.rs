@@ -1037,8 +1037,8 @@ impl Command for Audit {
 /// that records both, when `with_middleware`.
 fn deferring_messenger(queue: Arc<InMemoryTransport>, with_middleware: bool) -> (Messenger, Log) {
     let log: Log = Arc::default();
-    let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
-    let (l1, l2, slot) = (log.clone(), log.clone(), bus.clone());
+    let bus = BusSlot::default();
+    let (l1, l2, slot) = (log.clone(), log.clone(), bus.0.clone());
     let mut builder = Messenger::builder()
         .command_handler(move |job: Job| {
             let (log, slot) = (l1.clone(), slot.clone());
@@ -1064,7 +1064,7 @@ fn deferring_messenger(queue: Arc<InMemoryTransport>, with_middleware: bool) -> 
         builder = builder.middleware(Recorder(log.clone()));
     }
     let messenger = builder.build().unwrap();
-    *bus.lock().unwrap() = Some(messenger.bus().clone());
+    bus.fill(&messenger);
     (messenger, log)
 }
 
@@ -1136,29 +1136,10 @@ fn deferring_beside_a_failure(
 ) -> (Messenger, Arc<AtomicUsize>, Arc<InMemoryTransport>) {
     let audits = Arc::new(AtomicUsize::new(0));
     let failed = memory();
-    let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
-    let (slot, counted) = (bus.clone(), audits.clone());
+    let (bus, counted) = (BusSlot::default(), audits.clone());
     let mut builder = Messenger::builder()
-        .event_handler(move |_: Paid| {
-            let slot = slot.clone();
-            async move {
-                let bus = slot.lock().unwrap().clone().expect("bus set");
-                bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
-                    .await
-                    .expect("a deferred dispatch is accepted");
-                Ok::<_, JobFailed>(())
-            }
-        })
-        .event_handler(move |_: Paid| {
-            let failing = failing.load(Ordering::SeqCst);
-            async move {
-                if failing {
-                    Err(JobFailed)
-                } else {
-                    Ok(())
-                }
-            }
-        })
+        .event_handler(bus.paid_deferring_an_audit(Arc::default()))
+        .event_handler(paid_failing_while(failing))
         .command_handler(move |_: Audit| {
             counted.fetch_add(1, Ordering::SeqCst);
             async { Ok::<_, JobFailed>(()) }
@@ -1167,17 +1148,12 @@ fn deferring_beside_a_failure(
         .transport("failed", failed.clone())
         .route::<Paid>("async")
         .failure_transport("failed")
-        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
-            max_retries: retries,
-            delay: Duration::ZERO,
-            jitter: 0.0,
-            ..Default::default()
-        });
+        .default_retry_strategy(retrying_at_once(retries));
     if with_middleware {
         builder = builder.middleware(Recorder(Log::default()));
     }
     let messenger = builder.build().unwrap();
-    *bus.lock().unwrap() = Some(messenger.bus().clone());
+    bus.fill(&messenger);
     (messenger, audits, failed)
 }
 
@@ -1192,11 +1168,7 @@ async fn what_a_successful_handler_deferred_is_dispatched_once_whether_the_messa
             let failing = Arc::new(AtomicBool::new(true));
             let (messenger, audits, failed) =
                 deferring_beside_a_failure(retries, failing.clone(), with_middleware);
-            messenger
-                .bus()
-                .dispatch(Envelope::event(Paid))
-                .await
-                .unwrap();
+            dispatch_paid(&messenger).await;
             let report = drain(Worker::builder(&messenger).receiver("async")).await;
             assert_eq!(report.stats.failed, 1, "{case}");
             assert_eq!(report.stats.retried, u64::from(retries), "{case}");
@@ -1241,23 +1213,67 @@ struct FailingAudit {
     up: Arc<AtomicBool>,
 }
 
-/// A transport that refuses every message sent while `up` is not set, and
-/// otherwise is `inner`.
-struct Switchable {
+/// Why a message is refused, or `None` to send it.
+type Refusal = Box<dyn Fn(&RawMessage) -> Option<&'static str> + Send + Sync>;
+
+/// An in-memory transport whose sends `refuse` may fail first (with its
+/// reason); it tells how many messages it holds only when `counted`, as a
+/// broker may not.
+struct Gated {
     inner: Arc<InMemoryTransport>,
-    up: Arc<AtomicBool>,
+    refuse: Refusal,
+    counted: bool,
 }
 
-impl Transport for Switchable {
+impl Gated {
+    /// Refuses every message sent while `up` is not set.
+    fn switchable(inner: Arc<InMemoryTransport>, up: Arc<AtomicBool>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            refuse: Box::new(move |_| (!up.load(Ordering::SeqCst)).then_some("down")),
+            counted: false,
+        })
+    }
+
+    /// Refuses the messages of the type `name` (a failure transport that
+    /// cannot take them).
+    fn refusing_type(inner: Arc<InMemoryTransport>, name: &'static str) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            refuse: Box::new(move |message| {
+                (message.header(envoi_core::serializer::TYPE_HEADER) == Some(name))
+                    .then_some("refused")
+            }),
+            counted: true,
+        })
+    }
+
+    /// Cannot count its messages, and refuses the first `refuse` sends.
+    fn uncounted(inner: Arc<InMemoryTransport>, refuse: usize) -> Arc<Self> {
+        let left = AtomicUsize::new(refuse);
+        Arc::new(Self {
+            inner,
+            refuse: Box::new(move |_| {
+                left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok()
+                    .then_some("refused")
+            }),
+            counted: false,
+        })
+    }
+}
+
+impl Transport for Gated {
     fn send(
         &self,
         message: RawMessage,
         delay: Option<Duration>,
     ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
-        if self.up.load(Ordering::SeqCst) {
-            self.inner.send(message, delay)
-        } else {
-            Box::pin(async { Err(envoi_core::TransportError::backend("sending", "down")) })
+        match (self.refuse)(&message) {
+            Some(reason) => {
+                Box::pin(async move { Err(envoi_core::TransportError::backend("sending", reason)) })
+            }
+            None => self.inner.send(message, delay),
         }
     }
 
@@ -1285,9 +1301,89 @@ impl Transport for Switchable {
         self.inner.release(id)
     }
 
+    fn message_count(
+        &self,
+    ) -> envoi_core::middleware::BoxFuture<'_, Result<u64, envoi_core::TransportError>> {
+        if self.counted {
+            self.inner.message_count()
+        } else {
+            Box::pin(async { Err(envoi_core::TransportError::Unsupported("message_count")) })
+        }
+    }
+
     fn capabilities(&self) -> envoi_core::transport::Capabilities {
         self.inner.capabilities()
     }
+
+    fn bind(&self, binding: &envoi_core::transport::TransportBinding) {
+        self.inner.bind(binding);
+    }
+}
+
+/// The messenger's bus, for the handlers registered before it is built:
+/// [`BusSlot::fill`] it once the messenger is.
+#[derive(Clone, Default)]
+struct BusSlot(Arc<Mutex<Option<envoi_core::MessageBus>>>);
+
+impl BusSlot {
+    fn fill(&self, messenger: &Messenger) {
+        *self.0.lock().unwrap() = Some(messenger.bus().clone());
+    }
+
+    /// A [`Paid`] handler that counts its runs in `runs` and defers an
+    /// [`Audit`] (`n: 1`) through the bus.
+    fn paid_deferring_an_audit(
+        &self,
+        runs: Arc<AtomicUsize>,
+    ) -> impl Fn(Paid) -> envoi_core::middleware::BoxFuture<'static, Result<(), JobFailed>>
+           + Send
+           + Sync
+           + 'static {
+        let slot = self.0.clone();
+        move |_: Paid| {
+            let slot = slot.clone();
+            runs.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                let bus = slot.lock().unwrap().clone().expect("bus set");
+                bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
+                    .await
+                    .expect("a deferred dispatch is accepted");
+                Ok::<_, JobFailed>(())
+            })
+        }
+    }
+}
+
+/// A [`Paid`] handler that fails while `failing` is set.
+fn paid_failing_while(
+    failing: Arc<AtomicBool>,
+) -> impl Fn(Paid) -> std::future::Ready<Result<(), JobFailed>> + Send + Sync + 'static {
+    move |_: Paid| {
+        std::future::ready(if failing.load(Ordering::SeqCst) {
+            Err(JobFailed)
+        } else {
+            Ok(())
+        })
+    }
+}
+
+/// Retries `max_retries` times, at once.
+fn retrying_at_once(max_retries: u32) -> envoi_core::middleware::retry::MultiplierRetryStrategy {
+    envoi_core::middleware::retry::MultiplierRetryStrategy {
+        max_retries,
+        delay: Duration::ZERO,
+        jitter: 0.0,
+        ..Default::default()
+    }
+}
+
+/// Dispatches a [`Paid`] event through `messenger`'s bus.
+async fn dispatch_paid(messenger: &Messenger) {
+    messenger
+        .bus()
+        .dispatch(Envelope::event(Paid))
+        .await
+        .unwrap();
 }
 
 fn deferring_a_failing_audit(
@@ -1301,46 +1397,15 @@ fn deferring_a_failing_audit(
     let (paid_runs, audits) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let (queue, failed, down) = (memory(), memory(), memory());
     let up = Arc::new(AtomicBool::new(false));
-    let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
-    let (slot, runs, counted) = (bus.clone(), paid_runs.clone(), audits.clone());
+    let (bus, counted) = (BusSlot::default(), audits.clone());
     let mut builder = Messenger::builder()
-        .event_handler(move |_: Paid| {
-            let slot = slot.clone();
-            runs.fetch_add(1, Ordering::SeqCst);
-            async move {
-                let bus = slot.lock().unwrap().clone().expect("bus set");
-                bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
-                    .await
-                    .expect("a deferred dispatch is accepted");
-                Ok::<_, JobFailed>(())
-            }
-        })
-        .event_handler(move |_: Paid| {
-            let failing = failing.load(Ordering::SeqCst);
-            async move {
-                if failing {
-                    Err(JobFailed)
-                } else {
-                    Ok(())
-                }
-            }
-        })
+        .event_handler(bus.paid_deferring_an_audit(paid_runs.clone()))
+        .event_handler(paid_failing_while(failing))
         .transport("async", queue.clone())
-        .transport(
-            "down",
-            Arc::new(Switchable {
-                inner: down.clone(),
-                up: up.clone(),
-            }),
-        )
+        .transport("down", Gated::switchable(down.clone(), up.clone()))
         .transport("failed", failed.clone())
         .failure_transport("failed")
-        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
-            max_retries: retries,
-            delay: Duration::ZERO,
-            jitter: 0.0,
-            ..Default::default()
-        });
+        .default_retry_strategy(retrying_at_once(retries));
     if let Some(audit_failing) = audit_failing {
         builder = builder.command_handler(move |_: Audit| {
             let result = if audit_failing.load(Ordering::SeqCst) {
@@ -1362,7 +1427,7 @@ fn deferring_a_failing_audit(
         builder = builder.middleware(Recorder(Log::default()));
     }
     let messenger = builder.build().unwrap();
-    *bus.lock().unwrap() = Some(messenger.bus().clone());
+    bus.fill(&messenger);
     FailingAudit {
         messenger,
         paid_runs,
@@ -1371,6 +1436,21 @@ fn deferring_a_failing_audit(
         failed,
         down,
         up,
+    }
+}
+
+impl FailingAudit {
+    /// Dispatches a [`Paid`] event and drains `async` with a worker;
+    /// returns its report.
+    async fn pay_and_drain(&self) -> WorkerReport {
+        dispatch_paid(&self.messenger).await;
+        drain(Worker::builder(&self.messenger).receiver("async")).await
+    }
+
+    /// Drains `down`, where an unsent audit goes once retried, with a
+    /// worker that handles it; returns its report.
+    async fn drain_down(&self) -> WorkerReport {
+        drain(Worker::builder(&self.messenger).receiver("down")).await
     }
 }
 
@@ -1407,12 +1487,7 @@ async fn a_handled_message_whose_deferred_dispatch_fails_is_acknowledged_and_onl
                 with_middleware,
                 true,
             );
-            t.messenger
-                .bus()
-                .dispatch(Envelope::event(Paid))
-                .await
-                .unwrap();
-            let report = drain(Worker::builder(&t.messenger).receiver("async")).await;
+            let report = t.pay_and_drain().await;
             assert_eq!(report.stats.handled, 1, "{case}");
             assert_eq!(report.stats.failed, 1, "the audit failed: {case}");
             assert_eq!(t.queue.message_count().await.unwrap(), 0, "{case}");
@@ -1427,7 +1502,7 @@ async fn a_handled_message_whose_deferred_dispatch_fails_is_acknowledged_and_onl
             if unsent {
                 // Sent to `down` from there, and handled when read from it.
                 assert_eq!(t.audits.load(Ordering::SeqCst), 0, "{case}");
-                drain(Worker::builder(&t.messenger).receiver("down")).await;
+                t.drain_down().await;
             }
             assert_eq!(
                 t.audits.load(Ordering::SeqCst),
@@ -1454,11 +1529,7 @@ async fn a_retried_message_whose_deferred_dispatch_fails_is_not_parked_beside_it
                 with_middleware,
                 true,
             );
-            t.messenger
-                .bus()
-                .dispatch(Envelope::event(Paid))
-                .await
-                .unwrap();
+            dispatch_paid(&t.messenger).await;
             // The first delivery only: its retry is sent back to `async`.
             let report = drain(
                 Worker::builder(&t.messenger)
@@ -1481,7 +1552,7 @@ async fn a_retried_message_whose_deferred_dispatch_fails_is_not_parked_beside_it
                 "the event lives once, as its retry; only the audit is parked: {case}"
             );
             if unsent {
-                drain(Worker::builder(&t.messenger).receiver("down")).await;
+                t.drain_down().await;
             }
             assert_eq!(t.audits.load(Ordering::SeqCst), 1, "{case}");
             // The retry succeeds without running the first handler again,
@@ -1509,12 +1580,7 @@ async fn a_parked_message_whose_successful_handler_s_deferred_dispatch_fails_has
             false,
             true,
         );
-        t.messenger
-            .bus()
-            .dispatch(Envelope::event(Paid))
-            .await
-            .unwrap();
-        let report = drain(Worker::builder(&t.messenger).receiver("async")).await;
+        let report = t.pay_and_drain().await;
         assert_eq!(report.stats.failed, 2, "the event and its audit: {case}");
         failing.store(false, Ordering::SeqCst);
         audit_failing.store(false, Ordering::SeqCst);
@@ -1523,7 +1589,7 @@ async fn a_parked_message_whose_successful_handler_s_deferred_dispatch_fails_has
         assert_eq!(names, ["Audit", "Paid"], "{case}");
         assert_eq!(report.stats.handled, 2, "{case}");
         if unsent {
-            drain(Worker::builder(&t.messenger).receiver("down")).await;
+            t.drain_down().await;
         }
         assert_eq!(
             t.audits.load(Ordering::SeqCst),
@@ -1547,12 +1613,7 @@ async fn a_deferred_dispatch_that_could_not_be_sent_is_sent_again_not_handled_wh
             false,
             true,
         );
-        t.messenger
-            .bus()
-            .dispatch(Envelope::event(Paid))
-            .await
-            .unwrap();
-        let report = drain(Worker::builder(&t.messenger).receiver("async")).await;
+        let report = t.pay_and_drain().await;
         assert_eq!(report.stats.failed, 1, "the audit was not sent: {case}");
         assert_eq!(t.failed.message_count().await.unwrap(), 1, "{case}");
         // Retried while `down` still refuses it: kept where it is.
@@ -1595,7 +1656,7 @@ async fn a_deferred_dispatch_that_could_not_be_sent_is_sent_again_not_handled_wh
         );
         t.down.release(&sent[0].id).await.unwrap();
         if local_handler {
-            let report = drain(Worker::builder(&t.messenger).receiver("down")).await;
+            let report = t.drain_down().await;
             assert_eq!(report.stats.handled, 1, "{case}");
             assert_eq!(t.audits.load(Ordering::SeqCst), 1, "{case}");
         }
@@ -1608,27 +1669,11 @@ async fn a_deferred_dispatch_routed_to_several_transports_reaches_those_after_th
 ) {
     let (queue, failed, down, audit) = (memory(), memory(), memory(), memory());
     let up = Arc::new(AtomicBool::new(false));
-    let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
-    let slot = bus.clone();
+    let bus = BusSlot::default();
     let messenger = Messenger::builder()
-        .event_handler(move |_: Paid| {
-            let slot = slot.clone();
-            async move {
-                let bus = slot.lock().unwrap().clone().expect("bus set");
-                bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
-                    .await
-                    .expect("a deferred dispatch is accepted");
-                Ok::<_, JobFailed>(())
-            }
-        })
+        .event_handler(bus.paid_deferring_an_audit(Arc::default()))
         .transport("async", queue.clone())
-        .transport(
-            "down",
-            Arc::new(Switchable {
-                inner: down.clone(),
-                up: up.clone(),
-            }),
-        )
+        .transport("down", Gated::switchable(down.clone(), up.clone()))
         .transport("audit", audit.clone())
         .transport("failed", failed.clone())
         .failure_transport("failed")
@@ -1638,12 +1683,8 @@ async fn a_deferred_dispatch_routed_to_several_transports_reaches_those_after_th
         .route::<Audit>("audit")
         .build()
         .unwrap();
-    *bus.lock().unwrap() = Some(messenger.bus().clone());
-    messenger
-        .bus()
-        .dispatch(Envelope::event(Paid))
-        .await
-        .unwrap();
+    bus.fill(&messenger);
+    dispatch_paid(&messenger).await;
     let report = drain(Worker::builder(&messenger).receiver("async")).await;
     assert_eq!(report.stats.failed, 1, "the audit was not sent");
     assert_eq!(failed.message_count().await.unwrap(), 1);
@@ -2564,107 +2605,30 @@ async fn a_message_its_failure_transport_cannot_take_pauses_only_its_own_receive
     );
 }
 
-/// A failure transport (in memory) that refuses the messages of one type.
-struct RefusingType(Arc<InMemoryTransport>, &'static str);
-
-impl Transport for RefusingType {
-    fn send(
-        &self,
-        message: RawMessage,
-        delay: Option<Duration>,
-    ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
-        if message.header(envoi_core::serializer::TYPE_HEADER) == Some(self.1) {
-            return Box::pin(async {
-                Err(envoi_core::TransportError::backend("sending", "refused"))
-            });
-        }
-        self.0.send(message, delay)
-    }
-
-    fn get(
-        &self,
-        max: usize,
-    ) -> envoi_core::middleware::BoxFuture<
-        '_,
-        Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
-    > {
-        self.0.get(max)
-    }
-
-    fn ack<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        self.0.ack(id)
-    }
-
-    fn release<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        self.0.release(id)
-    }
-
-    fn message_count(
-        &self,
-    ) -> envoi_core::middleware::BoxFuture<'_, Result<u64, envoi_core::TransportError>> {
-        self.0.message_count()
-    }
-
-    fn capabilities(&self) -> envoi_core::transport::Capabilities {
-        self.0.capabilities()
-    }
-
-    fn bind(&self, binding: &envoi_core::transport::TransportBinding) {
-        self.0.bind(binding);
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_retried_or_parked_message_whose_deferred_dispatch_cannot_be_parked_is_not_duplicated() {
     for retries in [0, 1] {
         let case = format!("retries: {retries}");
         let (queue, failed) = (memory(), memory());
-        let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
-        let slot = bus.clone();
+        let bus = BusSlot::default();
         let runs = Arc::new(AtomicUsize::new(0));
-        let counted = runs.clone();
         let messenger = Messenger::builder()
-            .event_handler(move |_: Paid| {
-                let slot = slot.clone();
-                counted.fetch_add(1, Ordering::SeqCst);
-                async move {
-                    let bus = slot.lock().unwrap().clone().expect("bus set");
-                    bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
-                        .await
-                        .expect("a deferred dispatch is accepted");
-                    Ok::<_, JobFailed>(())
-                }
-            })
+            .event_handler(bus.paid_deferring_an_audit(runs.clone()))
             .event_handler(|_: Paid| async { Err::<(), _>(JobFailed) })
             .command_handler(|_: Audit| async { Ok::<_, JobFailed>(()) })
             .transport("async", queue.clone())
             // The audit's dispatch fails, and the failure transport does not
             // take it either.
             .transport("down", Arc::new(Refusing::default()))
-            .transport("failed", Arc::new(RefusingType(failed.clone(), "Audit")))
+            .transport("failed", Gated::refusing_type(failed.clone(), "Audit"))
             .route::<Paid>("async")
             .route::<Audit>("down")
             .failure_transport("failed")
-            .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
-                max_retries: retries,
-                delay: Duration::ZERO,
-                jitter: 0.0,
-                ..Default::default()
-            })
+            .default_retry_strategy(retrying_at_once(retries))
             .build()
             .unwrap();
-        *bus.lock().unwrap() = Some(messenger.bus().clone());
-        messenger
-            .bus()
-            .dispatch(Envelope::event(Paid))
-            .await
-            .unwrap();
+        bus.fill(&messenger);
+        dispatch_paid(&messenger).await;
         let events = Arc::new(Mutex::new(Vec::new()));
         let seen = events.clone();
         let report = drain(
@@ -2715,30 +2679,16 @@ async fn a_retried_or_parked_message_whose_deferred_dispatch_cannot_be_parked_is
 async fn a_handled_message_rejected_for_want_of_a_failure_transport_for_its_deferred_dispatch_still_counts_as_handled(
 ) {
     let queue = memory();
-    let bus: Arc<Mutex<Option<envoi_core::MessageBus>>> = Arc::default();
-    let slot = bus.clone();
+    let bus = BusSlot::default();
     let messenger = Messenger::builder()
-        .event_handler(move |_: Paid| {
-            let slot = slot.clone();
-            async move {
-                let bus = slot.lock().unwrap().clone().expect("bus set");
-                bus.dispatch_after_current(Envelope::new(Audit { n: 1 }))
-                    .await
-                    .expect("a deferred dispatch is accepted");
-                Ok::<_, JobFailed>(())
-            }
-        })
+        .event_handler(bus.paid_deferring_an_audit(Arc::default()))
         .command_handler(|_: Audit| async { Err::<(), _>(JobFailed) })
         .transport("async", queue.clone())
         .route::<Paid>("async")
         .build()
         .unwrap();
-    *bus.lock().unwrap() = Some(messenger.bus().clone());
-    messenger
-        .bus()
-        .dispatch(Envelope::event(Paid))
-        .await
-        .unwrap();
+    bus.fill(&messenger);
+    dispatch_paid(&messenger).await;
     let handled = Arc::new(AtomicUsize::new(0));
     let seen = handled.clone();
     let report = drain(Worker::builder(&messenger).receiver("async").listener(
@@ -2757,78 +2707,17 @@ async fn a_handled_message_rejected_for_want_of_a_failure_transport_for_its_defe
     assert_eq!(queue.message_count().await.unwrap(), 0);
 }
 
-/// An in-memory queue that cannot count its messages (as a broker that
-/// does not tell), and that refuses the first `refuse` sends.
-struct Uncounted(Arc<InMemoryTransport>, AtomicUsize);
-
-impl Transport for Uncounted {
-    fn send(
-        &self,
-        message: RawMessage,
-        delay: Option<Duration>,
-    ) -> envoi_core::middleware::BoxFuture<'_, Result<String, envoi_core::TransportError>> {
-        let refused = self
-            .1
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        if refused {
-            return Box::pin(async {
-                Err(envoi_core::TransportError::backend("sending", "refused"))
-            });
-        }
-        self.0.send(message, delay)
-    }
-
-    fn get(
-        &self,
-        max: usize,
-    ) -> envoi_core::middleware::BoxFuture<
-        '_,
-        Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
-    > {
-        self.0.get(max)
-    }
-
-    fn ack<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        self.0.ack(id)
-    }
-
-    fn release<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        self.0.release(id)
-    }
-
-    fn capabilities(&self) -> envoi_core::transport::Capabilities {
-        self.0.capabilities()
-    }
-
-    fn bind(&self, binding: &envoi_core::transport::TransportBinding) {
-        self.0.bind(binding);
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn stop_when_empty_does_not_stop_before_asking_again_a_receiver_paused_after_a_failed_park() {
     let seen = Seen::default();
     let (paused, other, failed) = (memory(), memory(), memory());
     let messenger = Messenger::builder()
         .command_handler(seen.handler(Duration::ZERO))
-        .transport(
-            "paused",
-            Arc::new(Uncounted(paused.clone(), AtomicUsize::new(0))),
-        )
+        .transport("paused", Gated::uncounted(paused.clone(), 0))
         .transport("other", other.clone())
         // Down at first: the message `paused` holds cannot be parked, so it
         // is given back and `paused` is not read for a while.
-        .transport(
-            "failed",
-            Arc::new(Uncounted(failed.clone(), AtomicUsize::new(1))),
-        )
+        .transport("failed", Gated::uncounted(failed.clone(), 1))
         .route::<Job>("other")
         .failure_transport("failed")
         .build()
