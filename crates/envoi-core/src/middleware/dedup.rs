@@ -950,34 +950,51 @@ mod tests {
         task
     }
 
+    /// Starts handling `Pay("r-1")` with a handler that never finishes, as
+    /// a process that claimed the key and then died: polled once, then
+    /// never again (no cleanup, no renewal).
+    fn dies_mid_handling(d: &Deduplicate) {
+        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
+        let mut handling = Box::pin(d.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
+        assert!((&mut handling).now_or_never().is_none());
+        std::mem::forget(handling);
+    }
+
+    /// The [`hourly`] deduplication of a live worker, sharing its store
+    /// with a process that [`dies_mid_handling`].
+    fn beside_a_process_that_died_mid_handling() -> Deduplicate {
+        let store: Arc<dyn DedupStore> = Arc::new(InMemoryDedupStore::new());
+        dies_mid_handling(&hourly(store.clone()));
+        hourly(store)
+    }
+
+    /// `Pay("r-1")` as its transport hands it out again, marked as
+    /// redelivered.
+    fn redelivered() -> Envelope {
+        Envelope::new(Pay("r-1")).with(RedeliveredStamp::new())
+    }
+
+    /// Whether `copy` is acknowledged as a duplicate (and the handler not
+    /// run).
+    async fn is_acknowledged_as_duplicate(d: &Deduplicate, copy: Envelope) -> bool {
+        let end = RecordingEndpoint::new();
+        let out = d.handle(copy, end.next()).await.unwrap();
+        assert_eq!(end.calls().is_empty(), out.has::<DeduplicatedStamp>());
+        out.has::<DeduplicatedStamp>()
+    }
+
     /// Whether a copy of `Pay("r-1")` is acknowledged as a duplicate (and
     /// the handler not run).
     async fn is_duplicate(d: &Deduplicate) -> bool {
-        let end = RecordingEndpoint::new();
-        let out = d
-            .handle(Envelope::new(Pay("r-1")), end.next())
-            .await
-            .unwrap();
-        assert_eq!(end.calls().is_empty(), out.has::<DeduplicatedStamp>());
-        out.has::<DeduplicatedStamp>()
+        is_acknowledged_as_duplicate(d, Envelope::new(Pay("r-1"))).await
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_message_whose_process_died_mid_handling_is_handled_when_redelivered_after_the_processing_timeout(
     ) {
-        let store: Arc<dyn DedupStore> = Arc::new(InMemoryDedupStore::new());
-        // The process that died: it claimed the key and started the
-        // handler, then nothing of it ran again (no cleanup, no renewal).
-        let dead = hourly(store.clone());
-        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
-        let mut handling =
-            Box::pin(dead.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
-        assert!((&mut handling).now_or_never().is_none());
-        std::mem::forget(handling);
-
         // Another worker gets the message the transport redelivers after
         // the lease (30 s by default).
-        let alive = hourly(store);
+        let alive = beside_a_process_that_died_mid_handling();
         tokio::time::advance(Duration::from_secs(10)).await;
         assert!(is_duplicate(&alive).await, "within the processing timeout");
         tokio::time::advance(DEFAULT_PROCESSING_TIMEOUT + Duration::from_secs(20)).await;
@@ -994,27 +1011,15 @@ mod tests {
     /// Whether a copy of `Pay("r-1")` its transport marked as redelivered
     /// is acknowledged as a duplicate (and the handler not run).
     async fn redelivery_is_duplicate(d: &Deduplicate) -> bool {
-        let end = RecordingEndpoint::new();
-        let redelivered = Envelope::new(Pay("r-1")).with(RedeliveredStamp::new());
-        let out = d.handle(redelivered, end.next()).await.unwrap();
-        assert_eq!(end.calls().is_empty(), out.has::<DeduplicatedStamp>());
-        out.has::<DeduplicatedStamp>()
+        is_acknowledged_as_duplicate(d, redelivered()).await
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_redelivery_is_handled_while_the_key_is_only_claimed_but_not_once_the_message_was_handled(
     ) {
-        let store: Arc<dyn DedupStore> = Arc::new(InMemoryDedupStore::new());
         // A consumer claimed the key and died mid-handling; RabbitMQ hands
         // its message out again at once, marked as redelivered.
-        let dead = hourly(store.clone());
-        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
-        let mut handling =
-            Box::pin(dead.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
-        assert!((&mut handling).now_or_never().is_none());
-        std::mem::forget(handling);
-
-        let alive = hourly(store);
+        let alive = beside_a_process_that_died_mid_handling();
         tokio::time::advance(Duration::from_secs(1)).await;
         assert!(
             is_duplicate(&alive).await,
@@ -1047,11 +1052,7 @@ mod tests {
     async fn the_processing_timeout_is_configurable_and_at_most_the_window() {
         let store: Arc<dyn DedupStore> = Arc::new(InMemoryDedupStore::new());
         let dead = hourly(store.clone()).processing_timeout(Duration::from_secs(5));
-        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
-        let mut handling =
-            Box::pin(dead.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
-        assert!((&mut handling).now_or_never().is_none());
-        std::mem::forget(handling);
+        dies_mid_handling(&dead);
         tokio::time::advance(Duration::from_secs(4)).await;
         assert!(is_duplicate(&hourly(store.clone())).await);
         tokio::time::advance(Duration::from_secs(2)).await;
@@ -1061,11 +1062,7 @@ mod tests {
         let short = Deduplicate::new(Duration::from_secs(3))
             .key(|p: &Pay| p.0.to_string())
             .processing_timeout(Duration::from_secs(60));
-        let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
-        let mut handling =
-            Box::pin(short.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
-        assert!((&mut handling).now_or_never().is_none());
-        std::mem::forget(handling);
+        dies_mid_handling(&short);
         tokio::time::advance(Duration::from_secs(4)).await;
         assert!(!is_duplicate(&short).await);
     }
@@ -1196,8 +1193,7 @@ mod tests {
         let mut old =
             Box::pin(d.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&slow_failure)));
         assert!((&mut old).now_or_never().is_none());
-        let redelivered = Envelope::new(Pay("r-1")).with(RedeliveredStamp::new());
-        let redelivery = handling_forever_from(&d, redelivered).await;
+        let redelivery = handling_forever_from(&d, redelivered()).await;
         fail.notify_one();
         old.await.unwrap_err();
         assert!(
@@ -1213,8 +1209,7 @@ mod tests {
         let stuck = FnEndpoint::new(|_| Box::pin(std::future::pending()));
         let mut old = Box::pin(d.handle(Envelope::new(Pay("r-1")), Next::to_endpoint(&stuck)));
         assert!((&mut old).now_or_never().is_none());
-        let redelivered = Envelope::new(Pay("r-1")).with(RedeliveredStamp::new());
-        let redelivery = handling_forever_from(&d, redelivered).await;
+        let redelivery = handling_forever_from(&d, redelivered()).await;
         // Its dispatch is dropped (a deadline, a stopping worker).
         drop(old);
         settle().await;
