@@ -91,14 +91,7 @@ impl App {
     }
 
     async fn cli(&self, args: &[&str]) -> (u8, String, String) {
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        let argv = std::iter::once("app").chain(args.iter().copied());
-        let code = envoi_cli::run_with(&self.messenger, argv, &mut out, &mut err).await;
-        (
-            code,
-            String::from_utf8(out).unwrap(),
-            String::from_utf8(err).unwrap(),
-        )
+        run_cli(&self.messenger, args).await
     }
 
     async fn ok(&self, args: &[&str]) -> String {
@@ -118,6 +111,32 @@ impl App {
             .map(|d| d.id)
             .collect()
     }
+}
+
+/// Runs the command `args` (without the program name) against
+/// `messenger`; returns its exit status, output and error output.
+async fn run_cli(messenger: &Messenger, args: &[&str]) -> (u8, String, String) {
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let argv = std::iter::once("app").chain(args.iter().copied());
+    let code = envoi_cli::run_with(messenger, argv, &mut out, &mut err).await;
+    (
+        code,
+        String::from_utf8(out).unwrap(),
+        String::from_utf8(err).unwrap(),
+    )
+}
+
+/// Sends a raw message of the type `name` with `body` to the failure
+/// transport `failed`, as if parked there; returns its id.
+async fn park_raw(
+    failed: &Arc<dyn Transport>,
+    name: &'static str,
+    body: impl Into<Vec<u8>>,
+) -> String {
+    let mut raw = RawMessage::default();
+    raw.headers.insert("type", name);
+    raw.body = body.into();
+    failed.send(raw, None).await.unwrap()
 }
 
 async fn app_with(failure_transport: bool) -> App {
@@ -1094,18 +1113,9 @@ async fn undeletable_failures(
 #[tokio::test]
 async fn failed_retry_that_cannot_remove_the_old_copy_fails_and_says_so() {
     let (_dir, messenger, failed) = undeletable_failures(0).await;
-    let mut raw = RawMessage::default();
-    raw.headers.insert("type", "PlaceOrder");
-    raw.body = br#"{"id":1,"fate":"Fine"}"#.to_vec();
-    let id = failed.send(raw, None).await.unwrap();
+    let id = park_raw(&failed, "PlaceOrder", br#"{"id":1,"fate":"Fine"}"#).await;
 
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let args = ["app", "failed", "retry", id.as_str()];
-    let code = envoi_cli::run_with(&messenger, args, &mut out, &mut err).await;
-    let (out, err) = (
-        String::from_utf8(out).unwrap(),
-        String::from_utf8(err).unwrap(),
-    );
+    let (code, out, err) = run_cli(&messenger, &["failed", "retry", id.as_str()]).await;
     // Handled, but still in the failure transport: another retry would
     // handle it again, so the command must not report success.
     assert!(
@@ -1144,19 +1154,11 @@ async fn failed_remove_that_deletes_only_some_says_which_are_still_there() {
     let (_dir, messenger, failed) = undeletable_failures(1).await;
     let mut ids = Vec::new();
     for n in 1..=3 {
-        let mut raw = RawMessage::default();
-        raw.headers.insert("type", "PlaceOrder");
-        raw.body = format!(r#"{{"id":{n},"fate":"Fine"}}"#).into_bytes();
-        ids.push(failed.send(raw, None).await.unwrap());
+        let body = format!(r#"{{"id":{n},"fate":"Fine"}}"#);
+        ids.push(park_raw(&failed, "PlaceOrder", body).await);
     }
 
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let args = ["app", "failed", "remove", "--all"];
-    let code = envoi_cli::run_with(&messenger, args, &mut out, &mut err).await;
-    let (out, err) = (
-        String::from_utf8(out).unwrap(),
-        String::from_utf8(err).unwrap(),
-    );
+    let (code, out, err) = run_cli(&messenger, &["failed", "remove", "--all"]).await;
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains(&format!(
@@ -1183,6 +1185,43 @@ impl Command for Audit {
     type Error = OrderError;
 }
 
+/// Builds a messenger whose failure transport `failed` is in memory.
+trait FailuresInMemory {
+    fn with_failures_in_memory(self) -> Messenger;
+}
+
+impl FailuresInMemory for envoi::MessengerBuilder {
+    fn with_failures_in_memory(self) -> Messenger {
+        self.transport(
+            "failed",
+            Arc::new(envoi::in_memory::InMemoryTransport::new()),
+        )
+        .failure_transport("failed")
+        .build()
+        .unwrap()
+    }
+}
+
+/// The messenger's bus, for the handlers registered before it is built:
+/// [`BusSlot::fill`] it once the messenger is.
+#[derive(Clone, Default)]
+struct BusSlot(Arc<Mutex<Option<envoi::MessageBus>>>);
+
+impl BusSlot {
+    fn fill(&self, messenger: &Messenger) {
+        *self.0.lock().unwrap() = Some(messenger.bus().clone());
+    }
+
+    /// Defers an `Audit` of `order` through the bus until the message
+    /// being handled is done.
+    async fn defer_audit(self, order: u32) {
+        let bus = self.0.lock().unwrap().clone().expect("bus set");
+        bus.dispatch_after_current(envoi::Envelope::new(Audit { order }))
+            .await
+            .expect("a deferred dispatch is accepted");
+    }
+}
+
 /// A messenger with an in-memory failure transport whose `PlaceOrder`
 /// handler (counting its runs) defers an `Audit` whose handler fails while
 /// `audit_failing` is set, and counts the audits it handles otherwise.
@@ -1190,17 +1229,14 @@ fn deferring_a_failing_audit(
     audit_failing: Arc<AtomicBool>,
 ) -> (Messenger, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let (orders, audits) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let bus: Arc<Mutex<Option<envoi::MessageBus>>> = Arc::default();
+    let bus = BusSlot::default();
     let (slot, placed, audited) = (bus.clone(), orders.clone(), audits.clone());
     let messenger = Messenger::builder()
         .command_handler(move |order: PlaceOrder| {
-            let slot = slot.clone();
             placed.fetch_add(1, Ordering::SeqCst);
+            let deferred = slot.clone().defer_audit(order.id);
             async move {
-                let bus = slot.lock().unwrap().clone().expect("bus set");
-                bus.dispatch_after_current(envoi::Envelope::new(Audit { order: order.id }))
-                    .await
-                    .expect("a deferred dispatch is accepted");
+                deferred.await;
                 Ok::<(), OrderError>(())
             }
         })
@@ -1215,14 +1251,8 @@ fn deferring_a_failing_audit(
         })
         .message::<PlaceOrder>()
         .message::<Audit>()
-        .transport(
-            "failed",
-            Arc::new(envoi::in_memory::InMemoryTransport::new()),
-        )
-        .failure_transport("failed")
-        .build()
-        .unwrap();
-    *bus.lock().unwrap() = Some(messenger.bus().clone());
+        .with_failures_in_memory();
+    bus.fill(&messenger);
     (messenger, orders, audits)
 }
 
@@ -1232,26 +1262,9 @@ async fn failed_retry_of_a_message_handled_whose_deferred_dispatch_fails_removes
     let audit_failing = Arc::new(AtomicBool::new(true));
     let (messenger, orders, audits) = deferring_a_failing_audit(audit_failing.clone());
     let failed = messenger.transport("failed").unwrap().clone();
-    let mut raw = RawMessage::default();
-    raw.headers.insert("type", "PlaceOrder");
-    raw.body = br#"{"id":1,"fate":"Fine"}"#.to_vec();
-    let id = failed.send(raw, None).await.unwrap();
-    let run = |args: Vec<String>| {
-        let messenger = messenger.clone();
-        async move {
-            let (mut out, mut err) = (Vec::new(), Vec::new());
-            let argv = std::iter::once("app".to_string()).chain(args);
-            let code = envoi_cli::run_with(&messenger, argv, &mut out, &mut err).await;
-            (
-                code,
-                String::from_utf8(out).unwrap(),
-                String::from_utf8(err).unwrap(),
-            )
-        }
-    };
-    let retry = |id: &str| vec!["failed".into(), "retry".into(), id.to_string()];
+    let id = park_raw(&failed, "PlaceOrder", br#"{"id":1,"fate":"Fine"}"#).await;
 
-    let (code, out, err) = run(retry(&id)).await;
+    let (code, out, err) = run_cli(&messenger, &["failed", "retry", &id]).await;
     assert_eq!(code, 0, "{out}{err}");
     assert!(
         out.contains("handled; its deferred `Audit` failed, parked in `failed`"),
@@ -1270,7 +1283,7 @@ async fn failed_retry_of_a_message_handled_whose_deferred_dispatch_fails_removes
 
     // Retried in turn, the audit is handled, and the order not again.
     audit_failing.store(false, Ordering::SeqCst);
-    let (code, out, err) = run(retry(&left[0].id)).await;
+    let (code, out, err) = run_cli(&messenger, &["failed", "retry", &left[0].id]).await;
     assert_eq!(code, 0, "{out}{err}");
     assert_eq!(audits.load(Ordering::SeqCst), 1);
     assert_eq!(orders.load(Ordering::SeqCst), 1);
@@ -1292,16 +1305,13 @@ impl envoi::Event for Paid {
 async fn failed_retry_of_a_message_parked_again_parks_what_its_successful_handler_deferred_that_fails(
 ) {
     let audits = Arc::new(AtomicUsize::new(0));
-    let bus: Arc<Mutex<Option<envoi::MessageBus>>> = Arc::default();
+    let bus = BusSlot::default();
     let (slot, audited) = (bus.clone(), audits.clone());
     let messenger = Messenger::builder()
         .event_handler(move |paid: Paid| {
-            let slot = slot.clone();
+            let deferred = slot.clone().defer_audit(paid.order);
             async move {
-                let bus = slot.lock().unwrap().clone().expect("bus set");
-                bus.dispatch_after_current(envoi::Envelope::new(Audit { order: paid.order }))
-                    .await
-                    .expect("a deferred dispatch is accepted");
+                deferred.await;
                 Ok::<(), OrderError>(())
             }
         })
@@ -1314,24 +1324,12 @@ async fn failed_retry_of_a_message_parked_again_parks_what_its_successful_handle
         })
         .message::<Paid>()
         .message::<Audit>()
-        .transport(
-            "failed",
-            Arc::new(envoi::in_memory::InMemoryTransport::new()),
-        )
-        .failure_transport("failed")
-        .build()
-        .unwrap();
-    *bus.lock().unwrap() = Some(messenger.bus().clone());
+        .with_failures_in_memory();
+    bus.fill(&messenger);
     let failed = messenger.transport("failed").unwrap().clone();
-    let mut raw = RawMessage::default();
-    raw.headers.insert("type", "Paid");
-    raw.body = br#"{"order":1}"#.to_vec();
-    let id = failed.send(raw, None).await.unwrap();
+    let id = park_raw(&failed, "Paid", br#"{"order":1}"#).await;
 
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let args = ["app", "failed", "retry", id.as_str()];
-    let code = envoi_cli::run_with(&messenger, args, &mut out, &mut err).await;
-    let out = String::from_utf8(out).unwrap();
+    let (code, out, _) = run_cli(&messenger, &["failed", "retry", id.as_str()]).await;
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("failed again, back in `failed`"), "{out}");
     assert!(
@@ -1378,10 +1376,7 @@ async fn failed_retry_of_a_dispatch_parked_because_it_could_not_be_sent_says_whe
     let raw = messenger.serializer().encode(&parked).unwrap();
     let id = failed.send(raw, None).await.unwrap();
 
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let args = ["app", "failed", "retry", id.as_str()];
-    let code = envoi_cli::run_with(&messenger, args, &mut out, &mut err).await;
-    let out = String::from_utf8(out).unwrap();
+    let (code, out, _) = run_cli(&messenger, &["failed", "retry", id.as_str()]).await;
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("sent to `down`"), "{out}");
     assert!(
