@@ -75,15 +75,18 @@ fn counting_handler(
     }
 }
 
-async fn drain(messenger: &Messenger, transport: &str) {
+/// A worker that reads `transport` until it is empty.
+fn draining(messenger: &Messenger, transport: &str) -> Worker {
     Worker::builder(messenger)
         .receiver(transport)
         .stop_when_empty()
         .idle_sleep(Duration::from_millis(5))
         .build()
         .unwrap()
-        .run()
-        .await;
+}
+
+async fn drain(messenger: &Messenger, transport: &str) {
+    draining(messenger, transport).run().await;
 }
 
 // ----- validation -----
@@ -256,6 +259,11 @@ async fn a_message_dispatched_by_a_handler_carries_its_correlation_and_causation
 
 // ----- deduplication -----
 
+/// Deduplicates charges by their reference for an hour.
+fn dedup_by_reference() -> Deduplicate {
+    Deduplicate::new(Duration::from_secs(3600)).key(|c: &Charge| c.reference.clone())
+}
+
 #[tokio::test]
 async fn a_duplicate_delivered_by_a_transport_is_acked_without_running_the_handler() {
     let count = Arc::new(AtomicU32::new(0));
@@ -263,9 +271,7 @@ async fn a_duplicate_delivered_by_a_transport_is_acked_without_running_the_handl
         .command_handler(counting_handler(&count))
         .transport_dsn("async", "in-memory://?serialize=true")
         .route::<Charge>("async")
-        .middleware(
-            Deduplicate::new(Duration::from_secs(3600)).key(|c: &Charge| c.reference.clone()),
-        )
+        .middleware(dedup_by_reference())
         .build_async()
         .await
         .unwrap();
@@ -297,11 +303,7 @@ async fn a_delivery_its_transport_marks_as_redelivered_is_handled_while_a_dead_c
         .command_handler(counting_handler(&count))
         .transport_dsn("async", "in-memory://?serialize=true")
         .route::<Charge>("async")
-        .middleware(
-            Deduplicate::new(Duration::from_secs(3600))
-                .key(|c: &Charge| c.reference.clone())
-                .store_arc(store.clone()),
-        )
+        .middleware(dedup_by_reference().store_arc(store.clone()))
         .build_async()
         .await
         .unwrap();
@@ -358,21 +360,12 @@ async fn a_store_that_cannot_forget_a_failed_message_leaves_the_handler_failure_
             max_retries: 0,
             ..Default::default()
         })
-        .middleware(
-            Deduplicate::new(Duration::from_secs(3600))
-                .key(|c: &Charge| c.reference.clone())
-                .store(StuckStore(InMemoryDedupStore::new())),
-        )
+        .middleware(dedup_by_reference().store(StuckStore(InMemoryDedupStore::new())))
         .build_async()
         .await
         .unwrap();
     m.dispatcher().dispatch(charge("pay-1", 5)).await.unwrap();
-    let worker = Worker::builder(&m)
-        .receiver("async")
-        .stop_when_empty()
-        .idle_sleep(Duration::from_millis(5))
-        .build()
-        .unwrap();
+    let worker = draining(&m, "async");
     let mut events = worker.subscribe();
     worker.run().await;
     let mut failures = Vec::new();
@@ -420,11 +413,7 @@ async fn a_retry_whose_key_could_not_be_forgotten_crosses_the_transport_and_is_h
             jitter: 0.0,
             ..Default::default()
         })
-        .middleware(
-            Deduplicate::new(Duration::from_secs(3600))
-                .key(|c: &Charge| c.reference.clone())
-                .store(StuckStore(InMemoryDedupStore::new())),
-        )
+        .middleware(dedup_by_reference().store(StuckStore(InMemoryDedupStore::new())))
         .build_async()
         .await
         .unwrap();
