@@ -330,14 +330,10 @@ where
             return Ok(envelope);
         }
     }
-    let out = match next(envelope).await {
-        Ok(out) => out,
-        Err(error) => return failed(error).await,
-    };
-    if !out.has::<DeferredDispatches>() {
-        return Ok(out);
+    match after(next(envelope).await) {
+        Settle::Ready(result) => result,
+        Settle::Pending(settling) => settling.await,
     }
-    settle(out).await
 }
 
 /// The second half of [`run`], for an envelope that came back carrying
@@ -352,21 +348,6 @@ pub(crate) async fn settle(mut out: Envelope) -> StepResult {
     drain(out, deferred).await.map_err(Box::new)
 }
 
-/// Step 2 for a dispatch that failed with `error`: passes it on, and what
-/// the handlers that succeeded deferred is dropped with it — unless the
-/// retry step parked the message ([`ParkedWithDeferred`]). Then, as [`settle`]
-/// does for a message scheduled for a retry, what they deferred is handed
-/// to the enclosing handler's scope or run, and the failure returned after
-/// that; the deferred dispatches that fail go with it ([`FailedDeferred`]),
-/// for the worker to park them too.
-#[inline]
-pub(crate) async fn failed(error: Box<BusError>) -> StepResult {
-    match after(Err(error)) {
-        Settle::Ready(result) => result,
-        Settle::Pending(settling) => settling.await,
-    }
-}
-
 /// What step 2 still has to do with the `result` of the steps after it.
 pub(crate) enum Settle {
     /// Nothing: `result` is the dispatch's.
@@ -378,8 +359,15 @@ pub(crate) enum Settle {
 
 /// Step 2 after the steps after it returned `result`: ready at once unless
 /// the envelope carries deferred dispatches ([`settle`]) or the retry step
-/// parked it beside successful handlers' deferred dispatches ([`failed`]).
-/// The bus's dispatch futures await the pending case in one place.
+/// parked it beside successful handlers' deferred dispatches
+/// ([`ParkedWithDeferred`]). What failed otherwise is passed on, and what
+/// the handlers that succeeded deferred is dropped with it. A parked
+/// message's deferred dispatches are, as [`settle`] does for a message
+/// scheduled for a retry, handed to the enclosing handler's scope or run,
+/// and the failure returned after that; the deferred dispatches that fail
+/// go with it ([`FailedDeferred`]), for the worker to park them too. Both
+/// [`run`] and the bus's dispatch futures await the pending case in one
+/// place.
 #[inline]
 pub(crate) fn after(result: StepResult) -> Settle {
     match result {
