@@ -1951,48 +1951,25 @@ impl Ctx {
             for (mut deferred, details) in failed {
                 bump(&self.counters.failed);
                 drop(deferred.take_deferred());
-                let message = deferred.message_name();
-                let outcome = self
-                    .settle_failure(
-                        Failure {
-                            receiver,
-                            transport,
-                            id: &id,
-                            message,
-                            kind: &details.kind,
-                            error: details.message.clone(),
-                            what: "was deferred by a handler and failed",
-                            release: !kept,
-                        },
-                        failure.map(|failure| {
-                            let delay = park_delay(&deferred, failure == &**transport);
-                            // One that could not be sent comes from where
-                            // it was going: retried, it is sent there.
-                            let origin = deferred
-                                .last::<UnsentStamp>()
-                                .map_or_else(|| origin.clone(), |u| u.transport.clone());
-                            let parked = deferred
-                                .clone()
-                                .with(details.clone())
-                                .with(SentToFailureTransportStamp::new(origin))
-                                .with(RedeliveryStamp::new(0))
-                                .with(DelayStamp::new(delay));
-                            let sent = self.messenger.sender_dispatcher().send(failure, parked);
-                            (failure, async move { sent.await.map(|_| None) })
-                        }),
-                    )
+                // One that could not be sent comes from where it was going:
+                // retried, it is sent there.
+                let origin = deferred
+                    .last::<UnsentStamp>()
+                    .map_or_else(|| origin.clone(), |u| u.transport.clone());
+                let how = Failure {
+                    receiver,
+                    transport,
+                    id: &id,
+                    message: deferred.message_name(),
+                    kind: &details.kind,
+                    error: details.message.clone(),
+                    what: "was deferred by a handler and failed",
+                    release: !kept,
+                };
+                let (outcome, _) = self
+                    .park_copy(how, deferred, &details, failure, origin)
                     .await;
-                self.events.emit(|| WorkerEvent::Failed {
-                    transport: transport.clone(),
-                    id: id.to_string(),
-                    message: Cow::Borrowed(message),
-                    kind: Cow::Owned(details.kind),
-                    error: outcome.error,
-                    parked_in: outcome.parked_in,
-                    released: outcome.released,
-                    envelope: Some(deferred),
-                });
-                match outcome.action {
+                match outcome {
                     // The message lives on as its retry or parked copy: it
                     // is acknowledged whatever became of this dispatch.
                     _ if kept => {}
@@ -2085,19 +2062,39 @@ impl Ctx {
             .last::<SentToFailureTransportStamp>()
             .map(|s| s.original_transport.clone());
         let (origin, failure) = failure_target(&self.messenger, transport, origin);
-        let message = envelope.message_name();
+        let how = Failure {
+            receiver,
+            transport,
+            id,
+            message: envelope.message_name(),
+            kind: &details.kind,
+            error: details.message.clone(),
+            what: "failed",
+            release: true,
+        };
+        self.park_copy(how, envelope, &details, failure, origin)
+            .await
+    }
+
+    /// Parks a copy of `envelope` in `failure` with `details` of why, as a
+    /// message from `origin`, settles it as `how` says (rejected when there
+    /// is no failure transport; released or dropped when parking fails),
+    /// and reports it with a [`Failed`](WorkerEvent::Failed) event. Returns
+    /// what to do with the received message, and the id of the parked copy
+    /// when it went back into the transport it came from.
+    async fn park_copy(
+        &self,
+        how: Failure<'_>,
+        envelope: Envelope,
+        details: &ErrorDetailsStamp,
+        failure: Option<&str>,
+        origin: String,
+    ) -> (Action, Option<String>) {
+        let transport = &self.receivers[how.receiver].name;
+        let (id, message) = (how.id, envelope.message_name());
         let mut outcome = self
             .settle_failure(
-                Failure {
-                    receiver,
-                    transport,
-                    id,
-                    message,
-                    kind: &details.kind,
-                    error: details.message.clone(),
-                    what: "failed",
-                    release: true,
-                },
+                how,
                 failure.map(|failure| {
                     // Back into the transport it came from: later, not at
                     // once, or a worker consuming it would spin on it.
@@ -2121,7 +2118,7 @@ impl Ctx {
             transport: transport.clone(),
             id: id.to_string(),
             message: Cow::Borrowed(message),
-            kind: Cow::Owned(details.kind),
+            kind: Cow::Owned(details.kind.clone()),
             error: outcome.error,
             parked_in: outcome.parked_in,
             released: outcome.released,
