@@ -57,10 +57,9 @@ impl RawMessage {
 /// without it being acknowledged (see [`Delivery::redelivered`]). The
 /// serializer turns it into a [`RedeliveredStamp`] when decoding and refuses
 /// an envelope header of that name when encoding, so an envoi producer
-/// cannot set it. The in-memory, RabbitMQ, Redis and NATS transports also
-/// drop a header of that name on the way in; on SQLite and PostgreSQL a row
-/// written by hand with it is taken for a redelivery, which at worst lets a
-/// copy be handled twice.
+/// cannot set it. The transports also drop a header of that name on the way
+/// in (a row or entry written by hand with it), so only the transport marks
+/// a redelivery.
 ///
 /// [`RedeliveredStamp`]: crate::stamp::RedeliveredStamp
 pub const REDELIVERED_HEADER: &str = "X-Envoi-Redelivered";
@@ -79,8 +78,9 @@ impl Delivery {
     /// Marks the message as handed out before and not acknowledged: a
     /// consumer took it and died (or gave it back) before it was handled.
     /// A transport that knows it (RabbitMQ's `redelivered` flag, Redis's
-    /// `XAUTOCLAIM`, JetStream's delivery count, the in-memory transport's
-    /// expired leases) marks it, and the received envelope then carries a
+    /// `XAUTOCLAIM`, JetStream's delivery count, the SQLite and PostgreSQL
+    /// rows' delivery count, the in-memory transport's expired leases)
+    /// marks it, and the received envelope then carries a
     /// [`RedeliveredStamp`], which lets
     /// [`Deduplicate`](crate::middleware::dedup::Deduplicate) handle it while
     /// the attempt of a consumer that died still claims its key. Sets

@@ -118,7 +118,7 @@ impl Statements {
                     LIMIT $2 \
                     FOR UPDATE SKIP LOCKED)) \
                  RETURNING id, body, headers::text, \
-                    (extract(epoch FROM available_at) * 1000000)::int8"
+                    (extract(epoch FROM available_at) * 1000000)::int8, delivery_count"
             )
             .into(),
             delete: format!("DELETE FROM {t} WHERE id = $1 AND queue_name = $2").into(),

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use envoi_core::middleware::BoxFuture;
-use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
+use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport, REDELIVERED_HEADER};
 use envoi_core::{Headers, TransportError};
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -360,6 +360,9 @@ fn row_to_delivery(row: &PgRow) -> Result<Delivery, sqlx::Error> {
             "the stored body is NULL",
         );
     }
+    // The mark is the transport's to set, from the row's delivery count,
+    // not a stored header's (envoi never stores it).
+    headers.remove(REDELIVERED_HEADER);
     Ok(Delivery {
         id: id.to_string(),
         raw: RawMessage {
@@ -876,8 +879,13 @@ impl Inner {
             let at: i64 = row
                 .try_get(3)
                 .map_err(|e| self.error("reading claimed messages", e))?;
-            let delivery =
+            let mut delivery =
                 row_to_delivery(row).map_err(|e| self.error("reading claimed messages", e))?;
+            // Claimed before and not acknowledged: its lease ran out, or it
+            // was released.
+            if row.try_get::<i32, _>(4).is_ok_and(|count| count > 1) {
+                delivery = delivery.redelivered();
+            }
             let id: i64 = row
                 .try_get(0)
                 .map_err(|e| self.error("reading claimed messages", e))?;

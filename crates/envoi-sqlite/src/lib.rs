@@ -47,7 +47,8 @@
 //!     available_at INTEGER NOT NULL          -- Unix ms; not handed out before
 //!         CHECK (typeof(available_at) = 'integer'),  -- else never due, never claimed
 //!     delivered_at INTEGER,                  -- Unix ms of the claim; NULL when not leased
-//!     lease_until INTEGER                    -- Unix ms; NULL when not leased
+//!     lease_until INTEGER,                   -- Unix ms; NULL when not leased
+//!     delivery_count INTEGER NOT NULL DEFAULT 0  -- claims that handed it out
 //! );
 //! CREATE INDEX IF NOT EXISTS "envoi_<name>:claim" ON "envoi_<name>" (queue_name, available_at, id);
 //! ```
@@ -69,9 +70,10 @@
 //! * **claim** (`get`): one statement, atomic on its own (a writing
 //!   statement takes SQLite's write lock before it reads):
 //!   `UPDATE … SET delivered_at = ?now, lease_until = ?now + lease,
-//!   available_at = ?now + lease WHERE id IN (SELECT id … WHERE queue_name = ?
+//!   available_at = ?now + lease, delivery_count = delivery_count + 1
+//!   WHERE id IN (SELECT id … WHERE queue_name = ?
 //!   AND available_at <= ?now ORDER BY available_at, id LIMIT ?max)
-//!   RETURNING id, body, headers`. Moving `available_at` to the end of the
+//!   RETURNING id, body, headers, delivery_count`. Moving `available_at` to the end of the
 //!   lease is what makes a claimed row invisible to other consumers and
 //!   visible again when the lease expires, with one index range scan.
 //! * **ack** / **reject**: `DELETE … WHERE id = ?`; `ack_batch`:
@@ -86,6 +88,16 @@
 //!   default); a consumer that dies without acknowledging it loses the lease
 //!   and the message is handed out again, to any process using the file. A
 //!   live consumer calls `keepalive` to keep a long handler's message.
+//! * Redeliveries are marked: a row claimed before and not acknowledged
+//!   (its lease ran out, or it was released; `delivery_count` above 1) is
+//!   handed out marked as redelivered ([`Delivery::redelivered`]), so
+//!   [`Deduplicate`] handles it even while the claim of a consumer that
+//!   died still holds its key. Rows a handle kept and gave back unused do
+//!   not count. A header of that name stored in a row is dropped when it
+//!   is read. Setup adds the column to a table made before it existed.
+//!
+//!   [`Delivery::redelivered`]: envoi_core::transport::Delivery::redelivered
+//!   [`Deduplicate`]: envoi_core::middleware::dedup::Deduplicate
 //! * Ordered: one consumer gets messages batch by batch in the order they
 //!   became available, each batch in send order (for undelayed messages,
 //!   send order throughout).

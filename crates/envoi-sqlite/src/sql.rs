@@ -11,6 +11,10 @@ pub(crate) struct Statements {
     /// Whether the table still has the claim index under its former name.
     pub(crate) has_legacy_index: Arc<str>,
     pub(crate) drop_legacy_index: Arc<str>,
+    /// Whether the table has the `delivery_count` column (a table set up
+    /// before it was added does not).
+    pub(crate) has_delivery_count: Arc<str>,
+    pub(crate) add_delivery_count: Arc<str>,
     pub(crate) insert: Arc<str>,
     pub(crate) insert_chunk: Arc<str>,
     pub(crate) claim: Arc<str>,
@@ -49,7 +53,8 @@ impl Statements {
                     created_at INTEGER NOT NULL,
                     available_at INTEGER NOT NULL CHECK (typeof(available_at) = 'integer'),
                     delivered_at INTEGER,
-                    lease_until INTEGER
+                    lease_until INTEGER,
+                    delivery_count INTEGER NOT NULL DEFAULT 0
                 )"
             )),
             create_index: s(format!(
@@ -60,22 +65,31 @@ impl Statements {
                  AND name = '{legacy}' COLLATE NOCASE AND tbl_name = '{table}' COLLATE NOCASE"
             )),
             drop_legacy_index: s(format!("DROP INDEX IF EXISTS \"{legacy}\"")),
+            has_delivery_count: s(format!(
+                "SELECT count(*) FROM pragma_table_info('{table}') WHERE name = 'delivery_count'"
+            )),
+            add_delivery_count: s(format!(
+                "ALTER TABLE {t} ADD COLUMN delivery_count INTEGER NOT NULL DEFAULT 0"
+            )),
             insert: s(format!(
                 "INSERT INTO {t} (queue_name, body, headers, created_at, available_at) VALUES {row}"
             )),
             insert_chunk: s(format!(
                 "INSERT INTO {t} (queue_name, body, headers, created_at, available_at) VALUES {rows} RETURNING id"
             )),
-            // ?1 now, ?2 lease end, ?3 queue, ?4 how many.
+            // ?1 now, ?2 lease end, ?3 queue, ?4 how many. A row claimed
+            // before (its count above 1 after this claim) was handed out
+            // and not acknowledged: its lease ran out, or it was released.
             claim: s(format!(
-                "UPDATE {t} SET delivered_at = ?1, lease_until = ?2, available_at = ?2
+                "UPDATE {t} SET delivered_at = ?1, lease_until = ?2, available_at = ?2,
+                     delivery_count = delivery_count + 1
                  WHERE id IN (
                      SELECT id FROM {t}
                      WHERE queue_name = ?3 AND available_at <= ?1
                      ORDER BY available_at, id
                      LIMIT ?4
                  )
-                 RETURNING id, body, headers"
+                 RETURNING id, body, headers, delivery_count"
             )),
             ack: s(format!("DELETE FROM {t} WHERE id = ?1 AND queue_name = ?2")),
             ack_many: s(format!(
@@ -90,9 +104,11 @@ impl Statements {
                  WHERE +queue_name = ?2 AND lease_until IS NOT NULL
                    AND id IN (SELECT value FROM json_each(?1))"
             )),
-            // Only rows still leased by the claim made at ?4.
+            // Only rows still leased by the claim made at ?4. They were
+            // never handed out: that claim does not count as a delivery.
             release_claimed: s(format!(
-                "UPDATE {t} SET available_at = ?3, lease_until = NULL, delivered_at = NULL
+                "UPDATE {t} SET available_at = ?3, lease_until = NULL, delivered_at = NULL,
+                     delivery_count = max(delivery_count - 1, 0)
                  WHERE +queue_name = ?2 AND delivered_at = ?4
                    AND id IN (SELECT value FROM json_each(?1))"
             )),

@@ -7,7 +7,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use envoi_core::transport::{Delivery, RawMessage};
+use envoi_core::transport::{Delivery, RawMessage, REDELIVERED_HEADER};
 use envoi_core::Headers;
 use sqlx::sqlite::{SqliteConnection, SqliteRow};
 use sqlx::{AssertSqlSafe, Connection, Row, TypeInfo, ValueRef};
@@ -113,6 +113,9 @@ pub(crate) fn decode_row(row: &SqliteRow) -> Result<Delivery, sqlx::Error> {
     let body: Vec<u8> = row.try_get_unchecked(1)?;
     let stored: &[u8] = row.try_get_unchecked(2)?;
     let mut headers = read_headers(headers_class, stored);
+    // The mark is the transport's to set, from the row's delivery count,
+    // not a stored header's (envoi never stores it).
+    headers.remove(REDELIVERED_HEADER);
     if !matches!(body_class, "BLOB" | "TEXT") {
         let handed_out = if body_class == "NULL" {
             "handed out empty"
@@ -417,6 +420,33 @@ impl Writer {
     }
 }
 
+/// Adds the `delivery_count` column to a table set up before it existed.
+/// Another process may add it at the same time: the column being there
+/// afterwards is what counts.
+async fn add_delivery_count(
+    conn: &mut SqliteConnection,
+    sql: &Statements,
+) -> Result<(), sqlx::Error> {
+    let has = sqlx::query_scalar::<_, i64>(q(&sql.has_delivery_count));
+    if has.fetch_one(&mut *conn).await? > 0 {
+        return Ok(());
+    }
+    let added = sqlx::query(q(&sql.add_delivery_count))
+        .execute(&mut *conn)
+        .await;
+    match added {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            let has = sqlx::query_scalar::<_, i64>(q(&sql.has_delivery_count));
+            if has.fetch_one(&mut *conn).await? > 0 {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        }
+    }
+}
+
 async fn apply(
     conn: &mut SqliteConnection,
     sql: &Statements,
@@ -440,6 +470,7 @@ async fn apply(
                     .execute(&mut *conn)
                     .await?;
             }
+            add_delivery_count(conn, sql).await?;
             Ok(Outcome::Done)
         }
         Op::Insert(rows, _) => {
@@ -491,7 +522,11 @@ async fn apply(
             let mut deliveries = Vec::with_capacity(rows.len());
             for row in &rows {
                 match decode_row(row) {
-                    Ok(d) => {
+                    Ok(mut d) => {
+                        // Claimed before and not acknowledged.
+                        if row.try_get::<i64, _>(3).is_ok_and(|count| count > 1) {
+                            d = d.redelivered();
+                        }
                         if let Some(reason) = invalid_reason(&d) {
                             // Handed out all the same, with the reason, so
                             // the worker parks it: given back, it would be

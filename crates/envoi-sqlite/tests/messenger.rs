@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use envoi_core::middleware::dedup::{DedupClaim, DedupStore, Deduplicate, InMemoryDedupStore};
 use envoi_core::middleware::retry::MultiplierRetryStrategy;
 use envoi_core::stamp::{SentStamp, TransportMessageIdStamp};
 use envoi_core::worker::{StopReason, Worker};
@@ -117,4 +118,71 @@ async fn commands_sent_to_sqlite_are_handled_retried_and_parked_by_a_worker() {
         "the parked message is order 7"
     );
     assert_eq!(parked[0].raw.header("type"), Some("Charge"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deduplicated_message_whose_worker_died_is_handled_when_its_lease_runs_out() {
+    let path = std::env::temp_dir()
+        .join("envoi-sqlite-tests")
+        .join(format!("dead-dedup-{}.db", uuid::Uuid::new_v4().simple()));
+    // A lease far shorter than the processing timeout (20 s): without the
+    // redelivery mark, the dead worker's claim would make the message a
+    // duplicate.
+    let dsn = format!("sqlite://{}?lease=1s&poll=20ms", path.display());
+    let store = Arc::new(InMemoryDedupStore::new());
+    let handled = Arc::new(AtomicU32::new(0));
+    let done = handled.clone();
+    let messenger = Messenger::builder()
+        .command_handler(move |_: Charge| {
+            let done = done.clone();
+            async move {
+                done.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, GatewayDown>(())
+            }
+        })
+        .transport_factory(SqliteTransportFactory)
+        .transport_dsn("orders", dsn.as_str())
+        .route::<Charge>("orders")
+        .middleware(
+            Deduplicate::new(Duration::from_secs(3600))
+                .key(|c: &Charge| c.order.to_string())
+                .store_arc(store.clone()),
+        )
+        .build_async()
+        .await
+        .expect("messenger");
+    messenger
+        .bus()
+        .dispatch(Envelope::new(Charge { order: 1 }))
+        .await
+        .expect("dispatch");
+    // A worker took the message, claimed its key and died.
+    let orders = messenger.transport("orders").expect("orders transport");
+    let taken = orders.get(1).await.expect("get");
+    assert_eq!(taken.len(), 1);
+    assert!(store
+        .insert(
+            "Charge:1",
+            Duration::from_secs(20),
+            DedupClaim::new(uuid::Uuid::new_v4())
+        )
+        .await
+        .expect("claim"));
+
+    let report = Worker::builder(&messenger)
+        .receiver("orders")
+        .message_limit(1)
+        .time_limit(Duration::from_secs(20))
+        .idle_sleep(Duration::from_millis(20))
+        .build()
+        .expect("worker")
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::MessageLimit, "{report:?}");
+    assert_eq!(
+        handled.load(Ordering::SeqCst),
+        1,
+        "the redelivery is handled, not taken for a duplicate"
+    );
+    assert_eq!(orders.message_count().await.expect("count"), 0);
 }

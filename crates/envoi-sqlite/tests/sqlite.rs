@@ -325,6 +325,7 @@ async fn schema_has_the_documented_columns_and_claim_index() {
         ("available_at", "INTEGER"),
         ("delivered_at", "INTEGER"),
         ("lease_until", "INTEGER"),
+        ("delivery_count", "INTEGER"),
     ];
     let columns: Vec<(&str, &str)> = columns
         .iter()
@@ -592,5 +593,108 @@ async fn setup_replaces_the_claim_index_under_its_former_name() {
     .expect("indexes");
     let indexes: Vec<&str> = indexes.iter().map(|(n,)| n.as_str()).collect();
     assert_eq!(indexes, ["envoi_queue:claim"]);
+    pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_adds_the_delivery_count_to_a_table_made_without_it() {
+    let path = db_path("no-delivery-count");
+    std::fs::create_dir_all(path.parent().expect("dir")).expect("test dir");
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+        .await
+        .expect("new database");
+    // The table as set up before the column existed, holding one message
+    // whose lease ran out and one never handed out.
+    sqlx::query(
+        "CREATE TABLE envoi_jobs (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            queue_name TEXT NOT NULL,
+            body BLOB NOT NULL,
+            headers TEXT NOT NULL,
+            created_at INTEGER NOT NULL,
+            available_at INTEGER NOT NULL CHECK (typeof(available_at) = 'integer'),
+            delivered_at INTEGER,
+            lease_until INTEGER
+        )",
+    )
+    .execute(&pool)
+    .await
+    .expect("old table");
+    sqlx::query(
+        "INSERT INTO envoi_jobs (queue_name, body, headers, created_at, available_at, delivered_at, lease_until)
+         VALUES ('jobs', 'leased', '{}', 1, 2, 1, 2), ('jobs', 'waiting', '{}', 1, 3, NULL, NULL)",
+    )
+    .execute(&pool)
+    .await
+    .expect("old rows");
+    let t = open(&path, "batch=1").await;
+    // Set up twice, as two processes would: the column is added once.
+    t.setup().await.expect("setup again");
+    let columns: Vec<(String,)> = sqlx::query_as(
+        "SELECT name FROM pragma_table_info('envoi_jobs') WHERE name = 'delivery_count'",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("table_info");
+    assert_eq!(columns.len(), 1, "setup adds the column");
+    let got = t.get(2).await.expect("claim on the migrated table");
+    let bodies: Vec<&[u8]> = got.iter().map(|d| d.raw.body.as_slice()).collect();
+    assert_eq!(bodies, [b"leased".as_slice(), b"waiting".as_slice()]);
+    // Counted from the migration on: neither claim is known to be a second.
+    assert!(got.iter().all(|d| !d.is_redelivered()));
+    pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_or_expired_message_is_marked_and_a_prefetched_one_given_back_is_not() {
+    let path = db_path("marks");
+    let a = open(&path, "lease=60s&batch=4").await;
+    for body in ["released", "prefetched"] {
+        a.send(text(body), None).await.expect("send");
+    }
+    // Claims both, hands out one, keeps the other.
+    let first = a.get(1).await.expect("get");
+    assert_eq!(first[0].raw.body, b"released");
+    assert!(!first[0].is_redelivered(), "handed out the first time");
+    a.release(&first[0].id).await.expect("release");
+    drop(a);
+    let b = open(&path, "lease=60s&batch=1&poll=20ms").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut got = Vec::new();
+    while got.len() < 2 && Instant::now() < deadline {
+        got.extend(b.get(2).await.expect("get"));
+    }
+    let marks: Vec<(&[u8], bool)> = got
+        .iter()
+        .map(|d| (d.raw.body.as_slice(), d.is_redelivered()))
+        .collect();
+    assert_eq!(
+        marks,
+        [
+            (b"released".as_slice(), true),
+            (b"prefetched".as_slice(), false)
+        ],
+        "the released message was handed out before; the prefetched one was not"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_redelivered_header_does_not_mark_a_first_delivery() {
+    let path = db_path("stored-mark");
+    let t = open(&path, "").await;
+    let pool = raw_pool(&path).await;
+    sqlx::query(
+        "INSERT INTO envoi_jobs (queue_name, body, headers, created_at, available_at)
+         VALUES ('jobs', 'x', '{\"X-Envoi-Redelivered\":\"true\"}', 1, 1)",
+    )
+    .execute(&pool)
+    .await
+    .expect("row written by hand");
+    let got = t.get(1).await.expect("get");
+    assert_eq!(got.len(), 1);
+    assert!(
+        !got[0].is_redelivered(),
+        "the stored header is not the mark"
+    );
     pool.close().await;
 }

@@ -255,8 +255,10 @@ pub async fn continues_after_repeated_errors(make: &impl MakeTransport, options:
 }
 
 /// A message handed out and never settled is not handed out again while the
-/// lease runs, then comes back intact once it expires, to another handle.
-/// Settling the stale delivery afterwards does not panic.
+/// lease runs, then comes back intact once it expires, to another handle,
+/// marked as redelivered (unless [`Options::marks_redeliveries`] is off;
+/// the first delivery is never marked). Settling the stale delivery
+/// afterwards does not panic.
 pub async fn unacked_message_is_redelivered_after_lease(
     make: &impl MakeTransport,
     options: &Options,
@@ -278,6 +280,10 @@ pub async fn unacked_message_is_redelivered_after_lease(
     send(&*a, sent.clone()).await;
     let first = receive(&*a, 1, 1, options.timeout).await.remove(0);
     let claimed_at = Instant::now();
+    assert!(
+        !first.is_redelivered(),
+        "the first delivery is marked as redelivered"
+    );
     expect_nothing(
         &*b,
         options.lease / 2,
@@ -292,6 +298,10 @@ pub async fn unacked_message_is_redelivered_after_lease(
         unmarked(&again),
         sent,
         "redelivery differs from what was sent"
+    );
+    assert!(
+        again.is_redelivered() || !options.marks_redeliveries,
+        "the message that came back after its lease is not marked as redelivered"
     );
     assert!(
         after >= options.lease * 3 / 4,
@@ -964,7 +974,8 @@ pub async fn messages_survive_reopening(make: &impl MakeTransport, options: &Opt
 
 /// A consumer that takes a message and disappears (its handle is dropped
 /// without settling) does not lose it: another handle gets it once the lease
-/// expires.
+/// expires, marked as redelivered (unless
+/// [`Options::marks_redeliveries`] is off).
 pub async fn claimed_message_survives_consumer_crash(make: &impl MakeTransport, options: &Options) {
     if !options.lease_expiry {
         eprintln!("skipped claimed_message_survives_consumer_crash: transport has no lease expiry");
@@ -986,6 +997,10 @@ pub async fn claimed_message_survives_consumer_crash(make: &impl MakeTransport, 
         .await
         .remove(0);
     assert_eq!(unmarked(&again), sent, "the redelivered message differs");
+    assert!(
+        again.is_redelivered() || !options.marks_redeliveries,
+        "the message of the consumer that disappeared is not marked as redelivered"
+    );
     ack(&*b, &again.id).await;
     expect_nothing(&*b, settle_wait(options), "the redelivery was acked").await;
 }

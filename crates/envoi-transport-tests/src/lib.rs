@@ -111,6 +111,16 @@ pub struct Options {
     /// that (it only redelivers what is released) sets it to `false`, which
     /// skips the lease and keepalive cases.
     pub lease_expiry: bool,
+    /// Whether a message that comes back after its lease expired is marked
+    /// as redelivered ([`Delivery::redelivered`]), which lets
+    /// [`Deduplicate`] handle it while the claim of the consumer that died
+    /// still holds. Default: `true`. A transport that cannot tell sets it
+    /// to `false`; the lease cases then only check that a first delivery is
+    /// not marked.
+    ///
+    /// [`Delivery::redelivered`]: envoi_core::transport::Delivery::redelivered
+    /// [`Deduplicate`]: envoi_core::middleware::dedup::Deduplicate
+    pub marks_redeliveries: bool,
     /// Whether bodies may be any bytes, not only UTF-8 text. Default: `true`.
     pub binary_bodies: bool,
     /// The longest a case waits for messages it expects. Generous, because
@@ -123,6 +133,7 @@ impl Default for Options {
         Self {
             lease: Duration::from_secs(2),
             lease_expiry: true,
+            marks_redeliveries: true,
             binary_bodies: true,
             timeout: Duration::from_secs(30),
         }

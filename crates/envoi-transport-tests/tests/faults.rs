@@ -73,6 +73,13 @@ async fn trimmed_headers_fail_publish_consume_integrity() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "is not marked as redelivered")]
+async fn unmarked_redeliveries_fail_unacked_message_is_redelivered_after_lease() {
+    cases::unacked_message_is_redelivered_after_lease(&faulty!(RedeliveriesUnmarked), &options())
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[should_panic(expected = "received 0 of 1 messages")]
 async fn leases_that_never_expire_fail_unacked_message_is_redelivered_after_lease() {
     cases::unacked_message_is_redelivered_after_lease(&faulty!(LeasesNeverExpire), &options())

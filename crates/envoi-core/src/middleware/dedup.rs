@@ -37,9 +37,11 @@
 //! does, from AMQP's `redelivered` flag, since RabbitMQ hands a dead
 //! consumer's messages out again as soon as its connection closes; so do
 //! the Redis transport for the entries it takes over with `XAUTOCLAIM`, the
-//! in-memory transport for a message whose lease ran out, whatever the
-//! lease, and the NATS transport for a message JetStream delivered before,
-//! unless it is delayed), and the received envelope carries a
+//! SQLite and PostgreSQL transports for a row handed out before (its lease
+//! ran out, or it was released), the in-memory transport for a message
+//! whose lease ran out, whatever the lease, and the NATS transport for a
+//! message JetStream delivered before, unless it is delayed), and the
+//! received envelope carries a
 //! [`RedeliveredStamp`]. Such a redelivery is handled when its key is only
 //! claimed by an attempt in processing (it takes the claim over), and is a
 //! duplicate when its key is remembered after its message was handled, as

@@ -33,6 +33,9 @@ pub enum Fault {
     TrimsHeaders,
     /// Expired leases are never redelivered.
     LeasesNeverExpire,
+    /// A message whose lease expired comes back without the redelivery
+    /// mark.
+    RedeliveriesUnmarked,
 }
 
 struct Stored {
@@ -151,10 +154,17 @@ impl Transport for Reference {
             let mut out = Vec::with_capacity(ids.len());
             for id in ids {
                 let s = q.messages.get_mut(&id).expect("listed above");
+                // Still leased by a consumer that never settled it.
+                let expired = s.leased_until.is_some();
                 s.leased_until = Some(now + self.lease);
-                out.push(Delivery {
+                let delivery = Delivery {
                     id: id.to_string(),
                     raw: s.raw.clone(),
+                };
+                out.push(if expired && self.fault != Fault::RedeliveriesUnmarked {
+                    delivery.redelivered()
+                } else {
+                    delivery
                 });
             }
             Ok(out)
