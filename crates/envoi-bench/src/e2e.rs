@@ -333,7 +333,7 @@ async fn sqlite_baseline(path: &std::path::Path, n: u64) -> Result<f64, String> 
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, queue_name TEXT NOT NULL, \
          body BLOB NOT NULL, headers TEXT NOT NULL, created_at INTEGER NOT NULL, available_at INTEGER NOT NULL, \
-         delivered_at INTEGER, lease_until INTEGER)",
+         delivered_at INTEGER, lease_until INTEGER, delivery_count INTEGER NOT NULL DEFAULT 0)",
     )
     .execute(&pool)
     .await
