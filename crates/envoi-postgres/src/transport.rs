@@ -88,7 +88,8 @@ pub enum MessageError {
 /// rest for the following `get`s). Rows claimed ahead are leased like the
 /// ones handed out; they are given back (their lease ended) when they have
 /// waited for a `get` longer than half a lease, and by
-/// [`close`](PostgresTransport::close) or dropping the last handle.
+/// [`close`](PostgresTransport::close) or dropping the last handle, unless
+/// their lease has run out by then: another consumer may hold them.
 ///
 /// # Waking consumers
 ///
@@ -387,6 +388,19 @@ struct Ahead {
     claimed_at: Option<Instant>,
 }
 
+impl Ahead {
+    /// Takes the spare rows that may be given back: those whose lease has
+    /// not run out. Past its lease, a row may be someone else's by now, and
+    /// giving it back would end that consumer's lease; it is left alone.
+    fn take_spare(&mut self, lease: Duration) -> Vec<Delivery> {
+        let spare: Vec<Delivery> = std::mem::take(&mut self.spare).into();
+        match self.claimed_at.take() {
+            Some(at) if at.elapsed() >= lease => Vec::new(),
+            _ => spare,
+        }
+    }
+}
+
 /// A claim ahead a `get` is waiting for: put back when that `get` is
 /// dropped before it finished (joined with the claim another `get` of the
 /// handle started meanwhile, if any).
@@ -427,23 +441,28 @@ impl Drop for Inner {
     /// Gives back what was claimed ahead and not handed out, rather than
     /// leave it leased until its lease ends.
     fn drop(&mut self) {
-        let ahead = std::mem::take(self.ahead.get_mut().unwrap_or_else(PoisonError::into_inner));
-        if ahead.claiming.is_none() && ahead.spare.is_empty() {
+        let mut ahead =
+            std::mem::take(self.ahead.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let spare = ahead.take_spare(self.config.lease);
+        if ahead.claiming.is_none() && spare.is_empty() {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (pool, sql, name) = (
+        let (pool, sql, name, lease) = (
             self.pool.clone(),
             Arc::clone(&self.sql.unclaim),
             self.name.clone(),
+            self.config.lease,
         );
         runtime.spawn(async move {
-            let mut rows: Vec<Delivery> = ahead.spare.into();
-            if let Some((claiming, _)) = ahead.claiming {
+            let mut rows = spare;
+            if let Some((claiming, started)) = ahead.claiming {
                 if let Ok(Ok(claimed)) = claiming.await {
-                    rows.extend(claimed);
+                    if started.elapsed() < lease {
+                        rows.extend(claimed);
+                    }
                 }
             }
             let ids: Vec<i64> = rows.iter().filter_map(|d| parse_id(&d.id)).collect();
@@ -979,18 +998,20 @@ impl Inner {
         Ok(taken)
     }
 
-    /// Everything claimed ahead and not handed out, waiting for a claim in
-    /// flight.
+    /// Everything claimed ahead and not handed out whose lease has not run
+    /// out (past it, a row may be another consumer's), waiting for a claim
+    /// in flight.
     async fn take_ahead_rows(&self) -> Vec<Delivery> {
-        let (claiming, spare) = {
+        let (claiming, mut rows) = {
             let mut ahead = self.ahead();
-            ahead.claimed_at = None;
-            (ahead.claiming.take(), std::mem::take(&mut ahead.spare))
+            let spare = ahead.take_spare(self.config.lease);
+            (ahead.claiming.take(), spare)
         };
-        let mut rows: Vec<Delivery> = spare.into();
-        if let Some((claiming, _)) = claiming {
+        if let Some((claiming, started)) = claiming {
             if let Ok(Ok(claimed)) = claiming.await {
-                rows.extend(claimed);
+                if started.elapsed() < self.config.lease {
+                    rows.extend(claimed);
+                }
             }
         }
         rows

@@ -872,3 +872,47 @@ async fn rows_claimed_ahead_are_given_back_on_close_and_drop() {
     assert_eq!(seen.len(), 300);
     t.purge().await.unwrap();
 }
+
+/// Rows claimed ahead whose lease ran out before the transport was closed
+/// or dropped may be another consumer's by then: they are not given back,
+/// which would end that consumer's lease and let a third take them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop() {
+    let Some(url) = url("rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop")
+    else {
+        return;
+    };
+    let name = unique("ahead_expired");
+    let short = format!("table={TABLE}&lease=2s&wait=200ms&poll=200ms&max_connections=4");
+    let t = open(&name, &url, &long_lease()).await;
+    for closing in [true, false] {
+        t.send_batch((0..200).map(|i| (text(&format!("m{i}")), None)).collect())
+            .await
+            .unwrap();
+        let a = open(&name, &url, &short).await;
+        let got = a.get(100).await.unwrap();
+        assert_eq!(got.len(), 100);
+        let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+        a.ack_batch(&ids).await.unwrap();
+        // The next 100 are claimed ahead for `a`; their lease runs out and
+        // another consumer takes them.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let b = open(&name, &url, &long_lease()).await;
+        let taken = receive(&b, 100, Duration::from_secs(10)).await;
+        assert_eq!(taken.len(), 100);
+        if closing {
+            a.close().await;
+        } else {
+            drop(a);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let c = open(&name, &url, &long_lease()).await;
+        let stolen = c.get(100).await.unwrap();
+        assert!(
+            stolen.is_empty(),
+            "closing: {closing}; {} rows another consumer holds were given back",
+            stolen.len()
+        );
+        t.purge().await.unwrap();
+    }
+}
