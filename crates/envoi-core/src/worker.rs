@@ -141,7 +141,7 @@ use crate::envelope::Envelope;
 use crate::error::{BusError, TransportError};
 use crate::far;
 use crate::middleware::dispatch_after_current_bus::FailedDeferred;
-use crate::middleware::retry::{park_delay, parked_again_delay};
+use crate::middleware::retry::{parked_again_delay, parked_copy};
 use crate::middleware::BoxFuture;
 use crate::serializer::STAMP_HEADER_PREFIX;
 use crate::stamp::{
@@ -2098,13 +2098,8 @@ impl Ctx {
                 failure.map(|failure| {
                     // Back into the transport it came from: later, not at
                     // once, or a worker consuming it would spin on it.
-                    let delay = park_delay(&envelope, failure == &**transport);
-                    let parked = envelope
-                        .clone()
-                        .with(details.clone())
-                        .with(SentToFailureTransportStamp::new(origin))
-                        .with(RedeliveryStamp::new(0))
-                        .with(DelayStamp::new(delay));
+                    let back = failure == &**transport;
+                    let parked = parked_copy(envelope.clone(), details.clone(), origin, back);
                     let sent = self.messenger.sender_dispatcher().send(failure, parked);
                     (failure, async move {
                         sent.await

@@ -286,12 +286,7 @@ impl RetryConfig {
         let again = envelope
             .all::<ReceivedStamp>()
             .any(|r| &*r.transport == failure);
-        let delay = park_delay(&envelope, again);
-        let parked = envelope
-            .with(error_details(&errors))
-            .with(SentToFailureTransportStamp::new(transport))
-            .with(RedeliveryStamp::new(0))
-            .with(DelayStamp::new(delay));
+        let parked = parked_copy(envelope, error_details(&errors), transport, again);
         let sent = self.dispatcher.send(failure, parked).await?;
         let mut parked = sent.with(SentStamp::new(failure));
         // What the handlers that succeeded deferred is dispatched by step 2,
@@ -342,6 +337,25 @@ pub(crate) fn park_delay(envelope: &Envelope, back: bool) -> Duration {
     } else {
         Duration::ZERO
     }
+}
+
+/// `envelope` as it is parked in its failure transport: with why
+/// (`details`), where it came from (`origin`, where a retry from the failure
+/// transport sends it), a fresh retry budget, and the delay of
+/// [`park_delay`] (`back`: it goes back into the failure transport it was
+/// received from).
+pub(crate) fn parked_copy(
+    envelope: Envelope,
+    details: ErrorDetailsStamp,
+    origin: impl Into<String>,
+    back: bool,
+) -> Envelope {
+    let delay = park_delay(&envelope, back);
+    envelope
+        .with(details)
+        .with(SentToFailureTransportStamp::new(origin))
+        .with(RedeliveryStamp::new(0))
+        .with(DelayStamp::new(delay))
 }
 
 /// Unrecoverable only when every error is; otherwise the first recoverable
