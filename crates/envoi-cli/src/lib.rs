@@ -64,7 +64,9 @@
 //! * a deferred dispatch parked because it could not be sent to its
 //!   transport (an `UnsentStamp`) — it is sent there (and to the
 //!   transports routed after it) and removed, not handled; the table says
-//!   where it was sent, and the summary counts it apart;
+//!   where it was sent, and the summary counts it apart; a transport that
+//!   refuses it for good (it does not exist, or the message is too large
+//!   for it) has it parked again, as failed again, naming that transport;
 //! * failed with retries left — the retry step sends it back to its original
 //!   transport with a delay (a worker consuming that transport handles it),
 //!   and it is removed from the failure transport;

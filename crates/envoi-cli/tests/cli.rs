@@ -1387,3 +1387,36 @@ async fn failed_retry_of_a_dispatch_parked_because_it_could_not_be_sent_says_whe
     assert_eq!(down.message_count().await.unwrap(), 1);
     assert_eq!(failed.message_count().await.unwrap(), 0);
 }
+
+#[tokio::test]
+async fn failed_retry_of_a_dispatch_parked_unsent_to_a_transport_that_is_gone_parks_it_again_with_why(
+) {
+    let messenger = Messenger::builder()
+        .transport(
+            "failed",
+            Arc::new(envoi::in_memory::InMemoryTransport::new()),
+        )
+        .failure_transport("failed")
+        .route::<Audit>("failed")
+        .build()
+        .unwrap();
+    let failed = messenger.transport("failed").unwrap().clone();
+    let parked = envoi::Envelope::new(Audit { order: 1 })
+        .with(envoi::stamp::UnsentStamp::new("gone"))
+        .with(envoi::stamp::SentToFailureTransportStamp::new("gone"));
+    let raw = messenger.serializer().encode(&parked).unwrap();
+    let id = failed.send(raw, None).await.unwrap();
+
+    let (code, out, _) = run_cli(&messenger, &["failed", "retry", id.as_str()]).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("unknown transport `gone`"), "{out}");
+    assert!(out.contains("1 failed again"), "{out}");
+    let left = failed.list(10).await.unwrap();
+    assert_eq!(left.len(), 1, "parked again, the old copy removed: {out}");
+    assert_ne!(left[0].id, id, "{out}");
+    let again = messenger.serializer().decode(&left[0].raw).unwrap();
+    assert_eq!(
+        again.last::<envoi::stamp::UnsentStamp>().unwrap().transport,
+        "gone"
+    );
+}

@@ -56,7 +56,7 @@
 //! | handled, or scheduled for a retry, but dispatches its handlers [deferred](crate::middleware::dispatch_after_current_bus) failed ([`BusError::DelayedHandlingFailed`]) | parks each deferred message that failed in the failure transport, as a message of its own with an `ErrorDetails` stamp saying why (and an [`UnsentStamp`] when it could not be sent: see below), then acknowledges the message (it is not parked itself: the handlers that deferred them would be skipped there, and a retry already holds it). A handled message is rejected when there is no failure transport, and released, so its handlers run and defer them again, when one cannot be parked (fetching from its receiver then pauses); a retried one is acknowledged all the same, its retry holding it, and a deferred message that cannot be parked is dropped with an error log | [`Handled`](WorkerEvent::Handled) or [`Retried`](WorkerEvent::Retried), and a [`Failed`](WorkerEvent::Failed) for each deferred message, naming it |
 //! | handler failure, parked in the failure transport by the retry step | acknowledges it; dispatches deferred by its handlers that succeeded that then failed are parked too, each on its own, as above (the message is acknowledged all the same: one that cannot be parked is dropped with an error log, as the parked message holds the handlers that deferred it) | [`Failed`](WorkerEvent::Failed) |
 //! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
-//! | not dispatched: it carries an [`UnsentStamp`] (a deferred message parked because it could not be sent to its transport) | sends it to that transport, without the stamp, and to those its type is routed to after that one (the failed send stopped before them), and acknowledges it; when a send fails (the ones before it get it again on its next delivery), releases it and pauses fetching from its receiver, as for a transport failure | [`Handled`](WorkerEvent::Handled), or [`Failed`](WorkerEvent::Failed) |
+//! | not dispatched: it carries an [`UnsentStamp`] (a deferred message parked because it could not be sent to its transport) | sends it to that transport, without the stamp, and to those its type is routed to after that one (the failed send stopped before them), and acknowledges it; when a send fails (the ones before it get it again on its next delivery), releases it and pauses fetching from its receiver, as for a transport failure; when a transport refuses it for good (it does not exist, or the message is too large, cannot be encoded or is not supported there), parks it again, naming that transport in its `UnsentStamp`, with an `ErrorDetails` stamp saying why and the growing delay of a message parked again, and acknowledges it | [`Handled`](WorkerEvent::Handled), or [`Failed`](WorkerEvent::Failed) |
 //! | transport failure (the retry step could not send the retry, or park the message) | releases it, so it is delivered again, and pauses fetching from its receiver as when parking fails | [`Failed`](WorkerEvent::Failed), saying where it could not be parked or retried and why |
 //! | any other error (no handler, a middleware's error, a panic) | parks it like the retry step would, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //! | it does not decode (unknown type, malformed, too large) | sends the raw message to the failure transport with an `ErrorDetails` stamp header saying why, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
@@ -1583,6 +1583,22 @@ fn resident_memory() -> Option<u64> {
 /// Where to park a message that failed outside the retry step: the failure
 /// transport of the transport it originally came from (`origin`, when it
 /// was parked before) or else of `source`.
+/// Whether sending failed for good: the transport does not exist, or would
+/// refuse the message on every try (too large, not encodable, not
+/// supported), as opposed to being out of reach for now.
+fn cannot_be_sent(error: &BusError) -> bool {
+    matches!(
+        error,
+        BusError::Transport {
+            source: TransportError::UnknownTransport(_)
+                | TransportError::TooLarge { .. }
+                | TransportError::Serialization(_)
+                | TransportError::Unsupported(_),
+            ..
+        }
+    )
+}
+
 fn failure_target<'m>(
     messenger: &'m Messenger,
     source: &str,
@@ -1863,6 +1879,9 @@ impl Ctx {
                 let duration = started.map(|s| s.elapsed()).unwrap_or_default();
                 self.succeeded(receiver, &id, sent, redeliveries, duration)
             }
+            Err(error) if cannot_be_sent(&error) => {
+                return Box::pin(self.park_unsent(receiver, &id, envelope, error)).await;
+            }
             Err(error) => {
                 self.not_sent(receiver, &id, &envelope, error);
                 Action::Release
@@ -1872,6 +1891,57 @@ impl Ctx {
             receiver,
             action,
             again: None,
+        }
+    }
+
+    /// Parks again a message parked because it could not be sent
+    /// ([`UnsentStamp`]) that a transport refused for good (`error`: it
+    /// does not exist, or the message is too large for it): sent again, it
+    /// would be refused again, and released, it would be fetched, refused
+    /// and released over and over, pausing its receiver each time. The
+    /// parked copy names
+    /// the transport that refused it, is handed out again later (the delay
+    /// grows with each park), and says why; the received message is
+    /// acknowledged. When it cannot be parked, it is released and fetching
+    /// from its receiver pauses, as for any message that cannot be parked.
+    #[cold]
+    async fn park_unsent(
+        &self,
+        receiver: usize,
+        id: &MessageId,
+        envelope: Envelope,
+        error: BusError,
+    ) -> Done {
+        bump(&self.counters.failed);
+        let transport = &self.receivers[receiver].name;
+        let details = ErrorDetailsStamp::from_error(error.kind(), &error);
+        let refused_by = match &error {
+            BusError::Transport { transport: to, .. } => to.clone(),
+            _ => envelope
+                .last::<UnsentStamp>()
+                .map(|u| u.transport.clone())
+                .unwrap_or_default(),
+        };
+        let mut parked = envelope;
+        parked.remove_last::<UnsentStamp>();
+        let parked = parked.with(UnsentStamp::new(refused_by.clone()));
+        let (origin, failure) = failure_target(&self.messenger, transport, Some(refused_by));
+        let id = id.text();
+        let how = Failure {
+            receiver,
+            transport,
+            id: &id,
+            message: parked.message_name(),
+            kind: &details.kind,
+            error: details.message.clone(),
+            what: "could not be sent again",
+            release: true,
+        };
+        let (action, again) = self.park_copy(how, parked, &details, failure, origin).await;
+        Done {
+            receiver,
+            action,
+            again,
         }
     }
 

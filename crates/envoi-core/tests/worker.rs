@@ -2736,3 +2736,64 @@ async fn stop_when_empty_does_not_stop_before_asking_again_a_receiver_paused_aft
     assert_eq!(paused.message_count().await.unwrap(), 0);
     assert_eq!(report.stats.failed, 2, "the failed park, then the park");
 }
+
+#[tokio::test]
+async fn a_message_parked_unsent_to_a_transport_that_is_gone_is_parked_again_with_why() {
+    let (failed, audit) = (memory(), memory());
+    let messenger = Messenger::builder()
+        .transport("audit", audit.clone())
+        .transport("failed", failed.clone())
+        .failure_transport("failed")
+        .route::<Audit>("audit")
+        .build()
+        .unwrap();
+    // Parked while going to `gone`, a transport removed since, ahead of one
+    // parked while going to `audit`.
+    for (n, to) in [(1, "gone"), (2, "audit")] {
+        let parked = Envelope::new(Audit { n })
+            .with(envoi_core::stamp::UnsentStamp::new(to))
+            .with(SentToFailureTransportStamp::new(to));
+        let raw = messenger.serializer().encode(&parked).unwrap();
+        failed.send(raw, None).await.unwrap();
+    }
+    let report = Worker::builder(&messenger)
+        .receiver("failed")
+        .message_limit(2)
+        .time_limit(Duration::from_secs(5))
+        .idle_sleep(Duration::from_millis(5))
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(report.reason, StopReason::MessageLimit, "{report:?}");
+    assert_eq!(
+        (
+            report.stats.handled,
+            report.stats.failed,
+            report.stats.released
+        ),
+        (1, 1, 0),
+        "{report:?}"
+    );
+    let sent = audit.get(10).await.unwrap();
+    assert_eq!(sent.len(), 1, "the one behind it reached `audit`");
+    let parked = failed.list(10).await.unwrap();
+    assert_eq!(parked.len(), 1, "the other one is parked again, once");
+    let parked = messenger.serializer().decode(&parked[0].raw).unwrap();
+    assert_eq!(parked.message::<Audit>().unwrap().n, 1);
+    assert_eq!(
+        parked
+            .last::<envoi_core::stamp::UnsentStamp>()
+            .unwrap()
+            .transport,
+        "gone",
+        "still to be sent to `gone`"
+    );
+    let why = parked.last::<ErrorDetailsStamp>().unwrap();
+    assert!(why.message.contains("unknown transport `gone`"), "{why:?}");
+    assert_eq!(
+        parked.all::<SentToFailureTransportStamp>().count(),
+        2,
+        "parked twice, so handed out again after a growing delay"
+    );
+}
