@@ -57,7 +57,7 @@
 //! | handler failure, parked in the failure transport by the retry step | acknowledges it; dispatches deferred by its handlers that succeeded that then failed are parked too, each on its own, as above (the message is acknowledged all the same: one that cannot be parked is dropped with an error log, as the parked message holds the handlers that deferred it) | [`Failed`](WorkerEvent::Failed) |
 //! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
 //! | not dispatched: it carries an [`UnsentStamp`] (a deferred message parked because it could not be sent to its transport) | sends it to that transport, without the stamp, and to those its type is routed to after that one (the failed send stopped before them), and acknowledges it; when a send fails (the ones before it get it again on its next delivery), releases it and pauses fetching from its receiver, as for a transport failure; when a transport refuses it for good (it does not exist, or the message is too large, cannot be encoded or is not supported there), parks it again, naming that transport in its `UnsentStamp`, with an `ErrorDetails` stamp saying why and the growing delay of a message parked again, and acknowledges it | [`Handled`](WorkerEvent::Handled), or [`Failed`](WorkerEvent::Failed) |
-//! | transport failure (the retry step could not send the retry, or park the message) | releases it, so it is delivered again, and pauses fetching from its receiver as when parking fails | [`Failed`](WorkerEvent::Failed), saying where it could not be parked or retried and why |
+//! | transport failure (the retry step could not send the retry, or park the message) | releases it, so it is delivered again, and pauses fetching from its receiver as when parking fails; when the transport its retry was to go to refuses it for good (it does not exist, or the message is too large, cannot be encoded or is not supported there), parks it instead, as for any other error (below) | [`Failed`](WorkerEvent::Failed), saying where it could not be parked or retried and why |
 //! | any other error (no handler, a middleware's error, a panic) | parks it like the retry step would, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //! | it does not decode (unknown type, malformed, too large) | sends the raw message to the failure transport with an `ErrorDetails` stamp header saying why, then acknowledges it; rejects it when there is no failure transport | [`Failed`](WorkerEvent::Failed) |
 //!
@@ -1810,6 +1810,14 @@ impl Ctx {
                 });
                 action
             }
+            // Its retry refused for good by the transport it was to go
+            // back to (gone from the configuration, or the message too
+            // large for it): parked, as sending it again would fail again.
+            Err(error) if cannot_be_sent(&error) && !self.refused_by_failure(transport, &error) => {
+                let (action, parked_again) = self.park_failed(receiver, &id, envelope, error).await;
+                again = parked_again;
+                action
+            }
             Err(error @ BusError::Transport { .. }) => {
                 self.not_sent(receiver, &id, &envelope, error);
                 Action::Release
@@ -1892,6 +1900,19 @@ impl Ctx {
             action,
             again: None,
         }
+    }
+
+    /// Whether `error` is the failure transport of a message received from
+    /// `transport` refusing it: parking it there would fail the same way.
+    fn refused_by_failure(&self, transport: &str, error: &BusError) -> bool {
+        let BusError::Transport { transport: to, .. } = error else {
+            return false;
+        };
+        let origin = error
+            .envelope()
+            .and_then(|e| e.last::<SentToFailureTransportStamp>())
+            .map(|s| s.original_transport.clone());
+        failure_target(&self.messenger, transport, origin).1 == Some(to.as_str())
     }
 
     /// Parks again a message parked because it could not be sent

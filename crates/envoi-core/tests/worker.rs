@@ -2797,3 +2797,50 @@ async fn a_message_parked_unsent_to_a_transport_that_is_gone_is_parked_again_wit
         "parked twice, so handed out again after a growing delay"
     );
 }
+
+#[tokio::test]
+async fn a_message_whose_retry_goes_to_a_transport_that_is_gone_is_parked_again_with_why() {
+    let failed = memory();
+    let messenger = Messenger::builder()
+        .command_handler(|_: Audit| async { Err::<(), _>(JobFailed) })
+        .transport("failed", failed.clone())
+        .failure_transport("failed")
+        .route::<Audit>("failed")
+        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+            max_retries: 3,
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    // Parked from `gone`, a transport removed since: retried from the
+    // failure transport, it fails, and its retry would go back to `gone`.
+    let parked = Envelope::new(Audit { n: 1 }).with(SentToFailureTransportStamp::new("gone"));
+    let raw = messenger.serializer().encode(&parked).unwrap();
+    failed.send(raw, None).await.unwrap();
+    let report = Worker::builder(&messenger)
+        .receiver("failed")
+        .message_limit(1)
+        .build()
+        .unwrap()
+        .run()
+        .await;
+    assert_eq!(
+        (report.stats.failed, report.stats.released),
+        (1, 0),
+        "{report:?}"
+    );
+    let left = failed.list(10).await.unwrap();
+    assert_eq!(left.len(), 1, "parked again, once");
+    let again = messenger.serializer().decode(&left[0].raw).unwrap();
+    let why = again.last::<ErrorDetailsStamp>().unwrap();
+    assert!(why.message.contains("unknown transport `gone`"), "{why:?}");
+    assert_eq!(
+        again
+            .last::<SentToFailureTransportStamp>()
+            .unwrap()
+            .original_transport,
+        "gone",
+        "still a message of `gone`"
+    );
+    assert_eq!(again.all::<SentToFailureTransportStamp>().count(), 2);
+}
