@@ -1580,9 +1580,6 @@ fn resident_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Where to park a message that failed outside the retry step: the failure
-/// transport of the transport it originally came from (`origin`, when it
-/// was parked before) or else of `source`.
 /// Whether sending failed for good: the transport does not exist, or would
 /// refuse the message on every try (too large, not encodable, not
 /// supported), as opposed to being out of reach for now.
@@ -1599,6 +1596,9 @@ fn cannot_be_sent(error: &BusError) -> bool {
     )
 }
 
+/// Where to park a message that failed outside the retry step: the failure
+/// transport of the transport it originally came from (`origin`, when it
+/// was parked before) or else of `source`.
 fn failure_target<'m>(
     messenger: &'m Messenger,
     source: &str,
@@ -1920,11 +1920,11 @@ impl Ctx {
     /// does not exist, or the message is too large for it): sent again, it
     /// would be refused again, and released, it would be fetched, refused
     /// and released over and over, pausing its receiver each time. The
-    /// parked copy names
-    /// the transport that refused it, is handed out again later (the delay
-    /// grows with each park), and says why; the received message is
-    /// acknowledged. When it cannot be parked, it is released and fetching
-    /// from its receiver pauses, as for any message that cannot be parked.
+    /// parked copy names the transport that refused it, is handed out again
+    /// later (the delay grows with each park), and says why; the received
+    /// message is acknowledged. When it cannot be parked, it is released
+    /// and fetching from its receiver pauses, as for any message that
+    /// cannot be parked.
     #[cold]
     async fn park_unsent(
         &self,

@@ -48,7 +48,7 @@
 //!         CHECK (typeof(available_at) = 'integer'),  -- else never due, never claimed
 //!     delivered_at INTEGER,                  -- Unix ms of the claim; NULL when not leased
 //!     lease_until INTEGER,                   -- Unix ms; NULL when not leased
-//!     delivery_count INTEGER NOT NULL DEFAULT 0  -- claims that handed it out
+//!     delivery_count INTEGER NOT NULL DEFAULT 0  -- times claimed, less those given back unused
 //! );
 //! CREATE INDEX IF NOT EXISTS "envoi_<name>:claim" ON "envoi_<name>" (queue_name, available_at, id);
 //! ```
@@ -73,9 +73,10 @@
 //!   available_at = ?now + lease, delivery_count = delivery_count + 1
 //!   WHERE id IN (SELECT id … WHERE queue_name = ?
 //!   AND available_at <= ?now ORDER BY available_at, id LIMIT ?max)
-//!   RETURNING id, body, headers, delivery_count`. Moving `available_at` to the end of the
-//!   lease is what makes a claimed row invisible to other consumers and
-//!   visible again when the lease expires, with one index range scan.
+//!   RETURNING id, body, headers, delivery_count`. Moving `available_at`
+//!   to the end of the lease is what makes a claimed row invisible to other
+//!   consumers and visible again when the lease expires, with one index
+//!   range scan.
 //! * **ack** / **reject**: `DELETE … WHERE id = ?`; `ack_batch`:
 //!   `DELETE … WHERE id IN (SELECT value FROM json_each(?))`.
 //! * **release**: `lease_until = NULL, available_at = ?now` (handed out
