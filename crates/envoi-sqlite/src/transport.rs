@@ -85,7 +85,17 @@ fn db_error<'a>(
     context: &'a str,
     table: &'a str,
 ) -> impl FnOnce(sqlx::Error) -> TransportError + 'a {
-    move |e| TransportError::backend(format!("{context} (SQLite table `{table}`)"), e)
+    move |e| {
+        // A table that is not there, or was made before a column existed:
+        // `setup` makes it, or adds the column.
+        let text = e.to_string();
+        let hint = if text.contains("no such table") || text.contains("no such column") {
+            "; set the transport up first (`setup`, `setup-transports`)"
+        } else {
+            ""
+        };
+        TransportError::backend(format!("{context} (SQLite table `{table}`{hint})"), e)
+    }
 }
 
 /// Milliseconds since the Unix epoch: the clock every process sharing the

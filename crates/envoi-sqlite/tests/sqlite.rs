@@ -300,6 +300,10 @@ async fn without_auto_setup_the_table_must_be_set_up_first() {
         format!("{err}").contains("envoi_jobs"),
         "the error names the table: {err}"
     );
+    assert!(
+        format!("{err}").contains("set the transport up first"),
+        "the error says what to do: {err}"
+    );
     t.setup().await.expect("setup");
     t.send(text("now"), None).await.expect("send after setup");
     assert_eq!(t.message_count().await.expect("count"), 1);
@@ -627,6 +631,14 @@ async fn setup_adds_the_delivery_count_to_a_table_made_without_it() {
     .execute(&pool)
     .await
     .expect("old rows");
+    let early = SqliteTransport::connect("jobs", &dsn(&path, "auto_setup=false"))
+        .await
+        .expect("open");
+    let err = early.get(1).await.expect_err("the claim needs the column");
+    assert!(
+        format!("{err}").contains("set the transport up first"),
+        "the error says what to do: {err}"
+    );
     let t = open(&path, "batch=1").await;
     // Set up twice, as two processes would: the column is added once.
     t.setup().await.expect("setup again");
