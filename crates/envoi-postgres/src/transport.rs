@@ -566,13 +566,26 @@ impl Inner {
     fn error(&self, what: &str, error: sqlx::Error) -> TransportError {
         match error {
             sqlx::Error::PoolClosed => TransportError::Closed,
-            error => TransportError::backend(
-                format!(
-                    "postgres: {what} (transport `{}`, table `{}`)",
-                    self.name, self.config.table
-                ),
-                error,
-            ),
+            error => {
+                // No such table (42P01), or a column it lacks (42703):
+                // `setup` makes it.
+                let code = error
+                    .as_database_error()
+                    .and_then(|e| e.code().map(|c| c.into_owned()));
+                let hint = match code.as_deref() {
+                    Some("42P01" | "42703") => {
+                        "; set the transport up first (`setup`, `setup-transports`)"
+                    }
+                    _ => "",
+                };
+                TransportError::backend(
+                    format!(
+                        "postgres: {what} (transport `{}`, table `{}`{hint})",
+                        self.name, self.config.table
+                    ),
+                    error,
+                )
+            }
         }
     }
 

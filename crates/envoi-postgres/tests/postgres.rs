@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{admin, body, connections, open, receive, text, unique, url, wait_for_listener};
+use common::{admin, body, connections, dsn, open, receive, text, unique, url, wait_for_listener};
 use envoi_core::transport::{Capabilities, RawMessage, Transport, TransportFactory};
 use envoi_core::TransportError;
 use envoi_postgres::sqlx;
@@ -915,4 +915,23 @@ async fn rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop
         );
         t.purge().await.unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transport_not_set_up_says_to_set_it_up() {
+    let Some(url) = url("a_transport_not_set_up_says_to_set_it_up") else {
+        return;
+    };
+    let table = unique("never_set_up");
+    let t = PostgresTransport::from_dsn("jobs", &dsn(&url, &format!("table={table}"))).unwrap();
+    let err = t
+        .send(text("too early"), None)
+        .await
+        .expect_err("no table yet");
+    let text = err.to_string();
+    assert!(text.contains(&table), "the error names the table: {text}");
+    assert!(
+        text.contains("set the transport up first"),
+        "the error says what to do: {text}"
+    );
 }
