@@ -25,7 +25,7 @@
 //! | `failed retry <ids…>` / `--all` | handles failed messages again (see below) |
 //! | `failed remove <ids…>` / `--all` | deletes failed messages |
 //! | `stats [transports…]` | messages waiting per transport; `--format text\|json` (`--json` for short) |
-//! | `setup-transports [transports…]` | creates tables, queues and streams |
+//! | `setup-transports [transports…]` | creates tables, queues and streams, and brings a table made by an older version up to date |
 //! | `debug` | each bus's pipeline, the routes, transports and handlers |
 //!
 //! Errors — an unknown transport, a missing id, a transport that cannot be
