@@ -162,7 +162,7 @@ pub enum Command {
     Failed(FailedArgs),
     /// Show how many messages wait in each transport.
     Stats(StatsArgs),
-    /// Create what the transports need (tables, queues, streams).
+    /// Create what the transports need (tables, queues, streams), or bring it up to date.
     SetupTransports(SetupArgs),
     /// Show each bus's pipeline, the routes, transports and handlers.
     Debug,
