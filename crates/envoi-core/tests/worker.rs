@@ -2737,6 +2737,19 @@ async fn stop_when_empty_does_not_stop_before_asking_again_a_receiver_paused_aft
     assert_eq!(report.stats.failed, 2, "the failed park, then the park");
 }
 
+/// Puts `envelope` in `failed`, as if a worker had parked it there.
+async fn put_parked(messenger: &Messenger, failed: &InMemoryTransport, envelope: Envelope) {
+    let raw = messenger.serializer().encode(&envelope).unwrap();
+    failed.send(raw, None).await.unwrap();
+}
+
+/// The one message in `failed`, decoded.
+async fn the_one_parked(messenger: &Messenger, failed: &InMemoryTransport) -> Envelope {
+    let left = failed.list(10).await.unwrap();
+    assert_eq!(left.len(), 1, "parked again, once");
+    messenger.serializer().decode(&left[0].raw).unwrap()
+}
+
 #[tokio::test]
 async fn a_message_parked_unsent_to_a_transport_that_is_gone_is_parked_again_with_why() {
     let (failed, audit) = (memory(), memory());
@@ -2753,8 +2766,7 @@ async fn a_message_parked_unsent_to_a_transport_that_is_gone_is_parked_again_wit
         let parked = Envelope::new(Audit { n })
             .with(envoi_core::stamp::UnsentStamp::new(to))
             .with(SentToFailureTransportStamp::new(to));
-        let raw = messenger.serializer().encode(&parked).unwrap();
-        failed.send(raw, None).await.unwrap();
+        put_parked(&messenger, &failed, parked).await;
     }
     let report = Worker::builder(&messenger)
         .receiver("failed")
@@ -2777,9 +2789,7 @@ async fn a_message_parked_unsent_to_a_transport_that_is_gone_is_parked_again_wit
     );
     let sent = audit.get(10).await.unwrap();
     assert_eq!(sent.len(), 1, "the one behind it reached `audit`");
-    let parked = failed.list(10).await.unwrap();
-    assert_eq!(parked.len(), 1, "the other one is parked again, once");
-    let parked = messenger.serializer().decode(&parked[0].raw).unwrap();
+    let parked = the_one_parked(&messenger, &failed).await;
     assert_eq!(parked.message::<Audit>().unwrap().n, 1);
     assert_eq!(
         parked
@@ -2815,8 +2825,7 @@ async fn a_message_whose_retry_goes_to_a_transport_that_is_gone_is_parked_again_
     // Parked from `gone`, a transport removed since: retried from the
     // failure transport, it fails, and its retry would go back to `gone`.
     let parked = Envelope::new(Audit { n: 1 }).with(SentToFailureTransportStamp::new("gone"));
-    let raw = messenger.serializer().encode(&parked).unwrap();
-    failed.send(raw, None).await.unwrap();
+    put_parked(&messenger, &failed, parked).await;
     let report = Worker::builder(&messenger)
         .receiver("failed")
         .message_limit(1)
@@ -2829,9 +2838,7 @@ async fn a_message_whose_retry_goes_to_a_transport_that_is_gone_is_parked_again_
         (1, 0),
         "{report:?}"
     );
-    let left = failed.list(10).await.unwrap();
-    assert_eq!(left.len(), 1, "parked again, once");
-    let again = messenger.serializer().decode(&left[0].raw).unwrap();
+    let again = the_one_parked(&messenger, &failed).await;
     let why = again.last::<ErrorDetailsStamp>().unwrap();
     assert!(why.message.contains("unknown transport `gone`"), "{why:?}");
     assert_eq!(
