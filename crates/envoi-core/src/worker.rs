@@ -1580,20 +1580,23 @@ fn resident_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Whether sending failed for good: the transport does not exist, or would
-/// refuse the message on every try (too large, not encodable, not
-/// supported), as opposed to being out of reach for now.
-fn cannot_be_sent(error: &BusError) -> bool {
-    matches!(
-        error,
+/// The transport that refused a message for good, when `error` says one
+/// did: it does not exist, or would refuse the message on every try (too
+/// large, not encodable, not supported), as opposed to being out of reach
+/// for now.
+fn refused_for_good(error: &BusError) -> Option<&str> {
+    match error {
         BusError::Transport {
-            source: TransportError::UnknownTransport(_)
+            transport,
+            source:
+                TransportError::UnknownTransport(_)
                 | TransportError::TooLarge { .. }
                 | TransportError::Serialization(_)
                 | TransportError::Unsupported(_),
             ..
-        }
-    )
+        } => Some(transport),
+        _ => None,
+    }
 }
 
 /// Where to park a message that failed outside the retry step: the failure
@@ -1812,13 +1815,11 @@ impl Ctx {
             }
             // Its retry refused for good by the transport it was to go
             // back to (gone from the configuration, or the message too
-            // large for it): parked, as sending it again would fail again.
-            Err(error) if cannot_be_sent(&error) && !self.refused_by_failure(transport, &error) => {
-                let (action, parked_again) = self.park_failed(receiver, &id, envelope, error).await;
-                again = parked_again;
-                action
-            }
-            Err(error @ BusError::Transport { .. }) => {
+            // large for it) is parked below, as sending it again would fail
+            // again.
+            Err(error @ BusError::Transport { .. })
+                if !self.refused_for_good_before_parking(transport, &error) =>
+            {
                 self.not_sent(receiver, &id, &envelope, error);
                 Action::Release
             }
@@ -1887,13 +1888,15 @@ impl Ctx {
                 let duration = started.map(|s| s.elapsed()).unwrap_or_default();
                 self.succeeded(receiver, &id, sent, redeliveries, duration)
             }
-            Err(error) if cannot_be_sent(&error) => {
-                return Box::pin(self.park_unsent(receiver, &id, envelope, error)).await;
-            }
-            Err(error) => {
-                self.not_sent(receiver, &id, &envelope, error);
-                Action::Release
-            }
+            Err(error) => match refused_for_good(&error).map(str::to_owned) {
+                Some(to) => {
+                    return Box::pin(self.park_unsent(receiver, &id, envelope, error, to)).await;
+                }
+                None => {
+                    self.not_sent(receiver, &id, &envelope, error);
+                    Action::Release
+                }
+            },
         };
         Done {
             receiver,
@@ -1902,29 +1905,30 @@ impl Ctx {
         }
     }
 
-    /// Whether `error` is the failure transport of a message received from
-    /// `transport` refusing it: parking it there would fail the same way.
-    fn refused_by_failure(&self, transport: &str, error: &BusError) -> bool {
-        let BusError::Transport { transport: to, .. } = error else {
+    /// Whether `error` is a transport refusing for good the retry of a
+    /// message received from `transport`, and not its failure transport
+    /// (parking it there would fail the same way).
+    fn refused_for_good_before_parking(&self, transport: &str, error: &BusError) -> bool {
+        let Some(to) = refused_for_good(error) else {
             return false;
         };
         let origin = error
             .envelope()
             .and_then(|e| e.last::<SentToFailureTransportStamp>())
             .map(|s| s.original_transport.clone());
-        failure_target(&self.messenger, transport, origin).1 == Some(to.as_str())
+        failure_target(&self.messenger, transport, origin).1 != Some(to)
     }
 
     /// Parks again a message parked because it could not be sent
-    /// ([`UnsentStamp`]) that a transport refused for good (`error`: it
-    /// does not exist, or the message is too large for it): sent again, it
-    /// would be refused again, and released, it would be fetched, refused
-    /// and released over and over, pausing its receiver each time. The
-    /// parked copy names the transport that refused it, is handed out again
-    /// later (the delay grows with each park), and says why; the received
-    /// message is acknowledged. When it cannot be parked, it is released
-    /// and fetching from its receiver pauses, as for any message that
-    /// cannot be parked.
+    /// ([`UnsentStamp`]) that transport `refused_by` refused for good
+    /// (`error`: it does not exist, or the message is too large for it):
+    /// sent again, it would be refused again, and released, it would be
+    /// fetched, refused and released over and over, pausing its receiver
+    /// each time. The parked copy names the transport that refused it, is
+    /// handed out again later (the delay grows with each park), and says
+    /// why; the received message is acknowledged. When it cannot be parked,
+    /// it is released and fetching from its receiver pauses, as for any
+    /// message that cannot be parked.
     #[cold]
     async fn park_unsent(
         &self,
@@ -1932,17 +1936,11 @@ impl Ctx {
         id: &MessageId,
         envelope: Envelope,
         error: BusError,
+        refused_by: String,
     ) -> Done {
         bump(&self.counters.failed);
         let transport = &self.receivers[receiver].name;
         let details = ErrorDetailsStamp::from_error(error.kind(), &error);
-        let refused_by = match &error {
-            BusError::Transport { transport: to, .. } => to.clone(),
-            _ => envelope
-                .last::<UnsentStamp>()
-                .map(|u| u.transport.clone())
-                .unwrap_or_default(),
-        };
         let mut parked = envelope;
         parked.remove_last::<UnsentStamp>();
         let parked = parked.with(UnsentStamp::new(refused_by.clone()));
