@@ -180,12 +180,7 @@ impl Stored {
                 Stored::Redelivered(e.into_sendable().with(RedeliveredStamp::new()))
             }
             Stored::Raw(mut raw) => {
-                let marked = Delivery {
-                    id: String::new(),
-                    raw: std::mem::take(&mut *raw),
-                }
-                .redelivered();
-                *raw = marked.raw;
+                raw.mark_redelivered();
                 Stored::Raw(raw)
             }
             marked => marked,

@@ -51,6 +51,11 @@ impl RawMessage {
     pub fn header(&self, key: &str) -> Option<&str> {
         self.headers.get(key)
     }
+
+    /// Sets [`REDELIVERED_HEADER`] (see [`Delivery::redelivered`]).
+    pub(crate) fn mark_redelivered(&mut self) {
+        self.headers.insert(REDELIVERED_HEADER, "true");
+    }
 }
 
 /// The header a transport sets on a [`Delivery`] it handed out before
@@ -97,7 +102,7 @@ impl Delivery {
     /// [`RedeliveredStamp`]: crate::stamp::RedeliveredStamp
     #[must_use = "`redelivered` returns the marked delivery"]
     pub fn redelivered(mut self) -> Self {
-        self.raw.headers.insert(REDELIVERED_HEADER, "true");
+        self.raw.mark_redelivered();
         self
     }
 
