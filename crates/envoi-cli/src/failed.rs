@@ -375,9 +375,9 @@ async fn retry_one(
             Some(transport) => Outcome::Sent { transport },
             None => Outcome::Handled,
         },
-        (_, own) => Outcome::Kept {
-            reason: match (&handled.outcome, own) {
-                (WorkerOutcome::Failed { error, .. }, _) => error.clone(),
+        _ => Outcome::Kept {
+            reason: match &handled.outcome {
+                WorkerOutcome::Failed { error, .. } => error.clone(),
                 _ => "a dispatch its handlers deferred failed and could not be parked".to_string(),
             },
         },
