@@ -389,15 +389,23 @@ struct Ahead {
 }
 
 impl Ahead {
-    /// Takes the spare rows that may be given back: those whose lease has
-    /// not run out. Past its lease, a row may be someone else's by now, and
-    /// giving it back would end that consumer's lease; it is left alone.
-    fn take_spare(&mut self, lease: Duration) -> Vec<Delivery> {
-        let spare: Vec<Delivery> = std::mem::take(&mut self.spare).into();
-        match self.claimed_at.take() {
+    /// Everything claimed ahead and not handed out whose lease has not run
+    /// out, waiting for a claim in flight. Past its lease, a row may be
+    /// someone else's by now, and giving it back would end that consumer's
+    /// lease; it is left alone.
+    async fn into_fresh_rows(self, lease: Duration) -> Vec<Delivery> {
+        let mut rows: Vec<Delivery> = match self.claimed_at {
             Some(at) if at.elapsed() >= lease => Vec::new(),
-            _ => spare,
+            _ => self.spare.into(),
+        };
+        if let Some((claiming, started)) = self.claiming {
+            if let Ok(Ok(claimed)) = claiming.await {
+                if started.elapsed() < lease {
+                    rows.extend(claimed);
+                }
+            }
         }
+        rows
     }
 }
 
@@ -441,10 +449,8 @@ impl Drop for Inner {
     /// Gives back what was claimed ahead and not handed out, rather than
     /// leave it leased until its lease ends.
     fn drop(&mut self) {
-        let mut ahead =
-            std::mem::take(self.ahead.get_mut().unwrap_or_else(PoisonError::into_inner));
-        let spare = ahead.take_spare(self.config.lease);
-        if ahead.claiming.is_none() && spare.is_empty() {
+        let ahead = std::mem::take(self.ahead.get_mut().unwrap_or_else(PoisonError::into_inner));
+        if ahead.claiming.is_none() && ahead.spare.is_empty() {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -457,14 +463,7 @@ impl Drop for Inner {
             self.config.lease,
         );
         runtime.spawn(async move {
-            let mut rows = spare;
-            if let Some((claiming, started)) = ahead.claiming {
-                if let Ok(Ok(claimed)) = claiming.await {
-                    if started.elapsed() < lease {
-                        rows.extend(claimed);
-                    }
-                }
-            }
+            let rows = ahead.into_fresh_rows(lease).await;
             let ids: Vec<i64> = rows.iter().filter_map(|d| parse_id(&d.id)).collect();
             if ids.is_empty() {
                 return;
@@ -1015,19 +1014,8 @@ impl Inner {
     /// out (past it, a row may be another consumer's), waiting for a claim
     /// in flight.
     async fn take_ahead_rows(&self) -> Vec<Delivery> {
-        let (claiming, mut rows) = {
-            let mut ahead = self.ahead();
-            let spare = ahead.take_spare(self.config.lease);
-            (ahead.claiming.take(), spare)
-        };
-        if let Some((claiming, started)) = claiming {
-            if let Ok(Ok(claimed)) = claiming.await {
-                if started.elapsed() < self.config.lease {
-                    rows.extend(claimed);
-                }
-            }
-        }
-        rows
+        let ahead = std::mem::take(&mut *self.ahead());
+        ahead.into_fresh_rows(self.config.lease).await
     }
 
     /// Ends the leases of `rows`, claimed but never handed out.
