@@ -995,13 +995,12 @@ async fn an_undecodable_message_retried_from_the_failure_transport_keeps_its_ori
         r#"[{"original_transport":"async"}]"#,
     );
     failed.send(message, None).await.unwrap();
-    let report = Worker::builder(&messenger)
-        .receiver("failed")
-        .message_limit(1)
-        .build()
-        .unwrap()
-        .run()
-        .await;
+    let report = drain(
+        Worker::builder(&messenger)
+            .receiver("failed")
+            .message_limit(1),
+    )
+    .await;
     assert_eq!(report.stats.failed, 1);
     let parked = failed.list(10).await.unwrap();
     assert_eq!(parked.len(), 1, "moved to the back, not lost");
@@ -2826,13 +2825,12 @@ async fn a_message_whose_retry_goes_to_a_transport_that_is_gone_is_parked_again_
     // failure transport, it fails, and its retry would go back to `gone`.
     let parked = Envelope::new(Audit { n: 1 }).with(SentToFailureTransportStamp::new("gone"));
     put_parked(&messenger, &failed, parked).await;
-    let report = Worker::builder(&messenger)
-        .receiver("failed")
-        .message_limit(1)
-        .build()
-        .unwrap()
-        .run()
-        .await;
+    let report = drain(
+        Worker::builder(&messenger)
+            .receiver("failed")
+            .message_limit(1),
+    )
+    .await;
     assert_eq!(
         (report.stats.failed, report.stats.released),
         (1, 0),
