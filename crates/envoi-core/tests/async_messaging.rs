@@ -949,13 +949,7 @@ async fn a_handler_error_larger_than_the_header_limit_still_lets_the_message_be_
         .await
         .unwrap();
     messenger.dispatcher().dispatch(Upload).await.unwrap();
-    let report = Worker::builder(&messenger)
-        .receiver("async")
-        .message_limit(1)
-        .build()
-        .unwrap()
-        .run()
-        .await;
+    let report = drain(&messenger, &["async"]).await;
     assert_eq!(report.stats.failed, 1);
     let async_queue = messenger.transport("async").unwrap();
     assert_eq!(
