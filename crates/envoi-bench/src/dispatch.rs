@@ -204,7 +204,7 @@ fn observed_dispatcher() -> Result<envoi_core::Dispatcher, String> {
         .build()
         .map_err(|e| e.to_string())?
         .dispatcher()
-        .with(envoi_core::middleware::metrics::metrics()))
+        .with(envoi_core::typed::metrics::metrics()))
 }
 
 /// Loops only the observed side of `dispatch_observed`, like

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use envoi::middleware::retry::MultiplierRetryStrategy;
+use envoi::failure::MultiplierRetryStrategy;
 use envoi::middleware::BoxFuture;
 use envoi::transport::{Capabilities, Delivery, RawMessage, Transport};
 use envoi::worker::StopHandle;
@@ -1194,7 +1194,7 @@ impl FailuresInMemory for envoi::MessengerBuilder {
     fn with_failures_in_memory(self) -> Messenger {
         self.transport(
             "failed",
-            Arc::new(envoi::in_memory::InMemoryTransport::new()),
+            Arc::new(envoi::transport::in_memory::InMemoryTransport::new()),
         )
         .failure_transport("failed")
         .build()
@@ -1354,7 +1354,7 @@ async fn failed_retry_of_a_message_parked_again_parks_what_its_successful_handle
 async fn failed_retry_of_a_dispatch_parked_because_it_could_not_be_sent_says_where_it_was_sent() {
     let audits = Arc::new(AtomicUsize::new(0));
     let audited = audits.clone();
-    let down = Arc::new(envoi::in_memory::InMemoryTransport::new());
+    let down = Arc::new(envoi::transport::in_memory::InMemoryTransport::new());
     let messenger = Messenger::builder()
         .command_handler(move |_: Audit| {
             audited.fetch_add(1, Ordering::SeqCst);
@@ -1363,7 +1363,7 @@ async fn failed_retry_of_a_dispatch_parked_because_it_could_not_be_sent_says_whe
         .transport("down", down.clone())
         .transport(
             "failed",
-            Arc::new(envoi::in_memory::InMemoryTransport::new()),
+            Arc::new(envoi::transport::in_memory::InMemoryTransport::new()),
         )
         .failure_transport("failed")
         .route::<Audit>("down")
@@ -1394,7 +1394,7 @@ async fn failed_retry_of_a_dispatch_parked_unsent_to_a_transport_that_is_gone_pa
     let messenger = Messenger::builder()
         .transport(
             "failed",
-            Arc::new(envoi::in_memory::InMemoryTransport::new()),
+            Arc::new(envoi::transport::in_memory::InMemoryTransport::new()),
         )
         .failure_transport("failed")
         .route::<Audit>("failed")

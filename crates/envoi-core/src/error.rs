@@ -1,17 +1,17 @@
 //! Errors of the untyped bus, of handlers and of transports.
 //!
-//! [`BusError`] is what [`MessageBus`](crate::MessageBus) returns. The typed
-//! [`Dispatcher`](crate::Dispatcher) splits it: the message's own domain error
-//! goes to [`DispatchError::Domain`](crate::DispatchError::Domain), everything
+//! [`BusError`] is what `MessageBus` returns. The typed
+//! `Dispatcher` splits it: the message's own domain error
+//! goes to `DispatchError::Domain`, everything
 //! else (no handler, cancellation, deadline, transport) to
-//! [`DispatchError::Infrastructure`](crate::DispatchError::Infrastructure).
+//! `DispatchError::Infrastructure`.
 
 use std::error::Error as StdError;
 use std::fmt;
 use std::time::Duration;
 
+use crate::envelope::message::MessageKind;
 use crate::envelope::Envelope;
-use crate::message::MessageKind;
 
 /// A boxed, thread-safe error.
 pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;

@@ -34,41 +34,40 @@
 //! handling. A [`worker::Worker`] consumes the transports and handles what it
 //! receives on the same buses, retrying failures and parking what keeps
 //! failing in the failure transport. The [`serializer`] encodes messages for
-//! transports; [`in_memory`] and [`sync_transport`] are the transports core
-//! ships; [`transports`] creates transports from DSNs.
+//! transports; [`transport::in_memory`] and [`transport::sync`] are the
+//! transports core ships; [`transport::registry`] creates transports from
+//! DSNs.
 
 #![forbid(unsafe_code)]
 
-pub mod builder;
-pub mod bus;
+mod far;
+
 pub mod envelope;
 pub mod error;
-mod far;
-pub mod handler;
-pub mod headers;
-pub mod in_memory;
-pub mod message;
+pub mod failure;
+pub mod messenger;
 pub mod middleware;
-pub mod serializer;
-pub mod stamp;
-pub mod sync_transport;
+pub mod pipeline;
 pub mod testing;
 pub mod transport;
-pub mod transports;
 pub mod typed;
 pub mod worker;
 
-pub use builder::{BuildError, Messenger, MessengerBuilder, WeakMessenger};
-pub use bus::{MessageBus, MiddlewareId};
+pub use envelope::headers::{self, Headers};
+pub use envelope::message::{Command, Event, Message, MessageKind, Query};
+pub use envelope::stamp::{self, Stamp};
 pub use envelope::Envelope;
 pub use error::{
     BoxError, BusError, HandlerError, Recoverable, Result, RetryHint, SerializationError, Stage,
     TransportError, Unrecoverable,
 };
-pub use handler::{Handler, IntoHandler};
-pub use headers::Headers;
-pub use message::{Command, Event, Message, MessageKind, Query};
-pub use middleware::span::{SpanAttributeValue, SpanAttributes};
+pub use messenger::{BuildError, Messenger, MessengerBuilder, WeakMessenger};
 pub use middleware::{Middleware, MiddlewareStack, Next};
-pub use stamp::Stamp;
+pub use pipeline::bus::{MessageBus, MiddlewareId};
+pub use pipeline::handler::{Handler, IntoHandler};
+pub use transport::serializer;
+pub use typed::span::{SpanAttributeValue, SpanAttributes};
 pub use typed::{DispatchContext, DispatchError, DispatchMiddleware, DispatchNext, Dispatcher};
+
+/// A boxed, `Send` future, the return type of object-safe async methods.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;

@@ -6,7 +6,8 @@
 //!
 //! ```
 //! use envoi_core::testing::RecordingEndpoint;
-//! use envoi_core::middleware::{Middleware, add_bus_name::AddBusNameStamp};
+//! use envoi_core::middleware::Middleware;
+//! use envoi_core::pipeline::add_bus_name::AddBusNameStamp;
 //! use envoi_core::{Envelope, Message, stamp::BusNameStamp};
 //!
 //! #[derive(Debug)]
@@ -24,11 +25,12 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
+use crate::envelope::stamp::TransportMessageIdStamp;
 use crate::envelope::Envelope;
 use crate::error::{BoxError, BusError, HandlerError, Result, TransportError};
-use crate::middleware::{BoxFuture, Endpoint, Next};
-use crate::stamp::TransportMessageIdStamp;
+use crate::middleware::{Endpoint, Next};
 use crate::transport::SenderDispatcher;
+use crate::BoxFuture;
 
 /// An endpoint that records every envelope it receives and returns it.
 #[derive(Debug, Default, Clone)]
@@ -216,6 +218,6 @@ impl SenderDispatcher for RecordingSenders {
 pub(crate) struct Ping;
 
 #[cfg(test)]
-impl crate::message::Message for Ping {
+impl crate::envelope::message::Message for Ping {
     const NAME: &'static str = "Ping";
 }

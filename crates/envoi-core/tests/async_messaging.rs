@@ -6,13 +6,13 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use envoi_core::in_memory::InMemoryTransport;
-use envoi_core::middleware::retry::MultiplierRetryStrategy;
+use envoi_core::failure::MultiplierRetryStrategy;
 use envoi_core::middleware::{from_fn, Next};
 use envoi_core::stamp::{
     DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
     SentToFailureTransportStamp, TransportMessageIdStamp,
 };
+use envoi_core::transport::in_memory::InMemoryTransport;
 use envoi_core::transport::{LocalFuture, LocalTransport, Payload, RawMessage, Transport};
 use envoi_core::worker::{StopReason, Worker, WorkerEvent};
 use envoi_core::{

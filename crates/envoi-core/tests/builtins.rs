@@ -7,11 +7,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use envoi_core::error::BoxError;
+use envoi_core::failure::MultiplierRetryStrategy;
 use envoi_core::middleware::circuit_breaker::CircuitBreaker;
 use envoi_core::middleware::correlation::{CausationIdStamp, Correlation, CorrelationIdStamp};
 use envoi_core::middleware::dedup::{DedupClaim, DedupStore, Deduplicate, InMemoryDedupStore};
 use envoi_core::middleware::logging::Logging;
-use envoi_core::middleware::retry::MultiplierRetryStrategy;
 use envoi_core::middleware::validation::{Validate, Validation};
 use envoi_core::middleware::BoxFuture;
 use envoi_core::middleware::{from_fn, Next};

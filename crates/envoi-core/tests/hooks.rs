@@ -568,7 +568,7 @@ async fn after_gets_a_result_whenever_a_handler_ran_here_events_included() {
         .event_handler(|_: OrderPlaced| async { Ok::<_, Infallible>(()) })
         .transport(
             "async",
-            Arc::new(envoi_core::in_memory::InMemoryTransport::new()),
+            Arc::new(envoi_core::transport::in_memory::InMemoryTransport::new()),
         )
         .route::<Ship>("async")
         .middleware(HookMiddleware::new(ResultProbe(log.clone())))

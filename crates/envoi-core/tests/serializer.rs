@@ -287,7 +287,7 @@ fn routing_a_type_registers_it_and_message_registers_a_received_only_type() {
     let messenger = Messenger::builder()
         .transport(
             "async",
-            std::sync::Arc::new(envoi_core::in_memory::InMemoryTransport::new()),
+            std::sync::Arc::new(envoi_core::transport::in_memory::InMemoryTransport::new()),
         )
         .route::<PlaceOrder>("async")
         .message::<Refund>()

@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use envoi_core::in_memory::InMemoryTransport;
+use envoi_core::transport::in_memory::InMemoryTransport;
 use envoi_core::transport::Transport;
 use envoi_core::worker::{StopHandle, StopReason, Worker};
 use envoi_core::{Command, Message, Messenger};

@@ -9,12 +9,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use envoi_core::middleware::deadline::deadline;
-use envoi_core::middleware::metrics::{
+use envoi_core::middleware::BoxFuture;
+use envoi_core::typed::deadline::deadline;
+use envoi_core::typed::metrics::{
     metrics, DISPATCH_DURATION, DISPATCH_TOTAL, LABEL_OUTCOME, LABEL_SIDE, LABEL_TAG,
 };
-use envoi_core::middleware::span::SpanAttributes;
-use envoi_core::middleware::BoxFuture;
+use envoi_core::typed::span::SpanAttributes;
 use envoi_core::typed::{DispatchContext, DispatchMiddleware, DispatchNext};
 use envoi_core::{
     BusError, Command, DispatchError, Dispatcher, Envelope, Event, Message, Messenger, Query,

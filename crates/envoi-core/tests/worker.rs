@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use envoi_core::in_memory::{InMemoryConfig, InMemoryTransport};
 use envoi_core::stamp::{ErrorDetailsStamp, SentToFailureTransportStamp};
+use envoi_core::transport::in_memory::{InMemoryConfig, InMemoryTransport};
 use envoi_core::transport::{Payload, RawMessage, Transport};
 use envoi_core::worker::{
     RateLimit, StopHandle, StopReason, Worker, WorkerError, WorkerEvent, WorkerReport,
@@ -363,7 +363,7 @@ async fn the_failure_limit_stops_the_worker() {
         .command_handler(|_: Job| async { Err::<(), _>(JobFailed) })
         .transport("async", queue.clone())
         .route::<Job>("async")
-        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+        .default_retry_strategy(envoi_core::failure::MultiplierRetryStrategy {
             max_retries: 0,
             ..Default::default()
         })
@@ -531,7 +531,7 @@ async fn events_tell_the_whole_story() {
         .transport("failed", failed.clone())
         .route::<Job>("async")
         .failure_transport("failed")
-        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+        .default_retry_strategy(envoi_core::failure::MultiplierRetryStrategy {
             max_retries: 1,
             delay: Duration::from_millis(1),
             jitter: 0.0,
@@ -922,7 +922,7 @@ async fn consume_one_retries_a_parked_message_as_a_worker_would() {
         .transport("failed", failed.clone())
         .route::<Job>("async")
         .failure_transport("failed")
-        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+        .default_retry_strategy(envoi_core::failure::MultiplierRetryStrategy {
             max_retries: 0,
             ..Default::default()
         })
@@ -1367,8 +1367,8 @@ fn paid_failing_while(
 }
 
 /// Retries `max_retries` times, at once.
-fn retrying_at_once(max_retries: u32) -> envoi_core::middleware::retry::MultiplierRetryStrategy {
-    envoi_core::middleware::retry::MultiplierRetryStrategy {
+fn retrying_at_once(max_retries: u32) -> envoi_core::failure::MultiplierRetryStrategy {
+    envoi_core::failure::MultiplierRetryStrategy {
         max_retries,
         delay: Duration::ZERO,
         jitter: 0.0,
@@ -1971,7 +1971,7 @@ async fn a_message_the_retry_step_cannot_park_is_handled_again_only_after_a_paus
         .transport("failed", Arc::new(Refusing::default()))
         .route::<Job>("async")
         .failure_transport("failed")
-        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+        .default_retry_strategy(envoi_core::failure::MultiplierRetryStrategy {
             max_retries: 0,
             ..Default::default()
         })
@@ -2432,7 +2432,7 @@ async fn an_undecodable_message_whose_failure_transport_cannot_take_raw_messages
     let seen = Seen::default();
     let queue = memory();
     let store = memory();
-    let sender = envoi_core::transports::TransportSender::new(
+    let sender = envoi_core::transport::registry::TransportSender::new(
         "failed",
         store.clone(),
         envoi_core::serializer::Serializer::builder()
@@ -2548,7 +2548,7 @@ async fn a_message_its_failure_transport_cannot_take_pauses_only_its_own_receive
         .route::<Job>("async")
         .failure_transport("failed")
         .max_body_size(1024)
-        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+        .default_retry_strategy(envoi_core::failure::MultiplierRetryStrategy {
             max_retries: 0,
             ..Default::default()
         })
@@ -2815,7 +2815,7 @@ async fn a_message_whose_retry_goes_to_a_transport_that_is_gone_is_parked_again_
         .transport("failed", failed.clone())
         .failure_transport("failed")
         .route::<Audit>("failed")
-        .default_retry_strategy(envoi_core::middleware::retry::MultiplierRetryStrategy {
+        .default_retry_strategy(envoi_core::failure::MultiplierRetryStrategy {
             max_retries: 3,
             ..Default::default()
         })

@@ -108,7 +108,7 @@ async fn an_entry_with_its_type_field_given_twice_is_parked_with_the_reason() {
         return;
     };
     let name = common::unique("twice");
-    let failed = Arc::new(envoi_core::in_memory::InMemoryTransport::new());
+    let failed = Arc::new(envoi_core::transport::in_memory::InMemoryTransport::new());
     let (messenger, transport, seen) = shipping(&url, &name, Some(failed.clone())).await;
 
     // A foreign producer writes `type` twice: which one it meant is

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use envoi_core::failure::MultiplierRetryStrategy;
 use envoi_core::middleware::dedup::{DedupClaim, DedupStore, Deduplicate, InMemoryDedupStore};
-use envoi_core::middleware::retry::MultiplierRetryStrategy;
 use envoi_core::stamp::{SentStamp, TransportMessageIdStamp};
 use envoi_core::worker::{StopReason, Worker};
 use envoi_core::{Command, Envelope, Message, Messenger};

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use envoi_core::in_memory::InMemoryTransport;
+use envoi_core::transport::in_memory::InMemoryTransport;
 use envoi_core::transport::Transport;
 
 /// Transports by DSN and name.

@@ -3,7 +3,7 @@
 //!
 //! | scheme | feature | module |
 //! |---|---|---|
-//! | `in-memory://`, `sync://` | always | [`in_memory`](crate::in_memory), [`sync_transport`](crate::sync_transport) |
+//! | `in-memory://`, `sync://` | always | [`in_memory`](crate::transport::in_memory), [`sync`](crate::transport::sync) |
 //! | `sqlite://<path>` | `sqlite` (default) | `envoi::sqlite` |
 //! | `postgres://`, `postgresql://` | `postgres` | `envoi::postgres` |
 //! | `redis://` | `redis` | `envoi::redis` |
@@ -37,7 +37,7 @@
 //!
 //! A DSN whose transport exists but whose feature is off says which feature
 //! to enable. Everything else of core's
-//! [`transports`](envoi_core::transports) module is re-exported here.
+//! [`transports`](envoi_core::transport::registry) module is re-exported here.
 
 use std::sync::Arc;
 
@@ -45,7 +45,7 @@ use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{dsn_has_scheme, mask_dsn, Transport, TransportFactory};
 use envoi_core::{MessengerBuilder, TransportError};
 
-pub use envoi_core::transports::*;
+pub use envoi_core::transport::registry::*;
 
 /// Each transport feature, the DSN prefixes it provides, and whether it is
 /// enabled in this build.

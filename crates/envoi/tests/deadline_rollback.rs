@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use envoi::middleware::deadline::deadline;
+use envoi::typed::deadline::deadline;
 use envoi::{BusError, Command, DispatchError, Handler, Message, Messenger};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use tokio::sync::mpsc;

@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use envoi::middleware::retry::MultiplierRetryStrategy;
+use envoi::failure::MultiplierRetryStrategy;
 use envoi::sqlite::{SqliteOptions, SqliteTransport};
 use envoi::stamp::RedeliveryStamp;
 use envoi::worker::{StopHandle, StopReason, Worker, WorkerError, WorkerEvent, WorkerListener};

@@ -39,7 +39,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::retry::was_retried;
+use super::was_retried;
 use super::{BoxFuture, Middleware, Next};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};

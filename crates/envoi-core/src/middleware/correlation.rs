@@ -17,7 +17,7 @@
 //! same task through a bus with this middleware. Work spawned onto another
 //! task does not inherit it: read it with [`current`] and stamp the message
 //! with [`stamp`] there. The same applies to dispatches deferred until after
-//! the current one ([`DispatchAfterCurrentBusStamp`](crate::stamp::DispatchAfterCurrentBusStamp)),
+//! the current one ([`DispatchAfterCurrentBusStamp`](crate::envelope::stamp::DispatchAfterCurrentBusStamp)),
 //! which run after the handler has returned: stamp them with [`stamp`].
 //!
 //! Both stamps cross transports: the serializer knows them by default, so
@@ -53,9 +53,9 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::{BoxFuture, Middleware, Next};
+use crate::envelope::stamp::{MessageIdStamp, Stamp};
 use crate::envelope::Envelope;
 use crate::error::Result;
-use crate::stamp::{MessageIdStamp, Stamp};
 
 /// The id of the conversation a message belongs to: the message id of the
 /// message that started it.

@@ -33,7 +33,7 @@
 //! the original is redelivered and handled later.)
 //!
 //! A transport that knows a message was handed out before and not
-//! acknowledged marks it ([`Delivery::redelivered`]; the RabbitMQ transport
+//! acknowledged marks it (`Delivery::redelivered`; the RabbitMQ transport
 //! does, from AMQP's `redelivered` flag, since RabbitMQ hands a dead
 //! consumer's messages out again as soon as its connection closes; so do
 //! the Redis transport for the entries it takes over with `XAUTOCLAIM`, the
@@ -52,7 +52,6 @@
 //! apart by the token: a handled message's key is claimed by
 //! [`DedupClaim::HANDLED`].
 //!
-//! [`Delivery::redelivered`]: crate::transport::Delivery::redelivered
 //!
 //! The trade-offs: a handler slower than the processing timeout keeps its
 //! key only through the renewals, one store call every half processing
@@ -94,8 +93,8 @@
 //!
 //! A known gap: the key is remembered as handled when the handler
 //! succeeded, before the dispatches it
-//! [deferred](crate::middleware::dispatch_after_current_bus) run. When one
-//! of those fails and cannot be parked, a [worker](crate::worker) releases
+//! deferred run. When one
+//! of those fails and cannot be parked, a worker releases
 //! the handled message so its handlers defer it again; with this middleware
 //! the redelivery is acknowledged as a duplicate instead, and the deferred
 //! dispatch is lost (the worker reports its failure, with `released`).
@@ -139,13 +138,13 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use super::retry::was_retried;
+use super::was_retried;
 use super::{BoxFuture, Middleware, Next};
+use crate::envelope::message::Message;
+use crate::envelope::stamp::{RedeliveredStamp, Stamp};
 use crate::envelope::Envelope;
 use crate::error::{BoxError, BusError, Result};
 use crate::far;
-use crate::message::Message;
-use crate::stamp::{RedeliveredStamp, Stamp};
 
 /// Marks an envelope that was recognised as a duplicate and not handled.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -670,7 +669,7 @@ impl Middleware for Deduplicate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stamp::RedeliveryStamp;
+    use crate::envelope::stamp::RedeliveryStamp;
     use crate::testing::{FailingEndpoint, FnEndpoint, Ping, RecordingEndpoint};
 
     #[derive(Debug)]

@@ -8,8 +8,8 @@
 //! leaves the bus ([`dispose`](Hook::dispose)). [`HookMiddleware`] turns a
 //! hook into one layer of the bus's user middleware, so hooks are added to
 //! and removed from a live bus with
-//! [`MessageBus::add_middleware`](crate::MessageBus::add_middleware) and
-//! [`MessageBus::remove_middleware`](crate::MessageBus::remove_middleware).
+//! `MessageBus::add_middleware` and
+//! `MessageBus::remove_middleware`.
 //!
 //! # Stages
 //!
@@ -43,8 +43,8 @@
 //!
 //! # Disposal
 //!
-//! [`MessageBus::remove_middleware`](crate::MessageBus::remove_middleware)
-//! calls the hook's `dispose`; [`MessageBus::dispose`](crate::MessageBus::dispose)
+//! `MessageBus::remove_middleware`
+//! calls the hook's `dispose`; `MessageBus::dispose`
 //! disposes every middleware and clears the chain. A hook is disposed at
 //! most once, however many times either is called. Dispatches already in
 //! flight finish on the chain they started with.
@@ -99,10 +99,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::{short_type_name, BoxFuture, Middleware, Next};
+use crate::envelope::message::Message;
+use crate::envelope::stamp::{HandledStamp, HandlerResult, MessageIdStamp, RedeliveryStamp};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, Stage};
-use crate::message::Message;
-use crate::stamp::{HandledStamp, HandlerResult, MessageIdStamp, RedeliveryStamp};
 
 /// What [`Hook::before`] decides.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -381,7 +381,7 @@ impl Middleware for HookMiddleware {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::message::MessageKind;
+    use crate::envelope::message::MessageKind;
     use crate::testing::{FailingEndpoint, Ping, RecordingEndpoint};
     use crate::MiddlewareStack;
     use std::sync::Mutex;

@@ -27,9 +27,9 @@ use tokio::time::Instant;
 use tracing::Level;
 
 use super::{BoxFuture, Middleware, Next};
+use crate::envelope::stamp::{HandledStamp, MessageIdStamp, ReceivedStamp, SentStamp};
 use crate::envelope::Envelope;
 use crate::error::Result;
-use crate::stamp::{HandledStamp, MessageIdStamp, ReceivedStamp, SentStamp};
 
 /// The logging middleware; see the [module docs](self).
 #[derive(Debug, Clone)]

@@ -54,20 +54,11 @@
 //! }
 //! ```
 
-pub mod add_bus_name;
 pub mod circuit_breaker;
 pub mod correlation;
-pub mod deadline;
 pub mod dedup;
-pub mod dispatch_after_current_bus;
-pub mod failed_message_processing;
-pub mod handle_message;
 pub mod hook;
 pub mod logging;
-pub mod metrics;
-pub mod retry;
-pub mod send_message;
-pub mod span;
 pub mod stage;
 pub mod validation;
 
@@ -78,11 +69,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use crate::envelope::stamp::RedeliveryStamp;
 use crate::envelope::Envelope;
 use crate::error::Result;
 
-/// A boxed, `Send` future, the return type of object-safe async methods.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub use crate::BoxFuture;
 
 /// One layer of the onion.
 ///
@@ -151,7 +142,7 @@ pub(crate) fn short_type_name(full: &'static str) -> &'static str {
 /// What a [`Next`] runs once the middleware chain is exhausted.
 ///
 /// The bus's own steps implement it; tests implement it to record what
-/// reached the end of a chain (see [`crate::testing`]).
+/// reached the end of a chain (see the `testing` module).
 pub trait Endpoint: Send + Sync {
     /// Runs the endpoint.
     fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>>;
@@ -294,7 +285,7 @@ impl fmt::Debug for NextFuture<'_> {
 /// Runs a fixed list of middlewares in order, then returns the envelope.
 ///
 /// This is Symfony Messenger's plain runner: `MiddlewareStack::new(list).run(e)`.
-/// A [`MessageBus`](crate::MessageBus) assembles its own, faster pipeline in
+/// A `MessageBus` assembles its own, faster pipeline in
 /// the canonical order; use a stack to test middlewares together or to build
 /// a pipeline by hand.
 #[derive(Clone)]
@@ -386,11 +377,18 @@ impl<F> fmt::Debug for FnMiddleware<F> {
     }
 }
 
+/// Whether `after`, the successful result of dispatching `before`, was
+/// scheduled for a retry by the retry step rather than handled. (Parking in
+/// the failure transport returns an error, never a success.)
+pub fn was_retried(before: &Envelope, after: &Envelope) -> bool {
+    after.all::<RedeliveryStamp>().count() > before.all::<RedeliveryStamp>().count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::message::Message;
-    use crate::stamp::{SentStamp, Stamp};
+    use crate::envelope::message::Message;
+    use crate::envelope::stamp::{SentStamp, Stamp};
     use std::sync::Mutex;
 
     #[derive(Debug)]

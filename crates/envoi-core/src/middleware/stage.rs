@@ -42,11 +42,11 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::retry::was_retried;
+use super::was_retried;
 use super::{BoxFuture, Middleware, Next};
+use crate::envelope::stamp::ReceivedStamp;
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
-use crate::stamp::ReceivedStamp;
 
 /// One of the four stages, as ServiceConnect has them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -229,7 +229,7 @@ impl<'a> StageNext<'a> {
     /// In [`AfterConsuming`](PipelineStage::AfterConsuming): the handler's
     /// error, if it failed. `None` otherwise, and for a received message
     /// whose failure the retry step took to schedule a retry (it carries
-    /// one more [`RedeliveryStamp`](crate::stamp::RedeliveryStamp) than it
+    /// one more [`RedeliveryStamp`](crate::envelope::stamp::RedeliveryStamp) than it
     /// came with).
     pub fn failure(&self) -> Option<&'a BusError> {
         self.failure

@@ -50,9 +50,9 @@ use std::collections::HashMap;
 use std::fmt;
 
 use super::{BoxFuture, Middleware, Next};
+use crate::envelope::message::Message;
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
-use crate::message::Message;
 
 /// A message that can check its own invariants.
 pub trait Validate {

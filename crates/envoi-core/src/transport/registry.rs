@@ -11,11 +11,11 @@
 //!
 //! Transport crates add theirs by providing a [`TransportFactory`]; register
 //! it with
-//! [`MessengerBuilder::transport_factory`](crate::MessengerBuilder::transport_factory)
+//! `MessengerBuilder::transport_factory`
 //! or [`TransportFactories::with`].
 //!
 //! ```
-//! use envoi_core::transports::TransportFactories;
+//! use envoi_core::transport::registry::TransportFactories;
 //! use envoi_core::TransportError;
 //!
 //! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
@@ -33,16 +33,16 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
+use crate::envelope::stamp::{DelayStamp, TransportMessageIdStamp};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, TransportError};
-use crate::in_memory::InMemoryTransport;
-use crate::middleware::BoxFuture;
-use crate::serializer::Serializer;
-use crate::stamp::{DelayStamp, TransportMessageIdStamp};
-use crate::sync_transport::SyncTransport;
+use crate::transport::in_memory::InMemoryTransport;
+use crate::transport::serializer::Serializer;
+use crate::transport::sync::SyncTransport;
 use crate::transport::{
     dsn_has_scheme, mask_dsn, SendError, Sender, SenderDispatcher, Transport, TransportFactory,
 };
+use crate::BoxFuture;
 
 /// Sends envelopes to one [`Transport`]: through its in-process side when it
 /// has one, otherwise encoded by the [`Serializer`] and sent with the delay
@@ -138,7 +138,7 @@ enum Target {
     Sender(Arc<dyn Sender>),
 }
 
-/// The [`SenderDispatcher`] a [`Messenger`](crate::Messenger) builds: sends
+/// The [`SenderDispatcher`] a `Messenger` builds: sends
 /// at once to registered transports (through [`TransportSender`]s) and to
 /// registered plain [`Sender`]s.
 #[derive(Clone, Default)]

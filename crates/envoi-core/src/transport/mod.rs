@@ -11,31 +11,33 @@
 //! decides how a send happens (now, or after a database transaction commits).
 //!
 //! Register transports with
-//! [`MessengerBuilder::transport`](crate::MessengerBuilder::transport) (or by
-//! DSN with [`transport_dsn`](crate::MessengerBuilder::transport_dsn) and a
-//! [`TransportFactory`]); the messenger then sends to them through
-//! [`TransportSender`](crate::transports::TransportSender)s, hands them out
-//! by name ([`Messenger::transport`](crate::Messenger::transport)) and calls
-//! [`Transport::bind`] on each. A [`Worker`](crate::worker::Worker) consumes
-//! them.
+//! the messenger's builder (`MessengerBuilder::transport`, or by DSN with
+//! `transport_dsn` and a [`TransportFactory`]); the messenger then sends to
+//! them through
+//! [`TransportSender`](crate::transport::registry::TransportSender)s, hands
+//! them out by name and calls [`Transport::bind`] on each. A worker
+//! consumes them.
 //!
 //! Transports that live in the process (in-memory, sync) also implement
 //! [`LocalTransport`], which moves envelopes without encoding them; every
 //! other transport only needs [`Transport`], whose optional methods have
 //! defaults.
 
+pub mod in_memory;
+pub mod registry;
+pub mod serializer;
+pub mod sync;
+
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use crate::builder::WeakMessenger;
+use crate::envelope::headers::Headers;
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, TransportError};
-use crate::headers::Headers;
-use crate::middleware::BoxFuture;
-use crate::serializer::Serializer;
-use crate::stamp::{ErasedStamp, TransportMessageIdStamp};
+use crate::transport::serializer::Serializer;
+use crate::BoxFuture;
 
 /// A message as a transport stores it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -66,7 +68,7 @@ impl RawMessage {
 /// in (a row or entry written by hand with it), so only the transport marks
 /// a redelivery.
 ///
-/// [`RedeliveredStamp`]: crate::stamp::RedeliveredStamp
+/// [`RedeliveredStamp`]: crate::envelope::stamp::RedeliveredStamp
 pub const REDELIVERED_HEADER: &str = "X-Envoi-Redelivered";
 
 /// A message handed out by [`Transport::get`], to be acknowledged, rejected
@@ -99,7 +101,7 @@ impl Delivery {
     /// assert!(d.redelivered().is_redelivered());
     /// ```
     ///
-    /// [`RedeliveredStamp`]: crate::stamp::RedeliveredStamp
+    /// [`RedeliveredStamp`]: crate::envelope::stamp::RedeliveredStamp
     #[must_use = "`redelivered` returns the marked delivery"]
     pub fn redelivered(mut self) -> Self {
         self.raw.mark_redelivered();
@@ -257,7 +259,7 @@ pub trait Transport: Send + Sync + 'static {
         None
     }
 
-    /// Called by [`MessengerBuilder::build`](crate::MessengerBuilder::build)
+    /// Called by `MessengerBuilder::build`
     /// for every transport registered with the messenger. Transports that
     /// need the serializer or the messenger itself keep what they need from
     /// `binding`. Does nothing by default.
@@ -266,16 +268,25 @@ pub trait Transport: Send + Sync + 'static {
     }
 }
 
-/// What a [`Messenger`](crate::Messenger) tells a transport registered with it;
-/// see [`Transport::bind`].
-#[derive(Debug, Clone)]
+/// What a messenger tells a transport registered with it; see
+/// [`Transport::bind`].
+#[derive(Clone)]
 pub struct TransportBinding {
-    pub(crate) name: Arc<str>,
-    pub(crate) serializer: Serializer,
-    pub(crate) messenger: WeakMessenger,
+    name: Arc<str>,
+    serializer: Serializer,
+    inbox: Weak<dyn Inbox>,
 }
 
 impl TransportBinding {
+    /// The binding of the transport registered as `name`.
+    pub fn new(name: Arc<str>, serializer: Serializer, inbox: Weak<dyn Inbox>) -> Self {
+        Self {
+            name,
+            serializer,
+            inbox,
+        }
+    }
+
     /// The name the transport is registered under.
     pub fn name(&self) -> &str {
         &self.name
@@ -286,10 +297,29 @@ impl TransportBinding {
         &self.serializer
     }
 
-    /// A weak handle to the messenger (it does not keep it alive).
-    pub fn messenger(&self) -> &WeakMessenger {
-        &self.messenger
+    /// The messenger, to hand it messages received now; `None` once it is
+    /// gone (the binding does not keep it alive).
+    pub fn inbox(&self) -> Option<Arc<dyn Inbox>> {
+        self.inbox.upgrade()
     }
+}
+
+impl fmt::Debug for TransportBinding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransportBinding")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The messenger as a transport registered with it sees it: it takes a
+/// message the transport received and dispatches it now, on the bus its
+/// `BusNameStamp` names (the default bus when it names none the messenger
+/// has). The sync transport, which handles what is sent to it, uses it.
+pub trait Inbox: Send + Sync + 'static {
+    /// Dispatches `envelope`, stamped as received, and returns what came
+    /// back.
+    fn dispatch_received(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>>;
 }
 
 /// A message an in-process transport hands out: still encoded, or the
@@ -313,50 +343,7 @@ pub struct LocalDelivery {
     pub payload: Payload,
 }
 
-/// The id of a message in an in-process transport: a number, whose decimal
-/// form is the id [`Transport`] methods take. Nothing is stored for it but
-/// the number: its text and its
-/// [`TransportMessageIdStamp`] are made when needed.
-///
-/// ```
-/// use envoi_core::transport::LocalId;
-///
-/// let id = LocalId::new(42);
-/// assert_eq!((id.key(), id.to_string()), (42, "42".to_string()));
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct LocalId {
-    key: u64,
-}
-
-impl LocalId {
-    /// The id `key`.
-    pub fn new(key: u64) -> Self {
-        Self { key }
-    }
-
-    /// The number.
-    pub fn key(self) -> u64 {
-        self.key
-    }
-
-    /// A [`TransportMessageIdStamp`] carrying the text form, to add with
-    /// [`Envelope::with_erased`].
-    pub fn stamp(self) -> Arc<dyn ErasedStamp> {
-        Arc::new(TransportMessageIdStamp::new(decimal(self.key)))
-    }
-}
-
-impl fmt::Display for LocalId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.key, f)
-    }
-}
-
-/// `n` in decimal, without the formatting machinery (this runs per message).
-pub(crate) fn decimal(n: u64) -> String {
-    itoa::Buffer::new().format(n).to_owned()
-}
+pub use crate::envelope::local_id::LocalId;
 
 /// The future of a [`LocalTransport`] method: already complete (what an
 /// in-memory queue returns, without allocating) or still running.
@@ -415,8 +402,8 @@ impl<T> fmt::Debug for LocalFuture<'_, T> {
 /// it when it is supported).
 pub trait LocalTransport: Send + Sync {
     /// Stores `envelope` (honouring its last
-    /// [`DelayStamp`](crate::stamp::DelayStamp)) and returns it with a
-    /// [`TransportMessageIdStamp`];
+    /// [`DelayStamp`](crate::envelope::stamp::DelayStamp)) and returns it with a
+    /// [`TransportMessageIdStamp`](crate::envelope::stamp::TransportMessageIdStamp);
     /// or, for a transport that [handles on send](Self::handles_on_send),
     /// handles it now and returns the result of that.
     fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>>;
@@ -462,7 +449,7 @@ pub struct SendError {
 /// Sends envelopes to one transport.
 pub trait Sender: Send + Sync + 'static {
     /// Sends `envelope`; on success returns it stamped with a
-    /// [`TransportMessageIdStamp`].
+    /// [`TransportMessageIdStamp`](crate::envelope::stamp::TransportMessageIdStamp).
     fn send(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope, SendError>>;
 }
 
@@ -480,7 +467,7 @@ pub trait SenderDispatcher: Send + Sync + 'static {
     fn transports(&self) -> Vec<String>;
 
     /// The transport called `transport` when sending to it through this
-    /// dispatcher is exactly [`TransportSender::send_envelope`](crate::transports::TransportSender::send_envelope)
+    /// dispatcher is exactly [`TransportSender::send_envelope`](crate::transport::registry::TransportSender::send_envelope)
     /// (so the send step may send to it directly); `None` otherwise, which
     /// is the default.
     fn direct(&self, transport: &str) -> Option<Arc<dyn Transport>> {
@@ -491,8 +478,8 @@ pub trait SenderDispatcher: Send + Sync + 'static {
 
 /// A [`SenderDispatcher`] that sends at once through named [`Sender`]s.
 ///
-/// Not what a [`Messenger`](crate::Messenger) uses by default: it builds a
-/// [`Senders`](crate::transports::Senders), which sends to its registered
+/// Not what a `Messenger` uses by default: it builds a
+/// [`Senders`](crate::transport::registry::Senders), which sends to its registered
 /// transports as well as to its senders.
 #[derive(Default, Clone)]
 pub struct DirectSenders {

@@ -1,5 +1,11 @@
 //! The [`Envelope`]: a message plus the stamps and headers that travel with it.
 
+pub mod headers;
+pub mod local_id;
+pub mod message;
+pub mod stamp;
+pub(crate) mod type_map;
+
 use std::any::{Any, TypeId};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -8,9 +14,9 @@ use std::sync::{Arc, OnceLock};
 
 use smallvec::SmallVec;
 
-use crate::message::{Message, MessageKind};
-use crate::stamp::{Stamp, StampEntry, TransportMessageIdStamp};
-use crate::transport::LocalId;
+use crate::envelope::local_id::LocalId;
+use crate::envelope::message::{Message, MessageKind};
+use crate::envelope::stamp::{Stamp, StampEntry, TransportMessageIdStamp};
 
 /// Object-safe view of a message inside an envelope.
 pub(crate) trait ErasedMessage: Any + fmt::Debug + Send + Sync {
@@ -324,7 +330,7 @@ impl Envelope {
 
     /// Every stamp, oldest first, as object-safe views (for serializers and
     /// debugging).
-    pub fn stamps(&self) -> impl Iterator<Item = &dyn crate::stamp::ErasedStamp> + '_ {
+    pub fn stamps(&self) -> impl Iterator<Item = &dyn crate::envelope::stamp::ErasedStamp> + '_ {
         let local = self.body.meta.local;
         self.body.meta.stamps.iter().map(move |e| e.erased(local))
     }
@@ -336,7 +342,7 @@ impl Envelope {
 
     /// Adds an already type-erased stamp (used by deserializers).
     #[must_use = "an envelope is immutable: `with_erased` returns the stamped copy"]
-    pub fn with_erased(mut self, stamp: Arc<dyn crate::stamp::ErasedStamp>) -> Self {
+    pub fn with_erased(mut self, stamp: Arc<dyn crate::envelope::stamp::ErasedStamp>) -> Self {
         self.meta_mut().push(StampEntry::from_erased(stamp));
         self
     }
@@ -436,26 +442,22 @@ impl Envelope {
         meta.recount();
     }
 
-    /// Removes and returns the dispatches a handler deferred (internal to
-    /// the dispatch-after-current-bus step).
-    pub(crate) fn take_deferred(
-        &mut self,
-    ) -> Vec<crate::middleware::dispatch_after_current_bus::Deferred> {
-        use crate::middleware::dispatch_after_current_bus::DeferredDispatches;
-        if !self.has::<DeferredDispatches>() {
+    /// Removes every stamp of type `S` and returns them, oldest first
+    /// (cloned when a clone of this envelope shares them).
+    pub(crate) fn take_all<S: Stamp + Clone>(&mut self) -> Vec<S> {
+        if !self.has::<S>() {
             return Vec::new();
         }
         let meta = self.meta_mut();
         let mut out = Vec::new();
         let local = meta.local;
-        meta.stamps
-            .retain(|e| match e.downcast::<DeferredDispatches>(local) {
-                Some(d) => {
-                    out.extend(d.0.iter().cloned());
-                    false
-                }
-                None => true,
-            });
+        meta.stamps.retain(|e| match e.downcast::<S>(local) {
+            Some(s) => {
+                out.push(s.clone());
+                false
+            }
+            None => true,
+        });
         meta.recount();
         out
     }
@@ -486,7 +488,9 @@ impl fmt::Debug for Envelope {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stamp::{BusNameStamp, DelayStamp, HandledStamp, HandlerResult, SentStamp};
+    use crate::envelope::stamp::{
+        BusNameStamp, DelayStamp, HandledStamp, HandlerResult, SentStamp,
+    };
 
     #[derive(Debug, PartialEq)]
     struct Ping(u8);
@@ -535,7 +539,7 @@ mod tests {
 
     #[test]
     fn lookups_follow_stamps_added_and_removed() {
-        use crate::middleware::dispatch_after_current_bus::DeferredDispatches;
+        use crate::pipeline::dispatch_after_current_bus::DeferredDispatches;
         let e = Envelope::new(Ping(1));
         assert!(!e.has::<DelayStamp>() && !e.has::<BusNameStamp>());
         let e = e
@@ -595,7 +599,7 @@ mod tests {
 
     #[test]
     fn built_in_stamps_added_type_erased_are_found_by_type() {
-        use crate::stamp::{ReceivedStamp, TransportMessageIdStamp};
+        use crate::envelope::stamp::{ReceivedStamp, TransportMessageIdStamp};
         let e = Envelope::new(Ping(1))
             .with_erased(Arc::new(BusNameStamp::new("bus")))
             .with_erased(Arc::new(ReceivedStamp::new("async")))
@@ -616,7 +620,7 @@ mod tests {
 
     #[test]
     fn local_ids_read_as_transport_message_id_stamps() {
-        use crate::stamp::TransportMessageIdStamp;
+        use crate::envelope::stamp::TransportMessageIdStamp;
         let a = Envelope::new(Ping(1)).with_local_id(LocalId::new(42));
         // A copy made before the text is read reads the same id.
         let b = a.clone().with_local_id(LocalId::new(7));
@@ -640,7 +644,7 @@ mod tests {
 
     #[test]
     fn making_an_unshared_envelope_sendable_keeps_its_body() {
-        use crate::stamp::{ReceivedStamp, TransportMessageIdStamp};
+        use crate::envelope::stamp::{ReceivedStamp, TransportMessageIdStamp};
         let mut e = Envelope::new(Ping(1))
             .with(BusNameStamp::new("bus"))
             .with(ReceivedStamp::new("async"))

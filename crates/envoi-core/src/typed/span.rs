@@ -19,7 +19,7 @@
 //! written, because it does not compile:
 //!
 //! ```compile_fail
-//! use envoi_core::middleware::span::SpanAttributes;
+//! use envoi_core::typed::span::SpanAttributes;
 //! use envoi_core::Message;
 //!
 //! #[derive(Debug)]
@@ -31,7 +31,7 @@
 //! ```
 //!
 //! ```
-//! use envoi_core::middleware::span::SpanAttributes;
+//! use envoi_core::typed::span::SpanAttributes;
 //! use envoi_core::Message;
 //!
 //! #[derive(Debug)]
@@ -91,9 +91,9 @@ use tracing::metadata::Kind;
 use tracing::subscriber::Interest;
 use tracing::{Level, Metadata};
 
+use crate::envelope::message::{Message, MessageKind};
 use crate::envelope::Envelope;
 use crate::error::BusError;
-use crate::message::{Message, MessageKind};
 
 /// The target of dispatch spans.
 pub const SPAN_TARGET: &str = "envoi::dispatch";

@@ -9,7 +9,7 @@
 //! * an [`Event`] tells that something happened and has zero or more handlers.
 //!
 //! The kind's associated `Output` and `Error` types are what the typed
-//! [`Dispatcher`](crate::Dispatcher) returns; no middleware can change them.
+//! `Dispatcher` returns; no middleware can change them.
 //!
 //! ```
 //! use envoi_core::{Command, Message};

@@ -31,19 +31,20 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use futures_util::FutureExt;
 
+use crate::envelope::message::Message;
+use crate::envelope::stamp::{DispatchAfterCurrentBusStamp, HandledStamp, ReceivedStamp};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, StepResult};
-use crate::message::Message;
-use crate::middleware::add_bus_name::AddBusNameStamp;
-use crate::middleware::dispatch_after_current_bus;
-use crate::middleware::dispatch_after_current_bus::{scope, take_deferred};
-use crate::middleware::dispatch_after_current_bus::{DeferredDispatches, Settle};
-use crate::middleware::failed_message_processing::FailedMessageProcessing;
-use crate::middleware::handle_message::{single_failed, with_deferred, HandleMessage};
-use crate::middleware::retry::Retry;
-use crate::middleware::send_message::{Route, SendMessage, Started};
-use crate::middleware::{BoxFuture, Endpoint, Middleware, Next};
-use crate::stamp::{DispatchAfterCurrentBusStamp, HandledStamp, ReceivedStamp};
+use crate::middleware::{Endpoint, Middleware, Next};
+use crate::pipeline::add_bus_name::AddBusNameStamp;
+use crate::pipeline::dispatch_after_current_bus;
+use crate::pipeline::dispatch_after_current_bus::{scope, take_deferred};
+use crate::pipeline::dispatch_after_current_bus::{DeferredDispatches, Settle};
+use crate::pipeline::failed_message_processing::FailedMessageProcessing;
+use crate::pipeline::handle_message::{single_failed, with_deferred, HandleMessage};
+use crate::pipeline::retry::Retry;
+use crate::pipeline::send_message::{Route, SendMessage, Started};
+use crate::BoxFuture;
 
 /// Identifies a middleware added to a live bus, for removing it later.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -72,8 +73,8 @@ pub(crate) struct BusInner {
 
 /// A named bus running the canonical pipeline. Cheap to clone.
 ///
-/// Build buses with [`Messenger::builder`](crate::Messenger::builder); use
-/// the typed [`Dispatcher`](crate::Dispatcher) for `Result`s typed by the
+/// Build buses with `Messenger::builder`; use
+/// the typed `Dispatcher` for `Result`s typed by the
 /// message definition.
 #[derive(Clone)]
 pub struct MessageBus {
@@ -116,7 +117,7 @@ impl MessageBus {
 
     /// Runs `envelope` through the pipeline and returns it with the stamps
     /// the steps added (a [`HandledStamp`] per
-    /// handler, or a [`SentStamp`](crate::stamp::SentStamp) per transport).
+    /// handler, or a [`SentStamp`](crate::envelope::stamp::SentStamp) per transport).
     pub fn dispatch(
         &self,
         envelope: Envelope,
@@ -163,7 +164,7 @@ impl MessageBus {
     /// queued until the dispatch running that handler has succeeded. Called
     /// outside any handler (by a middleware around the outermost dispatch,
     /// say), it runs at once. See
-    /// [`crate::middleware::dispatch_after_current_bus`].
+    /// [`crate::pipeline::dispatch_after_current_bus`].
     pub async fn dispatch_after_current(&self, envelope: Envelope) -> Result<Envelope> {
         self.dispatch(envelope.with(DispatchAfterCurrentBusStamp))
             .await
@@ -495,8 +496,8 @@ impl Endpoint for AfterDeferral {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::handler::HandlerRegistry;
     use crate::middleware::from_fn;
+    use crate::pipeline::handler::HandlerRegistry;
     use std::sync::atomic::AtomicUsize;
     use std::time::{Duration, Instant};
 

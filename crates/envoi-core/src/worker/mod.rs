@@ -2,7 +2,7 @@
 //! the bus the message was sent from.
 //!
 //! ```
-//! use envoi_core::in_memory::InMemoryTransport;
+//! use envoi_core::transport::in_memory::InMemoryTransport;
 //! use envoi_core::worker::{StopReason, Worker};
 //! use envoi_core::{Command, Message, Messenger};
 //! use serde::{Deserialize, Serialize};
@@ -53,7 +53,7 @@
 //! |---|---|---|
 //! | success | acknowledges it | [`Handled`](WorkerEvent::Handled) |
 //! | success, scheduled for a retry by the retry step | acknowledges it (the retry is a new message) | [`Retried`](WorkerEvent::Retried) |
-//! | handled, or scheduled for a retry, but dispatches its handlers [deferred](crate::middleware::dispatch_after_current_bus) failed ([`BusError::DelayedHandlingFailed`]) | parks each deferred message that failed in the failure transport, as a message of its own with an `ErrorDetails` stamp saying why (and an [`UnsentStamp`] when it could not be sent: see below), then acknowledges the message (it is not parked itself: the handlers that deferred them would be skipped there, and a retry already holds it). A handled message is rejected when there is no failure transport, and released, so its handlers run and defer them again, when one cannot be parked (fetching from its receiver then pauses); a retried one is acknowledged all the same, its retry holding it, and a deferred message that cannot be parked is dropped with an error log | [`Handled`](WorkerEvent::Handled) or [`Retried`](WorkerEvent::Retried), and a [`Failed`](WorkerEvent::Failed) for each deferred message, naming it |
+//! | handled, or scheduled for a retry, but dispatches its handlers [deferred](crate::pipeline::dispatch_after_current_bus) failed ([`BusError::DelayedHandlingFailed`]) | parks each deferred message that failed in the failure transport, as a message of its own with an `ErrorDetails` stamp saying why (and an [`UnsentStamp`] when it could not be sent: see below), then acknowledges the message (it is not parked itself: the handlers that deferred them would be skipped there, and a retry already holds it). A handled message is rejected when there is no failure transport, and released, so its handlers run and defer them again, when one cannot be parked (fetching from its receiver then pauses); a retried one is acknowledged all the same, its retry holding it, and a deferred message that cannot be parked is dropped with an error log | [`Handled`](WorkerEvent::Handled) or [`Retried`](WorkerEvent::Retried), and a [`Failed`](WorkerEvent::Failed) for each deferred message, naming it |
 //! | handler failure, parked in the failure transport by the retry step | acknowledges it; dispatches deferred by its handlers that succeeded that then failed are parked too, each on its own, as above (the message is acknowledged all the same: one that cannot be parked is dropped with an error log, as the parked message holds the handlers that deferred it) | [`Failed`](WorkerEvent::Failed) |
 //! | handler failure, no failure transport | rejects it | [`Failed`](WorkerEvent::Failed) |
 //! | not dispatched: it carries an [`UnsentStamp`] (a deferred message parked because it could not be sent to its transport) | sends it to that transport, without the stamp, and to those its type is routed to after that one (the failed send stopped before them), and acknowledges it; when a send fails (the ones before it get it again on its next delivery), releases it and pauses fetching from its receiver, as for a transport failure; when a transport refuses it for good (it does not exist, or the message is too large, cannot be encoded or is not supported there), parks it again, naming that transport in its `UnsentStamp`, with an `ErrorDetails` stamp saying why and the growing delay of a message parked again, and acknowledges it | [`Handled`](WorkerEvent::Handled), or [`Failed`](WorkerEvent::Failed) |
@@ -135,20 +135,20 @@ use std::time::Duration;
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
-use crate::builder::Messenger;
-use crate::bus::MessageBus;
-use crate::envelope::Envelope;
-use crate::error::{BusError, TransportError};
-use crate::far;
-use crate::middleware::dispatch_after_current_bus::FailedDeferred;
-use crate::middleware::retry::{parked_again_delay, parked_copy};
-use crate::middleware::BoxFuture;
-use crate::serializer::STAMP_HEADER_PREFIX;
-use crate::stamp::{
+use crate::envelope::stamp::{
     BusNameStamp, DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
     SentToFailureTransportStamp, Stamp, TransportMessageIdStamp, UnsentStamp,
 };
+use crate::envelope::Envelope;
+use crate::error::{BusError, TransportError};
+use crate::failure::park::{parked_again_delay, parked_copy};
+use crate::far;
+use crate::messenger::Messenger;
+use crate::pipeline::bus::MessageBus;
+use crate::pipeline::dispatch_after_current_bus::{take_deferred_of, FailedDeferred};
+use crate::transport::serializer::STAMP_HEADER_PREFIX;
 use crate::transport::{LocalId, Payload, RawMessage, Transport};
+use crate::BoxFuture;
 
 /// A configuration mistake found by [`WorkerBuilder::build`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -1031,7 +1031,7 @@ pub struct HandledOne {
 ///
 /// ```
 /// # use std::sync::Arc;
-/// # use envoi_core::in_memory::InMemoryTransport;
+/// # use envoi_core::transport::in_memory::InMemoryTransport;
 /// # use envoi_core::transport::Transport;
 /// # use envoi_core::worker::{handle_one, Outcome, Settlement};
 /// # use envoi_core::{Command, Envelope, Message, Messenger};
@@ -2039,7 +2039,7 @@ impl Ctx {
             let mut action = None;
             for (mut deferred, details) in failed {
                 bump(&self.counters.failed);
-                drop(deferred.take_deferred());
+                drop(take_deferred_of(&mut deferred));
                 // One that could not be sent comes from where it was going:
                 // retried, it is sent there.
                 let origin = deferred
@@ -2227,7 +2227,7 @@ impl Ctx {
         let transport = &self.receivers[receiver].name;
         let details = ErrorDetailsStamp::from_error(format!("decode:{}", error.kind()), &error);
         let message = raw
-            .header(crate::serializer::TYPE_HEADER)
+            .header(crate::transport::serializer::TYPE_HEADER)
             .unwrap_or("?")
             .to_string();
         let parks = raw
@@ -2471,7 +2471,7 @@ struct Settled {
 }
 
 /// Adds `stamp` to its `X-Message-Stamp-<name>` header's array, keeping
-/// only the newest [`STAMP_HISTORY`](crate::serializer::STAMP_HISTORY) of a
+/// only the newest [`STAMP_HISTORY`](crate::transport::serializer::STAMP_HISTORY) of a
 /// retry-history stamp, as the serializer does. A header that is not a JSON
 /// array is kept under `X-Malformed-Stamp-<name>`.
 fn append_stamp_header<S: Stamp>(raw: &mut RawMessage, stamp: &S) {
@@ -2491,10 +2491,10 @@ fn append_stamp_header<S: Stamp>(raw: &mut RawMessage, stamp: &S) {
         },
     };
     values.push(value);
-    if crate::serializer::is_history(S::NAME) {
+    if crate::transport::serializer::is_history(S::NAME) {
         let excess = values
             .len()
-            .saturating_sub(crate::serializer::STAMP_HISTORY);
+            .saturating_sub(crate::transport::serializer::STAMP_HISTORY);
         values.drain(..excess);
     }
     if let Ok(json) = serde_json::to_string(&values) {
@@ -3404,7 +3404,7 @@ mod tests {
         let messenger = Messenger::builder()
             .transport(
                 "async",
-                Arc::new(crate::in_memory::InMemoryTransport::new()),
+                Arc::new(crate::transport::in_memory::InMemoryTransport::new()),
             )
             .build()
             .unwrap();
@@ -3458,7 +3458,8 @@ mod tests {
         let kept: Vec<RedeliveryStamp> =
             serde_json::from_str(raw.header("X-Message-Stamp-Redelivery").unwrap()).unwrap();
         let counts: Vec<u32> = kept.iter().map(|r| r.retry_count).collect();
-        let newest: Vec<u32> = (40 - crate::serializer::STAMP_HISTORY as u32..40).collect();
+        let newest: Vec<u32> =
+            (40 - crate::transport::serializer::STAMP_HISTORY as u32..40).collect();
         assert_eq!(counts, newest);
     }
 
@@ -3554,7 +3555,7 @@ mod tests {
 
     /// An encoding in-memory queue whose gets and acknowledgements take a
     /// while, as a broker's round trips do.
-    struct Slow(crate::in_memory::InMemoryTransport);
+    struct Slow(crate::transport::in_memory::InMemoryTransport);
 
     impl Transport for Slow {
         fn send(
@@ -3610,12 +3611,14 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn acknowledgements_recorded_while_others_are_sent_are_sent_too() {
-        let queue = Arc::new(Slow(crate::in_memory::InMemoryTransport::with_config(
-            crate::in_memory::InMemoryConfig {
-                serialize: true,
-                ..Default::default()
-            },
-        )));
+        let queue = Arc::new(Slow(
+            crate::transport::in_memory::InMemoryTransport::with_config(
+                crate::transport::in_memory::InMemoryConfig {
+                    serialize: true,
+                    ..Default::default()
+                },
+            ),
+        ));
         let messenger = Messenger::builder()
             .command_handler(|job: Job| async move {
                 // Handlers finish while gets and acknowledgements are out.
@@ -3644,12 +3647,14 @@ mod tests {
     }
 
     fn slow_messenger(stop: Option<(StopHandle, u64)>) -> (Messenger, Arc<Slow>) {
-        let queue = Arc::new(Slow(crate::in_memory::InMemoryTransport::with_config(
-            crate::in_memory::InMemoryConfig {
-                serialize: true,
-                ..Default::default()
-            },
-        )));
+        let queue = Arc::new(Slow(
+            crate::transport::in_memory::InMemoryTransport::with_config(
+                crate::transport::in_memory::InMemoryConfig {
+                    serialize: true,
+                    ..Default::default()
+                },
+            ),
+        ));
         let messenger = Messenger::builder()
             .command_handler(move |job: Job| {
                 let stop = stop.clone();

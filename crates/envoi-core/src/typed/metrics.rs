@@ -21,7 +21,7 @@
 //! from the envelope, which also covers messages a worker consumes).
 //!
 //! ```
-//! use envoi_core::middleware::metrics::metrics;
+//! use envoi_core::typed::metrics::metrics;
 //! use envoi_core::{Command, Message, Messenger};
 //! use std::convert::Infallible;
 //!
@@ -55,11 +55,12 @@ use std::sync::{Arc, RwLock};
 use metrics::{Key, KeyName, Label, SharedString, Unit};
 use tokio::time::Instant;
 
-use super::{BoxFuture, Middleware, Next};
+use crate::envelope::message::MessageKind;
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
-use crate::message::MessageKind;
+use crate::middleware::{Middleware, Next};
 use crate::typed::{DispatchContext, DispatchMiddleware, DispatchNext};
+use crate::BoxFuture;
 
 /// Counter of dispatches: `cqrs_dispatch_total`.
 pub const DISPATCH_TOTAL: &str = "cqrs_dispatch_total";

@@ -37,9 +37,10 @@
 
 use std::any::{Any, TypeId};
 use std::borrow::Cow;
+use std::collections::HashSet;
 use std::fmt::{self, Write as _};
 use std::num::NonZeroU64;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::de::DeserializeOwned;
@@ -209,7 +210,7 @@ impl StampEntry {
             StampEntry::Handled(s) => s,
             StampEntry::Received(s) => s,
             StampEntry::TransportId(s) => s.get_or_init(|| {
-                TransportMessageIdStamp::new(crate::transport::decimal(
+                TransportMessageIdStamp::new(crate::envelope::local_id::decimal(
                     local.map_or(0, NonZeroU64::get),
                 ))
             }),
@@ -325,16 +326,13 @@ impl Stamp for ReceivedStamp {
 /// Marks an envelope received from a transport that said it had handed the
 /// message out before and it was not acknowledged: a consumer took it and
 /// died, or gave it back, before it was handled (RabbitMQ's `redelivered`
-/// flag, for one). The transport marks the [`Delivery`] with
-/// [`Delivery::redelivered`] and the serializer turns the mark into this
-/// stamp when it decodes the message; it never crosses a transport.
+/// flag, for one). The transport marks the `Delivery` it hands out and the
+/// worker turns the mark into this stamp when it decodes the message; it
+/// never crosses a transport.
 ///
-/// [`Deduplicate`](crate::middleware::dedup::Deduplicate) handles such a
-/// message when its key is only claimed by an attempt still in processing
-/// (whose process may have died) instead of taking it for a duplicate.
-///
-/// [`Delivery`]: crate::transport::Delivery
-/// [`Delivery::redelivered`]: crate::transport::Delivery::redelivered
+/// `Deduplicate` handles such a message when its key is only claimed by an
+/// attempt still in processing (whose process may have died) instead of
+/// taking it for a duplicate.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct RedeliveredStamp {}
@@ -520,7 +518,7 @@ pub struct ErrorDetailsStamp {
 impl ErrorDetailsStamp {
     /// The longest `message` (and `kind`) kept, in bytes; a longer text is
     /// cut at a character boundary and says how much was cut. A message
-    /// keeps up to [`STAMP_HISTORY`](crate::serializer::STAMP_HISTORY)
+    /// keeps up to the serializer's `STAMP_HISTORY` (16)
     /// of these stamps, one per failure, in a header, so an error that
     /// prints a whole response body must not make it too large to park.
     pub const MAX_MESSAGE_LEN: usize = 4096;
@@ -691,6 +689,23 @@ impl MessageIdStamp {
 
 impl Stamp for MessageIdStamp {
     const NAME: &'static str = "MessageId";
+}
+
+/// Bus names as `'static` strings, each kept once for the life of the
+/// program: buses are named when they are built, so the set stays as small
+/// as the number of distinct bus names.
+pub(crate) fn intern_bus_name(name: &str) -> &'static str {
+    static NAMES: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
+    let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
+    let names = names.get_or_insert_with(HashSet::new);
+    match names.get(name) {
+        Some(interned) => interned,
+        None => {
+            let interned: &'static str = Box::leak(name.into());
+            names.insert(interned);
+            interned
+        }
+    }
 }
 
 #[cfg(test)]

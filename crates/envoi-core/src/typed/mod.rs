@@ -36,6 +36,10 @@
 //! # });
 //! ```
 
+pub mod deadline;
+pub mod metrics;
+pub mod span;
+
 use std::any::Any;
 use std::fmt;
 use std::future::Future;
@@ -46,15 +50,15 @@ use futures_util::FutureExt;
 use smallvec::SmallVec;
 use tracing::Instrument;
 
-use crate::bus::MessageBus;
+use crate::envelope::message::{Command, Event, MessageKind, Query};
+use crate::envelope::stamp::{HandledStamp, HandlerResult, SentStamp};
 use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result};
-use crate::message::{Command, Event, MessageKind, Query};
-use crate::middleware::deadline::Deadline;
-use crate::middleware::metrics::{self, Metrics, MetricsGuard};
-use crate::middleware::span::{self, SpanAttributes};
-use crate::middleware::BoxFuture;
-use crate::stamp::{HandledStamp, HandlerResult, SentStamp};
+use crate::pipeline::bus::MessageBus;
+use crate::typed::deadline::Deadline;
+use crate::typed::metrics::{Metrics, MetricsGuard};
+use crate::typed::span::SpanAttributes;
+use crate::BoxFuture;
 
 /// The error of a typed dispatch.
 #[derive(Debug, thiserror::Error)]
@@ -253,20 +257,20 @@ struct Options {
 /// Dispatches typed messages on a [`MessageBus`] through Effect-style
 /// middleware.
 ///
-/// * The dispatch span ([`crate::middleware::span`]) is installed by
+/// * The dispatch span ([`crate::typed::span`]) is installed by
 ///   default, outermost, for commands and queries; events opt in with
 ///   [`span_events`](Self::span_events). Per-tag attributes come from
 ///   [`span_attributes`](Self::span_attributes).
 /// * [`with`](Self::with) adds a [`DispatchMiddleware`]; middleware is
 ///   applied in the order given, outermost first, inside the span.
-///   [`metrics()`](crate::middleware::metrics::metrics) and
-///   [`deadline(d)`](crate::middleware::deadline::deadline) are the
+///   [`metrics()`](crate::typed::metrics::metrics) and
+///   [`deadline(d)`](crate::typed::deadline::deadline) are the
 ///   built-in ones.
 ///
 /// Configuring returns a new dispatcher and leaves the original as it was.
 ///
 /// ```
-/// use envoi_core::middleware::{deadline::deadline, metrics::metrics, span::SpanAttributes};
+/// use envoi_core::typed::{deadline::deadline, metrics::metrics, span::SpanAttributes};
 /// use envoi_core::{Command, Message, Messenger};
 /// use std::{convert::Infallible, time::Duration};
 ///

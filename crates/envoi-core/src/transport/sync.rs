@@ -1,6 +1,6 @@
 //! The sync transport (`sync://`): "sending" a message to it handles it at
 //! once, in the sender's task, on the bus named by its
-//! [`BusNameStamp`] (the default bus
+//! [`BusNameStamp`](crate::envelope::stamp::BusNameStamp) (the default bus
 //! otherwise), with a [`ReceivedStamp`] naming the transport.
 //!
 //! It lets a route be switched between asynchronous and synchronous handling
@@ -13,11 +13,11 @@
 //!   it, and it cannot be a failure transport (the build refuses it).
 //!
 //! The transport must be registered with the messenger that handles its
-//! messages ([`MessengerBuilder::transport`](crate::MessengerBuilder::transport)
-//! or [`transport_dsn`](crate::MessengerBuilder::transport_dsn)).
+//! messages (`MessengerBuilder::transport`
+//! or `transport_dsn`).
 //!
 //! ```
-//! use envoi_core::sync_transport::SyncTransport;
+//! use envoi_core::transport::sync::SyncTransport;
 //! use envoi_core::{Message, Messenger, Query};
 //! use serde::{Deserialize, Serialize};
 //! use std::convert::Infallible;
@@ -41,18 +41,17 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use crate::builder::Messenger;
+use crate::envelope::stamp::{ReceivedStamp, TransportMessageIdStamp};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, TransportError};
-use crate::middleware::BoxFuture;
-use crate::stamp::{BusNameStamp, ReceivedStamp, TransportMessageIdStamp};
 use crate::transport::{
-    mask_dsn, strip_scheme, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalTransport,
-    RawMessage, Transport, TransportBinding,
+    mask_dsn, strip_scheme, Capabilities, Delivery, Inbox, LocalDelivery, LocalFuture,
+    LocalTransport, RawMessage, Transport, TransportBinding,
 };
+use crate::BoxFuture;
 
 /// Handles messages when they are sent; see the [module documentation](self).
 #[derive(Default)]
@@ -97,22 +96,19 @@ impl SyncTransport {
             .clone()
     }
 
-    fn target(&self) -> Result<(Messenger, TransportBinding), TransportError> {
+    fn target(&self) -> Result<(Arc<dyn Inbox>, TransportBinding), TransportError> {
         let binding = self.binding().ok_or_else(|| {
             TransportError::backend(
                 "handling on the sync transport",
                 "the transport is not registered with a messenger",
             )
         })?;
-        let messenger = binding
-            .messenger()
-            .upgrade()
-            .ok_or(TransportError::Closed)?;
-        Ok((messenger, binding))
+        let inbox = binding.inbox().ok_or(TransportError::Closed)?;
+        Ok((inbox, binding))
     }
 
     async fn handle(&self, envelope: Envelope) -> Result<Envelope> {
-        let (messenger, binding) = match self.target() {
+        let (inbox, binding) = match self.target() {
             Ok(t) => t,
             Err(source) => {
                 return Err(BusError::Transport {
@@ -122,13 +118,9 @@ impl SyncTransport {
                 })
             }
         };
-        let bus = envelope
-            .last::<BusNameStamp>()
-            .and_then(|b| messenger.bus_named(&b.bus))
-            .unwrap_or_else(|| messenger.bus());
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
-        let envelope = envelope.with(ReceivedStamp::new(binding.name.clone()));
-        let handled = Box::pin(bus.dispatch(envelope)).await?;
+        let envelope = envelope.with(ReceivedStamp::new(binding.name()));
+        let handled = inbox.dispatch_received(envelope).await?;
         Ok(handled.with(TransportMessageIdStamp::new(id.to_string())))
     }
 }
@@ -143,8 +135,8 @@ impl Transport for SyncTransport {
     ) -> BoxFuture<'_, Result<String, TransportError>> {
         let _ = delay;
         Box::pin(async move {
-            let (messenger, _) = self.target()?;
-            let envelope = messenger.serializer().decode(&message)?;
+            let (_, binding) = self.target()?;
+            let envelope = binding.serializer().decode(&message)?;
             match self.handle(envelope).await {
                 Ok(out) => Ok(out
                     .last::<TransportMessageIdStamp>()

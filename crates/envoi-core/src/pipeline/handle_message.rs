@@ -3,12 +3,13 @@
 use std::sync::Arc;
 
 use super::dispatch_after_current_bus::{scope, take_deferred, Deferred, DeferredDispatches};
-use super::{BoxFuture, Middleware, Next};
+use crate::envelope::message::MessageKind;
+use crate::envelope::stamp::HandledStamp;
 use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result, StepResult};
-use crate::handler::{ErasedHandler, HandlerRegistry};
-use crate::message::MessageKind;
-use crate::stamp::HandledStamp;
+use crate::middleware::{Middleware, Next};
+use crate::pipeline::handler::{ErasedHandler, HandlerRegistry};
+use crate::BoxFuture;
 
 /// Looks up the handlers of the message's type and runs them one after the
 /// other, adding one [`HandledStamp`] per handler that succeeded.

@@ -27,14 +27,14 @@
 //!
 //! Only **registered** message names decode: a `type` the serializer does
 //! not know is an error ([`SerializationError::UnknownType`]), never a guess.
-//! [`MessengerBuilder::route`](crate::MessengerBuilder::route) registers the
+//! `MessengerBuilder::route` registers the
 //! routed type; register types a process only receives with
-//! [`MessengerBuilder::message`](crate::MessengerBuilder::message) or
+//! `MessengerBuilder::message` or
 //! [`SerializerBuilder::message`].
 //!
 //! Stamps decode through a registry as well. Every built-in sendable stamp is
 //! registered; register your own with
-//! [`MessengerBuilder::stamp`](crate::MessengerBuilder::stamp). A stamp
+//! `MessengerBuilder::stamp`. A stamp
 //! header that names no registered stamp type is **kept verbatim** as an
 //! [`OpaqueStamp`] and written back unchanged when the envelope is sent
 //! again, so a process that does not know a stamp does not strip it from a
@@ -87,17 +87,17 @@ use std::sync::{Arc, PoisonError, RwLock};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::envelope::Envelope;
-use crate::error::SerializationError;
-use crate::handler::TypeMap;
-use crate::headers::Headers;
-use crate::message::{Message, MessageKind};
-use crate::middleware::correlation::{CausationIdStamp, CorrelationIdStamp};
-use crate::middleware::dedup::DedupClaimStamp;
-use crate::stamp::{
+use crate::envelope::headers::{Headers, BUS_NAME_HEADER};
+use crate::envelope::message::{Message, MessageKind};
+use crate::envelope::stamp::{
     BusNameStamp, DelayStamp, ErasedStamp, ErrorDetailsStamp, HandledStamp, MessageIdStamp,
     RedeliveredStamp, RedeliveryStamp, SentToFailureTransportStamp, Stamp, UnsentStamp,
 };
+use crate::envelope::type_map::TypeMap;
+use crate::envelope::Envelope;
+use crate::error::SerializationError;
+use crate::middleware::correlation::{CausationIdStamp, CorrelationIdStamp};
+use crate::middleware::dedup::DedupClaimStamp;
 use crate::transport::{RawMessage, REDELIVERED_HEADER};
 
 /// The header holding the message's stable name.
@@ -108,8 +108,8 @@ pub const KIND_HEADER: &str = "kind";
 pub const STAMP_HEADER_PREFIX: &str = "X-Message-Stamp-";
 /// How many stamps of each retry-history type (`Redelivery`, `Delay`,
 /// `ErrorDetails`, `SentToFailureTransport`, `DedupClaim`) a message keeps
-/// on the wire: the newest ones. Enough for the longest
-/// [`parked_again_delay`](crate::middleware::retry::parked_again_delay).
+/// on the wire: the newest ones. Enough for the longest delay of a message
+/// parked again and again (an hour, reached after 13 parks).
 pub const STAMP_HISTORY: usize = 16;
 
 /// Whether stamps named `name` are retry history, of which only the newest
@@ -450,7 +450,7 @@ impl Inner {
         if buses.len() >= BUS_NAMES {
             return None;
         }
-        let shared = crate::middleware::add_bus_name::intern(name);
+        let shared = crate::envelope::stamp::intern_bus_name(name);
         let header: &'static str = Box::leak(format!(r#"[{{"bus":"{name}"}}]"#).into_boxed_str());
         buses.push((shared, header));
         Some((shared, header))
@@ -757,9 +757,6 @@ fn encode_stamps(
     Ok(())
 }
 
-/// The header of [`BusNameStamp`]s: `X-Message-Stamp-BusName`.
-pub(crate) const BUS_NAME_HEADER: &str = "X-Message-Stamp-BusName";
-
 /// `X-Message-Stamp-<name>`.
 fn stamp_header(name: &str) -> String {
     let mut key = String::with_capacity(STAMP_HEADER_PREFIX.len() + name.len());
@@ -844,7 +841,7 @@ impl SerializationError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stamp::{ReceivedStamp, SentStamp};
+    use crate::envelope::stamp::{ReceivedStamp, SentStamp};
 
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
     struct Order {
@@ -1096,7 +1093,7 @@ mod tests {
         assert_eq!(BUS_NAME_HEADER, stamp_header(BusNameStamp::NAME));
         // Transports decoding it from the wire keep the name borrowed.
         assert!(matches!(
-            crate::headers::header_text(&stamp_header(BusNameStamp::NAME)),
+            crate::envelope::headers::header_text(&stamp_header(BusNameStamp::NAME)),
             Cow::Borrowed(BUS_NAME_HEADER)
         ));
         let s = serializer();

@@ -24,7 +24,7 @@
 //! * If deferred messages fail, the others still run, and the outer dispatch
 //!   returns [`BusError::DelayedHandlingFailed`] with every error. Called
 //!   from application code, the caller gets that error and decides what to
-//!   do. For a message a [worker](crate::worker) received, the error also
+//!   do. For a message a worker received, the error also
 //!   carries each failed deferred message (as it was when it failed: the
 //!   `HandledStamp`s of its own handlers that succeeded, whose deferred
 //!   messages are then run too), and the worker parks each of them in the
@@ -60,12 +60,13 @@ use std::task::{Context, Poll};
 
 use serde::{Deserialize, Serialize};
 
-use super::{BoxFuture, Endpoint, Middleware, Next};
-use crate::envelope::Envelope;
-use crate::error::{BusError, Result, StepResult};
-use crate::stamp::{
+use crate::envelope::stamp::{
     DispatchAfterCurrentBusStamp, ErrorDetailsStamp, ReceivedStamp, Stamp, UnsentStamp,
 };
+use crate::envelope::Envelope;
+use crate::error::{BusError, Result, StepResult};
+use crate::middleware::{Endpoint, Middleware, Next};
+use crate::BoxFuture;
 
 /// A dispatch waiting for the outer one, with where to run it.
 #[derive(Clone)]
@@ -159,6 +160,15 @@ impl<'de> Deserialize<'de> for FailedDeferred {
 impl Stamp for FailedDeferred {
     const NAME: &'static str = "FailedDeferred";
     const SENDABLE: bool = false;
+}
+
+/// Removes and returns the dispatches deferred by `envelope`'s handlers.
+pub(crate) fn take_deferred_of(envelope: &mut Envelope) -> Vec<Deferred> {
+    envelope
+        .take_all::<DeferredDispatches>()
+        .into_iter()
+        .flat_map(|d| d.0)
+        .collect()
 }
 
 // Which handler scope (if any) the current poll runs in: 0 for none. Set by
@@ -340,7 +350,7 @@ where
 /// deferred dispatches: hands them to the enclosing handler's scope or, at
 /// the outermost dispatch, runs them.
 pub(crate) async fn settle(mut out: Envelope) -> StepResult {
-    let deferred = out.take_deferred();
+    let deferred = take_deferred_of(&mut out);
     if let Some(scope) = current_scope() {
         push_deferred(scope, deferred);
         return Ok(out);
@@ -389,7 +399,7 @@ async fn settle_parked(error: Box<BusError>) -> StepResult {
         other => return Err(Box::new(other)),
     };
     envelope.remove_last::<ParkedWithDeferred>();
-    let deferred = envelope.take_deferred();
+    let deferred = take_deferred_of(&mut envelope);
     if let Some(scope) = current_scope() {
         push_deferred(scope, deferred);
     } else {
@@ -428,11 +438,11 @@ async fn run_all(
     while let Some(d) = queue.pop_front() {
         let kept = keep.then(|| d.envelope.clone());
         match d.target.call(d.envelope).await {
-            Ok(mut handled) => queue.extend(handled.take_deferred()),
+            Ok(mut handled) => queue.extend(take_deferred_of(&mut handled)),
             Err(e) => {
                 if let Some(kept) = kept {
                     let mut envelope = e.envelope().cloned().unwrap_or(kept);
-                    queue.extend(envelope.take_deferred());
+                    queue.extend(take_deferred_of(&mut envelope));
                     // Not sent: parked, it is to be sent there again when
                     // retried, not handled as if it had been received.
                     if let BusError::Transport { transport, .. } = &e {

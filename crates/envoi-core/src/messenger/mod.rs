@@ -37,19 +37,25 @@ use std::sync::{Arc, Weak};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::bus::MessageBus;
-use crate::error::TransportError;
-use crate::handler::{Handler, HandlerRegistry, IntoHandler};
-use crate::message::{Command, Event, Message, MessageKind, Query};
-use crate::middleware::handle_message::HandleMessage;
-use crate::middleware::retry::{Retry, RetryConfig, RetryStrategy};
-use crate::middleware::send_message::{Routes, SendMessage};
+use crate::envelope::message::{Command, Event, Message, MessageKind, Query};
+use crate::envelope::stamp::BusNameStamp;
+use crate::envelope::stamp::Stamp;
+use crate::envelope::Envelope;
+use crate::error::{BusError, TransportError};
+use crate::failure::{RetryConfig, RetryStrategy};
 use crate::middleware::Middleware;
-use crate::serializer::{RegistryError, Serializer, SerializerBuilder};
-use crate::stamp::Stamp;
-use crate::transport::{Sender, SenderDispatcher, Transport, TransportBinding, TransportFactory};
-use crate::transports::{Senders, TransportFactories, TransportSender};
+use crate::pipeline::bus::MessageBus;
+use crate::pipeline::handle_message::HandleMessage;
+use crate::pipeline::handler::{Handler, HandlerRegistry, IntoHandler};
+use crate::pipeline::retry::Retry;
+use crate::pipeline::send_message::{Routes, SendMessage};
+use crate::transport::registry::{Senders, TransportFactories, TransportSender};
+use crate::transport::serializer::{RegistryError, Serializer, SerializerBuilder};
+use crate::transport::{
+    Inbox, Sender, SenderDispatcher, Transport, TransportBinding, TransportFactory,
+};
 use crate::typed::Dispatcher;
+use crate::BoxFuture;
 
 /// A configuration mistake found by [`MessengerBuilder::build`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -316,7 +322,7 @@ impl MessengerBuilder {
 
     /// Registers stamp type `S` with the serializer, so its header decodes
     /// to `S` (unregistered stamp headers are kept as
-    /// [`OpaqueStamp`](crate::serializer::OpaqueStamp)s).
+    /// [`OpaqueStamp`](crate::transport::serializer::OpaqueStamp)s).
     pub fn stamp<S: Stamp>(mut self) -> Self {
         self.serializer.add_stamp::<S>();
         self
@@ -565,15 +571,25 @@ impl MessengerBuilder {
                 retry: retry_config,
             }),
         };
-        let weak = messenger.downgrade();
+        let inbox: Weak<dyn Inbox> = Arc::downgrade(&messenger.inner) as Weak<dyn Inbox>;
         for (name, transport) in &messenger.inner.transports {
-            transport.bind(&TransportBinding {
-                name: Arc::from(name.as_str()),
-                serializer: messenger.inner.serializer.clone(),
-                messenger: weak.clone(),
-            });
+            transport.bind(&TransportBinding::new(
+                Arc::from(name.as_str()),
+                messenger.inner.serializer.clone(),
+                inbox.clone(),
+            ));
         }
         Ok(messenger)
+    }
+}
+
+impl Inbox for MessengerInner {
+    fn dispatch_received(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope, BusError>> {
+        let bus = envelope
+            .last::<BusNameStamp>()
+            .and_then(|b| self.buses.get(&*b.bus))
+            .unwrap_or(&self.default);
+        Box::pin(bus.dispatch(envelope))
     }
 }
 

@@ -3,10 +3,11 @@
 
 use std::sync::Arc;
 
-use super::{BoxFuture, Middleware, Next};
+use crate::envelope::stamp::{ReceivedStamp, SentToFailureTransportStamp};
 use crate::envelope::Envelope;
 use crate::error::Result;
-use crate::stamp::{ReceivedStamp, SentToFailureTransportStamp};
+use crate::middleware::{Middleware, Next};
+use crate::BoxFuture;
 
 /// When a received envelope carries a [`SentToFailureTransportStamp`], adds a
 /// [`ReceivedStamp`] naming the original transport, so routing, retry

@@ -1,4 +1,5 @@
-//! [`Headers`]: the headers of a [`RawMessage`](crate::transport::RawMessage).
+//! [`Headers`]: the string headers of an envelope, and of a message as a
+//! transport stores it.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -6,8 +7,6 @@ use std::fmt;
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-use crate::serializer::BUS_NAME_HEADER;
 
 /// A header name or value: borrowed for the fixed ones (`type`, `kind`, a
 /// message's name), owned for the rest.
@@ -164,9 +163,7 @@ impl Headers {
     }
 
     /// The size of the headers as encoded: the bytes of every name and
-    /// value, added up. What the serializer's
-    /// [`max_headers_size`](crate::serializer::SerializerBuilder::max_headers_size)
-    /// limits.
+    /// value, added up. What the serializer's `max_headers_size` limits.
     pub fn encoded_size(&self) -> usize {
         self.entries
             .iter()
@@ -344,6 +341,10 @@ impl<'de> Deserialize<'de> for Text {
         deserializer.deserialize_str(TextVisitor)
     }
 }
+
+/// The header of [`BusNameStamp`](crate::envelope::stamp::BusNameStamp)s:
+/// `X-Message-Stamp-BusName`.
+pub(crate) const BUS_NAME_HEADER: &str = "X-Message-Stamp-BusName";
 
 #[cfg(test)]
 mod tests {

@@ -4,13 +4,14 @@
 use std::any::TypeId;
 use std::sync::Arc;
 
-use super::{BoxFuture, Middleware, Next};
+use crate::envelope::message::Message;
+use crate::envelope::stamp::{ReceivedStamp, SentStamp, StampEntry};
+use crate::envelope::type_map::TypeMap;
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
-use crate::handler::TypeMap;
-use crate::message::Message;
-use crate::stamp::{ReceivedStamp, SentStamp, StampEntry};
+use crate::middleware::{Middleware, Next};
 use crate::transport::{LocalFuture, SenderDispatcher, Transport};
+use crate::BoxFuture;
 
 /// Which transports each message type is sent to.
 #[derive(Debug, Default, Clone)]
@@ -303,10 +304,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_message_routed_to_an_in_memory_transport_is_stored_and_stamped() {
-        use crate::in_memory::InMemoryTransport;
-        use crate::stamp::TransportMessageIdStamp;
+        use crate::envelope::stamp::TransportMessageIdStamp;
+        use crate::transport::in_memory::InMemoryTransport;
+        use crate::transport::registry::{Senders, TransportSender};
         use crate::transport::{LocalTransport, Payload};
-        use crate::transports::{Senders, TransportSender};
 
         let queue = Arc::new(InMemoryTransport::new());
         let mut senders = Senders::new();
@@ -315,7 +316,9 @@ mod tests {
             TransportSender::new(
                 "async",
                 queue.clone(),
-                crate::serializer::Serializer::builder().build().unwrap(),
+                crate::transport::serializer::Serializer::builder()
+                    .build()
+                    .unwrap(),
             ),
         );
         let mut routes = Routes::new();
@@ -413,7 +416,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_local_send_hands_back_the_envelope_without_its_sent_stamp() {
-        use crate::transports::{Senders, TransportSender};
+        use crate::transport::registry::{Senders, TransportSender};
 
         let mut senders = Senders::new();
         senders.insert_transport(
@@ -421,7 +424,9 @@ mod tests {
             TransportSender::new(
                 "refusing",
                 Arc::new(Refusing),
-                crate::serializer::Serializer::builder().build().unwrap(),
+                crate::transport::serializer::Serializer::builder()
+                    .build()
+                    .unwrap(),
             ),
         );
         let mut routes = Routes::new();

@@ -40,7 +40,7 @@
 //! with the serializer of the messenger the transport is registered with.
 //!
 //! ```
-//! use envoi_core::in_memory::InMemoryTransport;
+//! use envoi_core::transport::in_memory::InMemoryTransport;
 //! use envoi_core::transport::{RawMessage, Transport};
 //!
 //! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
@@ -65,17 +65,17 @@ use crossbeam_queue::SegQueue;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::envelope::headers::Headers;
+use crate::envelope::stamp::{DelayStamp, RedeliveredStamp};
 use crate::envelope::Envelope;
 use crate::error::{Result, TransportError};
 use crate::far;
-use crate::headers::Headers;
-use crate::middleware::BoxFuture;
-use crate::serializer::{Serializer, INVALID_BODY_HEADER, KIND_HEADER, TYPE_HEADER};
-use crate::stamp::{DelayStamp, RedeliveredStamp};
+use crate::transport::serializer::{Serializer, INVALID_BODY_HEADER, KIND_HEADER, TYPE_HEADER};
 use crate::transport::{
     mask_dsn, strip_scheme, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalId,
     LocalTransport, Payload, RawMessage, Transport, TransportBinding, REDELIVERED_HEADER,
 };
+use crate::BoxFuture;
 
 /// How an [`InMemoryTransport`] behaves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -670,7 +670,7 @@ impl InMemoryTransport {
     ///
     /// The stored copy shares the returned envelope's body, stamps
     /// included: its non-sendable stamps (the id, the sender's
-    /// [`SentStamp`](crate::stamp::SentStamp)) are dropped when it is first
+    /// [`SentStamp`](crate::envelope::stamp::SentStamp)) are dropped when it is first
     /// handed out, by then usually in place. Stamping the envelope before it
     /// is shared costs no copy.
     fn store_envelope(&self, envelope: Envelope) -> Envelope {
@@ -1254,25 +1254,25 @@ mod tests {
         let sent = t
             .send_envelope(
                 Envelope::new(Ping)
-                    .with(crate::stamp::ReceivedStamp::new("x"))
+                    .with(crate::envelope::stamp::ReceivedStamp::new("x"))
                     .with(DelayStamp { ms: 0 }),
             )
             .await
             .unwrap();
-        assert!(sent.has::<crate::stamp::TransportMessageIdStamp>());
+        assert!(sent.has::<crate::envelope::stamp::TransportMessageIdStamp>());
         let got = t.get_local(10).await.unwrap();
         let Payload::Envelope(e) = &got[0].payload else {
             panic!("expected an envelope")
         };
-        assert!(!e.has::<crate::stamp::ReceivedStamp>());
+        assert!(!e.has::<crate::envelope::stamp::ReceivedStamp>());
         assert!(e.has::<DelayStamp>());
         assert_eq!(
             got[0].id.to_string(),
-            sent.last::<crate::stamp::TransportMessageIdStamp>()
+            sent.last::<crate::envelope::stamp::TransportMessageIdStamp>()
                 .unwrap()
                 .id
         );
-        assert!(!e.has::<crate::stamp::TransportMessageIdStamp>());
+        assert!(!e.has::<crate::envelope::stamp::TransportMessageIdStamp>());
     }
 
     /// The reason a raw message read from an envelope that could not be
@@ -1529,7 +1529,7 @@ mod tests {
                 .serialize
         );
         assert!(crate::transport::TransportFactory::supports(
-            &crate::transports::InMemoryFactory,
+            &crate::transport::registry::InMemoryFactory,
             "In-Memory://"
         ));
         for bad in [

@@ -29,19 +29,19 @@
 //! ```
 
 use std::any::TypeId;
-use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
+use crate::envelope::message::{Message, MessageKind};
+use crate::envelope::stamp::HandlerResult;
+use crate::envelope::type_map::TypeMap;
 use crate::envelope::Envelope;
 use crate::error::BoxError;
-use crate::message::{Message, MessageKind};
-use crate::middleware::{short_type_name, BoxFuture};
-use crate::stamp::HandlerResult;
+use crate::middleware::short_type_name;
+use crate::BoxFuture;
 
 /// Handles messages of type `M`.
 #[diagnostic::on_unimplemented(
@@ -58,7 +58,7 @@ pub trait Handler<M: Message>: Send + Sync + 'static {
     fn handle(&self, message: &M)
         -> impl Future<Output = Result<Self::Output, Self::Error>> + Send;
 
-    /// The handler's name, used in [`HandledStamp`](crate::stamp::HandledStamp)s
+    /// The handler's name, used in [`HandledStamp`](crate::envelope::stamp::HandledStamp)s
     /// and errors; the type name by default.
     fn name(&self) -> &'static str {
         short_type_name(std::any::type_name::<Self>())
@@ -183,29 +183,6 @@ impl<M: Message, H: Handler<M>> ErasedHandler for Typed<M, H> {
         self.name
     }
 }
-
-/// A hasher for `TypeId` keys: the id is already a good hash.
-#[derive(Default)]
-pub(crate) struct TypeIdHasher(u64);
-
-impl Hasher for TypeIdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 ^= n;
-    }
-    fn write_u128(&mut self, n: u128) {
-        self.0 ^= (n as u64) ^ ((n >> 64) as u64);
-    }
-}
-
-pub(crate) type TypeMap<V> = HashMap<TypeId, V, BuildHasherDefault<TypeIdHasher>>;
 
 /// The handlers registered for one message type.
 pub(crate) struct Registration {

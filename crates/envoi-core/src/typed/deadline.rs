@@ -26,7 +26,7 @@
 //! (`#[tokio::main]` and `#[tokio::test]` enable it).
 //!
 //! ```
-//! use envoi_core::middleware::deadline::deadline;
+//! use envoi_core::typed::deadline::deadline;
 //! use envoi_core::{BusError, Command, DispatchError, Message, Messenger};
 //! use std::{convert::Infallible, time::Duration};
 //!
@@ -56,11 +56,12 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use super::{BoxFuture, Middleware, Next};
+use crate::envelope::message::MessageKind;
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
-use crate::message::MessageKind;
+use crate::middleware::{Middleware, Next};
 use crate::typed::{DispatchContext, DispatchMiddleware, DispatchNext};
+use crate::BoxFuture;
 
 /// The `deadline(duration)` layer; see the [module docs](self).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

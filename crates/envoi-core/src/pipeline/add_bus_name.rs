@@ -1,13 +1,12 @@
 //! Step 1 of the canonical pipeline: stamp the envelope with the bus name.
 
 use std::borrow::Cow;
-use std::collections::HashSet;
-use std::sync::Mutex;
 
-use super::{BoxFuture, Middleware, Next};
+use crate::envelope::stamp::{intern_bus_name, BusNameStamp};
 use crate::envelope::Envelope;
 use crate::error::Result;
-use crate::stamp::BusNameStamp;
+use crate::middleware::{Middleware, Next};
+use crate::BoxFuture;
 
 /// Adds a [`BusNameStamp`] naming this bus unless the envelope already has
 /// one (a message received from a transport keeps the bus it was sent from).
@@ -20,7 +19,7 @@ impl AddBusNameStamp {
     /// The step for bus `bus`.
     pub fn new(bus: impl AsRef<str>) -> Self {
         Self {
-            bus: intern(bus.as_ref()),
+            bus: intern_bus_name(bus.as_ref()),
         }
     }
 
@@ -33,23 +32,6 @@ impl AddBusNameStamp {
             envelope.with(BusNameStamp {
                 bus: Cow::Borrowed(self.bus),
             })
-        }
-    }
-}
-
-/// Bus names as `'static` strings, each kept once for the life of the
-/// program: buses are named when they are built, so the set stays as small
-/// as the number of distinct bus names.
-pub(crate) fn intern(name: &str) -> &'static str {
-    static NAMES: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
-    let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
-    let names = names.get_or_insert_with(HashSet::new);
-    match names.get(name) {
-        Some(interned) => interned,
-        None => {
-            let interned: &'static str = Box::leak(name.into());
-            names.insert(interned);
-            interned
         }
     }
 }
