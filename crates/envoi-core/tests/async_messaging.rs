@@ -452,7 +452,7 @@ async fn the_messenger_exposes_its_transports_serializer_and_failure_transports(
     let debug = messenger.debug();
     assert!(debug.contains("transports"), "{debug}");
     assert!(
-        debug.contains("failed (failure transport, in memory)"),
+        debug.contains("failed (failure transport, in process)"),
         "{debug}"
     );
 }

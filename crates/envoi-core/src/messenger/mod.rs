@@ -475,7 +475,7 @@ impl MessengerBuilder {
         for (_, failure) in &self.failure_transports {
             if transports
                 .get(failure)
-                .and_then(|t| t.local())
+                .and_then(|t| t.as_local_sender())
                 .is_some_and(|l| l.handles_on_send())
             {
                 return Err(BuildError::FailureTransportHandlesOnSend(failure.clone()));
@@ -507,7 +507,10 @@ impl MessengerBuilder {
         let retry = if has_transports {
             let mut cfg = RetryConfig::new(dispatcher.clone());
             for (name, transport) in &transports {
-                if transport.local().is_some_and(|l| l.handles_on_send()) {
+                if transport
+                    .as_local_sender()
+                    .is_some_and(|l| l.handles_on_send())
+                {
                     cfg = cfg.without_retry(name.clone());
                 }
             }
@@ -706,12 +709,18 @@ impl Messenger {
             .unwrap_or_default()
     }
 
-    /// Calls [`Transport::setup`] on every registered transport, in name
-    /// order, and returns each one's result.
+    /// Sets up every registered transport that needs it
+    /// ([`Setup::setup`](crate::transport::Setup::setup)), in name order,
+    /// and returns each one's result (`Ok` for a transport with nothing to
+    /// set up).
     pub async fn setup_transports(&self) -> Vec<(String, Result<(), TransportError>)> {
         let mut out = Vec::with_capacity(self.inner.transports.len());
         for (name, transport) in &self.inner.transports {
-            out.push((name.clone(), transport.setup().await));
+            let result = match transport.as_setup() {
+                Some(setup) => setup.setup().await,
+                None => Ok(()),
+            };
+            out.push((name.clone(), result));
         }
         out
     }
@@ -741,7 +750,6 @@ impl Messenger {
         if !self.inner.transports.is_empty() {
             let _ = writeln!(out, "transports");
             for (name, transport) in &self.inner.transports {
-                let c = transport.capabilities();
                 let mut notes = Vec::new();
                 if let Some(f) = self.failure_transport_for(name) {
                     if f != name {
@@ -751,15 +759,17 @@ impl Messenger {
                 if self.failure_transports().contains(&name.as_str()) {
                     notes.push("failure transport".into());
                 }
-                notes.push(
-                    if c.persistent {
-                        "persistent"
-                    } else {
-                        "in memory"
-                    }
-                    .into(),
-                );
-                let _ = writeln!(out, "  {name} ({})", notes.join(", "));
+                if transport.as_local_sender().is_some() {
+                    notes.push("in process".into());
+                }
+                if transport.as_receiver().is_none() {
+                    notes.push("nothing to consume".into());
+                }
+                let _ = if notes.is_empty() {
+                    writeln!(out, "  {name}")
+                } else {
+                    writeln!(out, "  {name} ({})", notes.join(", "))
+                };
             }
         }
         let _ = writeln!(out, "handlers");

@@ -77,7 +77,7 @@ impl Route {
     fn new(transport: &Arc<str>, dispatcher: &dyn SenderDispatcher) -> Self {
         let local = dispatcher
             .direct(transport)
-            .filter(|t| t.local().is_some_and(|l| !l.handles_on_send()));
+            .filter(|t| t.as_local_sender().is_some_and(|l| !l.handles_on_send()));
         Self {
             transport: transport.clone(),
             sent: StampEntry::new(SentStamp::new(transport.to_string())),
@@ -194,7 +194,7 @@ impl SendMessage {
     #[inline]
     pub(crate) fn start<'a>(&'a self, envelope: Envelope, targets: &'a [Route]) -> Started<'a> {
         if let [route] = targets {
-            if let Some(local) = route.local.as_ref().and_then(|t| t.local()) {
+            if let Some(local) = route.local.as_ref().and_then(|t| t.as_local_sender()) {
                 return match local.send_envelope(envelope.with_entry(route.sent.clone())) {
                     LocalFuture::Ready(Some(result)) => Started::Done(result.map_err(unsent)),
                     pending => {
@@ -208,7 +208,7 @@ impl SendMessage {
 
     pub(crate) async fn send(&self, mut envelope: Envelope, targets: &[Route]) -> Result<Envelope> {
         for route in targets {
-            envelope = match route.local.as_ref().and_then(|t| t.local()) {
+            envelope = match route.local.as_ref().and_then(|t| t.as_local_sender()) {
                 // Stamped before it is sent: the transport stores the
                 // envelope it returns (dropping the non-sendable stamps when
                 // it hands it out), so a stamp added afterwards would copy

@@ -66,14 +66,16 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::envelope::headers::Headers;
-use crate::envelope::stamp::{DelayStamp, RedeliveredStamp};
+use crate::envelope::stamp::DelayStamp;
 use crate::envelope::Envelope;
 use crate::error::{Result, TransportError};
 use crate::far;
 use crate::transport::serializer::{Serializer, INVALID_BODY_HEADER, KIND_HEADER, TYPE_HEADER};
+use crate::transport::support::DsnQuery;
 use crate::transport::{
-    mask_dsn, strip_scheme, Capabilities, Delivery, LocalDelivery, LocalFuture, LocalId,
-    LocalTransport, Payload, RawMessage, Transport, TransportBinding, REDELIVERED_HEADER,
+    strip_scheme, Browse, Delivery, DeliveryId, Keepalive, LocalDelivery, LocalFuture, LocalId,
+    LocalReceiver, LocalSender, MessageCount, Payload, RawMessage, Receiver, Teardown, Transport,
+    TransportBinding, WakeUp,
 };
 use crate::BoxFuture;
 
@@ -102,95 +104,56 @@ impl InMemoryConfig {
     /// Anything else (an option given twice included) is an
     /// [`InvalidDsn`](TransportError::InvalidDsn).
     pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
-        let invalid = |reason: String| TransportError::InvalidDsn {
-            dsn: mask_dsn(dsn),
-            reason,
-        };
+        let mut query = DsnQuery::parse(dsn)?;
         let Some(rest) = strip_scheme(dsn, "in-memory://") else {
-            return Err(invalid("the scheme must be `in-memory://`".into()));
+            return Err(query.invalid("the scheme must be `in-memory://`".into()));
         };
-        let (host, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let host = rest.split(['?', '#']).next().unwrap_or_default();
         if !host.is_empty() {
-            return Err(invalid(format!(
+            return Err(query.invalid(format!(
                 "`in-memory://` takes no host or path, found `{host}`"
             )));
         }
         let mut config = Self::default();
-        let mut seen: Vec<&str> = Vec::new();
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            if seen.contains(&key) {
-                return Err(invalid(format!("option `{key}` is given twice")));
-            }
-            seen.push(key);
-            match key {
-                "serialize" => {
-                    config.serialize = match value {
-                        "true" | "1" => true,
-                        "false" | "0" => false,
-                        other => {
-                            return Err(invalid(format!(
-                                "`serialize` must be true or false, not `{other}`"
-                            )))
-                        }
-                    }
-                }
-                "lease_timeout_ms" => {
-                    let ms: u64 = value.parse().map_err(|_| {
-                        invalid(format!(
-                            "`lease_timeout_ms` must be a number of milliseconds, not `{value}`"
-                        ))
-                    })?;
-                    if ms == 0 {
-                        return Err(invalid("`lease_timeout_ms` must be above 0".into()));
-                    }
-                    config.lease_timeout = Duration::from_millis(ms);
-                }
-                other => return Err(invalid(format!("unknown option `{other}`"))),
-            }
+        if let Some(serialize) = query.bool("serialize")? {
+            config.serialize = serialize;
         }
+        if let Some(ms) = query.number::<u64>("lease_timeout_ms")? {
+            if ms == 0 {
+                return Err(query.invalid("`lease_timeout_ms` must be above 0".into()));
+            }
+            config.lease_timeout = Duration::from_millis(ms);
+        }
+        query.finish()?;
         Ok(config)
     }
 }
 
 /// A stored message: a [`Payload`] in half the space (a queue may hold
-/// many).
+/// many), and whether it is to be handed out marked as redelivered.
 enum Stored {
     Envelope(Envelope),
-    /// An envelope whose lease ran out, made sendable and then given a
-    /// [`RedeliveredStamp`] (which [`make_sendable`](Self::make_sendable)
-    /// leaves on it).
+    /// An envelope whose lease ran out.
     Redelivered(Envelope),
     Raw(Box<RawMessage>),
+    /// A raw message whose lease ran out.
+    RedeliveredRaw(Box<RawMessage>),
 }
 
 impl Stored {
-    /// A raw message as it is stored: without a [`REDELIVERED_HEADER`] its
-    /// producer set, as only the transport marks a redelivery.
-    fn raw(mut raw: RawMessage) -> Self {
-        raw.headers.remove(REDELIVERED_HEADER);
-        Stored::Raw(Box::new(raw))
-    }
-
     /// The message of a lease that ran out, marked as redelivered to be
     /// handed out again.
     fn redelivered(self) -> Self {
         match self {
-            Stored::Envelope(e) => {
-                Stored::Redelivered(e.into_sendable().with(RedeliveredStamp::new()))
-            }
-            Stored::Raw(mut raw) => {
-                raw.mark_redelivered();
-                Stored::Raw(raw)
-            }
+            Stored::Envelope(e) => Stored::Redelivered(e),
+            Stored::Raw(raw) => Stored::RedeliveredRaw(raw),
             marked => marked,
         }
     }
 
-    /// Whether it is an envelope marked by [`redelivered`](Self::redelivered)
-    /// (a raw message carries the mark in its headers).
-    fn is_redelivered_envelope(&self) -> bool {
-        matches!(self, Stored::Redelivered(_))
+    /// Whether it is marked by [`redelivered`](Self::redelivered).
+    fn is_redelivered(&self) -> bool {
+        matches!(self, Stored::Redelivered(_) | Stored::RedeliveredRaw(_))
     }
 
     /// A copy to hand out, once [`make_sendable`](Self::make_sendable)
@@ -198,25 +161,24 @@ impl Stored {
     fn handout(&self) -> Payload {
         match self {
             Stored::Envelope(e) | Stored::Redelivered(e) => Payload::Envelope(e.clone()),
-            Stored::Raw(raw) => Payload::Raw((**raw).clone()),
+            Stored::Raw(raw) | Stored::RedeliveredRaw(raw) => Payload::Raw((**raw).clone()),
         }
     }
 
-    /// A copy to list: an envelope without its non-sendable stamps (the
-    /// mark of a redelivery included).
+    /// A copy to list: an envelope without its non-sendable stamps.
     fn payload(&self) -> Payload {
         match self {
             Stored::Envelope(e) | Stored::Redelivered(e) => {
                 Payload::Envelope(e.clone().into_sendable())
             }
-            Stored::Raw(raw) => Payload::Raw((**raw).clone()),
+            Stored::Raw(raw) | Stored::RedeliveredRaw(raw) => Payload::Raw((**raw).clone()),
         }
     }
 
     /// Drops the non-sendable stamps of a stored envelope (kept until it is
     /// first handed out, so that storing it needs no copy of its stamps).
     fn make_sendable(&mut self) {
-        if let Stored::Envelope(e) = self {
+        if let Stored::Envelope(e) | Stored::Redelivered(e) = self {
             e.make_sendable();
         }
     }
@@ -587,7 +549,11 @@ impl InMemoryTransport {
     pub fn stored(&self) -> Vec<LocalDelivery> {
         let all = self.lock().snapshot();
         all.into_iter()
-            .map(|(id, payload)| LocalDelivery { id, payload })
+            .map(|(id, payload)| LocalDelivery {
+                id,
+                payload,
+                redelivered: false,
+            })
             .collect()
     }
 
@@ -637,10 +603,7 @@ impl InMemoryTransport {
                 ),
             },
         };
-        Delivery {
-            id: id.to_string(),
-            raw,
-        }
+        Delivery::new(id.to_string(), raw)
     }
 
     /// Wakes a [`Transport::wait_for_messages`] call, if one is waiting.
@@ -726,7 +689,7 @@ impl Transport for InMemoryTransport {
         message: RawMessage,
         delay: Option<Duration>,
     ) -> BoxFuture<'_, Result<String, TransportError>> {
-        let id = self.store(Stored::raw(message), delay);
+        let id = self.store(Stored::Raw(Box::new(message)), delay);
         Box::pin(async move { Ok(id.to_string()) })
     }
 
@@ -736,7 +699,7 @@ impl Transport for InMemoryTransport {
     ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
         let stored: Vec<(Stored, Option<Duration>)> = messages
             .into_iter()
-            .map(|(m, d)| (Stored::raw(m), d))
+            .map(|(m, d)| (Stored::Raw(Box::new(m)), d))
             .collect();
         let ids: Vec<LocalId> = {
             let mut state = self.lock();
@@ -754,30 +717,62 @@ impl Transport for InMemoryTransport {
         Box::pin(async move { Ok(ids) })
     }
 
+    fn as_receiver(&self) -> Option<&dyn Receiver> {
+        Some(self)
+    }
+
+    fn as_keepalive(&self) -> Option<&dyn Keepalive> {
+        Some(self)
+    }
+
+    fn as_message_count(&self) -> Option<&dyn MessageCount> {
+        Some(self)
+    }
+
+    fn as_browse(&self) -> Option<&dyn Browse> {
+        Some(self)
+    }
+
+    fn as_wake_up(&self) -> Option<&dyn WakeUp> {
+        Some(self)
+    }
+
+    fn as_teardown(&self) -> Option<&dyn Teardown> {
+        Some(self)
+    }
+
+    fn as_local_sender(&self) -> Option<&dyn LocalSender> {
+        (!self.config.serialize).then_some(self as &dyn LocalSender)
+    }
+
+    fn as_local_receiver(&self) -> Option<&dyn LocalReceiver> {
+        (!self.config.serialize).then_some(self as &dyn LocalReceiver)
+    }
+
+    fn bind(&self, binding: &TransportBinding) {
+        let _ = self.serializer.set(binding.serializer().clone());
+    }
+}
+
+impl Receiver for InMemoryTransport {
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         let mut taken = Vec::new();
         self.lock_to_take(max)
             .take(max, self.config.lease_timeout, |e| {
-                taken.push((e.id, e.stored.handout(), e.stored.is_redelivered_envelope()))
+                taken.push((e.id, e.stored.handout(), e.stored.is_redelivered()))
             });
-        // An envelope's mark is a non-sendable stamp, which encoding drops:
-        // the raw message gets it back as a header.
         let out = taken
             .into_iter()
-            .map(|(id, p, marked)| {
-                let d = self.raw(&id, p);
-                if marked {
-                    d.redelivered()
-                } else {
-                    d
-                }
+            .map(|(id, p, redelivered)| Delivery {
+                redelivered,
+                ..self.raw(&id, p)
             })
             .collect();
         Box::pin(async move { Ok(out) })
     }
 
-    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        let out = parse_id(id).and_then(|n| {
+    fn ack<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+        let out = parse_id(id.as_str()).and_then(|n| {
             let mut state = self.lock();
             if state.remove(n) {
                 state.acknowledged += 1;
@@ -789,16 +784,16 @@ impl Transport for InMemoryTransport {
         Box::pin(async move { out })
     }
 
-    fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn ack_batch<'a>(&'a self, ids: &'a [DeliveryId]) -> BoxFuture<'a, Result<(), TransportError>> {
         let mut missing = None;
         {
             let mut state = self.lock();
             for id in ids {
-                match parse_id(id) {
+                match parse_id(id.as_str()) {
                     Ok(n) if state.remove(n) => state.acknowledged += 1,
                     // The first error is the one returned.
                     _ => {
-                        missing.get_or_insert_with(|| id.clone());
+                        missing.get_or_insert_with(|| id.to_string());
                     }
                 }
             }
@@ -811,8 +806,8 @@ impl Transport for InMemoryTransport {
         })
     }
 
-    fn reject<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        let out = parse_id(id).and_then(|n| {
+    fn reject<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+        let out = parse_id(id.as_str()).and_then(|n| {
             let mut state = self.lock();
             if state.remove(n) {
                 state.rejected += 1;
@@ -824,8 +819,8 @@ impl Transport for InMemoryTransport {
         Box::pin(async move { out })
     }
 
-    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        let out = parse_id(id).and_then(|n| {
+    fn release<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+        let out = parse_id(id.as_str()).and_then(|n| {
             let mut state = self.lock();
             match state.leased.remove(n) {
                 Some(lease) => {
@@ -842,9 +837,11 @@ impl Transport for InMemoryTransport {
         }
         Box::pin(async move { out })
     }
+}
 
-    fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        let out = parse_id(id).and_then(|n| {
+impl Keepalive for InMemoryTransport {
+    fn keepalive<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+        let out = parse_id(id.as_str()).and_then(|n| {
             let mut state = self.lock();
             let expires = Instant::now() + self.config.lease_timeout;
             match state.leased.get_mut(n) {
@@ -857,12 +854,16 @@ impl Transport for InMemoryTransport {
         });
         Box::pin(async move { out })
     }
+}
 
+impl MessageCount for InMemoryTransport {
     fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
         let n = self.lock().count() as u64;
         Box::pin(async move { Ok(n) })
     }
+}
 
+impl Browse for InMemoryTransport {
     fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         let out = self
             .lock()
@@ -874,8 +875,11 @@ impl Transport for InMemoryTransport {
         Box::pin(async move { Ok(out) })
     }
 
-    fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
-        let out = match id.parse::<u64>() {
+    fn find<'a>(
+        &'a self,
+        id: &'a DeliveryId,
+    ) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
+        let out = match id.as_str().parse::<u64>() {
             Err(_) => Ok(None),
             Ok(n) => {
                 let found = self
@@ -888,11 +892,29 @@ impl Transport for InMemoryTransport {
         };
         Box::pin(async move { out })
     }
+}
 
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::new(false, true, true, true)
+impl Teardown for InMemoryTransport {
+    fn purge(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
+        let removed = {
+            let mut state = self.lock();
+            let n = state.count() as u64;
+            state.leased = Leases::default();
+            state.ready.clear();
+            state.delayed.clear();
+            state.earliest_expiry = None;
+            n
+        };
+        Box::pin(async move { Ok(removed) })
     }
 
+    fn delete(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        let purged = self.purge();
+        Box::pin(async move { purged.await.map(drop) })
+    }
+}
+
+impl WakeUp for InMemoryTransport {
     fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let _waiting = Waiting::new(&self.waiting);
@@ -909,25 +931,19 @@ impl Transport for InMemoryTransport {
             let _ = tokio::time::timeout(wait, notified).await;
         })
     }
-
-    fn local(&self) -> Option<&dyn LocalTransport> {
-        if self.config.serialize {
-            None
-        } else {
-            Some(self)
-        }
-    }
-
-    fn bind(&self, binding: &TransportBinding) {
-        let _ = self.serializer.set(binding.serializer().clone());
-    }
 }
 
-impl LocalTransport for InMemoryTransport {
+impl LocalSender for InMemoryTransport {
     fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>> {
         LocalFuture::ready(Ok(self.store_envelope(envelope)))
     }
 
+    fn handles_on_send(&self) -> bool {
+        false
+    }
+}
+
+impl LocalReceiver for InMemoryTransport {
     fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
         let mut out = Vec::new();
         self.lock_to_take(max)
@@ -938,11 +954,11 @@ impl LocalTransport for InMemoryTransport {
                 out.push(LocalDelivery {
                     id: e.id,
                     payload: e.stored.handout(),
+                    redelivered: e.stored.is_redelivered(),
                 })
             });
         LocalFuture::ready(Ok(out))
     }
-
     fn ack_local(&self, keys: &[u64]) -> Result<(), TransportError> {
         let mut missing = None;
         // Freeing the messages waits until the lock is released.

@@ -86,7 +86,7 @@ impl TransportSender {
     /// returned, errors included; any other failure is a
     /// [`BusError::Transport`] carrying the envelope.
     pub async fn send_envelope(&self, envelope: Envelope) -> Result<Envelope> {
-        if let Some(local) = self.transport.local() {
+        if let Some(local) = self.transport.as_local_sender() {
             return local.send_envelope(envelope).await;
         }
         let raw = match self.serializer.encode(&envelope) {

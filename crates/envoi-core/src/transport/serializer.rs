@@ -17,11 +17,9 @@
 //! * every [envelope header](Envelope::header) is written as a header of its
 //!   own. `type`, `kind`, the `X-Message-Stamp-` prefix, the two
 //!   markers of a message that must not decode
-//!   ([`INVALID_HEADERS_HEADER`], [`INVALID_BODY_HEADER`]) and the mark of
-//!   a redelivery ([`REDELIVERED_HEADER`]) are reserved. A received message
-//!   with that mark (set by its transport, see
-//!   [`Delivery::redelivered`](crate::transport::Delivery::redelivered))
-//!   decodes with a [`RedeliveredStamp`] instead of the header.
+//!   ([`INVALID_HEADERS_HEADER`], [`INVALID_BODY_HEADER`]) are reserved.
+//!   Whether a message is a redelivery is not in its headers: its transport
+//!   says so ([`Delivery::redelivered`](crate::transport::Delivery::redelivered)).
 //!
 //! # Registries
 //!
@@ -91,14 +89,14 @@ use crate::envelope::headers::{Headers, BUS_NAME_HEADER};
 use crate::envelope::message::{Message, MessageKind};
 use crate::envelope::stamp::{
     BusNameStamp, DelayStamp, ErasedStamp, ErrorDetailsStamp, HandledStamp, MessageIdStamp,
-    RedeliveredStamp, RedeliveryStamp, SentToFailureTransportStamp, Stamp, UnsentStamp,
+    RedeliveryStamp, SentToFailureTransportStamp, Stamp, UnsentStamp,
 };
 use crate::envelope::type_map::TypeMap;
 use crate::envelope::Envelope;
 use crate::error::SerializationError;
 use crate::middleware::correlation::{CausationIdStamp, CorrelationIdStamp};
 use crate::middleware::dedup::DedupClaimStamp;
-use crate::transport::{RawMessage, REDELIVERED_HEADER};
+use crate::transport::RawMessage;
 
 /// The header holding the message's stable name.
 pub const TYPE_HEADER: &str = "type";
@@ -629,11 +627,7 @@ impl Serializer {
                 continue;
             }
             let Some(stamp) = key.strip_prefix(STAMP_HEADER_PREFIX) else {
-                envelope = if key == REDELIVERED_HEADER {
-                    envelope.with(RedeliveredStamp::new())
-                } else {
-                    envelope.with_header(key, value)
-                };
+                envelope = envelope.with_header(key, value);
                 continue;
             };
             if stamp == BusNameStamp::NAME {
@@ -669,7 +663,6 @@ fn is_reserved(header: &str) -> bool {
         || header.starts_with(STAMP_HEADER_PREFIX)
         || header == INVALID_HEADERS_HEADER
         || header == INVALID_BODY_HEADER
-        || header == REDELIVERED_HEADER
 }
 
 /// Groups the sendable stamps by name, keeping each type's order, and writes
@@ -841,6 +834,7 @@ impl SerializationError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::envelope::stamp::RedeliveredStamp;
     use crate::envelope::stamp::{ReceivedStamp, SentStamp};
 
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -953,27 +947,16 @@ mod tests {
     }
 
     #[test]
-    fn a_delivery_marked_redelivered_decodes_with_a_redelivered_stamp_that_is_not_sent_again() {
-        use crate::transport::Delivery;
-        let raw = serializer().encode(&Envelope::new(order())).unwrap();
-        let plain = Delivery {
-            id: "1".into(),
-            raw: raw.clone(),
-        };
-        assert!(!serializer()
-            .decode(&plain.raw)
-            .unwrap()
-            .has::<RedeliveredStamp>());
-        let marked = plain.redelivered();
-        let back = serializer().decode(&marked.raw).unwrap();
-        assert!(back.has::<RedeliveredStamp>());
-        assert_eq!(back.header(REDELIVERED_HEADER), None, "not a header");
-        assert_eq!(serializer().encode(&back).unwrap(), raw, "nor sent again");
-        // A producer cannot set the mark.
-        let e = serializer()
-            .encode(&Envelope::new(order()).with_header(REDELIVERED_HEADER, "true"))
-            .unwrap_err();
-        assert_eq!(e.kind(), "invalid_header");
+    fn a_redelivered_stamp_is_never_sent_and_no_stored_header_makes_one() {
+        let plain = serializer().encode(&Envelope::new(order())).unwrap();
+        let marked = serializer()
+            .encode(&Envelope::new(order()).with(RedeliveredStamp::new()))
+            .unwrap();
+        assert_eq!(marked, plain, "the mark is the transport's: it is not sent");
+        let mut forged = plain.clone();
+        forged.headers.insert("X-Envoi-Redelivered", "true");
+        let back = serializer().decode(&forged).unwrap();
+        assert!(!back.has::<RedeliveredStamp>(), "only a transport marks it");
     }
 
     #[test]

@@ -48,8 +48,8 @@ use crate::envelope::stamp::{ReceivedStamp, TransportMessageIdStamp};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, TransportError};
 use crate::transport::{
-    mask_dsn, strip_scheme, Capabilities, Delivery, Inbox, LocalDelivery, LocalFuture,
-    LocalTransport, RawMessage, Transport, TransportBinding,
+    mask_dsn, strip_scheme, Inbox, LocalFuture, LocalSender, RawMessage, Receiver, Transport,
+    TransportBinding,
 };
 use crate::BoxFuture;
 
@@ -148,28 +148,12 @@ impl Transport for SyncTransport {
         })
     }
 
-    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
-        let _ = max;
-        Box::pin(async { Err(TransportError::Unsupported("get")) })
+    fn as_receiver(&self) -> Option<&dyn Receiver> {
+        // Nothing waits here: what is sent is handled at once.
+        None
     }
 
-    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        Box::pin(async move { Err(TransportError::NotFound(id.to_string())) })
-    }
-
-    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        Box::pin(async move { Err(TransportError::NotFound(id.to_string())) })
-    }
-
-    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
-        Box::pin(async { Ok(0) })
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::new(false, true, false, false)
-    }
-
-    fn local(&self) -> Option<&dyn LocalTransport> {
+    fn as_local_sender(&self) -> Option<&dyn LocalSender> {
         Some(self)
     }
 
@@ -178,14 +162,9 @@ impl Transport for SyncTransport {
     }
 }
 
-impl LocalTransport for SyncTransport {
+impl LocalSender for SyncTransport {
     fn send_envelope(&self, envelope: Envelope) -> LocalFuture<'_, Result<Envelope>> {
         LocalFuture::pending(self.handle(envelope))
-    }
-
-    fn get_local(&self, max: usize) -> LocalFuture<'_, Result<Vec<LocalDelivery>, TransportError>> {
-        let _ = max;
-        LocalFuture::ready(Err(TransportError::Unsupported("get")))
     }
 
     fn handles_on_send(&self) -> bool {

@@ -136,8 +136,8 @@ use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
 use crate::envelope::stamp::{
-    BusNameStamp, DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
-    SentToFailureTransportStamp, Stamp, TransportMessageIdStamp, UnsentStamp,
+    BusNameStamp, DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveredStamp, RedeliveryStamp,
+    SentStamp, SentToFailureTransportStamp, Stamp, TransportMessageIdStamp, UnsentStamp,
 };
 use crate::envelope::Envelope;
 use crate::error::{BusError, TransportError};
@@ -147,7 +147,7 @@ use crate::messenger::Messenger;
 use crate::pipeline::bus::MessageBus;
 use crate::pipeline::dispatch_after_current_bus::{take_deferred_of, FailedDeferred};
 use crate::transport::serializer::STAMP_HEADER_PREFIX;
-use crate::transport::{LocalId, Payload, RawMessage, Transport};
+use crate::transport::{DeliveryId, LocalId, Payload, RawMessage, Transport};
 use crate::BoxFuture;
 
 /// A configuration mistake found by [`WorkerBuilder::build`].
@@ -812,7 +812,7 @@ impl WorkerBuilder {
                 .transport(&name)
                 .ok_or_else(|| WorkerError::UnknownTransport(name.clone()))?
                 .clone();
-            if transport.local().is_some_and(|l| l.handles_on_send()) {
+            if transport.as_receiver().is_none() {
                 return Err(WorkerError::NotConsumable(name));
             }
             receivers.push(Receiver {
@@ -847,11 +847,26 @@ struct Receiver {
 impl Receiver {
     /// Up to `max` messages.
     async fn get(&self, max: usize) -> Result<Batch, TransportError> {
-        Ok(match self.transport.local() {
+        Ok(match self.transport.as_local_receiver() {
             Some(local) => Batch::Local(local.get_local(max).await?),
-            None => Batch::Remote(self.transport.get(max).await?),
+            None => Batch::Remote(self.receiver()?.get(max).await?),
         })
     }
+
+    /// The transport's receiving side (a worker only consumes transports
+    /// that have one).
+    fn receiver(&self) -> Result<&dyn crate::transport::Receiver, TransportError> {
+        receiving(&self.transport)
+    }
+}
+
+/// The receiving side of `transport`, or why there is none.
+fn receiving(
+    transport: &Arc<dyn Transport>,
+) -> Result<&dyn crate::transport::Receiver, TransportError> {
+    transport
+        .as_receiver()
+        .ok_or(TransportError::Unsupported("receiving messages"))
 }
 
 /// Messages as a receiver's transport handed them out.
@@ -877,12 +892,14 @@ impl Batch {
                 receiver,
                 id: MessageId::Local(d.id),
                 payload: d.payload,
+                redelivered: d.redelivered,
                 since,
             })),
             Batch::Remote(got) => buffer.extend(got.into_iter().map(|d| Held {
                 receiver,
                 id: MessageId::Remote(d.id),
                 payload: Payload::Raw(d.raw),
+                redelivered: d.redelivered,
                 since,
             })),
         }
@@ -1104,6 +1121,7 @@ pub async fn handle_one(
         receiver: 0,
         id: MessageId::Remote(delivery.id),
         payload: Payload::Raw(delivery.raw),
+        redelivered: delivery.redelivered,
         since: Instant::now(),
     });
     let future = ctx.process(0, task.id.clone(), work);
@@ -1171,10 +1189,13 @@ pub async fn consume_one(
     let t = messenger
         .transport(transport)
         .ok_or_else(|| WorkerError::UnknownTransport(transport.to_string()))?;
-    let result = match handled.settlement {
-        Settlement::Ack => t.ack(&id).await,
-        Settlement::Reject => t.reject(&id).await,
-        Settlement::Release => t.release(&id).await,
+    let result = match receiving(t) {
+        Ok(r) => match handled.settlement {
+            Settlement::Ack => r.ack(&id).await,
+            Settlement::Reject => r.reject(&id).await,
+            Settlement::Release => r.release(&id).await,
+        },
+        Err(e) => Err(e),
     };
     result.map_err(|e| WorkerError::Transport {
         transport: transport.to_string(),
@@ -1274,13 +1295,22 @@ enum MessageId {
     /// From an in-process transport: a number.
     Local(LocalId),
     /// From any other transport.
-    Remote(String),
+    Remote(DeliveryId),
 }
 
 impl MessageId {
     fn text(&self) -> Cow<'_, str> {
         match self {
             MessageId::Local(id) => Cow::Owned(id.to_string()),
+            MessageId::Remote(id) => Cow::Borrowed(id.as_str()),
+        }
+    }
+
+    /// The id the transport's [`Receiver`](crate::transport::Receiver)
+    /// takes.
+    fn delivery_id(&self) -> Cow<'_, DeliveryId> {
+        match self {
+            MessageId::Local(id) => Cow::Owned(DeliveryId::from(id.to_string())),
             MessageId::Remote(id) => Cow::Borrowed(id),
         }
     }
@@ -1289,7 +1319,9 @@ impl MessageId {
     fn stamp(&self, envelope: Envelope) -> Envelope {
         match self {
             MessageId::Local(id) => envelope.with_local_id(*id),
-            MessageId::Remote(id) => envelope.with(TransportMessageIdStamp::new(id.clone())),
+            MessageId::Remote(id) => {
+                envelope.with(TransportMessageIdStamp::new(id.as_str().to_owned()))
+            }
         }
     }
 }
@@ -1299,6 +1331,9 @@ struct Held {
     receiver: usize,
     id: MessageId,
     payload: Payload,
+    /// The transport handed it out before (see
+    /// [`Delivery::redelivered`](crate::transport::Delivery::redelivered)).
+    redelivered: bool,
     since: Instant,
 }
 
@@ -1682,13 +1717,29 @@ impl Ctx {
             receiver,
             id,
             payload,
+            redelivered,
             since,
         } = held;
         bump(&self.counters.received);
+        // The transport's mark of a redelivery becomes a stamp, which lets
+        // deduplication take over the claim of a consumer that died.
+        let marked = |e: Envelope| {
+            if redelivered {
+                e.with(RedeliveredStamp::new())
+            } else {
+                e
+            }
+        };
         let (work, envelope) = match payload {
-            Payload::Envelope(e) => (Work::Dispatch(e.clone()), Some(e)),
+            Payload::Envelope(e) => {
+                let e = marked(e);
+                (Work::Dispatch(e.clone()), Some(e))
+            }
             Payload::Raw(raw) => match self.messenger.serializer().decode(&raw) {
-                Ok(e) => (Work::Dispatch(e.clone()), Some(e)),
+                Ok(e) => {
+                    let e = marked(e);
+                    (Work::Dispatch(e.clone()), Some(e))
+                }
                 Err(error) => (Work::Park(Box::new((raw, error))), None),
             },
         };
@@ -2222,8 +2273,6 @@ impl Ctx {
         error: crate::error::SerializationError,
     ) -> Done {
         bump(&self.counters.failed);
-        // Its transport's mark, not the message's: it does not go along.
-        raw.headers.remove(crate::transport::REDELIVERED_HEADER);
         let transport = &self.receivers[receiver].name;
         let details = ErrorDetailsStamp::from_error(format!("decode:{}", error.kind()), &error);
         let message = raw
@@ -2508,7 +2557,7 @@ struct Acks {
     /// Keys of messages from an in-process transport.
     local: Vec<u64>,
     /// Ids of messages from any other transport.
-    remote: Vec<String>,
+    remote: Vec<DeliveryId>,
 }
 
 impl Acks {
@@ -2527,14 +2576,14 @@ impl Acks {
 /// Acknowledges messages of an in-process transport by key, or by their text
 /// ids when it cannot take keys.
 async fn ack_local(transport: &Arc<dyn Transport>, keys: &[u64]) -> Result<(), TransportError> {
-    if let Some(local) = transport.local() {
-        match local.ack_local(keys) {
-            Err(TransportError::Unsupported(_)) => {}
-            done => return done,
-        }
+    if let Some(local) = transport.as_local_receiver() {
+        return local.ack_local(keys);
     }
-    let ids: Vec<String> = keys.iter().map(u64::to_string).collect();
-    transport.ack_batch(&ids).await
+    let ids: Vec<DeliveryId> = keys
+        .iter()
+        .map(|k| DeliveryId::from(k.to_string()))
+        .collect();
+    receiving(transport)?.ack_batch(&ids).await
 }
 
 /// The acknowledgement lists, emptied, and what failed (by receiver).
@@ -2552,10 +2601,10 @@ async fn send_acks(ctx: &Ctx, mut acks: Vec<Acks>) -> SentAcks {
             acks.local.clear();
         }
         if !acks.remote.is_empty() {
-            let result = if acks.remote.len() == 1 {
-                transport.ack(&acks.remote[0]).await
-            } else {
-                transport.ack_batch(&acks.remote).await
+            let result = match receiving(transport) {
+                Ok(r) if acks.remote.len() == 1 => r.ack(&acks.remote[0]).await,
+                Ok(r) => r.ack_batch(&acks.remote).await,
+                Err(e) => Err(e),
             };
             if let Err(e) = result {
                 failed.push((receiver, e));
@@ -2763,14 +2812,20 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             self.acks_sent(sent);
         }
         for (receiver, id) in std::mem::take(&mut self.rejects) {
-            let transport = &self.ctx.receivers[receiver].transport;
-            if let Err(e) = transport.reject(&id.text()).await {
+            let result = match self.ctx.receivers[receiver].receiver() {
+                Ok(r) => r.reject(&id.delivery_id()).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
                 self.transport_failed(receiver, "reject", &e);
             }
         }
         for (receiver, id) in std::mem::take(&mut self.releases) {
-            let transport = &self.ctx.receivers[receiver].transport;
-            if let Err(e) = transport.release(&id.text()).await {
+            let result = match self.ctx.receivers[receiver].receiver() {
+                Ok(r) => r.release(&id.delivery_id()).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
                 self.transport_failed(receiver, "release", &e);
             }
         }
@@ -2855,8 +2910,11 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             .map(|(r, id, _)| (r, id.clone()))
             .collect();
         for (receiver, id) in held {
-            let transport = &self.ctx.receivers[receiver].transport;
-            if let Err(e) = transport.keepalive(&id.text()).await {
+            // A transport that leases nothing has nothing to extend.
+            let Some(keepalive) = self.ctx.receivers[receiver].transport.as_keepalive() else {
+                continue;
+            };
+            if let Err(e) = keepalive.keepalive(&id.delivery_id()).await {
                 self.transport_failed(receiver, "keepalive", &e);
             }
         }
@@ -2979,10 +3037,17 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                 break;
             }
             let ctx = self.ctx;
-            let got = if ctx.receivers[receiver].transport.local().is_none() {
+            let got = if ctx.receivers[receiver]
+                .transport
+                .as_local_receiver()
+                .is_none()
+            {
                 // A broker's `get` may wait long for a message (a long
                 // poll): it must not hold up a stop or the time limit.
-                let mut get = ctx.receivers[receiver].transport.get(want);
+                let mut get = match ctx.receivers[receiver].receiver() {
+                    Ok(r) => r.get(want),
+                    Err(e) => Box::pin(std::future::ready(Err(e))),
+                };
                 let must_stop = self.must_stop();
                 tokio::pin!(must_stop);
                 let got = loop {
@@ -3095,15 +3160,18 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             || self.ahead.is_some()
             || ctx.receivers.len() != 1
             || self.buckets[0].is_some()
-            || ctx.receivers[0].transport.local().is_some()
+            || ctx.receivers[0].transport.as_local_receiver().is_some()
             || self.stop.is_stopped()
         {
             return;
         }
+        let Ok(receiver) = ctx.receivers[0].receiver() else {
+            return;
+        };
         self.ahead = Some(Ahead {
             receiver: 0,
             want,
-            get: ctx.receivers[0].transport.get(want),
+            get: receiver.get(want),
         });
     }
 
@@ -3111,11 +3179,15 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
     /// taken as empty once `get` returned nothing).
     async fn all_empty(&mut self) -> bool {
         for (i, r) in self.ctx.receivers.iter().enumerate() {
-            match r.transport.message_count().await {
+            // A receiver that cannot count is taken as empty once `get`
+            // returned nothing.
+            let Some(counter) = r.transport.as_message_count() else {
+                continue;
+            };
+            match counter.message_count().await {
                 // What this run parked back into the transport waits there
                 // for later; it is not work left to do now.
                 Ok(n) if n <= self.again[i].len() as u64 => {}
-                Err(TransportError::Unsupported(_)) => {}
                 Ok(_) => return false,
                 Err(e) => {
                     self.transport_failed(i, "count", &e);
@@ -3293,8 +3365,10 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
                             Box::pin(tokio::time::sleep_until(until)) as BoxFuture<'_, ()>
                         } else if self.buckets[i].is_some() {
                             Box::pin(tokio::time::sleep(idle)) as BoxFuture<'_, ()>
+                        } else if let Some(wake_up) = r.transport.as_wake_up() {
+                            wake_up.wait_for_messages(idle)
                         } else {
-                            r.transport.wait_for_messages(idle)
+                            Box::pin(tokio::time::sleep(idle)) as BoxFuture<'_, ()>
                         }
                     })
                     .collect();

@@ -1,0 +1,115 @@
+//! Sending envelopes: the envelope-level [`Sender`], and the
+//! [`SenderDispatcher`] that decides how the send step's sends happen.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use super::Transport;
+use crate::envelope::Envelope;
+use crate::error::{BusError, Result, TransportError};
+use crate::BoxFuture;
+
+/// A failed send; hands the envelope back so nothing is lost.
+#[derive(Debug, thiserror::Error)]
+#[error("sending `{}` failed: {source}", envelope.message_name())]
+pub struct SendError {
+    /// The envelope that was not sent.
+    pub envelope: Box<Envelope>,
+    /// Why.
+    #[source]
+    pub source: TransportError,
+}
+
+/// Sends envelopes to one transport.
+pub trait Sender: Send + Sync + 'static {
+    /// Sends `envelope`; on success returns it stamped with a
+    /// [`TransportMessageIdStamp`](crate::envelope::stamp::TransportMessageIdStamp).
+    fn send(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope, SendError>>;
+}
+
+/// Decides how the send step's sends happen. The default sends at once; a
+/// transactional outbox can hold sends until its transaction commits.
+pub trait SenderDispatcher: Send + Sync + 'static {
+    /// Sends `envelope` to the transport called `transport`.
+    fn send<'a>(
+        &'a self,
+        transport: &'a str,
+        envelope: Envelope,
+    ) -> BoxFuture<'a, Result<Envelope>>;
+
+    /// The names of the transports it can send to.
+    fn transports(&self) -> Vec<String>;
+
+    /// The transport called `transport` when sending to it through this
+    /// dispatcher is exactly [`TransportSender::send_envelope`](crate::transport::registry::TransportSender::send_envelope)
+    /// (so the send step may send to it directly); `None` otherwise, which
+    /// is the default.
+    fn direct(&self, transport: &str) -> Option<Arc<dyn Transport>> {
+        let _ = transport;
+        None
+    }
+}
+
+/// A [`SenderDispatcher`] that sends at once through named [`Sender`]s.
+///
+/// Not what a `Messenger` uses by default: it builds a
+/// [`Senders`](crate::transport::registry::Senders), which sends to its registered
+/// transports as well as to its senders.
+#[derive(Default, Clone)]
+pub struct DirectSenders {
+    senders: BTreeMap<String, Arc<dyn Sender>>,
+}
+
+impl DirectSenders {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) the sender for `transport`.
+    pub fn insert(&mut self, transport: impl Into<String>, sender: Arc<dyn Sender>) {
+        self.senders.insert(transport.into(), sender);
+    }
+
+    /// The sender for `transport`.
+    pub fn get(&self, transport: &str) -> Option<&Arc<dyn Sender>> {
+        self.senders.get(transport)
+    }
+}
+
+impl fmt::Debug for DirectSenders {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.senders.keys()).finish()
+    }
+}
+
+impl SenderDispatcher for DirectSenders {
+    fn send<'a>(
+        &'a self,
+        transport: &'a str,
+        envelope: Envelope,
+    ) -> BoxFuture<'a, Result<Envelope>> {
+        Box::pin(async move {
+            let Some(sender) = self.senders.get(transport) else {
+                return Err(BusError::Transport {
+                    transport: transport.to_string(),
+                    envelope: Some(Box::new(envelope)),
+                    source: TransportError::UnknownTransport(transport.to_string()),
+                });
+            };
+            sender
+                .send(envelope)
+                .await
+                .map_err(|e| BusError::Transport {
+                    transport: transport.to_string(),
+                    envelope: Some(e.envelope),
+                    source: e.source,
+                })
+        })
+    }
+
+    fn transports(&self) -> Vec<String> {
+        self.senders.keys().cloned().collect()
+    }
+}
