@@ -307,7 +307,7 @@ mod tests {
         use crate::envelope::stamp::TransportMessageIdStamp;
         use crate::transport::in_memory::InMemoryTransport;
         use crate::transport::registry::{Senders, TransportSender};
-        use crate::transport::{LocalTransport, Payload};
+        use crate::transport::{LocalReceiver, Payload};
 
         let queue = Arc::new(InMemoryTransport::new());
         let mut senders = Senders::new();
@@ -351,7 +351,7 @@ mod tests {
     /// An in-process transport whose sends fail, handing the envelope back.
     struct Refusing;
 
-    impl crate::transport::LocalTransport for Refusing {
+    impl crate::transport::LocalSender for Refusing {
         fn send_envelope(
             &self,
             envelope: Envelope,
@@ -363,14 +363,8 @@ mod tests {
             }))
         }
 
-        fn get_local(
-            &self,
-            _max: usize,
-        ) -> crate::transport::LocalFuture<
-            '_,
-            Result<Vec<crate::transport::LocalDelivery>, crate::error::TransportError>,
-        > {
-            crate::transport::LocalFuture::ready(Ok(Vec::new()))
+        fn handles_on_send(&self) -> bool {
+            false
         }
     }
 
@@ -383,33 +377,11 @@ mod tests {
             Box::pin(async { Err(crate::error::TransportError::Unsupported("send")) })
         }
 
-        fn get(
-            &self,
-            _max: usize,
-        ) -> BoxFuture<'_, Result<Vec<crate::transport::Delivery>, crate::error::TransportError>>
-        {
-            Box::pin(async { Ok(Vec::new()) })
+        fn as_receiver(&self) -> Option<&dyn crate::transport::Receiver> {
+            None
         }
 
-        fn ack<'a>(
-            &'a self,
-            _id: &'a str,
-        ) -> BoxFuture<'a, Result<(), crate::error::TransportError>> {
-            Box::pin(async { Ok(()) })
-        }
-
-        fn release<'a>(
-            &'a self,
-            _id: &'a str,
-        ) -> BoxFuture<'a, Result<(), crate::error::TransportError>> {
-            Box::pin(async { Ok(()) })
-        }
-
-        fn capabilities(&self) -> crate::transport::Capabilities {
-            crate::transport::Capabilities::new(false, true, false, false)
-        }
-
-        fn local(&self) -> Option<&dyn crate::transport::LocalTransport> {
+        fn as_local_sender(&self) -> Option<&dyn crate::transport::LocalSender> {
             Some(self)
         }
     }

@@ -12,18 +12,15 @@
 //!   acknowledged, rejected nor released within the lease timeout (30 s by
 //!   default, extended by `keepalive`), it is handed out again.
 //! * **Redeliveries are marked**: a message whose lease ran out is handed
-//!   out again marked as redelivered, from then on: a raw message with
-//!   [`Delivery::redelivered`] (the [`REDELIVERED_HEADER`] header, which the
-//!   serializer decodes into a [`RedeliveredStamp`]), an envelope with a
-//!   [`RedeliveredStamp`]. So
+//!   out again marked as redelivered ([`Delivery::redelivered`],
+//!   [`LocalDelivery::redelivered`]), from then on; a worker stamps it with a
+//!   [`RedeliveredStamp`](crate::envelope::stamp::RedeliveredStamp). So
 //!   [`Deduplicate`](crate::middleware::dedup::Deduplicate) handles it even
 //!   when the lease is shorter than its processing timeout and the key is
 //!   still claimed by the consumer that let the lease run out. A message
 //!   given back with `release` is not marked: the consumer that gave it
 //!   back is alive, and a worker releases a message only once its dispatch
-//!   ended or was dropped, which forgets the key it claimed. A
-//!   [`REDELIVERED_HEADER`] header on a raw message sent to the transport
-//!   is dropped: only the transport marks a redelivery.
+//!   ended or was dropped, which forgets the key it claimed.
 //! * **No encoding by default**: messages sent through a messenger are
 //!   stored as envelopes and handed back (and listed) as envelopes without
 //!   their non-sendable stamps, as a real transport would drop them, which
@@ -35,17 +32,17 @@
 //!   way out, to prove the messages survive a real transport.
 //!
 //! Raw messages sent through [`Transport::send`] are stored as they are.
-//! Raw reads ([`Transport::get`], [`list`](Transport::list),
-//! [`find`](Transport::find)) of a message stored as an envelope encode it
-//! with the serializer of the messenger the transport is registered with.
+//! Raw reads ([`Receiver::get`], [`Browse::list`], [`Browse::find`]) of a
+//! message stored as an envelope encode it with the serializer of the
+//! messenger the transport is registered with.
 //!
 //! ```
 //! use envoi_core::transport::in_memory::InMemoryTransport;
-//! use envoi_core::transport::{RawMessage, Transport};
+//! use envoi_core::transport::{MessageCount, RawMessage, Receiver, Transport};
 //!
 //! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
 //! let queue = InMemoryTransport::new();
-//! let id = queue.send(RawMessage::default(), None).await.unwrap();
+//! let id = queue.send(RawMessage::default(), None).await.unwrap().into();
 //! let got = queue.get(10).await.unwrap();
 //! assert_eq!(got[0].id, id);
 //! queue.ack(&id).await.unwrap();
@@ -1043,7 +1040,7 @@ mod tests {
         let again = t.get(10).await.unwrap();
         assert_eq!(
             again,
-            [first[0].clone().redelivered()],
+            [first[0].clone().mark_redelivered()],
             "same id and body, marked"
         );
     }
@@ -1053,14 +1050,14 @@ mod tests {
         let t = short_lease();
         t.send(raw(1), None).await.unwrap();
         let first = t.get(1).await.unwrap().remove(0);
-        assert!(!first.is_redelivered(), "handed out the first time");
+        assert!(!first.redelivered, "handed out the first time");
         tokio::time::advance(Duration::from_secs(10)).await;
         let again = t.get(1).await.unwrap().remove(0);
         assert_eq!((&again.id, &again.raw.body), (&first.id, &first.raw.body));
-        assert!(again.is_redelivered(), "its lease ran out");
+        assert!(again.redelivered, "its lease ran out");
         // Given back by the consumer that holds it now, it stays marked.
         t.release(&again.id).await.unwrap();
-        assert!(t.get(1).await.unwrap()[0].is_redelivered());
+        assert!(t.get(1).await.unwrap()[0].redelivered);
     }
 
     #[tokio::test]
@@ -1074,72 +1071,64 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_redelivery_mark_a_producer_set_is_dropped() {
+    async fn a_header_a_producer_set_never_marks_a_redelivery() {
         let t = InMemoryTransport::new();
-        let mut marked = raw(1);
-        marked.headers.insert(REDELIVERED_HEADER, "true");
-        t.send(marked.clone(), None).await.unwrap();
-        t.send_batch(vec![(marked, None)]).await.unwrap();
+        let mut forged = raw(1);
+        forged.headers.insert("X-Envoi-Redelivered", "true");
+        t.send(forged.clone(), None).await.unwrap();
+        t.send_batch(vec![(forged.clone(), None)]).await.unwrap();
         let got = t.get(10).await.unwrap();
         assert_eq!(got.len(), 2);
-        assert!(got.iter().all(|d| d.raw == raw(1)), "{got:?}");
+        assert!(got.iter().all(|d| d.raw == forged && !d.redelivered), "{got:?}");
     }
 
     #[tokio::test(start_paused = true)]
-    async fn an_encoded_message_whose_lease_ran_out_decodes_with_a_redelivered_stamp() {
+    async fn an_encoded_message_whose_lease_ran_out_is_handed_out_marked() {
         let serializer = Serializer::builder().message::<Ping>().build().unwrap();
         let t = InMemoryTransport::from_dsn("in-memory://?serialize=true&lease_timeout_ms=5000")
             .unwrap()
             .with_serializer(serializer.clone());
-        assert!(t.local().is_none(), "every message is encoded");
+        assert!(t.as_local_receiver().is_none(), "every message is encoded");
         t.send(serializer.encode(&Envelope::new(Ping)).unwrap(), None)
             .await
             .unwrap();
         let first = t.get(1).await.unwrap().remove(0);
-        assert!(!serializer
-            .decode(&first.raw)
-            .unwrap()
-            .has::<RedeliveredStamp>());
+        assert!(!first.redelivered);
         tokio::time::advance(Duration::from_secs(5)).await;
         let again = t.get(1).await.unwrap().remove(0);
         assert_eq!(again.id, first.id);
-        assert!(serializer
-            .decode(&again.raw)
-            .unwrap()
-            .has::<RedeliveredStamp>());
+        assert!(again.redelivered);
+        assert_eq!(again.raw, first.raw, "the mark is not in the message");
     }
 
     #[tokio::test(start_paused = true)]
-    async fn an_envelope_whose_lease_ran_out_is_handed_out_again_with_a_redelivered_stamp() {
+    async fn an_envelope_whose_lease_ran_out_is_handed_out_again_marked() {
         let t =
             short_lease().with_serializer(Serializer::builder().message::<Ping>().build().unwrap());
         t.send_envelope(Envelope::new(Ping)).await.unwrap();
         t.send_envelope(Envelope::new(Ping)).await.unwrap();
-        let envelope = |d: &LocalDelivery| match &d.payload {
-            Payload::Envelope(e) => e.clone(),
-            Payload::Raw(_) => panic!("expected an envelope"),
-        };
         let first = t.get_local(1).await.unwrap();
-        assert!(!envelope(&first[0]).has::<RedeliveredStamp>());
+        assert!(!first[0].redelivered);
         // The other one is first handed out raw.
-        assert!(!t.get(1).await.unwrap()[0].is_redelivered());
+        assert!(!t.get(1).await.unwrap()[0].redelivered);
         tokio::time::advance(Duration::from_secs(10)).await;
         let again = t.get_local(1).await.unwrap();
         assert_eq!(again[0].id, first[0].id);
-        let marked = envelope(&again[0]);
-        assert_eq!(marked.all::<RedeliveredStamp>().count(), 1);
-        // Raw, the encoded envelope carries the mark as a header.
-        assert!(t.get(1).await.unwrap()[0].is_redelivered());
-        // Expired again, it carries one mark still.
+        assert!(again[0].redelivered);
+        // Raw, it is marked too.
+        assert!(t.get(1).await.unwrap()[0].redelivered);
+        // Expired again, both are still marked.
         tokio::time::advance(Duration::from_secs(10)).await;
         let third = t.get_local(10).await.unwrap();
         assert_eq!(third.len(), 2);
-        assert_eq!(envelope(&third[0]).all::<RedeliveredStamp>().count(), 1);
-        // Listing shows the message as it was sent.
-        let Payload::Envelope(listed) = &t.stored()[0].payload else {
+        assert!(third.iter().all(|d| d.redelivered));
+        // Listing shows the message as it was sent, unmarked.
+        let listed = &t.stored()[0];
+        assert!(!listed.redelivered);
+        let Payload::Envelope(listed) = &listed.payload else {
             panic!("expected an envelope")
         };
-        assert!(!listed.has::<RedeliveredStamp>());
+        assert!(!listed.has::<crate::envelope::stamp::RedeliveredStamp>());
     }
 
     #[tokio::test(start_paused = true)]
@@ -1164,9 +1153,13 @@ mod tests {
         std::mem::forget(dead);
 
         tokio::time::advance(Duration::from_secs(10)).await;
-        let Payload::Envelope(again) = t.get_local(1).await.unwrap().remove(0).payload else {
+        let again = t.get_local(1).await.unwrap().remove(0);
+        assert!(again.redelivered, "its lease ran out");
+        let Payload::Envelope(again) = again.payload else {
             panic!("expected an envelope")
         };
+        // As a worker stamps a delivery its transport marked.
+        let again = again.with(crate::envelope::stamp::RedeliveredStamp::new());
         let end = RecordingEndpoint::new();
         let out = dedup.handle(again, end.next()).await.unwrap();
         assert!(
@@ -1179,7 +1172,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn keepalive_extends_the_lease() {
         let t = short_lease();
-        let id = t.send(raw(1), None).await.unwrap();
+        let id = DeliveryId::from(t.send(raw(1), None).await.unwrap());
         t.get(1).await.unwrap();
         tokio::time::advance(Duration::from_secs(8)).await;
         t.keepalive(&id).await.unwrap();
@@ -1203,9 +1196,9 @@ mod tests {
     #[tokio::test]
     async fn ack_and_reject_remove_for_good_and_are_counted() {
         let t = InMemoryTransport::new();
-        let a = t.send(raw(1), None).await.unwrap();
-        let b = t.send(raw(2), None).await.unwrap();
-        let c = t.send(raw(3), None).await.unwrap();
+        let a = DeliveryId::from(t.send(raw(1), None).await.unwrap());
+        let b = DeliveryId::from(t.send(raw(2), None).await.unwrap());
+        let c = DeliveryId::from(t.send(raw(3), None).await.unwrap());
         t.get(10).await.unwrap();
         t.ack_batch(&[a.clone(), b]).await.unwrap();
         t.reject(&c).await.unwrap();
@@ -1213,7 +1206,7 @@ mod tests {
         assert_eq!((t.acknowledged(), t.rejected()), (2, 1));
         assert!(matches!(t.ack(&a).await, Err(TransportError::NotFound(_))));
         assert!(matches!(
-            t.ack("nope").await,
+            t.ack(&"nope".into()).await,
             Err(TransportError::NotFound(_))
         ));
     }
@@ -1221,10 +1214,10 @@ mod tests {
     #[tokio::test]
     async fn a_batch_acknowledgement_acknowledges_what_it_can_and_names_the_first_unknown_id() {
         let t = InMemoryTransport::new();
-        let a = t.send(raw(1), None).await.unwrap();
-        let b = t.send(raw(2), None).await.unwrap();
+        let a = DeliveryId::from(t.send(raw(1), None).await.unwrap());
+        let b = DeliveryId::from(t.send(raw(2), None).await.unwrap());
         t.get(10).await.unwrap();
-        let ids = ["7".to_string(), a, "8".to_string(), b];
+        let ids = [DeliveryId::from("7"), a, DeliveryId::from("8"), b];
         assert!(matches!(
             t.ack_batch(&ids).await,
             Err(TransportError::NotFound(id)) if id == "7"
@@ -1251,7 +1244,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn list_find_and_count_see_waiting_delayed_and_leased_messages() {
         let t = InMemoryTransport::new();
-        let a = t.send(raw(1), None).await.unwrap();
+        let a = DeliveryId::from(t.send(raw(1), None).await.unwrap());
         t.send(raw(2), Some(Duration::from_secs(60))).await.unwrap();
         t.send(raw(3), None).await.unwrap();
         t.get(1).await.unwrap();
@@ -1259,7 +1252,7 @@ mod tests {
         assert_eq!(bodies(&t.list(10).await.unwrap()), [1, 2, 3]);
         assert_eq!(bodies(&t.list(2).await.unwrap()), [1, 2]);
         assert_eq!(t.find(&a).await.unwrap().unwrap().raw.body, [1]);
-        assert!(t.find("999").await.unwrap().is_none());
+        assert!(t.find(&"999".into()).await.unwrap().is_none());
         // Listing does not lease: message 3 is still available.
         assert_eq!(bodies(&t.get(10).await.unwrap()), [3]);
     }
@@ -1369,9 +1362,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn waiting_and_delayed_messages_can_be_acknowledged_too() {
         let t = InMemoryTransport::new();
-        let waiting = t.send(raw(1), None).await.unwrap();
-        let delayed = t.send(raw(2), Some(Duration::from_secs(5))).await.unwrap();
-        let later = t.send(raw(3), Some(Duration::from_secs(9))).await.unwrap();
+        let waiting = DeliveryId::from(t.send(raw(1), None).await.unwrap());
+        let delayed = DeliveryId::from(t.send(raw(2), Some(Duration::from_secs(5))).await.unwrap());
+        let later = DeliveryId::from(t.send(raw(3), Some(Duration::from_secs(9))).await.unwrap());
         t.ack(&delayed).await.unwrap();
         t.ack(&waiting).await.unwrap();
         assert_eq!((t.message_count().await.unwrap(), t.acknowledged()), (1, 2));
@@ -1394,7 +1387,7 @@ mod tests {
             t.ack_local(&[keys[0]]),
             Err(TransportError::NotFound(id)) if id == keys[0].to_string()
         ));
-        t.ack(&got[2].id.to_string()).await.unwrap();
+        t.ack(&got[2].id.to_string().into()).await.unwrap();
         assert_eq!(t.message_count().await.unwrap(), 0);
     }
 

@@ -3453,6 +3453,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::{MessageCount, Receiver as _};
 
     #[test]
     fn every_stop_reason_reads_as_a_reason() {
@@ -3640,6 +3641,20 @@ mod tests {
             self.0.send(message, delay)
         }
 
+        fn as_receiver(&self) -> Option<&dyn crate::transport::Receiver> {
+            Some(self)
+        }
+
+        fn as_message_count(&self) -> Option<&dyn crate::transport::MessageCount> {
+            self.0.as_message_count()
+        }
+
+        fn bind(&self, binding: &crate::transport::TransportBinding) {
+            self.0.bind(binding);
+        }
+    }
+
+    impl crate::transport::Receiver for Slow {
         fn get(
             &self,
             max: usize,
@@ -3652,34 +3667,29 @@ mod tests {
             })
         }
 
-        fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        fn ack<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
             Box::pin(async move {
                 tokio::time::sleep(Duration::from_millis(2)).await;
                 self.0.ack(id).await
             })
         }
 
-        fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+        fn ack_batch<'a>(
+            &'a self,
+            ids: &'a [DeliveryId],
+        ) -> BoxFuture<'a, Result<(), TransportError>> {
             Box::pin(async move {
                 tokio::time::sleep(Duration::from_millis(2)).await;
                 self.0.ack_batch(ids).await
             })
         }
 
-        fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+        fn reject<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+            self.0.reject(id)
+        }
+
+        fn release<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
             self.0.release(id)
-        }
-
-        fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
-            self.0.message_count()
-        }
-
-        fn capabilities(&self) -> crate::transport::Capabilities {
-            self.0.capabilities()
-        }
-
-        fn bind(&self, binding: &crate::transport::TransportBinding) {
-            self.0.bind(binding);
         }
     }
 
