@@ -29,7 +29,7 @@ use crate::envelope::stamp::TransportMessageIdStamp;
 use crate::envelope::Envelope;
 use crate::error::{BoxError, BusError, HandlerError, Result, TransportError};
 use crate::middleware::{Endpoint, Next};
-use crate::transport::SenderDispatcher;
+use crate::transport::{Browse, Keepalive, MessageCount, Receiver, SenderDispatcher, Transport};
 use crate::BoxFuture;
 
 /// An endpoint that records every envelope it receives and returns it.
@@ -210,6 +210,56 @@ impl SenderDispatcher for RecordingSenders {
 
     fn transports(&self) -> Vec<String> {
         Vec::new()
+    }
+}
+
+/// A transport's abilities in one call, for tests: each panics, naming the
+/// ability, when the transport lacks it.
+///
+/// ```
+/// use envoi_core::testing::Abilities;
+/// use envoi_core::transport::in_memory::InMemoryTransport;
+/// use envoi_core::transport::{RawMessage, Transport};
+/// use std::sync::Arc;
+///
+/// # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+/// let queue: Arc<dyn Transport> = Arc::new(InMemoryTransport::new());
+/// queue.send(RawMessage::default(), None).await.unwrap();
+/// assert_eq!(queue.counter().message_count().await.unwrap(), 1);
+/// let got = queue.receiver().get(1).await.unwrap();
+/// queue.receiver().ack(&got[0].id).await.unwrap();
+/// # });
+/// ```
+pub trait Abilities {
+    /// The receiving side.
+    fn receiver(&self) -> &dyn Receiver;
+    /// Counting the messages waiting.
+    fn counter(&self) -> &dyn MessageCount;
+    /// Listing and finding messages.
+    fn browser(&self) -> &dyn Browse;
+    /// Extending leases.
+    fn keeper(&self) -> &dyn Keepalive;
+}
+
+impl<T: Transport + ?Sized> Abilities for T {
+    fn receiver(&self) -> &dyn Receiver {
+        self.as_receiver()
+            .expect("the transport has no receiving side")
+    }
+
+    fn counter(&self) -> &dyn MessageCount {
+        self.as_message_count()
+            .expect("the transport cannot count its messages")
+    }
+
+    fn browser(&self) -> &dyn Browse {
+        self.as_browse()
+            .expect("the transport cannot list messages")
+    }
+
+    fn keeper(&self) -> &dyn Keepalive {
+        self.as_keepalive()
+            .expect("the transport cannot extend leases")
     }
 }
 

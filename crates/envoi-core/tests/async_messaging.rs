@@ -1,6 +1,7 @@
 //! Sending through transports and receiving with a worker: routing, the
 //! sender and receiver pipelines, DSNs, the sync transport and retries.
 
+use envoi_core::testing::Abilities;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,7 +14,7 @@ use envoi_core::stamp::{
     SentToFailureTransportStamp, TransportMessageIdStamp,
 };
 use envoi_core::transport::in_memory::InMemoryTransport;
-use envoi_core::transport::{LocalFuture, LocalTransport, Payload, RawMessage, Transport};
+use envoi_core::transport::{LocalFuture, LocalSender, Payload, RawMessage, Transport};
 use envoi_core::worker::{StopReason, Worker, WorkerEvent};
 use envoi_core::{
     BuildError, BusError, Command, DispatchError, Envelope, Message, Messenger, Query,
@@ -98,13 +99,13 @@ async fn a_routed_command_is_sent_not_handled_then_the_worker_handles_it_once() 
     assert_eq!(sent.last::<SentStamp>().unwrap().transport, "async");
     assert!(sent.has::<TransportMessageIdStamp>());
     assert!(handled.lock().unwrap().is_empty());
-    assert_eq!(queue.message_count().await.unwrap(), 1);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 1);
 
     let report = drain(&messenger, &["async"]).await;
     assert_eq!(report.reason, StopReason::Empty);
     assert_eq!(report.stats.handled, 1);
     assert_eq!(*handled.lock().unwrap(), [1]);
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
     assert_eq!(queue.acknowledged(), 1);
 }
 
@@ -157,8 +158,8 @@ async fn a_message_routed_to_two_transports_is_stored_in_both() {
         .map(|s| s.transport.as_str())
         .collect();
     assert_eq!(sent, ["a", "b"]);
-    assert_eq!(a.message_count().await.unwrap(), 1);
-    assert_eq!(b.message_count().await.unwrap(), 1);
+    assert_eq!(a.counter().message_count().await.unwrap(), 1);
+    assert_eq!(b.counter().message_count().await.unwrap(), 1);
 }
 
 #[tokio::test]
@@ -186,6 +187,7 @@ async fn serialize_true_round_trips_every_message_through_the_serializer() {
     let stored = messenger
         .transport("async")
         .unwrap()
+        .browser()
         .list(10)
         .await
         .unwrap();
@@ -213,7 +215,7 @@ async fn without_serialize_the_in_memory_transport_keeps_envelopes() {
         matches!(&stored[0].payload, Payload::Envelope(e) if e.message::<Charge>() == Some(&Charge { order: 3 }))
     );
     // Raw reads still work, encoded by the messenger's serializer.
-    let listed = queue.list(10).await.unwrap();
+    let listed = queue.browser().list(10).await.unwrap();
     assert_eq!(listed[0].raw.header("type"), Some("Charge"));
 }
 
@@ -234,11 +236,11 @@ async fn sending_honours_the_last_delay_stamp() {
         )
         .await
         .unwrap();
-    assert!(queue.get(1).await.unwrap().is_empty());
+    assert!(queue.receiver().get(1).await.unwrap().is_empty());
     tokio::time::advance(Duration::from_millis(1_999)).await;
-    assert!(queue.get(1).await.unwrap().is_empty());
+    assert!(queue.receiver().get(1).await.unwrap().is_empty());
     tokio::time::advance(Duration::from_millis(1)).await;
-    assert_eq!(queue.get(1).await.unwrap().len(), 1);
+    assert_eq!(queue.receiver().get(1).await.unwrap().len(), 1);
 }
 
 #[tokio::test]
@@ -268,7 +270,7 @@ async fn the_sync_transport_handles_at_once_and_returns_results_and_errors() {
     // Not retried, not parked.
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     let failed = messenger.transport("failed").unwrap();
-    assert_eq!(failed.message_count().await.unwrap(), 0);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 0);
     assert!(matches!(
         Worker::builder(&messenger).receiver("sync").build(),
         Err(envoi_core::worker::WorkerError::NotConsumable(_))
@@ -483,32 +485,11 @@ impl Transport for Flaky {
         }
         self.inner.send(message, delay)
     }
-    fn get(
-        &self,
-        max: usize,
-    ) -> envoi_core::middleware::BoxFuture<
-        '_,
-        Result<Vec<envoi_core::transport::Delivery>, TransportError>,
-    > {
-        self.inner.get(max)
+    fn as_receiver(&self) -> Option<&dyn envoi_core::transport::Receiver> {
+        self.inner.as_receiver()
     }
-    fn ack<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), TransportError>> {
-        self.inner.ack(id)
-    }
-    fn release<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), TransportError>> {
-        self.inner.release(id)
-    }
-    fn message_count(&self) -> envoi_core::middleware::BoxFuture<'_, Result<u64, TransportError>> {
-        self.inner.message_count()
-    }
-    fn capabilities(&self) -> envoi_core::transport::Capabilities {
-        self.inner.capabilities()
+    fn as_message_count(&self) -> Option<&dyn envoi_core::transport::MessageCount> {
+        self.inner.as_message_count()
     }
 }
 
@@ -626,8 +607,8 @@ async fn a_transient_failure_succeeds_on_retry() {
     assert_eq!(*log.lock().unwrap(), ["retried", "retried", "handled"]);
     assert_eq!(calls.load(Ordering::SeqCst), 3);
     assert_eq!((report.stats.retried, report.stats.handled), (2, 1));
-    assert_eq!(async_queue.message_count().await.unwrap(), 0);
-    assert_eq!(failed.message_count().await.unwrap(), 0);
+    assert_eq!(async_queue.counter().message_count().await.unwrap(), 0);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 0);
 }
 
 #[tokio::test]
@@ -644,7 +625,7 @@ async fn a_permanent_failure_lands_in_the_failure_transport_and_the_original_is_
     let report = drain(&messenger, &["async"]).await;
     assert_eq!(calls.load(Ordering::SeqCst), 3, "first try and two retries");
     assert_eq!((report.stats.retried, report.stats.failed), (2, 1));
-    assert_eq!(async_queue.message_count().await.unwrap(), 0);
+    assert_eq!(async_queue.counter().message_count().await.unwrap(), 0);
     assert_eq!(async_queue.acknowledged(), 3);
     let parked = failed.stored();
     assert_eq!(parked.len(), 1);
@@ -705,7 +686,7 @@ async fn an_unrecoverable_error_skips_the_retries() {
     let report = drain(&messenger, &["async"]).await;
     assert_eq!(*calls.lock().unwrap(), [1]);
     assert_eq!((report.stats.retried, report.stats.failed), (0, 1));
-    assert_eq!(failed.message_count().await.unwrap(), 1);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 1);
 }
 
 #[tokio::test]
@@ -720,7 +701,7 @@ async fn a_message_retried_from_the_failure_transport_gets_a_fresh_budget_and_re
         .unwrap();
     drain(&messenger, &["async"]).await;
     assert_eq!(calls.load(Ordering::SeqCst), 3);
-    assert_eq!(failed.message_count().await.unwrap(), 1);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 1);
 
     // Retry it from the failure transport (one message, as `failed retry`
     // does): one try there, then the origin's full budget of two retries,
@@ -733,7 +714,7 @@ async fn a_message_retried_from_the_failure_transport_gets_a_fresh_budget_and_re
         .run()
         .await;
     assert_eq!(report.stats.retried, 1);
-    assert_eq!(failed.message_count().await.unwrap(), 0);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 0);
     drain(&messenger, &["async"]).await;
     assert_eq!(calls.load(Ordering::SeqCst), 6);
     let parked = failed.stored();
@@ -749,8 +730,15 @@ async fn a_message_retried_from_the_failure_transport_gets_a_fresh_budget_and_re
         e.last::<DelayStamp>().unwrap().duration(),
         Duration::from_secs(1)
     );
-    assert!(failed.get(1).await.unwrap().is_empty(), "not due yet");
-    assert_eq!(failed.message_count().await.unwrap(), 1, "nothing lost");
+    assert!(
+        failed.receiver().get(1).await.unwrap().is_empty(),
+        "not due yet"
+    );
+    assert_eq!(
+        failed.counter().message_count().await.unwrap(),
+        1,
+        "nothing lost"
+    );
 }
 
 #[tokio::test]
@@ -800,8 +788,15 @@ async fn a_message_failing_for_good_again_from_the_failure_transport_goes_back_t
     assert_eq!(calls.lock().unwrap().len(), 2);
     assert_eq!(report.stats.failed, 1);
     assert_eq!(delay_of_parked(), (2, Duration::from_secs(1)));
-    assert!(failed.get(1).await.unwrap().is_empty(), "not due yet");
-    assert_eq!(failed.message_count().await.unwrap(), 1, "nothing lost");
+    assert!(
+        failed.receiver().get(1).await.unwrap().is_empty(),
+        "not due yet"
+    );
+    assert_eq!(
+        failed.counter().message_count().await.unwrap(),
+        1,
+        "nothing lost"
+    );
 }
 
 #[tokio::test]
@@ -812,7 +807,7 @@ async fn stop_when_empty_on_the_failure_transport_tries_each_message_once_then_s
         messenger.dispatcher().dispatch(Refund(n)).await.unwrap();
     }
     drain(&messenger, &["async"]).await;
-    assert_eq!(failed.message_count().await.unwrap(), 3);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 3);
     calls.lock().unwrap().clear();
 
     let report = tokio::time::timeout(Duration::from_secs(5), drain(&messenger, &["failed"]))
@@ -824,7 +819,7 @@ async fn stop_when_empty_on_the_failure_transport_tries_each_message_once_then_s
     assert_eq!(tried, [0, 1, 2], "each tried once");
     assert_eq!(report.stats.failed, 3);
     assert_eq!(
-        failed.message_count().await.unwrap(),
+        failed.counter().message_count().await.unwrap(),
         3,
         "all kept for later"
     );
@@ -862,8 +857,16 @@ async fn a_retry_that_cannot_be_sent_releases_the_message_for_redelivery() {
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit);
     assert_eq!(*log.lock().unwrap(), [("transport".to_string(), true)]);
-    assert_eq!(flaky.message_count().await.unwrap(), 1, "still there");
-    assert_eq!(flaky.get(1).await.unwrap().len(), 1, "and available again");
+    assert_eq!(
+        flaky.counter().message_count().await.unwrap(),
+        1,
+        "still there"
+    );
+    assert_eq!(
+        flaky.receiver().get(1).await.unwrap().len(),
+        1,
+        "and available again"
+    );
 }
 
 #[tokio::test]
@@ -953,13 +956,14 @@ async fn a_handler_error_larger_than_the_header_limit_still_lets_the_message_be_
     assert_eq!(report.stats.failed, 1);
     let async_queue = messenger.transport("async").unwrap();
     assert_eq!(
-        async_queue.message_count().await.unwrap(),
+        async_queue.counter().message_count().await.unwrap(),
         0,
         "parked, not kept"
     );
     let parked = messenger
         .transport("failed")
         .unwrap()
+        .browser()
         .list(10)
         .await
         .unwrap();

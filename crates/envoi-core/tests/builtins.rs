@@ -1,6 +1,7 @@
 //! The further built-in middleware on a real bus: validation, logging,
 //! correlation/causation ids, deduplication and the circuit breaker.
 
+use envoi_core::testing::Abilities;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -123,7 +124,7 @@ async fn an_invalid_routed_message_never_reaches_the_transport() {
         .unwrap();
     assert!(m.dispatcher().dispatch(charge("r", 0)).await.is_err());
     let queue = m.transport("async").unwrap();
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
 }
 
 // ----- logging -----
@@ -281,14 +282,14 @@ async fn a_duplicate_delivered_by_a_transport_is_acked_without_running_the_handl
     bus.dispatch(charge("pay-2", 5)).await.unwrap();
     let queue = m.transport("async").unwrap();
     assert_eq!(
-        queue.message_count().await.unwrap(),
+        queue.counter().message_count().await.unwrap(),
         3,
         "the sender side does not drop"
     );
     drain(&m, "async").await;
     assert_eq!(count.load(Ordering::SeqCst), 2);
     assert_eq!(
-        queue.message_count().await.unwrap(),
+        queue.counter().message_count().await.unwrap(),
         0,
         "the duplicate was acked"
     );
@@ -316,9 +317,15 @@ async fn a_delivery_its_transport_marks_as_redelivered_is_handled_while_a_dead_c
     let bus = m.dispatcher();
     bus.dispatch(charge("pay-1", 5)).await.unwrap();
     bus.dispatch(charge("pay-1", 5)).await.unwrap();
-    let mut got = m.transport("async").unwrap().get(2).await.unwrap();
+    let mut got = m
+        .transport("async")
+        .unwrap()
+        .receiver()
+        .get(2)
+        .await
+        .unwrap();
     assert_eq!(got.len(), 2);
-    let redelivered = got.pop().unwrap().redelivered();
+    let redelivered = got.pop().unwrap().mark_redelivered();
     let copy = got.pop().unwrap();
 
     let outcome = envoi_core::worker::consume_one(&m, "async", copy)
@@ -383,7 +390,7 @@ async fn a_store_that_cannot_forget_a_failed_message_leaves_the_handler_failure_
     );
     let failed = m.transport("failed").unwrap();
     assert_eq!(
-        failed.message_count().await.unwrap(),
+        failed.counter().message_count().await.unwrap(),
         1,
         "parked once, by the retry step"
     );
@@ -432,7 +439,7 @@ async fn a_retry_whose_key_could_not_be_forgotten_crosses_the_transport_and_is_h
         "another message with the key is a duplicate"
     );
     let queue = m.transport("async").unwrap();
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
 }
 
 // ----- circuit breaker -----

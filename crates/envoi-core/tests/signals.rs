@@ -3,12 +3,12 @@
 
 #![cfg(unix)]
 
+use envoi_core::testing::Abilities;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use envoi_core::transport::in_memory::InMemoryTransport;
-use envoi_core::transport::Transport;
 use envoi_core::worker::{StopHandle, StopReason, Worker};
 use envoi_core::{Command, Message, Messenger};
 use serde::{Deserialize, Serialize};
@@ -72,6 +72,12 @@ async fn sigterm_stops_the_worker_gracefully_and_loses_nothing() {
     assert_eq!(handled, report.stats.handled);
     assert!(handled < 100, "stopped before the end");
     // Every message is either handled (and acknowledged) or waiting again.
-    assert_eq!(queue.message_count().await.unwrap(), 100 - handled);
-    assert_eq!(queue.get(100).await.unwrap().len() as u64, 100 - handled);
+    assert_eq!(
+        queue.counter().message_count().await.unwrap(),
+        100 - handled
+    );
+    assert_eq!(
+        queue.receiver().get(100).await.unwrap().len() as u64,
+        100 - handled
+    );
 }

@@ -2,6 +2,7 @@
 //! word, `Stop` semantics per stage, and which stages run on the sender and
 //! on the receiver side of a transport.
 
+use envoi_core::testing::Abilities;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -362,8 +363,16 @@ async fn a_consumed_message_stopped_before_consuming_is_acked_not_failed() {
     assert_eq!(metrics.count(), 0);
     let queue = m.transport("async").unwrap();
     let failed = m.transport("failed").unwrap();
-    assert_eq!(queue.message_count().await.unwrap(), 0, "acknowledged");
-    assert_eq!(failed.message_count().await.unwrap(), 0, "not failed");
+    assert_eq!(
+        queue.counter().message_count().await.unwrap(),
+        0,
+        "acknowledged"
+    );
+    assert_eq!(
+        failed.counter().message_count().await.unwrap(),
+        0,
+        "not failed"
+    );
 }
 
 #[tokio::test]

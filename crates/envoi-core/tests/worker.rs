@@ -1,6 +1,8 @@
 //! The worker: undecodable messages, limits, graceful stop, events,
 //! priorities, concurrency, rate limits, leases and panics.
 
+use envoi_core::testing::Abilities;
+use envoi_core::transport::DeliveryId;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -49,7 +51,7 @@ async fn run_while_leases_hold(
     let stop = worker.stop_handle();
     let run = tokio::spawn(worker.run());
     tokio::time::sleep(probe).await;
-    let taken = queue.get(10).await.unwrap();
+    let taken = queue.receiver().get(10).await.unwrap();
     assert!(
         taken.is_empty(),
         "{} handed out again at {probe:?}",
@@ -169,9 +171,9 @@ async fn undecodable_messages_are_parked_with_the_reason_and_the_worker_goes_on(
         "the good messages around them were handled"
     );
     assert_eq!((report.stats.handled, report.stats.failed), (2, 4));
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
 
-    let parked = failed.list(10).await.unwrap();
+    let parked = failed.browser().list(10).await.unwrap();
     assert_eq!(parked.len(), 4, "nothing lost");
     let kinds: Vec<String> = parked
         .iter()
@@ -270,8 +272,12 @@ async fn the_message_limit_stops_the_worker_and_leaves_the_rest() {
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit);
     assert_eq!(seen.get(), [0, 1, 2]);
-    assert_eq!(queue.message_count().await.unwrap(), 7);
-    assert_eq!(queue.get(10).await.unwrap().len(), 7, "none left leased");
+    assert_eq!(queue.counter().message_count().await.unwrap(), 7);
+    assert_eq!(
+        queue.receiver().get(10).await.unwrap().len(),
+        7,
+        "none left leased"
+    );
 }
 
 #[tokio::test]
@@ -293,7 +299,7 @@ async fn the_message_limit_counts_failed_messages_too() {
     assert_eq!(report.reason, StopReason::MessageLimit);
     assert_eq!((report.stats.failed, report.stats.handled), (2, 1));
     assert_eq!(seen.get(), [0]);
-    assert_eq!(queue.message_count().await.unwrap(), 4);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 4);
 }
 
 #[tokio::test]
@@ -333,7 +339,11 @@ async fn durations_too_long_for_a_clock_mean_no_limit_rather_than_a_panic() {
     let report = run.await.unwrap();
     assert_eq!(report.reason, StopReason::Stopped);
     assert_eq!(seen.get(), [0, 1]);
-    assert_eq!(queue.message_count().await.unwrap(), 1, "nothing lost");
+    assert_eq!(
+        queue.counter().message_count().await.unwrap(),
+        1,
+        "nothing lost"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -380,7 +390,7 @@ async fn the_failure_limit_stops_the_worker() {
         .await;
     assert_eq!(report.reason, StopReason::FailureLimit);
     assert_eq!(report.stats.failed, 2);
-    assert_eq!(queue.message_count().await.unwrap(), 3);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 3);
 }
 
 #[cfg(target_os = "linux")]
@@ -430,7 +440,7 @@ async fn a_graceful_stop_lets_handlers_finish_and_releases_the_rest() {
     assert_eq!(first.len() as u64, report.stats.handled);
     assert!(report.stats.released > 0, "{report:?}");
     assert_eq!(
-        queue.message_count().await.unwrap(),
+        queue.counter().message_count().await.unwrap(),
         40 - report.stats.handled,
         "handled ones acknowledged, the rest waiting"
     );
@@ -486,7 +496,11 @@ async fn handlers_still_running_after_the_grace_period_are_released_not_lost() {
     let report = running.await.unwrap();
     assert_eq!(report.stats.handled, 0);
     assert_eq!(report.stats.released, 3);
-    assert_eq!(queue.get(10).await.unwrap().len(), 3, "all available again");
+    assert_eq!(
+        queue.receiver().get(10).await.unwrap().len(),
+        3,
+        "all available again"
+    );
 }
 
 #[tokio::test]
@@ -505,7 +519,11 @@ async fn stop_now_cuts_the_grace_period_short_and_releases_what_is_in_flight() {
     assert_eq!(report.reason, StopReason::Stopped);
     assert_eq!(report.stats.handled, 0);
     assert_eq!(report.stats.released, 3);
-    assert_eq!(queue.get(10).await.unwrap().len(), 3, "all available again");
+    assert_eq!(
+        queue.receiver().get(10).await.unwrap().len(),
+        3,
+        "all available again"
+    );
 }
 
 #[tokio::test]
@@ -625,7 +643,7 @@ async fn receivers_are_read_in_priority_order() {
         let t = t.clone();
         let e = Envelope::new(Job { n });
         async move {
-            envoi_core::transport::LocalTransport::send_envelope(&*t, e)
+            envoi_core::transport::LocalSender::send_envelope(&*t, e)
                 .await
                 .unwrap();
         }
@@ -648,15 +666,12 @@ async fn a_lower_receiver_is_read_while_a_higher_one_is_held_back_by_its_rate_li
     let seen = Seen::default();
     let (messenger, high, low) = high_and_low(&seen);
     for n in 0..3 {
-        envoi_core::transport::LocalTransport::send_envelope(&*high, Envelope::new(Job { n }))
+        envoi_core::transport::LocalSender::send_envelope(&*high, Envelope::new(Job { n }))
             .await
             .unwrap();
-        envoi_core::transport::LocalTransport::send_envelope(
-            &*low,
-            Envelope::new(Job { n: 100 + n }),
-        )
-        .await
-        .unwrap();
+        envoi_core::transport::LocalSender::send_envelope(&*low, Envelope::new(Job { n: 100 + n }))
+            .await
+            .unwrap();
     }
     let report = Worker::builder(&messenger)
         .receivers(["high", "low"])
@@ -668,7 +683,7 @@ async fn a_lower_receiver_is_read_while_a_higher_one_is_held_back_by_its_rate_li
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit);
     assert_eq!(seen.get(), [0, 100, 101, 102]);
-    assert_eq!(high.message_count().await.unwrap(), 2);
+    assert_eq!(high.counter().message_count().await.unwrap(), 2);
 }
 
 #[tokio::test]
@@ -756,7 +771,10 @@ async fn a_message_held_by_a_worker_that_died_is_redelivered_after_its_lease() {
             }
         } => {}
     }
-    assert!(queue.get(10).await.unwrap().is_empty(), "still leased");
+    assert!(
+        queue.receiver().get(10).await.unwrap().is_empty(),
+        "still leased"
+    );
     stuck.store(false, Ordering::SeqCst);
     drain(Worker::builder(&messenger).receiver("async")).await;
     let mut got = seen.get();
@@ -789,7 +807,7 @@ async fn keepalive_stops_a_slow_handler_s_message_from_being_redelivered() {
     let (a, b) = tokio::join!(worker("a"), worker("b"));
     assert_eq!(a.stats.received + b.stats.received, 1);
     assert_eq!(seen.get(), [0]);
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -816,7 +834,7 @@ async fn a_message_held_half_an_interval_is_extended_at_the_next_keepalive_tick(
     tokio::time::sleep(Duration::from_millis(400)).await;
     send_jobs(&messenger, 0..1).await;
     tokio::time::sleep(Duration::from_millis(1400)).await;
-    let taken = queue.get(10).await.unwrap();
+    let taken = queue.receiver().get(10).await.unwrap();
     assert!(taken.is_empty(), "the lease ran out at 1.6 s");
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.stop();
@@ -930,7 +948,7 @@ async fn consume_one_retries_a_parked_message_as_a_worker_would() {
         .unwrap();
     send_jobs(&messenger, 0..2).await;
     drain(Worker::builder(&messenger).receiver("async")).await;
-    let parked = failed.list(10).await.unwrap();
+    let parked = failed.browser().list(10).await.unwrap();
     assert_eq!(parked.len(), 2);
 
     // Still broken: it goes back to its origin for a fresh round of retries.
@@ -947,7 +965,7 @@ async fn consume_one_retries_a_parked_message_as_a_worker_would() {
         .await
         .unwrap();
     assert!(matches!(outcome, envoi_core::worker::Outcome::Handled));
-    assert_eq!(failed.message_count().await.unwrap(), 1);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 1);
     assert!(matches!(
         envoi_core::worker::consume_one(&messenger, "nope", parked[1].clone()).await,
         Err(WorkerError::UnknownTransport(_))
@@ -967,16 +985,19 @@ async fn an_undecodable_redelivery_is_parked_without_its_transports_redelivered_
         .build()
         .unwrap();
     queue.send(raw("Unknown", b"{}"), None).await.unwrap();
-    let got = queue.get(1).await.unwrap().remove(0).redelivered();
+    let got = queue
+        .receiver()
+        .get(1)
+        .await
+        .unwrap()
+        .remove(0)
+        .mark_redelivered();
     envoi_core::worker::consume_one(&messenger, "async", got)
         .await
         .unwrap();
-    let parked = failed.list(10).await.unwrap();
+    let parked = failed.browser().list(10).await.unwrap();
     assert_eq!(parked.len(), 1);
-    assert!(
-        !parked[0].is_redelivered(),
-        "the mark stays with its transport"
-    );
+    assert!(!parked[0].redelivered, "the mark stays with its transport");
 }
 
 #[tokio::test]
@@ -1002,7 +1023,7 @@ async fn an_undecodable_message_retried_from_the_failure_transport_keeps_its_ori
     )
     .await;
     assert_eq!(report.stats.failed, 1);
-    let parked = failed.list(10).await.unwrap();
+    let parked = failed.browser().list(10).await.unwrap();
     assert_eq!(parked.len(), 1, "moved to the back, not lost");
     let origins: Vec<SentToFailureTransportStamp> = serde_json::from_str(
         parked[0]
@@ -1015,8 +1036,11 @@ async fn an_undecodable_message_retried_from_the_failure_transport_keeps_its_ori
     assert!(origins.iter().all(|o| o.original_transport == "async"));
     // Back in the transport it came from, for later: a worker consuming it
     // does not get it again at once.
-    assert!(failed.get(1).await.unwrap().is_empty(), "not due yet");
-    assert_eq!(failed.message_count().await.unwrap(), 1);
+    assert!(
+        failed.receiver().get(1).await.unwrap().is_empty(),
+        "not due yet"
+    );
+    assert_eq!(failed.counter().message_count().await.unwrap(), 1);
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -1110,7 +1134,7 @@ async fn a_received_message_s_handler_can_defer_a_dispatch_until_it_has_finished
             expected,
             "middleware: {with_middleware}"
         );
-        assert_eq!(queue.message_count().await.unwrap(), 0);
+        assert_eq!(queue.counter().message_count().await.unwrap(), 0);
     }
 }
 
@@ -1171,7 +1195,11 @@ async fn what_a_successful_handler_deferred_is_dispatched_once_whether_the_messa
             let report = drain(Worker::builder(&messenger).receiver("async")).await;
             assert_eq!(report.stats.failed, 1, "{case}");
             assert_eq!(report.stats.retried, u64::from(retries), "{case}");
-            assert_eq!(failed.message_count().await.unwrap(), 1, "parked: {case}");
+            assert_eq!(
+                failed.counter().message_count().await.unwrap(),
+                1,
+                "parked: {case}"
+            );
             assert_eq!(
                 audits.load(Ordering::SeqCst),
                 1,
@@ -1276,42 +1304,16 @@ impl Transport for Gated {
         }
     }
 
-    fn get(
-        &self,
-        max: usize,
-    ) -> envoi_core::middleware::BoxFuture<
-        '_,
-        Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
-    > {
-        self.inner.get(max)
+    fn as_receiver(&self) -> Option<&dyn envoi_core::transport::Receiver> {
+        self.inner.as_receiver()
     }
 
-    fn ack<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        self.inner.ack(id)
-    }
-
-    fn release<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        self.inner.release(id)
-    }
-
-    fn message_count(
-        &self,
-    ) -> envoi_core::middleware::BoxFuture<'_, Result<u64, envoi_core::TransportError>> {
+    fn as_message_count(&self) -> Option<&dyn envoi_core::transport::MessageCount> {
         if self.counted {
-            self.inner.message_count()
+            self.inner.as_message_count()
         } else {
-            Box::pin(async { Err(envoi_core::TransportError::Unsupported("message_count")) })
+            None
         }
-    }
-
-    fn capabilities(&self) -> envoi_core::transport::Capabilities {
-        self.inner.capabilities()
     }
 
     fn bind(&self, binding: &envoi_core::transport::TransportBinding) {
@@ -1489,7 +1491,11 @@ async fn a_handled_message_whose_deferred_dispatch_fails_is_acknowledged_and_onl
             let report = t.pay_and_drain().await;
             assert_eq!(report.stats.handled, 1, "{case}");
             assert_eq!(report.stats.failed, 1, "the audit failed: {case}");
-            assert_eq!(t.queue.message_count().await.unwrap(), 0, "{case}");
+            assert_eq!(
+                t.queue.counter().message_count().await.unwrap(),
+                0,
+                "{case}"
+            );
             // The failure transport holds the audit, not the handled event:
             // retried from there, the audit is handled; the event's handler
             // does not run again.
@@ -1538,7 +1544,7 @@ async fn a_retried_message_whose_deferred_dispatch_fails_is_not_parked_beside_it
             .await;
             assert_eq!(report.stats.retried, 1, "{case}");
             assert_eq!(
-                t.queue.message_count().await.unwrap(),
+                t.queue.counter().message_count().await.unwrap(),
                 1,
                 "the retry: {case}"
             );
@@ -1614,7 +1620,11 @@ async fn a_deferred_dispatch_that_could_not_be_sent_is_sent_again_not_handled_wh
         );
         let report = t.pay_and_drain().await;
         assert_eq!(report.stats.failed, 1, "the audit was not sent: {case}");
-        assert_eq!(t.failed.message_count().await.unwrap(), 1, "{case}");
+        assert_eq!(
+            t.failed.counter().message_count().await.unwrap(),
+            1,
+            "{case}"
+        );
         // Retried while `down` still refuses it: kept where it is.
         let report = drain(
             Worker::builder(&t.messenger)
@@ -1623,21 +1633,29 @@ async fn a_deferred_dispatch_that_could_not_be_sent_is_sent_again_not_handled_wh
         )
         .await;
         assert_eq!(report.stats.failed, 1, "{case}");
-        assert_eq!(t.failed.message_count().await.unwrap(), 1, "{case}");
-        assert_eq!(t.down.message_count().await.unwrap(), 0, "{case}");
+        assert_eq!(
+            t.failed.counter().message_count().await.unwrap(),
+            1,
+            "{case}"
+        );
+        assert_eq!(t.down.counter().message_count().await.unwrap(), 0, "{case}");
         // Once `down` is back, retrying it sends it there.
         t.up.store(true, Ordering::SeqCst);
         let (report, names) = drain_names(&t.messenger, "failed").await;
         assert_eq!(names, ["Audit"], "{case}");
         assert_eq!(report.stats.handled, 1, "{case}");
         assert_eq!(report.stats.failed, 0, "{case}");
-        assert_eq!(t.failed.message_count().await.unwrap(), 0, "{case}");
+        assert_eq!(
+            t.failed.counter().message_count().await.unwrap(),
+            0,
+            "{case}"
+        );
         assert_eq!(
             t.audits.load(Ordering::SeqCst),
             0,
             "not handled in this process: {case}"
         );
-        let sent = t.down.get(10).await.unwrap();
+        let sent = t.down.receiver().get(10).await.unwrap();
         assert_eq!(sent.len(), 1, "delivered to `down`: {case}");
         let envelope = t.messenger.serializer().decode(&sent[0].raw).unwrap();
         assert_eq!(envelope.message_name(), "Audit", "{case}");
@@ -1653,7 +1671,7 @@ async fn a_deferred_dispatch_that_could_not_be_sent_is_sent_again_not_handled_wh
             "down",
             "read from `down`, it is handled as a message of `down`: {case}"
         );
-        t.down.release(&sent[0].id).await.unwrap();
+        t.down.receiver().release(&sent[0].id).await.unwrap();
         if local_handler {
             let report = t.drain_down().await;
             assert_eq!(report.stats.handled, 1, "{case}");
@@ -1686,9 +1704,9 @@ async fn a_deferred_dispatch_routed_to_several_transports_reaches_those_after_th
     dispatch_paid(&messenger).await;
     let report = drain(Worker::builder(&messenger).receiver("async")).await;
     assert_eq!(report.stats.failed, 1, "the audit was not sent");
-    assert_eq!(failed.message_count().await.unwrap(), 1);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 1);
     assert_eq!(
-        audit.message_count().await.unwrap(),
+        audit.counter().message_count().await.unwrap(),
         0,
         "not sent there yet"
     );
@@ -1697,10 +1715,14 @@ async fn a_deferred_dispatch_routed_to_several_transports_reaches_those_after_th
     up.store(true, Ordering::SeqCst);
     let report = drain(Worker::builder(&messenger).receiver("failed")).await;
     assert_eq!(report.stats.handled, 1);
-    assert_eq!(failed.message_count().await.unwrap(), 0);
-    assert_eq!(down.message_count().await.unwrap(), 1, "sent to `down`");
+    assert_eq!(failed.counter().message_count().await.unwrap(), 0);
     assert_eq!(
-        audit.message_count().await.unwrap(),
+        down.counter().message_count().await.unwrap(),
+        1,
+        "sent to `down`"
+    );
+    assert_eq!(
+        audit.counter().message_count().await.unwrap(),
         1,
         "and to the route after it"
     );
@@ -1734,7 +1756,11 @@ async fn an_application_dispatch_whose_deferred_dispatch_fails_returns_the_defer
             }
             other => panic!("unexpected error: {other}"),
         }
-        assert_eq!(t.failed.message_count().await.unwrap(), 0, "nothing parked");
+        assert_eq!(
+            t.failed.counter().message_count().await.unwrap(),
+            0,
+            "nothing parked"
+        );
         assert_eq!(t.paid_runs.load(Ordering::SeqCst), 1);
     }
 }
@@ -1800,6 +1826,12 @@ impl Transport for Refusing {
         Box::pin(async { Err(envoi_core::TransportError::backend("sending", "refused")) })
     }
 
+    fn as_receiver(&self) -> Option<&dyn envoi_core::transport::Receiver> {
+        Some(self)
+    }
+}
+
+impl envoi_core::transport::Receiver for Refusing {
     fn get(
         &self,
         _max: usize,
@@ -1812,20 +1844,23 @@ impl Transport for Refusing {
 
     fn ack<'a>(
         &'a self,
-        _id: &'a str,
+        _id: &'a DeliveryId,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn reject<'a>(
+        &'a self,
+        _id: &'a DeliveryId,
     ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
         Box::pin(async { Ok(()) })
     }
 
     fn release<'a>(
         &'a self,
-        _id: &'a str,
+        _id: &'a DeliveryId,
     ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
         Box::pin(async { Ok(()) })
-    }
-
-    fn capabilities(&self) -> envoi_core::transport::Capabilities {
-        envoi_core::transport::Capabilities::ALL
     }
 }
 
@@ -1880,7 +1915,7 @@ async fn a_message_that_cannot_be_parked_is_kept_and_retried_with_a_growing_paus
         "{attempts:?}"
     );
     assert_eq!(
-        queue.message_count().await.unwrap(),
+        queue.counter().message_count().await.unwrap(),
         1,
         "the message is kept, not lost"
     );
@@ -1925,7 +1960,7 @@ async fn keepalive_goes_on_while_quick_messages_keep_the_worker_busy() {
         .await;
     assert_eq!(slow_runs.load(Ordering::SeqCst), 1, "{:?}", report.stats);
     assert_eq!(report.stats.handled, 4000);
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
 }
 
 #[tokio::test]
@@ -1950,8 +1985,12 @@ async fn a_panicking_listener_neither_fails_messages_nor_stops_the_worker() {
     .await;
     assert_eq!(seen.get(), [0, 1, 2]);
     assert_eq!((report.stats.handled, report.stats.failed), (3, 0));
-    assert_eq!(failed.message_count().await.unwrap(), 0, "nothing parked");
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(
+        failed.counter().message_count().await.unwrap(),
+        0,
+        "nothing parked"
+    );
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
     // Started, three Received, three Handled, Stopped.
     assert_eq!(calls.load(Ordering::SeqCst), 8);
 }
@@ -1998,7 +2037,11 @@ async fn a_message_the_retry_step_cannot_park_is_handled_again_only_after_a_paus
         [100, 200, 400].map(Duration::from_millis),
         "{runs:?}"
     );
-    assert_eq!(queue.message_count().await.unwrap(), 1, "kept, not lost");
+    assert_eq!(
+        queue.counter().message_count().await.unwrap(),
+        1,
+        "kept, not lost"
+    );
 }
 
 /// A queue whose `get` waits long for a message when there is none, as a
@@ -2014,6 +2057,16 @@ impl Transport for LongPoll {
         self.0.send(message, delay)
     }
 
+    fn as_receiver(&self) -> Option<&dyn envoi_core::transport::Receiver> {
+        Some(self)
+    }
+
+    fn as_keepalive(&self) -> Option<&dyn envoi_core::transport::Keepalive> {
+        self.0.as_keepalive()
+    }
+}
+
+impl envoi_core::transport::Receiver for LongPoll {
     fn get(
         &self,
         max: usize,
@@ -2022,10 +2075,10 @@ impl Transport for LongPoll {
         Result<Vec<envoi_core::transport::Delivery>, envoi_core::TransportError>,
     > {
         Box::pin(async move {
-            let got = self.0.get(max).await?;
+            let got = self.0.receiver().get(max).await?;
             if got.is_empty() {
                 tokio::time::sleep(self.1).await;
-                return self.0.get(max).await;
+                return self.0.receiver().get(max).await;
             }
             Ok(got)
         })
@@ -2033,27 +2086,23 @@ impl Transport for LongPoll {
 
     fn ack<'a>(
         &'a self,
-        id: &'a str,
+        id: &'a DeliveryId,
     ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        self.0.ack(id)
+        self.0.receiver().ack(id)
+    }
+
+    fn reject<'a>(
+        &'a self,
+        id: &'a DeliveryId,
+    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
+        self.0.receiver().reject(id)
     }
 
     fn release<'a>(
         &'a self,
-        id: &'a str,
+        id: &'a DeliveryId,
     ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        self.0.release(id)
-    }
-
-    fn keepalive<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> envoi_core::middleware::BoxFuture<'a, Result<(), envoi_core::TransportError>> {
-        self.0.keepalive(id)
-    }
-
-    fn capabilities(&self) -> envoi_core::transport::Capabilities {
-        self.0.capabilities()
+        self.0.receiver().release(id)
     }
 }
 
@@ -2096,7 +2145,7 @@ async fn leases_are_extended_while_a_long_poll_waits() {
     .await;
     assert_eq!(seen.get(), [0]);
     assert_eq!(report.stats.handled, 1);
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -2116,7 +2165,11 @@ async fn a_message_handled_during_a_long_poll_is_acknowledged_before_the_poll_en
     let stop = worker.stop_handle();
     let run = tokio::spawn(worker.run());
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(queue.message_count().await.unwrap(), 0, "not acknowledged");
+    assert_eq!(
+        queue.counter().message_count().await.unwrap(),
+        0,
+        "not acknowledged"
+    );
     stop.stop();
     let report = run.await.unwrap();
     assert_eq!(seen.get(), [0]);
@@ -2164,7 +2217,7 @@ async fn a_stop_during_a_long_poll_lets_the_handlers_in_flight_finish() {
     assert_eq!(report.reason, StopReason::Stopped);
     assert_eq!(steps.load(Ordering::SeqCst), 30);
     assert_eq!((report.stats.handled, report.stats.released), (1, 0));
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -2241,7 +2294,7 @@ async fn a_long_poll_settled_early_and_found_empty_still_lets_the_lower_receiver
     .await;
     assert_eq!(report.reason, StopReason::Empty);
     assert_eq!(seen.get(), [0, 1]);
-    assert_eq!(low.message_count().await.unwrap(), 0);
+    assert_eq!(low.counter().message_count().await.unwrap(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -2281,7 +2334,8 @@ async fn during_the_grace_period_what_is_given_back_or_finished_is_settled_at_on
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.stop();
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let free: Vec<String> = queue
+    let free: Vec<DeliveryId> = queue
+        .receiver()
         .get(10)
         .await
         .unwrap()
@@ -2290,19 +2344,19 @@ async fn during_the_grace_period_what_is_given_back_or_finished_is_settled_at_on
         .collect();
     assert_eq!(free.len(), 2, "given back, yet still leased");
     for id in &free {
-        queue.release(id).await.unwrap();
+        queue.receiver().release(id).await.unwrap();
     }
     // Job 0 ended at 1 s; job 1 runs until 4 s.
     tokio::time::sleep(Duration::from_millis(2900)).await;
     assert_eq!(seen.get(), [0]);
-    let taken = queue.get(10).await.unwrap();
+    let taken = queue.receiver().get(10).await.unwrap();
     assert_eq!(taken.len(), 2, "job 0 was handled but not acknowledged");
     for d in &taken {
-        queue.release(&d.id).await.unwrap();
+        queue.receiver().release(&d.id).await.unwrap();
     }
     let report = run.await.unwrap();
     assert_eq!((report.stats.handled, report.stats.released), (2, 2));
-    assert_eq!(queue.message_count().await.unwrap(), 2);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 2);
 }
 
 #[tokio::test(start_paused = true)]
@@ -2334,7 +2388,7 @@ async fn a_handled_message_waiting_for_its_batched_acknowledgement_keeps_its_lea
     .await;
     assert_eq!(seen.get(), [0, 1, 2, 3]);
     assert_eq!(report.stats.handled, 4);
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -2365,13 +2419,13 @@ async fn leases_are_extended_while_fetching_pauses_after_a_failed_park() {
     let run = tokio::spawn(worker.run());
     for second in 1..=18 {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let taken = queue.get(10).await.unwrap();
+        let taken = queue.receiver().get(10).await.unwrap();
         let jobs = taken
             .iter()
             .filter(|d| d.raw.header("type") == Some("Job"))
             .count();
         for d in &taken {
-            queue.release(&d.id).await.unwrap();
+            queue.receiver().release(&d.id).await.unwrap();
         }
         assert_eq!(jobs, 0, "the handler's lease ran out by {second} s");
     }
@@ -2453,7 +2507,7 @@ async fn an_undecodable_message_whose_failure_transport_cannot_take_raw_messages
     assert_eq!(queue.rejected(), 0, "not rejected");
     assert!(!released.is_empty());
     assert_eq!(
-        queue.message_count().await.unwrap(),
+        queue.counter().message_count().await.unwrap(),
         1,
         "the message is kept, not lost"
     );
@@ -2472,7 +2526,11 @@ async fn a_panic_while_parking_an_undecodable_message_is_reported_and_paces_the_
     queue.send(raw("Unknown", b"{}"), None).await.unwrap();
     let (report, events) = run_counting_releases(&messenger, Duration::from_millis(500)).await;
     assert_eq!(report.reason, StopReason::TimeLimit);
-    assert_eq!(queue.message_count().await.unwrap(), 1, "kept, not lost");
+    assert_eq!(
+        queue.counter().message_count().await.unwrap(),
+        1,
+        "kept, not lost"
+    );
     let (kind, error) = events.first().expect("a Failed event that released it");
     assert_eq!(kind, "panic");
     assert!(error.contains("send panicked"), "{error}");
@@ -2503,7 +2561,11 @@ async fn a_panic_while_parking_a_panicked_handler_s_message_keeps_it_and_the_wor
     messenger.dispatcher().dispatch(Job { n: 1 }).await.unwrap();
     let (report, released) = run_counting_releases(&messenger, Duration::from_millis(500)).await;
     assert_eq!(report.reason, StopReason::TimeLimit);
-    assert_eq!(queue.message_count().await.unwrap(), 1, "kept, not lost");
+    assert_eq!(
+        queue.counter().message_count().await.unwrap(),
+        1,
+        "kept, not lost"
+    );
     let (kind, error) = released.first().expect("a Failed event that released it");
     assert_eq!(kind, "panic");
     assert!(error.contains("send panicked"), "{error}");
@@ -2592,8 +2654,12 @@ async fn a_message_its_failure_transport_cannot_take_pauses_only_its_own_receive
     assert_eq!(uploads.load(Ordering::SeqCst), 1, "tried once, then paused");
     assert_eq!(seen.get(), (0..10).collect::<Vec<_>>(), "every job handled");
     assert_eq!((report.stats.handled, report.stats.failed), (10, 1));
-    assert_eq!(bulk.message_count().await.unwrap(), 1, "kept, not lost");
-    assert_eq!(failed.message_count().await.unwrap(), 0);
+    assert_eq!(
+        bulk.counter().message_count().await.unwrap(),
+        1,
+        "kept, not lost"
+    );
+    assert_eq!(failed.counter().message_count().await.unwrap(), 0);
     let released = released.lock().unwrap().clone();
     assert_eq!(released.len(), 1, "{released:?}");
     let (transport, error) = &released[0];
@@ -2656,11 +2722,15 @@ async fn a_retried_or_parked_message_whose_deferred_dispatch_cannot_be_parked_is
         // well, it would be handled again and retried or parked again.
         let (in_queue, parked) = if retries == 0 { (0, 1) } else { (1, 0) };
         assert_eq!(
-            queue.message_count().await.unwrap(),
+            queue.counter().message_count().await.unwrap(),
             in_queue,
             "the event is not given back beside its retry or parked copy: {case}"
         );
-        assert_eq!(failed.message_count().await.unwrap(), parked, "{case}");
+        assert_eq!(
+            failed.counter().message_count().await.unwrap(),
+            parked,
+            "{case}"
+        );
         assert_eq!(report.stats.retried, u64::from(retries), "{case}");
         let events = events.lock().unwrap().clone();
         assert!(
@@ -2703,7 +2773,7 @@ async fn a_handled_message_rejected_for_want_of_a_failure_transport_for_its_defe
     assert_eq!(report.stats.handled, 1, "{:?}", report.stats);
     assert_eq!(report.stats.failed, 1, "the audit: {:?}", report.stats);
     assert_eq!(handled.load(Ordering::SeqCst), 1, "a Handled event");
-    assert_eq!(queue.message_count().await.unwrap(), 0);
+    assert_eq!(queue.counter().message_count().await.unwrap(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -2727,12 +2797,12 @@ async fn stop_when_empty_does_not_stop_before_asking_again_a_receiver_paused_aft
     // `paused` cannot say it still holds the message: only asking it again
     // (after its pause) tells, and by then the message can be parked.
     assert_eq!(
-        failed.message_count().await.unwrap(),
+        failed.counter().message_count().await.unwrap(),
         1,
         "parked at the second try: {:?}",
         report.stats
     );
-    assert_eq!(paused.message_count().await.unwrap(), 0);
+    assert_eq!(paused.counter().message_count().await.unwrap(), 0);
     assert_eq!(report.stats.failed, 2, "the failed park, then the park");
 }
 
@@ -2744,7 +2814,7 @@ async fn put_parked(messenger: &Messenger, failed: &InMemoryTransport, envelope:
 
 /// The one message in `failed`, decoded.
 async fn the_one_parked(messenger: &Messenger, failed: &InMemoryTransport) -> Envelope {
-    let left = failed.list(10).await.unwrap();
+    let left = failed.browser().list(10).await.unwrap();
     assert_eq!(left.len(), 1, "parked again, once");
     messenger.serializer().decode(&left[0].raw).unwrap()
 }
@@ -2786,7 +2856,7 @@ async fn a_message_parked_unsent_to_a_transport_that_is_gone_is_parked_again_wit
         (1, 1, 0),
         "{report:?}"
     );
-    let sent = audit.get(10).await.unwrap();
+    let sent = audit.receiver().get(10).await.unwrap();
     assert_eq!(sent.len(), 1, "the one behind it reached `audit`");
     let parked = the_one_parked(&messenger, &failed).await;
     assert_eq!(parked.message::<Audit>().unwrap().n, 1);

@@ -1079,7 +1079,10 @@ mod tests {
         t.send_batch(vec![(forged.clone(), None)]).await.unwrap();
         let got = t.get(10).await.unwrap();
         assert_eq!(got.len(), 2);
-        assert!(got.iter().all(|d| d.raw == forged && !d.redelivered), "{got:?}");
+        assert!(
+            got.iter().all(|d| d.raw == forged && !d.redelivered),
+            "{got:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

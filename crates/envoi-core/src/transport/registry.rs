@@ -21,7 +21,7 @@
 //! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
 //! let factories = TransportFactories::default();
 //! let queue = factories.create("async", "in-memory://?serialize=true").await.unwrap();
-//! assert!(!queue.capabilities().persistent);
+//! assert!(queue.as_local_receiver().is_none(), "every message is encoded");
 //! match factories.create("db", "mysql://root:secret@db/app").await {
 //!     Err(TransportError::InvalidDsn { dsn, .. }) => assert_eq!(dsn, "mysql://root:***@db/app"),
 //!     other => panic!("{other:?}"),

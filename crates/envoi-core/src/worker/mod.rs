@@ -102,7 +102,7 @@
 //! Up to [`concurrency`](WorkerBuilder::concurrency) messages are handled at
 //! once, on the worker's own task (run several workers for several cores).
 //! While a message is held — fetched or being handled — the worker extends
-//! its lease with [`Transport::keepalive`] every
+//! its lease with [`Keepalive::keepalive`](crate::transport::Keepalive::keepalive) every
 //! [`keepalive_interval`](WorkerBuilder::keepalive_interval), so a slow but
 //! live handler is not redelivered to another worker. The first extension
 //! comes within one and a half intervals of the fetch, so leases must be
@@ -734,7 +734,7 @@ impl WorkerBuilder {
 
     /// Stops once every receiver is empty (no message waiting, delayed or
     /// leased) and nothing is in flight. Emptiness is read from
-    /// [`Transport::message_count`]; a transport that does not implement it
+    /// [`MessageCount`](crate::transport::MessageCount); a transport without that ability
     /// counts as empty as soon as it hands out nothing, whatever it still
     /// holds delayed or leased. A receiver paused because one of its
     /// messages could not be parked is asked again, once its pause is
@@ -1049,7 +1049,7 @@ pub struct HandledOne {
 /// ```
 /// # use std::sync::Arc;
 /// # use envoi_core::transport::in_memory::InMemoryTransport;
-/// # use envoi_core::transport::Transport;
+/// # use envoi_core::transport::{MessageCount, Receiver};
 /// # use envoi_core::worker::{handle_one, Outcome, Settlement};
 /// # use envoi_core::{Command, Envelope, Message, Messenger};
 /// # #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -1173,7 +1173,7 @@ pub async fn handle_one(
 /// Handles one message of `transport` exactly as a worker would — decode,
 /// dispatch with a [`ReceivedStamp`], then acknowledge, reject, release or
 /// park it — and says what became of it. This is how a command line retries
-/// one message from a failure transport: [`find`](Transport::find) it, then
+/// one message from a failure transport: [`find`](crate::transport::Browse::find) it, then
 /// hand it here (or to [`handle_one`], to settle it itself).
 ///
 /// Fails with [`WorkerError::UnknownTransport`] for a transport the
