@@ -3,7 +3,8 @@
 //! One conformance suite that every envoi transport passes, modelled on
 //! Watermill's universal Pub/Sub tests. The cases work at the raw level of
 //! [`Transport`]: bodies and headers go in through `send`, come out through
-//! `get`, and are settled with `ack`, `reject` or `release`. Envelope-level
+//! the `get` of its [`Receiver`], and are settled with `ack`, `reject` or
+//! `release`. Envelope-level
 //! behaviour (stamps, the serializer) is tested through the serializer
 //! elsewhere and is deliberately absent here.
 //!
@@ -27,7 +28,8 @@
 //! envoi_transport_tests::conformance!(make);
 //! ```
 //!
-//! With [`Options`] (here a one-second lease):
+//! With [`Options`] (here a one-second lease, for a transport whose
+//! messages do not outlive the process):
 //!
 //! ```
 //! # use std::sync::Arc;
@@ -37,6 +39,7 @@
 //!     make,
 //!     envoi_transport_tests::Options {
 //!         lease: std::time::Duration::from_secs(1),
+//!         persistent: false,
 //!         ..envoi_transport_tests::Options::default()
 //!     }
 //! );
@@ -61,8 +64,26 @@
 //!   `skipped conformance: ENVOI_REDIS_URL is not set`).
 //!
 //! Every case uses names of its own (with a random suffix), so the cases
-//! can run in parallel and repeatedly against the same server. The suite
-//! calls [`Transport::setup`] on each handle it opens.
+//! can run in parallel and repeatedly against the same server.
+//!
+//! ## Abilities
+//!
+//! The cases send through [`Transport::send`] and
+//! [`Transport::send_batch`] and take messages out through the transport's
+//! [`Receiver`] ([`receiver`] hands it out, and panics with "the transport
+//! under test has no receiving side" for a transport without one). The
+//! other abilities are used where the transport has them:
+//!
+//! | ability | the suite |
+//! |---|---|
+//! | [`Setup`] | runs it on each handle it opens; [`cases::setup_is_idempotent`] runs it again, concurrently |
+//! | [`Keepalive`] | [`cases::keepalive_prevents_redelivery`] needs it; [`cases::unknown_ids_do_not_disturb_other_messages`] also keeps unknown ids alive |
+//! | [`MessageCount`] | [`cases::message_count_counts_waiting_messages`] needs it; other cases check the count where there is one |
+//! | [`Browse`] | [`cases::list_and_find_do_not_lease`] needs it |
+//!
+//! A case that needs an ability the transport lacks prints
+//! `skipped <case>: transport cannot <ability>` (`keep leases alive`,
+//! `count messages`, `browse`) and passes.
 //!
 //! ## What the cases expect of every transport
 //!
@@ -73,22 +94,41 @@
 //!   values any UTF-8 string without NUL (quotes, backslashes, newlines,
 //!   tabs, emoji, empty, several KiB), up to 64 headers per message. A
 //!   transport whose native headers cannot hold that must encode them.
+//!   No header name is reserved: `X-Envoi-Redelivered` round-trips like
+//!   any other.
 //! * **At least once**: a message handed out and neither acknowledged nor
-//!   rejected comes back (after [`Transport::release`] at once, after the
+//!   rejected comes back (after [`Receiver::release`] at once, after the
 //!   lease otherwise); an acknowledged or rejected message never comes back.
+//! * **Redeliveries are marked on the delivery**: a first delivery has
+//!   [`Delivery::redelivered`] `false`, whatever its stored headers say; a
+//!   message that comes back after its lease ran out has it `true` (unless
+//!   [`Options::marks_redeliveries`] is off).
 //! * **`get`** may wait briefly for a message but comes back (empty) within
 //!   a few seconds when none is available.
-//! * **Unknown ids**: `ack`, `reject`, `release` and `keepalive` of an id the
-//!   transport does not know must not panic nor disturb other messages.
+//! * **Unknown ids**: `ack`, `reject`, `release` and `keepalive` of a
+//!   [`DeliveryId`] the transport does not know must not panic nor disturb
+//!   other messages.
 //!
-//! What applies beyond that is read from
-//! [`Transport::capabilities`](envoi_core::transport::Transport::capabilities):
-//! a case that needs a capability the transport lacks prints
-//! `skipped <case>: transport is not <capability>` and passes.
+//! What a transport promises beyond that is said in [`Options`]:
+//! [`persistent`](Options::persistent), [`ordered`](Options::ordered),
+//! [`delay`](Options::delay) (each `true` by default),
+//! [`lease_expiry`](Options::lease_expiry),
+//! [`marks_redeliveries`](Options::marks_redeliveries) and
+//! [`binary_bodies`](Options::binary_bodies). A case that needs a promise
+//! the options deny prints `skipped <case>: transport is not <capability>`
+//! (or why else it does not apply) and passes.
 //!
 //! [`Transport`]: envoi_core::transport::Transport
-//! [`Transport::setup`]: envoi_core::transport::Transport::setup
-//! [`Transport::release`]: envoi_core::transport::Transport::release
+//! [`Transport::send`]: envoi_core::transport::Transport::send
+//! [`Transport::send_batch`]: envoi_core::transport::Transport::send_batch
+//! [`Receiver`]: envoi_core::transport::Receiver
+//! [`Receiver::release`]: envoi_core::transport::Receiver::release
+//! [`Setup`]: envoi_core::transport::Setup
+//! [`Keepalive`]: envoi_core::transport::Keepalive
+//! [`MessageCount`]: envoi_core::transport::MessageCount
+//! [`Browse`]: envoi_core::transport::Browse
+//! [`Delivery::redelivered`]: envoi_core::transport::Delivery::redelivered
+//! [`DeliveryId`]: envoi_core::transport::DeliveryId
 
 #![forbid(unsafe_code)]
 
@@ -97,7 +137,7 @@ mod support;
 
 use std::time::Duration;
 
-pub use support::{unique_name, MakeTransport};
+pub use support::{receiver, unique_name, MakeTransport};
 
 /// What the suite may assume about the transport under test.
 #[derive(Debug, Clone)]
@@ -123,6 +163,22 @@ pub struct Options {
     pub marks_redeliveries: bool,
     /// Whether bodies may be any bytes, not only UTF-8 text. Default: `true`.
     pub binary_bodies: bool,
+    /// Whether stored messages survive the handles that sent them: a handle
+    /// opened after the first was dropped (a restart) receives them.
+    /// Default: `true`. A transport whose messages live only as long as
+    /// its handle (or process) sets it to `false`, which skips
+    /// [`cases::messages_survive_reopening`].
+    pub persistent: bool,
+    /// Whether a single consumer receives messages in the order they were
+    /// sent, one by one or as a batch. Default: `true`. A transport that
+    /// does not keep that order sets it to `false`, which skips
+    /// [`cases::single_consumer_receives_in_order`].
+    pub ordered: bool,
+    /// Whether `send` honours a delay: a delayed message is not handed out
+    /// before it. Default: `true`. A transport that cannot delay sets it to
+    /// `false`, which skips [`cases::delay_is_honoured`] and the delayed
+    /// part of [`cases::send_batch_and_ack_batch`].
+    pub delay: bool,
     /// The longest a case waits for messages it expects. Generous, because
     /// CI machines are slow. Default: 30 s.
     pub timeout: Duration,
@@ -135,6 +191,9 @@ impl Default for Options {
             lease_expiry: true,
             marks_redeliveries: true,
             binary_bodies: true,
+            persistent: true,
+            ordered: true,
+            delay: true,
             timeout: Duration::from_secs(30),
         }
     }

@@ -1,12 +1,14 @@
-//! Helpers the cases share: opening handles, receiving with deadlines,
-//! asserting silence.
+//! Helpers the cases share: opening handles, reaching their abilities,
+//! receiving with deadlines, asserting silence.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::{Delivery, RawMessage, Transport};
+use envoi_core::TransportError;
+
+use envoi_core::transport::{Delivery, DeliveryId, RawMessage, Receiver, Transport};
 
 /// A handle on a transport under test.
 pub(crate) type Handle = Arc<dyn Transport>;
@@ -40,22 +42,66 @@ pub fn unique_name(tag: &str) -> String {
     format!("{tag}_{}", &suffix[..12])
 }
 
-/// Opens `name` and runs `setup` on it.
+/// The receiving side of the transport under test. Every case takes
+/// messages out of the transport it sends to, so a transport without one
+/// ([`Transport::as_receiver`] is `None`) cannot be tested by the suite.
+///
+/// # Panics
+///
+/// When the transport has no receiving side.
+///
+/// ```
+/// use envoi_core::transport::in_memory::InMemoryTransport;
+/// use envoi_transport_tests::receiver;
+///
+/// let queue = InMemoryTransport::new();
+/// let _ = receiver(&queue);
+/// ```
+pub fn receiver(transport: &dyn Transport) -> &dyn Receiver {
+    transport
+        .as_receiver()
+        .unwrap_or_else(|| panic!("the transport under test has no receiving side"))
+}
+
+/// Opens `name` and runs its [`Setup`](envoi_core::transport::Setup), if
+/// it has one.
 pub(crate) async fn open(make: &impl MakeTransport, name: &str) -> Option<Handle> {
     let transport = make.open(name.to_string()).await?;
-    transport
-        .setup()
+    setup(&*transport)
         .await
         .unwrap_or_else(|e| panic!("setup of `{name}` failed: {e}"));
     Some(transport)
 }
 
-/// Whether a case needing `capability` runs; prints why not otherwise.
+/// Runs the transport's [`Setup`](envoi_core::transport::Setup); `Ok` at
+/// once when it has nothing to set up.
+pub(crate) async fn setup(transport: &dyn Transport) -> Result<(), TransportError> {
+    match transport.as_setup() {
+        Some(setup) => setup.setup().await,
+        None => Ok(()),
+    }
+}
+
+/// Whether a case needing what the transport promises (`capability`, read
+/// from [`Options`](crate::Options)) runs; prints why not otherwise.
 pub(crate) fn requires(case: &str, has: bool, capability: &str) -> bool {
     if !has {
         eprintln!("skipped {case}: transport is not {capability}");
     }
     has
+}
+
+/// The ability a case needs (`Some`), or `None` after printing that the
+/// transport cannot do what the case tests (`what`).
+pub(crate) fn ability<'a, A: ?Sized>(
+    case: &str,
+    ability: Option<&'a A>,
+    what: &str,
+) -> Option<&'a A> {
+    if ability.is_none() {
+        eprintln!("skipped {case}: transport cannot {what}");
+    }
+    ability
 }
 
 /// A message with a text body and the given headers.
@@ -102,7 +148,7 @@ pub(crate) async fn send_texts(transport: &dyn Transport, bodies: &[String]) -> 
 
 /// One `get(max)`, checked against `max`.
 pub(crate) async fn get(transport: &dyn Transport, max: usize) -> Vec<Delivery> {
-    let got = transport
+    let got = receiver(transport)
         .get(max)
         .await
         .unwrap_or_else(|e| panic!("get({max}) failed: {e}"));
@@ -112,7 +158,7 @@ pub(crate) async fn get(transport: &dyn Transport, max: usize) -> Vec<Delivery> 
         got.len()
     );
     for d in &got {
-        assert!(!d.id.is_empty(), "a delivery has an empty id");
+        assert!(!d.id.as_str().is_empty(), "a delivery has an empty id");
     }
     got
 }
@@ -206,16 +252,16 @@ pub(crate) fn assert_exactly_once(got: &[String], expected: &[String], what: &st
 }
 
 /// Acknowledges `id`.
-pub(crate) async fn ack(transport: &dyn Transport, id: &str) {
-    transport
+pub(crate) async fn ack(transport: &dyn Transport, id: &DeliveryId) {
+    receiver(transport)
         .ack(id)
         .await
         .unwrap_or_else(|e| panic!("ack of `{id}` failed: {e}"));
 }
 
 /// Releases `id`.
-pub(crate) async fn release(transport: &dyn Transport, id: &str) {
-    transport
+pub(crate) async fn release(transport: &dyn Transport, id: &DeliveryId) {
+    receiver(transport)
         .release(id)
         .await
         .unwrap_or_else(|e| panic!("release of `{id}` failed: {e}"));
@@ -237,17 +283,19 @@ pub(crate) async fn expect_nothing(transport: &dyn Transport, during: Duration, 
     }
 }
 
-/// `message_count`, or `None` when the transport does not count.
+/// `message_count`, or `None` when the transport cannot count
+/// ([`Transport::as_message_count`] is `None`).
 pub(crate) async fn count(transport: &dyn Transport) -> Option<u64> {
-    match transport.message_count().await {
+    let counter = transport.as_message_count()?;
+    match counter.message_count().await {
         Ok(n) => Some(n),
-        Err(envoi_core::TransportError::Unsupported(_)) => None,
         Err(e) => panic!("message_count failed: {e}"),
     }
 }
 
 /// Waits (up to a few seconds, counts of some brokers lag) for
-/// `message_count` to be `expected`, then asserts it.
+/// `message_count` to be `expected`, then asserts it. Does nothing when the
+/// transport cannot count.
 pub(crate) async fn expect_count(transport: &dyn Transport, expected: u64, when: &str) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {

@@ -91,3 +91,9 @@ async fn leases_that_never_expire_fail_unacked_message_is_redelivered_after_leas
 async fn leases_that_never_expire_fail_claimed_message_survives_consumer_crash() {
     cases::claimed_message_survives_consumer_crash(&faulty!(LeasesNeverExpire), &options()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "is marked as redelivered")]
+async fn a_stored_header_marking_a_redelivery_fails_publish_consume_integrity() {
+    cases::publish_consume_integrity(&faulty!(MarksFromStoredHeader), &options()).await;
+}

@@ -1,6 +1,7 @@
 //! The whole suite against the core's `in-memory://` transport, as stored
 //! (`raw`) and with `serialize=true`: one transport per name, shared by every
-//! handle opened with that name, with a one-second lease.
+//! handle opened with that name, with a one-second lease. Its messages
+//! live as long as the transport, so it is not `persistent`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -27,6 +28,7 @@ fn shared(dsn: &str, name: String) -> Arc<dyn Transport> {
 fn options() -> envoi_transport_tests::Options {
     envoi_transport_tests::Options {
         lease: Duration::from_secs(1),
+        persistent: false,
         ..envoi_transport_tests::Options::default()
     }
 }

@@ -8,9 +8,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use envoi_core::middleware::BoxFuture;
-use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
-use envoi_core::TransportError;
+use envoi_core::transport::{
+    Browse, Delivery, DeliveryId, Keepalive, MessageCount, RawMessage, Receiver, Setup, Transport,
+};
+use envoi_core::{BoxFuture, TransportError};
+
+/// The header that marked a redelivery before transports marked it on the
+/// delivery itself; [`Fault::MarksFromStoredHeader`] still reads it.
+const FORMER_REDELIVERY_HEADER: &str = "X-Envoi-Redelivered";
 
 /// A fault planted in the reference transport.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +41,9 @@ pub enum Fault {
     /// A message whose lease expired comes back without the redelivery
     /// mark.
     RedeliveriesUnmarked,
+    /// A message stored with an `X-Envoi-Redelivered: true` header is
+    /// handed out marked as redelivered, even the first time.
+    MarksFromStoredHeader,
 }
 
 struct Stored {
@@ -80,8 +88,24 @@ impl Reference {
         })
     }
 
-    fn parse(id: &str) -> Option<u64> {
-        id.parse().ok()
+    fn parse(id: &DeliveryId) -> Option<u64> {
+        id.as_str().parse().ok()
+    }
+
+    /// Removes the message `id`, if stored.
+    fn remove(&self, id: &DeliveryId) -> Result<(), TransportError> {
+        let Some(n) = Self::parse(id) else {
+            return Err(TransportError::NotFound(id.to_string()));
+        };
+        self.queue.lock().unwrap().messages.remove(&n);
+        Ok(())
+    }
+
+    /// Whether the stored message `raw`, handed out for the first time, is
+    /// marked as redelivered.
+    fn marked_at_first(&self, raw: &RawMessage) -> bool {
+        self.fault == Fault::MarksFromStoredHeader
+            && raw.header(FORMER_REDELIVERY_HEADER) == Some("true")
     }
 }
 
@@ -123,6 +147,28 @@ impl Transport for Reference {
         })
     }
 
+    fn as_receiver(&self) -> Option<&dyn Receiver> {
+        Some(self)
+    }
+
+    fn as_keepalive(&self) -> Option<&dyn Keepalive> {
+        Some(self)
+    }
+
+    fn as_setup(&self) -> Option<&dyn Setup> {
+        Some(self)
+    }
+
+    fn as_message_count(&self) -> Option<&dyn MessageCount> {
+        Some(self)
+    }
+
+    fn as_browse(&self) -> Option<&dyn Browse> {
+        Some(self)
+    }
+}
+
+impl Receiver for Reference {
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         Box::pin(async move {
             let now = Instant::now();
@@ -157,12 +203,11 @@ impl Transport for Reference {
                 // Still leased by a consumer that never settled it.
                 let expired = s.leased_until.is_some();
                 s.leased_until = Some(now + self.lease);
-                let delivery = Delivery {
-                    id: id.to_string(),
-                    raw: s.raw.clone(),
-                };
-                out.push(if expired && self.fault != Fault::RedeliveriesUnmarked {
-                    delivery.redelivered()
+                let marked = (expired && self.fault != Fault::RedeliveriesUnmarked)
+                    || self.marked_at_first(&s.raw);
+                let delivery = Delivery::new(id.to_string(), s.raw.clone());
+                out.push(if marked {
+                    delivery.mark_redelivered()
                 } else {
                     delivery
                 });
@@ -171,20 +216,20 @@ impl Transport for Reference {
         })
     }
 
-    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn ack<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
             if self.fault == Fault::AckKeepsMessage {
                 return Ok(());
             }
-            let Some(id) = Self::parse(id) else {
-                return Err(TransportError::NotFound(id.to_string()));
-            };
-            self.queue.lock().unwrap().messages.remove(&id);
-            Ok(())
+            self.remove(id)
         })
     }
 
-    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn reject<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move { self.remove(id) })
+    }
+
+    fn release<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
             if self.fault == Fault::ReleaseIgnored {
                 return Ok(());
@@ -202,8 +247,10 @@ impl Transport for Reference {
             Ok(())
         })
     }
+}
 
-    fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+impl Keepalive for Reference {
+    fn keepalive<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
             if self.fault == Fault::KeepaliveIgnored {
                 return Ok(());
@@ -217,11 +264,22 @@ impl Transport for Reference {
             Ok(())
         })
     }
+}
 
+/// Nothing to create: the queue exists once opened.
+impl Setup for Reference {
+    fn setup(&self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+impl MessageCount for Reference {
     fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
         Box::pin(async move { Ok(self.queue.lock().unwrap().messages.len() as u64) })
     }
+}
 
+impl Browse for Reference {
     fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         Box::pin(async move {
             Ok(self
@@ -231,27 +289,22 @@ impl Transport for Reference {
                 .messages
                 .iter()
                 .take(limit)
-                .map(|(id, s)| Delivery {
-                    id: id.to_string(),
-                    raw: s.raw.clone(),
-                })
+                .map(|(id, s)| Delivery::new(id.to_string(), s.raw.clone()))
                 .collect())
         })
     }
 
-    fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
+    fn find<'a>(
+        &'a self,
+        id: &'a DeliveryId,
+    ) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
         Box::pin(async move {
             let q = self.queue.lock().unwrap();
             Ok(Self::parse(id).and_then(|n| {
-                q.messages.get(&n).map(|s| Delivery {
-                    id: id.to_string(),
-                    raw: s.raw.clone(),
-                })
+                q.messages
+                    .get(&n)
+                    .map(|s| Delivery::new(id.clone(), s.raw.clone()))
             }))
         })
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::ALL
     }
 }
