@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use envoi_core::transport::Transport;
 use envoi_transport_tests::{cases, Options};
-use support::{Fault, Reference};
+use support::{Bare, Fault, Reference};
 
 fn options() -> Options {
     Options {
@@ -96,4 +96,11 @@ async fn leases_that_never_expire_fail_claimed_message_survives_consumer_crash()
 #[should_panic(expected = "is marked as redelivered")]
 async fn a_stored_header_marking_a_redelivery_fails_publish_consume_integrity() {
     cases::publish_consume_integrity(&faulty!(MarksFromStoredHeader), &options()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "the transport under test has no receiving side")]
+async fn a_transport_without_a_receiving_side_fails_with_a_clear_message() {
+    let make = |name: String| async move { Some(Bare::send_only(&name, Duration::from_secs(1))) };
+    cases::acked_message_never_comes_back(&make, &options()).await;
 }
