@@ -32,8 +32,11 @@
 //! | `acquire_timeout` | `10s` | longest wait for a pooled connection |
 //! | `max_body` | `1000000000` | largest body `send` accepts, in bytes |
 //!
-//! Durations are read by [`envoi_core::transport::parse_duration`], as on
-//! every transport: `250ms`, `2s`, `1.5` (seconds), `5m`, `1h`, `1h30m`. Any other query parameter must be one sqlx understands
+//! The options are read by [`DsnQuery`], as on every transport: durations
+//! are what [`envoi_core::transport::parse_duration`] reads (`250ms`, `2s`,
+//! `1.5` seconds, `5m`, `1h`, `1h30m`), booleans `true`/`false`, `1`/`0`,
+//! `yes`/`no` or `on`/`off`, values percent-decoded. Any other query
+//! parameter must be one sqlx understands
 //! (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`, `statement-cache-capacity`,
 //! `host`, `hostaddr`, `port`, `dbname`, `user`, `password`,
 //! `application_name`, `options`); an unknown one is an error rather than a
@@ -47,6 +50,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use envoi_core::transport::mask_dsn;
+use envoi_core::transport::support::DsnQuery;
 use envoi_core::TransportError;
 use sqlx::postgres::PgConnectOptions;
 
@@ -95,13 +99,13 @@ pub struct PostgresConfig {
     pub table: String,
     /// How long a handed-out message stays leased before it is redelivered.
     pub lease: Duration,
-    /// The most messages one [`get`](envoi_core::transport::Transport::get) claims.
+    /// The most messages one [`get`](envoi_core::transport::Receiver::get) claims.
     pub batch: usize,
-    /// The longest an empty [`get`](envoi_core::transport::Transport::get)
+    /// The longest an empty [`get`](envoi_core::transport::Receiver::get)
     /// waits for a notification; zero returns at once.
     pub wait: Duration,
     /// The longest wait of
-    /// [`wait_for_messages`](envoi_core::transport::Transport::wait_for_messages):
+    /// [`wait_for_messages`](envoi_core::transport::WakeUp::wait_for_messages):
     /// the polling period of an idle consumer.
     pub poll_interval: Duration,
     /// Whether to wake consumers with `LISTEN/NOTIFY` (otherwise: polling only).
@@ -165,6 +169,11 @@ fn same_option(key: &str) -> &str {
     }
 }
 
+/// Whether `name` is an option the driver reads (handed on to sqlx).
+fn is_driver_option(name: &str) -> bool {
+    DRIVER_PARAMS.contains(&name) || name.starts_with("options[")
+}
+
 impl PostgresConfig {
     /// Parses a `postgres://` or `postgresql://` DSN, envoi's options
     /// included (see the [module docs](self)).
@@ -184,50 +193,21 @@ impl PostgresConfig {
                 url.scheme()
             )));
         }
-
+        let mut query = DsnQuery::parse(dsn)?;
         let mut config = PostgresConfig::default();
-        let mut driver_params = Vec::new();
-        let mut has_application_name = false;
-        // Each option as given, under the one name of its spellings.
-        let mut seen: Vec<(String, String)> = Vec::new();
-        for (key, value) in url.query_pairs() {
-            let (key, value) = (key.into_owned(), value.into_owned());
-            let same = same_option(&key).to_string();
-            if let Some((_, first)) = seen.iter().find(|(s, _)| *s == same) {
-                return Err(invalid(if *first == key {
-                    format!("option `{key}` is given twice")
-                } else {
-                    format!("option `{key}` is given twice (as `{first}`)")
-                }));
-            }
-            seen.push((same, key.clone()));
-            match key.as_str() {
-                "table" => config.table = value,
-                "lease" => config.lease = parse_duration(&key, &value).map_err(invalid)?,
-                "poll" => config.poll_interval = parse_duration(&key, &value).map_err(invalid)?,
-                "wait" => config.wait = parse_duration(&key, &value).map_err(invalid)?,
-                "acquire_timeout" => {
-                    config.acquire_timeout = parse_duration(&key, &value).map_err(invalid)?
-                }
-                "batch" => config.batch = parse_number(&key, &value).map_err(invalid)?,
-                "max_connections" => {
-                    config.max_connections = parse_number(&key, &value).map_err(invalid)?
-                }
-                "max_body" => config.max_body = parse_number(&key, &value).map_err(invalid)?,
-                "listen" => config.listen = parse_bool(&key, &value).map_err(invalid)?,
-                _ if DRIVER_PARAMS.contains(&key.as_str()) || key.starts_with("options[") => {
-                    has_application_name |= key == "application_name";
-                    driver_params.push((key, value));
-                }
-                _ => return Err(invalid(format!("unknown option `{key}`"))),
-            }
+        config.read_options(&mut query)?;
+        let driver_params = query.take_matching(is_driver_option);
+        if let Some(reason) = given_twice(&driver_params) {
+            return Err(query.invalid(reason));
         }
+        query.finish()?;
+
+        let has_application_name = driver_params.iter().any(|(k, _)| k == "application_name");
         if driver_params.is_empty() {
             url.set_query(None);
         } else {
             url.query_pairs_mut().clear().extend_pairs(driver_params);
         }
-
         let mut connect = PgConnectOptions::from_str(url.as_str())
             .map_err(|e| invalid(format!("rejected by the driver: {e}")))?;
         if !has_application_name {
@@ -236,6 +216,38 @@ impl PostgresConfig {
         config.connect = connect;
         config.validate().map_err(|e| invalid(e.to_string()))?;
         Ok(config)
+    }
+
+    /// Takes envoi's own options out of `query`.
+    fn read_options(&mut self, query: &mut DsnQuery) -> Result<(), TransportError> {
+        if let Some(table) = query.string("table") {
+            self.table = table;
+        }
+        if let Some(lease) = query.duration("lease")? {
+            self.lease = lease;
+        }
+        if let Some(batch) = query.number("batch")? {
+            self.batch = batch;
+        }
+        if let Some(wait) = query.duration("wait")? {
+            self.wait = wait;
+        }
+        if let Some(poll) = query.duration("poll")? {
+            self.poll_interval = poll;
+        }
+        if let Some(listen) = query.bool("listen")? {
+            self.listen = listen;
+        }
+        if let Some(max) = query.number("max_connections")? {
+            self.max_connections = max;
+        }
+        if let Some(timeout) = query.duration("acquire_timeout")? {
+            self.acquire_timeout = timeout;
+        }
+        if let Some(max) = query.number("max_body")? {
+            self.max_body = max;
+        }
+        Ok(())
     }
 
     /// Checks the values: a valid table name, a lease of at least one
@@ -326,26 +338,15 @@ pub fn validate_table(table: &str) -> Result<(), ConfigError> {
     }
 }
 
-fn parse_number<T: FromStr>(key: &str, value: &str) -> Result<T, String> {
-    value
-        .parse()
-        .map_err(|_| format!("option `{key}` must be a whole number, got `{value}`"))
-}
-
-fn parse_bool(key: &str, value: &str) -> Result<bool, String> {
-    match value.to_ascii_lowercase().as_str() {
-        "true" | "1" | "yes" | "on" => Ok(true),
-        "false" | "0" | "no" | "off" => Ok(false),
-        _ => Err(format!(
-            "option `{key}` must be true or false, got `{value}`"
-        )),
-    }
-}
-
-/// Parses a duration option with [`envoi_core::transport::parse_duration`].
-fn parse_duration(key: &str, value: &str) -> Result<Duration, String> {
-    envoi_core::transport::parse_duration(value).ok_or_else(|| {
-        format!("option `{key}` must be a duration such as `500ms`, `2s`, `1.5`, `5m` or `1h`, got `{value}`")
+/// Why `driver_params` are refused, when one driver option is given under
+/// two of its spellings (`sslmode` and `ssl-mode`): the last would win.
+/// (The same spelling twice is refused by [`DsnQuery::parse`].)
+fn given_twice(driver_params: &[(String, String)]) -> Option<String> {
+    driver_params.iter().enumerate().find_map(|(i, (key, _))| {
+        driver_params[..i]
+            .iter()
+            .find(|(first, _)| same_option(first) == same_option(key))
+            .map(|(first, _)| format!("option `{key}` is given twice (as `{first}`)"))
     })
 }
 
@@ -404,14 +405,17 @@ mod tests {
 
     #[test]
     fn durations_accept_units_and_bare_seconds() {
-        assert_eq!(parse_duration("d", "250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("d", "2s"), Ok(Duration::from_secs(2)));
-        assert_eq!(parse_duration("d", "1.5"), Ok(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("d", "5m"), Ok(Duration::from_secs(300)));
-        assert_eq!(parse_duration("d", "1h"), Ok(Duration::from_secs(3600)));
-        assert!(parse_duration("d", "soon").is_err());
-        assert!(parse_duration("d", "-1s").is_err());
-        assert!(parse_duration("d", "").is_err());
+        let lease = |value: &str| {
+            PostgresConfig::from_dsn(&format!("postgres://h/db?lease={value}")).map(|c| c.lease)
+        };
+        assert_eq!(lease("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(lease("2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(lease("1.5").unwrap(), Duration::from_millis(1500));
+        assert_eq!(lease("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(lease("1h").unwrap(), Duration::from_secs(3600));
+        for bad in ["soon", "-1s", ""] {
+            assert!(reason(&format!("postgres://h/db?lease={bad}")).contains("`lease`"));
+        }
     }
 
     #[test]
@@ -434,7 +438,9 @@ mod tests {
 
     #[test]
     fn unknown_option_is_rejected_by_name() {
-        assert!(reason("postgres://h/db?lease_s=3").contains("unknown option `lease_s`"));
+        let reason = reason("postgres://h/db?lease_s=3");
+        assert!(reason.contains("unknown option `lease_s`"), "{reason}");
+        assert!(reason.contains("known: table, lease, batch"), "{reason}");
     }
 
     #[test]

@@ -2,9 +2,8 @@
 
 use std::sync::Arc;
 
-use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{Transport, TransportFactory};
-use envoi_core::TransportError;
+use envoi_core::{BoxFuture, TransportError};
 
 use crate::config::is_postgres_scheme;
 use crate::PostgresTransport;
@@ -35,7 +34,7 @@ impl TransportFactory for PostgresTransportFactory {
         dsn: &'a str,
     ) -> BoxFuture<'a, Result<Arc<dyn Transport>, TransportError>> {
         Box::pin(async move {
-            let transport = PostgresTransport::from_dsn(name, dsn)?;
+            let transport = PostgresTransport::connect(name, dsn).await?;
             Ok(Arc::new(transport) as Arc<dyn Transport>)
         })
     }

@@ -7,19 +7,32 @@
 //! its lease expires.
 //!
 //! ```no_run
-//! use envoi_core::transport::{RawMessage, Transport};
+//! use envoi_core::transport::{RawMessage, Receiver, Setup, Transport};
 //! use envoi_postgres::PostgresTransport;
 //!
 //! # async fn run() -> Result<(), envoi_core::TransportError> {
-//! let jobs = PostgresTransport::from_dsn("jobs", "postgres://app@127.0.0.1:5432/shop?lease=30s")?;
+//! let jobs =
+//!     PostgresTransport::connect("jobs", "postgres://app@127.0.0.1:5432/shop?lease=30s").await?;
 //! jobs.setup().await?; // CREATE TABLE / INDEX IF NOT EXISTS
 //! jobs.send(RawMessage { body: b"{}".to_vec(), ..Default::default() }, None).await?;
 //! for delivery in jobs.get(100).await? {
 //!     // handle it, then
 //!     jobs.ack(&delivery.id).await?;
 //! }
+//! jobs.close().await?; // gives back what was claimed ahead
 //! # Ok(()) }
 //! ```
+//!
+//! [`PostgresTransport`] is a [`Transport`](envoi_core::transport::Transport)
+//! with every ability a durable queue has: a
+//! [`Receiver`](envoi_core::transport::Receiver),
+//! [`Keepalive`](envoi_core::transport::Keepalive),
+//! [`Setup`](envoi_core::transport::Setup),
+//! [`MessageCount`](envoi_core::transport::MessageCount),
+//! [`Browse`](envoi_core::transport::Browse),
+//! [`Teardown`](envoi_core::transport::Teardown) (`purge` empties its
+//! queue; `delete` also drops the table once no other queue has a row in
+//! it) and [`WakeUp`](envoi_core::transport::WakeUp).
 //!
 //! ## Table
 //!
@@ -43,6 +56,14 @@
 //! A message is available when `available_at <= now()` and it is not leased
 //! (`leased_until` is NULL or past). Consumers receive available messages in
 //! `(available_at, id)` order, which for one producer is the order it sent.
+//!
+//! Headers are stored as one JSON object of strings (core's
+//! [`encode_json_headers`](envoi_core::transport::support::encode_json_headers)).
+//! A row whose headers are anything else (written by hand) is still handed
+//! out, with its string headers, `X-Envoi-Invalid-Headers` saying what is
+//! wrong and `X-Envoi-Stored-Headers` holding what was stored
+//! ([`decode_json_headers`](envoi_core::transport::support::decode_json_headers)),
+//! so that it does not decode and the worker parks it with the reason.
 //!
 //! ## Performance notes
 //!
@@ -69,15 +90,25 @@
 
 #![forbid(unsafe_code)]
 
+mod abilities;
+mod browse;
+mod claim;
 pub mod config;
 mod factory;
 mod listener;
+mod retry;
+mod rows;
+mod send;
+mod settle;
+mod setup;
 mod sql;
 mod transport;
+mod writer;
 
 pub use config::{ConfigError, PostgresConfig};
 pub use factory::PostgresTransportFactory;
-pub use transport::{MessageError, PostgresTransport, INVALID_HEADERS_HEADER};
+pub use send::MessageError;
+pub use transport::PostgresTransport;
 
 /// The sqlx version this crate is built on, for
 /// [`PostgresTransport::with_pool`] and [`PostgresConfig::connect`].

@@ -8,10 +8,10 @@
 //! also whenever it (re)connects, because notifications sent while it was
 //! away are lost. While it is down, consumers simply poll.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use std::sync::Arc;
-
+use envoi_core::transport::support::Backoff;
 use sqlx::postgres::{PgListener, PgPool};
 use sqlx::AssertSqlSafe;
 use tokio::sync::{watch, Notify};
@@ -55,9 +55,10 @@ pub(crate) struct ListenerTask {
 }
 
 impl ListenerTask {
-    /// Listens until aborted, reconnecting with a capped backoff.
+    /// Listens until aborted, reconnecting after waits of 100 ms doubling
+    /// up to 5 s (back to 100 ms once listening again).
     pub(crate) async fn run(self) {
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
             match self.listen(&mut backoff).await {
                 Ok(never) => match never {},
@@ -66,30 +67,26 @@ impl ListenerTask {
                         %error,
                         channel = %self.channel,
                         queue = %self.queue,
-                        retry_in = ?backoff,
+                        retry_in = ?backoff.peek(),
                         "postgres listener lost; consumers poll until it is back"
                     );
                 }
             }
             // Whatever was notified while the listener was away is lost.
             self.wake.wake();
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(5));
+            backoff.wait().await;
         }
     }
 
     /// Connects, listens and forwards notifications until the connection fails.
     /// Resets `backoff` once listening.
-    async fn listen(
-        &self,
-        backoff: &mut Duration,
-    ) -> Result<std::convert::Infallible, sqlx::Error> {
+    async fn listen(&self, backoff: &mut Backoff) -> Result<std::convert::Infallible, sqlx::Error> {
         let mut listener = PgListener::connect_with(&self.pool).await?;
         // Reconnects are handled here, with a wake after each.
         listener.eager_reconnect(false);
         listener.listen(&self.channel).await?;
         tracing::debug!(channel = %self.channel, queue = %self.queue, "postgres listener connected");
-        *backoff = Duration::from_millis(100);
+        backoff.reset();
         // Messages may have been sent between the last poll and LISTEN.
         self.wake.wake();
         loop {
@@ -109,6 +106,9 @@ impl ListenerTask {
         }
     }
 }
+
+/// Attempts at one notification whose connection was lost.
+const NOTIFY_ATTEMPTS: u32 = 3;
 
 /// Sends the `NOTIFY`s of one transport, coalesced: however many sends
 /// complete while a notification is on its way, one more follows it. Each
@@ -131,23 +131,29 @@ impl NotifierTask {
     pub(crate) async fn run(self) {
         loop {
             self.signal.notified().await;
-            for _ in 0..3 {
-                let result = sqlx::query(AssertSqlSafe(self.sql.clone()))
-                    .bind(self.queue.as_str())
-                    .execute(&self.pool)
-                    .await;
-                match result {
-                    Ok(_) => break,
-                    // Consumers elsewhere poll: a lost notification only
-                    // delays them.
-                    Err(error) => {
-                        tracing::debug!(%error, queue = %self.queue, "postgres: NOTIFY failed");
-                        if !crate::transport::is_connection_error(&error) {
-                            break;
-                        }
-                    }
-                }
+            self.notify().await;
+        }
+    }
+
+    /// Sends one notification, again (after a short wait) when its
+    /// connection was lost, [`NOTIFY_ATTEMPTS`] times at most.
+    async fn notify(&self) {
+        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(100));
+        for attempt in 1..=NOTIFY_ATTEMPTS {
+            let result = sqlx::query(AssertSqlSafe(self.sql.clone()))
+                .bind(self.queue.as_str())
+                .execute(&self.pool)
+                .await;
+            let Err(error) = result else {
+                return;
+            };
+            // Consumers elsewhere poll: a lost notification only delays
+            // them.
+            tracing::debug!(%error, queue = %self.queue, "postgres: NOTIFY failed");
+            if attempt == NOTIFY_ATTEMPTS || !crate::retry::is_connection_error(&error) {
+                return;
             }
+            backoff.wait().await;
         }
     }
 }

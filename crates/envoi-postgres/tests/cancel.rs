@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::Transport;
+use envoi_core::transport::{DeliveryId, Keepalive, MessageCount, Receiver, Transport};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settling_runs_promptly_while_a_get_waits_on_a_one_connection_pool() {
@@ -71,7 +71,8 @@ async fn gets_dropped_mid_claim_break_nothing_and_lose_nothing() {
     .await;
     let mut sent = BTreeSet::new();
     for i in 0..5 {
-        sent.insert(t.send(common::text(&format!("m{i}")), None).await.unwrap());
+        let id = t.send(common::text(&format!("m{i}")), None).await.unwrap();
+        sent.insert(DeliveryId::from(id));
     }
     for round in 0..40 {
         // Dropped after one poll, or a little later: mid-claim, or waiting.
@@ -136,12 +137,12 @@ async fn rows_claimed_ahead_for_a_dropped_get_are_given_back_by_close() {
         let dropped = tokio::time::timeout(Duration::ZERO, t.get(100)).await;
         if dropped.is_ok() {
             // The claim ahead had already finished: try again.
-            t.close().await;
+            t.close().await.unwrap();
             let _ = sqlx_drop(&admin, &table).await;
             continue;
         }
         // Closing gives back what was claimed ahead and not handed out.
-        t.close().await;
+        t.close().await.unwrap();
         let other = common::open("q", &url, &options).await;
         let started = Instant::now();
         let mut got = 0;
@@ -152,8 +153,7 @@ async fn rows_claimed_ahead_for_a_dropped_get_are_given_back_by_close() {
             );
             let batch = other.get(100).await.unwrap();
             got += batch.len();
-            let ids: Vec<String> = batch.into_iter().map(|d| d.id).collect();
-            other.ack_batch(&ids).await.unwrap();
+            other.ack_batch(&common::ids(&batch)).await.unwrap();
         }
         assert_eq!(got, 100);
         let _ = sqlx_drop(&admin, &table).await;

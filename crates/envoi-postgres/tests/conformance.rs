@@ -1,5 +1,7 @@
 //! The shared conformance suite, against the PostgreSQL server in
-//! `ENVOI_POSTGRES_URL`.
+//! `ENVOI_POSTGRES_URL`. PostgreSQL promises everything the suite asks
+//! about (persistent, ordered, delays, lease expiry, marked redeliveries,
+//! binary bodies): the default options.
 
 use std::sync::Arc;
 
@@ -17,7 +19,8 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
         "{url}{separator}table=envoi_conformance&lease=2s&wait=200ms&poll=200ms&max_connections=4\
          &application_name=envoi_conformance"
     );
-    let transport = PostgresTransport::from_dsn(name, &dsn)
+    let transport = PostgresTransport::connect(&name, &dsn)
+        .await
         .unwrap_or_else(|e| panic!("opening the postgres transport failed: {e}"));
     Some(Arc::new(transport))
 }

@@ -8,10 +8,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{admin, body, connections, dsn, open, receive, text, unique, url, wait_for_listener};
-use envoi_core::transport::{Capabilities, RawMessage, Transport, TransportFactory};
+use envoi_core::serializer::INVALID_HEADERS_HEADER;
+use envoi_core::transport::support::STORED_HEADERS_HEADER;
+use envoi_core::transport::{
+    Browse, DeliveryId, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
+    TransportFactory, WakeUp,
+};
 use envoi_core::TransportError;
 use envoi_postgres::sqlx;
-use envoi_postgres::{PostgresTransport, PostgresTransportFactory, INVALID_HEADERS_HEADER};
+use envoi_postgres::{PostgresTransport, PostgresTransportFactory};
 
 const TABLE: &str = "envoi_test_messages";
 
@@ -45,10 +50,12 @@ async fn setup_creates_the_table_and_claim_index_idempotently() {
         return;
     };
     let table = unique("envoi_setup");
-    let a =
-        PostgresTransport::from_dsn("a", &common::dsn(&url, &format!("table={table}"))).unwrap();
-    let b =
-        PostgresTransport::from_dsn("b", &common::dsn(&url, &format!("table={table}"))).unwrap();
+    let a = PostgresTransport::connect("a", &common::dsn(&url, &format!("table={table}")))
+        .await
+        .unwrap();
+    let b = PostgresTransport::connect("b", &common::dsn(&url, &format!("table={table}")))
+        .await
+        .unwrap();
     let (ra, rb, rc) = tokio::join!(a.setup(), b.setup(), a.setup());
     for r in [ra, rb, rc] {
         r.unwrap_or_else(|e| panic!("concurrent setup failed: {e}"));
@@ -320,7 +327,7 @@ async fn send_batch_stores_one_row_each_with_ids_in_order_and_delays_in_availabl
     );
     let listed = t.list(1000).await.unwrap();
     assert_eq!(
-        listed.iter().map(|d| d.id.clone()).collect::<Vec<_>>(),
+        listed.iter().map(|d| d.id.to_string()).collect::<Vec<_>>(),
         ids,
         "list is not in send order"
     );
@@ -344,8 +351,7 @@ async fn send_batch_stores_one_row_each_with_ids_in_order_and_delays_in_availabl
         got.iter().all(|d| !body(d).ends_with('9')),
         "a delayed message was handed out"
     );
-    let got_ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
-    t.ack_batch(&got_ids).await.unwrap();
+    t.ack_batch(&common::ids(&got)).await.unwrap();
     assert_eq!(t.message_count().await.unwrap(), 10);
     assert_eq!(t.purge().await.unwrap(), 10);
 }
@@ -375,7 +381,7 @@ async fn keepalive_moves_the_lease_forward_and_fails_for_a_gone_message() {
     };
     let name = unique("keepalive");
     let t = open(&name, &url, &options("")).await;
-    let id = t.send(text("slow"), None).await.unwrap();
+    let id = DeliveryId::from(t.send(text("slow"), None).await.unwrap());
     let held = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
     assert_eq!(held.id, id);
     let admin = admin(&url).await;
@@ -384,7 +390,7 @@ async fn keepalive_moves_the_lease_forward_and_fails_for_a_gone_message() {
             "SELECT (extract(epoch FROM leased_until - now()) * 1000)::float8 \
              FROM {TABLE} WHERE id = $1"
         )))
-        .bind(id.parse::<i64>().unwrap())
+        .bind(id.as_str().parse::<i64>().unwrap())
         .fetch_one(&admin)
         .await
         .unwrap();
@@ -417,22 +423,27 @@ async fn expired_lease_redelivers_and_counts_the_delivery() {
         return;
     };
     let t = open(&unique("expired"), &url, &options("lease=300ms")).await;
-    let id = t.send(text("again"), None).await.unwrap();
+    let id = DeliveryId::from(t.send(text("again"), None).await.unwrap());
     let first = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
+    assert!(
+        !first.redelivered,
+        "a first delivery is marked as redelivered"
+    );
     assert!(
         t.get(1).await.unwrap().is_empty(),
         "a leased message was handed out"
     );
     let second = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
-    assert_eq!(
-        (first.id.as_str(), second.id.as_str()),
-        (id.as_str(), id.as_str())
+    assert_eq!((&first.id, &second.id), (&id, &id));
+    assert!(
+        second.redelivered,
+        "a message whose lease ran out is not marked as redelivered"
     );
     let admin = admin(&url).await;
     let (count,): (i32,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT delivery_count FROM {TABLE} WHERE id = $1"
     )))
-    .bind(id.parse::<i64>().unwrap())
+    .bind(id.as_str().parse::<i64>().unwrap())
     .fetch_one(&admin)
     .await
     .unwrap();
@@ -491,8 +502,10 @@ async fn messages_postgres_cannot_store_are_refused_with_a_clear_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rows_with_odd_headers_written_by_hand_are_still_delivered() {
-    let Some(url) = url("rows_with_odd_headers_written_by_hand_are_still_delivered") else {
+async fn rows_with_odd_headers_written_by_hand_are_delivered_as_stored_to_be_parked() {
+    let Some(url) =
+        url("rows_with_odd_headers_written_by_hand_are_delivered_as_stored_to_be_parked")
+    else {
         return;
     };
     let name = unique("odd_headers");
@@ -510,15 +523,28 @@ async fn rows_with_odd_headers_written_by_hand_are_still_delivered() {
         .unwrap();
     }
     let got = receive(&t, 2, Duration::from_secs(10)).await;
-    assert_eq!(got[0].raw.header("n"), Some("1"));
+    // A value that is not a string is not stringified: the string headers
+    // stay, and what was stored is kept, with what is wrong with it.
     assert_eq!(got[0].raw.header("type"), Some("Odd"));
-    assert_eq!(got[1].raw.header(INVALID_HEADERS_HEADER), Some("[1, 2]"));
-    // It does not decode: the worker parks it, saying why.
+    assert_eq!(got[0].raw.header("n"), None);
+    assert_eq!(
+        got[0].raw.header(STORED_HEADERS_HEADER),
+        Some(r#"{"n": 1, "type": "Odd"}"#)
+    );
+    assert_eq!(got[1].raw.header(STORED_HEADERS_HEADER), Some("[1, 2]"));
+    // Neither decodes: the worker parks each, saying why.
     let serializer = envoi_core::serializer::Serializer::builder()
         .build()
         .unwrap();
-    let reason = serializer.decode(&got[1].raw).unwrap_err().to_string();
-    assert!(reason.contains("not a JSON object: [1, 2]"), "{reason}");
+    for (delivery, why) in got.iter().zip(["`n` holds a number", "they are an array"]) {
+        let marked = delivery
+            .raw
+            .header(INVALID_HEADERS_HEADER)
+            .unwrap_or_default();
+        assert!(marked.contains(why), "{marked}");
+        let reason = serializer.decode(&delivery.raw).unwrap_err().to_string();
+        assert!(reason.contains(why), "{reason}");
+    }
     assert_eq!(t.purge().await.unwrap(), 2);
 }
 
@@ -557,7 +583,7 @@ async fn a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the
     let got = receive(&t, 2, Duration::from_secs(10)).await;
     let reason = got[0]
         .raw
-        .header(envoi_core::serializer::INVALID_HEADERS_HEADER)
+        .header(INVALID_HEADERS_HEADER)
         .unwrap_or_default();
     assert_eq!(reason, "the stored headers are NULL");
     assert_eq!(body(&got[1]), "good", "the row claimed with it comes too");
@@ -573,10 +599,11 @@ async fn a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the
 #[tokio::test]
 async fn a_server_that_refuses_connections_is_named_as_the_cause_not_a_pool_timeout() {
     // Nothing listens on port 1: no server is needed.
-    let t = PostgresTransport::from_dsn(
+    let t = PostgresTransport::connect(
         "refused",
         "postgres://postgres@127.0.0.1:1/test?acquire_timeout=300ms&listen=false",
     )
+    .await
     .unwrap();
     let error = t.setup().await.unwrap_err();
     let text = format!(
@@ -612,12 +639,13 @@ async fn a_closed_transport_fails_with_closed() {
         return;
     };
     let t = open(&unique("closed"), &url, &options("")).await;
-    t.close().await;
+    t.close().await.unwrap();
     assert!(matches!(
         t.send(text("late"), None).await,
         Err(TransportError::Closed)
     ));
     assert!(matches!(t.get(1).await, Err(TransportError::Closed)));
+    t.close().await.expect("closing again does nothing");
 }
 
 #[tokio::test]
@@ -636,7 +664,14 @@ async fn factory_accepts_postgres_dsns_and_masks_passwords_in_errors() {
         )
         .await
         .unwrap();
-    assert_eq!(t.capabilities(), Capabilities::ALL);
+    assert!(t.as_receiver().is_some());
+    assert!(t.as_keepalive().is_some());
+    assert!(t.as_setup().is_some());
+    assert!(t.as_message_count().is_some());
+    assert!(t.as_browse().is_some());
+    assert!(t.as_teardown().is_some());
+    assert!(t.as_wake_up().is_some());
+    assert!(t.as_local_sender().is_none() && t.as_local_receiver().is_none());
 
     match factory
         .create("orders", "postgres://u:secret@h/db?table=Bad-Name")
@@ -653,19 +688,30 @@ async fn factory_accepts_postgres_dsns_and_masks_passwords_in_errors() {
 #[tokio::test]
 async fn transport_names_must_be_usable_as_queue_names() {
     for bad in ["", "a\0b"] {
-        let err = PostgresTransport::from_dsn(bad, "postgres://u@h/db").unwrap_err();
+        let err = PostgresTransport::connect(bad, "postgres://u@h/db")
+            .await
+            .unwrap_err();
         assert!(
             err.to_string().contains("invalid postgres transport"),
             "{err}"
         );
     }
-    let ok = PostgresTransport::from_dsn("any name — even ünïcode", "postgres://u@h/db");
+    let ok = PostgresTransport::connect("any name — even ünïcode", "postgres://u@h/db").await;
     assert!(ok.is_ok());
 }
 
 #[test]
 fn creating_a_transport_outside_a_runtime_is_an_error_not_a_panic() {
-    let err = PostgresTransport::from_dsn("q", "postgres://u@h/db").unwrap_err();
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    // Polled by hand, without a runtime: it fails at once.
+    let mut connecting = std::pin::pin!(PostgresTransport::connect("q", "postgres://u@h/db"));
+    let polled = connecting
+        .as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()));
+    let Poll::Ready(Err(err)) = polled else {
+        panic!("connecting outside a runtime did not fail at once");
+    };
     assert!(err.to_string().contains("Tokio runtime"), "{err}");
 }
 
@@ -694,9 +740,10 @@ async fn concurrent_consumers_on_separate_handles_share_the_work_without_duplica
                 if got.is_empty() {
                     break;
                 }
-                let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
                 seen.extend(got.iter().map(body));
-                t.ack_batch(&ids).await.expect("ack_batch failed");
+                t.ack_batch(&common::ids(&got))
+                    .await
+                    .expect("ack_batch failed");
             }
             seen
         }));
@@ -760,6 +807,7 @@ async fn concurrent_sends_are_each_stored_once_under_their_own_id() {
     while let Some(joined) = sends.join_next().await {
         let (i, sent) = joined.unwrap();
         let id = sent.unwrap_or_else(|e| panic!("send {i} failed: {e}"));
+        let id = DeliveryId::from(id);
         let found = t.find(&id).await.unwrap().expect("a sent id is not stored");
         assert_eq!(
             body(&found),
@@ -830,8 +878,7 @@ async fn rows_claimed_ahead_are_each_handed_out_once() {
     for max in [100, 10, 100, 100, 100, 100] {
         let got = t.get(max).await.unwrap();
         assert!(got.len() <= max);
-        let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
-        t.ack_batch(&ids).await.unwrap();
+        t.ack_batch(&common::ids(&got)).await.unwrap();
         seen.extend(got.iter().map(body));
     }
     let distinct: BTreeSet<&String> = seen.iter().collect();
@@ -857,11 +904,10 @@ async fn rows_claimed_ahead_are_given_back_on_close_and_drop() {
         let handle = open(&name, &url, &long_lease()).await;
         let got = handle.get(100).await.unwrap();
         assert_eq!(got.len(), 100);
-        let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
-        handle.ack_batch(&ids).await.unwrap();
+        handle.ack_batch(&common::ids(&got)).await.unwrap();
         seen.extend(got.iter().map(body));
         if closing {
-            handle.close().await;
+            handle.close().await.unwrap();
         } else {
             drop(handle);
         }
@@ -892,8 +938,7 @@ async fn rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop
         let a = open(&name, &url, &short).await;
         let got = a.get(100).await.unwrap();
         assert_eq!(got.len(), 100);
-        let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
-        a.ack_batch(&ids).await.unwrap();
+        a.ack_batch(&common::ids(&got)).await.unwrap();
         // The next 100 are claimed ahead for `a`; their lease runs out and
         // another consumer takes them.
         tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -901,7 +946,7 @@ async fn rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop
         let taken = receive(&b, 100, Duration::from_secs(10)).await;
         assert_eq!(taken.len(), 100);
         if closing {
-            a.close().await;
+            a.close().await.unwrap();
         } else {
             drop(a);
             tokio::time::sleep(Duration::from_millis(300)).await;
@@ -923,7 +968,9 @@ async fn a_transport_not_set_up_says_to_set_it_up() {
         return;
     };
     let table = unique("never_set_up");
-    let t = PostgresTransport::from_dsn("jobs", &dsn(&url, &format!("table={table}"))).unwrap();
+    let t = PostgresTransport::connect("jobs", &dsn(&url, &format!("table={table}")))
+        .await
+        .unwrap();
     let err = t
         .send(text("too early"), None)
         .await
@@ -934,4 +981,72 @@ async fn a_transport_not_set_up_says_to_set_it_up() {
         text.contains("set the transport up first"),
         "the error says what to do: {text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_message_is_deleted_not_handed_out_again() {
+    let Some(url) = url("a_rejected_message_is_deleted_not_handed_out_again") else {
+        return;
+    };
+    let t = open(&unique("rejected"), &url, &options("lease=300ms")).await;
+    t.send(text("poison"), None).await.unwrap();
+    let got = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
+    t.reject(&got.id).await.unwrap();
+    assert_eq!(t.find(&got.id).await.unwrap(), None);
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    // Well past its lease, it does not come back.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(t.get(1).await.unwrap().is_empty());
+    // Rejecting again is harmless, as acknowledging again is.
+    t.reject(&got.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_removes_the_queue_and_drops_the_table_once_no_other_queue_uses_it() {
+    let Some(url) = url("delete_removes_the_queue_and_drops_the_table_once_no_other_queue_uses_it")
+    else {
+        return;
+    };
+    let table = unique("envoi_deleted");
+    let options = format!("table={table}&lease=2s&wait=200ms&poll=200ms");
+    let a = open(&unique("delete_a"), &url, &options).await;
+    let b = open(&unique("delete_b"), &url, &options).await;
+    a.send_batch(vec![(text("a1"), None), (text("a2"), None)])
+        .await
+        .unwrap();
+    b.send(text("b1"), None).await.unwrap();
+    let admin = admin(&url).await;
+    let table_exists = || async {
+        let (exists,): (bool,) = sqlx::query_as("SELECT to_regclass($1) IS NOT NULL")
+            .bind(&table)
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+        exists
+    };
+
+    // Another queue still has a row: only `a`'s rows go.
+    a.delete().await.unwrap();
+    assert_eq!(a.message_count().await.unwrap(), 0);
+    assert_eq!(b.message_count().await.unwrap(), 1);
+    assert!(
+        table_exists().await,
+        "a table another queue uses was dropped"
+    );
+
+    // The last queue: the table goes too; deleting again does nothing.
+    b.delete().await.unwrap();
+    assert!(!table_exists().await, "the table was left behind");
+    b.delete().await.expect("deleting again does nothing");
+    a.delete()
+        .await
+        .expect("deleting a gone table does nothing");
+
+    // `setup` brings it back, empty.
+    a.setup().await.unwrap();
+    assert_eq!(a.message_count().await.unwrap(), 0);
+    a.send(text("again"), None).await.unwrap();
+    assert_eq!(receive(&a, 1, Duration::from_secs(10)).await.len(), 1);
+    a.delete().await.unwrap();
+    assert!(!table_exists().await);
 }

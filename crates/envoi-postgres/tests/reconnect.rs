@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{admin, body, connections, open, text, unique, url, wait_for_listener};
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{Browse, RawMessage, Receiver, Teardown, Transport};
 use envoi_postgres::sqlx;
 
 const MESSAGES: usize = 2000;
@@ -120,14 +120,13 @@ async fn every_message_is_handled_when_the_server_kills_the_connections_mid_run(
                     if got.is_empty() {
                         continue;
                     }
-                    let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
                     // Handled = acked; an unacked batch comes back after the lease.
-                    match consumer.ack_batch(&ids).await {
+                    match consumer.ack_batch(&common::ids(&got)).await {
                         Ok(()) => {
                             let mut h = lock(&handled);
                             for d in &got {
                                 let seq: usize = body(d).parse().expect("a foreign body");
-                                h.entry(seq).or_default().insert(d.id.clone());
+                                h.entry(seq).or_default().insert(d.id.to_string());
                             }
                         }
                         Err(e) => lock(&errors).push(format!("ack: {e}")),
@@ -205,7 +204,7 @@ async fn every_message_is_handled_when_the_server_kills_the_connections_mid_run(
             "message {seq} is left unhandled"
         );
         assert!(
-            !sent.values().any(|id| *id == d.id),
+            !sent.values().any(|id| id.as_str() == d.id.as_str()),
             "acked id {} is still stored",
             d.id
         );

@@ -52,7 +52,11 @@ async fn the_worker_handles_every_message_sent_through_a_postgres_dsn() {
         .await
         .expect("the messenger builds from a postgres DSN");
     let transport = Arc::clone(messenger.transport(&name).expect("registered"));
-    transport.setup().await.expect("setup");
+    let setup = transport.as_setup().expect("a postgres transport sets up");
+    setup.setup().await.expect("setup");
+    let count = transport
+        .as_message_count()
+        .expect("a postgres transport counts");
 
     for id in 0..N {
         messenger
@@ -61,7 +65,7 @@ async fn the_worker_handles_every_message_sent_through_a_postgres_dsn() {
             .await
             .expect("dispatch sends to postgres");
     }
-    assert_eq!(transport.message_count().await.unwrap(), u64::from(N));
+    assert_eq!(count.message_count().await.unwrap(), u64::from(N));
 
     let report = Worker::builder(&messenger)
         .receiver(name.clone())
@@ -76,6 +80,7 @@ async fn the_worker_handles_every_message_sent_through_a_postgres_dsn() {
     let distinct: BTreeSet<u32> = seen.iter().copied().collect();
     assert_eq!(seen.len(), N as usize, "some orders were handled twice");
     assert_eq!(distinct, (0..N).collect(), "some orders were never handled");
-    assert_eq!(transport.message_count().await.unwrap(), 0);
-    assert!(transport.list(10).await.unwrap().is_empty());
+    assert_eq!(count.message_count().await.unwrap(), 0);
+    let browse = transport.as_browse().expect("a postgres transport lists");
+    assert!(browse.list(10).await.unwrap().is_empty());
 }

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::{Delivery, RawMessage, Transport};
+use envoi_core::transport::{Delivery, DeliveryId, RawMessage, Receiver, Setup};
 use envoi_postgres::sqlx::postgres::PgPool;
 use envoi_postgres::PostgresTransport;
 
@@ -33,7 +33,8 @@ pub fn unique(tag: &str) -> String {
 
 /// A transport on `url` with `options`, set up.
 pub async fn open(name: &str, url: &str, options: &str) -> PostgresTransport {
-    let transport = PostgresTransport::from_dsn(name, &dsn(url, options))
+    let transport = PostgresTransport::connect(name, &dsn(url, options))
+        .await
         .unwrap_or_else(|e| panic!("opening `{name}` failed: {e}"));
     transport
         .setup()
@@ -64,8 +65,13 @@ pub fn body(delivery: &Delivery) -> String {
     String::from_utf8_lossy(&delivery.raw.body).into_owned()
 }
 
+/// The ids of `deliveries`, to settle them in one call.
+pub fn ids(deliveries: &[Delivery]) -> Vec<DeliveryId> {
+    deliveries.iter().map(|d| d.id.clone()).collect()
+}
+
 /// Gets until `n` deliveries arrived; panics after `timeout`.
-pub async fn receive(transport: &dyn Transport, n: usize, timeout: Duration) -> Vec<Delivery> {
+pub async fn receive(transport: &dyn Receiver, n: usize, timeout: Duration) -> Vec<Delivery> {
     let deadline = Instant::now() + timeout;
     let mut out = Vec::new();
     while out.len() < n {

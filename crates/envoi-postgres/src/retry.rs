@@ -1,0 +1,130 @@
+//! Errors and retries: a statement whose connection was lost runs again on
+//! another one; every other failure becomes a [`TransportError`] naming the
+//! transport and its table.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use envoi_core::transport::support::Backoff;
+use envoi_core::TransportError;
+
+use crate::transport::Inner;
+
+/// Retries on a lost connection that are run at once, each on another
+/// pooled connection (a pool the server killed holds several dead ones);
+/// the ones after wait, longer each time.
+const IMMEDIATE_RETRIES: u32 = 2;
+
+/// Whether `error` means the connection is gone (so a retry on another
+/// connection may succeed), as opposed to a problem with the statement.
+pub(crate) fn is_connection_error(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+        // Class 08: connection exception; 57P01-57P05: the server is
+        // terminating the session (pg_terminate_backend, shutdown, restart).
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|code| code.starts_with("08") || code.starts_with("57P")),
+        _ => false,
+    }
+}
+
+impl Inner {
+    /// `error`, met while doing `what`, as a transport error.
+    pub(crate) fn error(&self, what: &str, error: sqlx::Error) -> TransportError {
+        match error {
+            sqlx::Error::PoolClosed => TransportError::Closed,
+            error => {
+                // No such table (42P01), or a column it lacks (42703):
+                // `setup` makes it.
+                let code = error
+                    .as_database_error()
+                    .and_then(|e| e.code().map(|c| c.into_owned()));
+                let hint = match code.as_deref() {
+                    Some("42P01" | "42703") => {
+                        "; set the transport up first (`setup`, `setup-transports`)"
+                    }
+                    _ => "",
+                };
+                TransportError::backend(
+                    format!(
+                        "postgres: {what} (transport `{}`, table `{}`{hint})",
+                        self.name, self.config.table
+                    ),
+                    error,
+                )
+            }
+        }
+    }
+
+    /// Runs `op`, again on another connection when it failed because its
+    /// connection was lost.
+    pub(crate) async fn retrying<T, F, Fut>(&self, what: &str, op: F) -> Result<T, TransportError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, sqlx::Error>>,
+    {
+        match self.retrying_raw(op).await {
+            Ok(value) => Ok(value),
+            Err(sqlx::Error::PoolTimedOut) => Err(self.pool_timed_out(what).await),
+            Err(error) => Err(self.error(what, error)),
+        }
+    }
+
+    /// The error of an operation that got no pooled connection in time. The
+    /// pool reports a server it cannot reach (refused, wrong port) only as
+    /// a timeout: one direct attempt tells the cause.
+    #[cold]
+    async fn pool_timed_out(&self, what: &str) -> TransportError {
+        use sqlx::Connection;
+        let attempt = tokio::time::timeout(
+            Duration::from_secs(5),
+            sqlx::PgConnection::connect_with(&self.config.connect),
+        )
+        .await;
+        match attempt {
+            Ok(Err(cause)) => self.error(
+                &format!(
+                    "{what}: no connection within {:?}",
+                    self.config.acquire_timeout
+                ),
+                cause,
+            ),
+            Ok(Ok(connection)) => {
+                // The server answers: the pool was only busy.
+                let _ = connection.close().await;
+                self.error(what, sqlx::Error::PoolTimedOut)
+            }
+            Err(_) => self.error(what, sqlx::Error::PoolTimedOut),
+        }
+    }
+
+    /// [`retrying`](Self::retrying), keeping the last error as it is: at
+    /// most `max_retries` retries, none started after `acquire_timeout`.
+    pub(crate) async fn retrying_raw<T, F, Fut>(&self, mut op: F) -> Result<T, sqlx::Error>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, sqlx::Error>>,
+    {
+        let started = Instant::now();
+        let mut attempt = 0u32;
+        let mut pause = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
+        loop {
+            match op().await {
+                Ok(value) => return Ok(value),
+                Err(error)
+                    if is_connection_error(&error)
+                        && attempt < self.max_retries
+                        && started.elapsed() < self.config.acquire_timeout =>
+                {
+                    attempt += 1;
+                    tracing::debug!(%error, attempt, transport = %self.name, "postgres: connection lost, retrying");
+                    if attempt > IMMEDIATE_RETRIES {
+                        pause.wait().await;
+                    }
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+}
