@@ -441,26 +441,6 @@ impl Envelope {
         meta.stamps.remove(at);
         meta.recount();
     }
-
-    /// Removes every stamp of type `S` and returns them, oldest first
-    /// (cloned when a clone of this envelope shares them).
-    pub(crate) fn take_all<S: Stamp + Clone>(&mut self) -> Vec<S> {
-        if !self.has::<S>() {
-            return Vec::new();
-        }
-        let meta = self.meta_mut();
-        let mut out = Vec::new();
-        let local = meta.local;
-        meta.stamps.retain(|e| match e.downcast::<S>(local) {
-            Some(s) => {
-                out.push(s.clone());
-                false
-            }
-            None => true,
-        });
-        meta.recount();
-        out
-    }
 }
 
 /// The stamps of an envelope, for its `Debug` output.
@@ -539,18 +519,18 @@ mod tests {
 
     #[test]
     fn lookups_follow_stamps_added_and_removed() {
-        use crate::pipeline::dispatch_after_current_bus::DeferredDispatches;
+        use crate::envelope::stamp::RedeliveredStamp;
         let e = Envelope::new(Ping(1));
         assert!(!e.has::<DelayStamp>() && !e.has::<BusNameStamp>());
         let e = e
             .with(BusNameStamp::new("bus"))
-            .with(DeferredDispatches::default())
+            .with(RedeliveredStamp::new())
             .with(DelayStamp::new(std::time::Duration::from_millis(5)));
-        assert!(e.has::<BusNameStamp>() && e.has::<DeferredDispatches>() && e.has::<DelayStamp>());
+        assert!(e.has::<BusNameStamp>() && e.has::<RedeliveredStamp>() && e.has::<DelayStamp>());
         assert!(!e.has::<HandledStamp>() && !e.has::<SentStamp>());
         // Removing the non-sendable stamp keeps the other stamps findable.
         let e = e.into_sendable();
-        assert!(!e.has::<DeferredDispatches>());
+        assert!(!e.has::<RedeliveredStamp>());
         assert!(e.has::<DelayStamp>() && e.has::<BusNameStamp>());
         assert_eq!(e.all::<DelayStamp>().count(), 1);
     }

@@ -4,10 +4,12 @@
 use std::time::Duration;
 
 use crate::envelope::stamp::{
-    DelayStamp, ErrorDetailsStamp, RedeliveryStamp, SentToFailureTransportStamp,
+    DelayStamp, ErrorDetailsStamp, RedeliveryStamp, SentToFailureTransportStamp, Stamp,
 };
 use crate::envelope::Envelope;
 use crate::error::HandlerError;
+use crate::transport::serializer::STAMP_HEADER_PREFIX;
+use crate::transport::RawMessage;
 
 /// The longest [`parked_again_delay`].
 pub const MAX_PARKED_AGAIN_DELAY: Duration = Duration::from_secs(3600);
@@ -81,5 +83,77 @@ pub fn error_details(errors: &[HandlerError]) -> ErrorDetailsStamp {
                 .collect::<Vec<_>>()
                 .join("; "),
         ),
+    }
+}
+
+/// Adds `stamp` to its `X-Message-Stamp-<name>` header's array, keeping
+/// only the newest [`STAMP_HISTORY`](crate::transport::serializer::STAMP_HISTORY) of a
+/// retry-history stamp, as the serializer does. A header that is not a JSON
+/// array is kept under `X-Malformed-Stamp-<name>`.
+pub(crate) fn append_stamp_header<S: Stamp>(raw: &mut RawMessage, stamp: &S) {
+    let key = format!("{STAMP_HEADER_PREFIX}{}", S::NAME);
+    let Ok(value) = serde_json::to_value(stamp) else {
+        return;
+    };
+    let mut values = match raw.headers.remove(&key) {
+        None => Vec::new(),
+        Some(existing) => match serde_json::from_str::<Vec<serde_json::Value>>(&existing) {
+            Ok(values) => values,
+            Err(_) => {
+                raw.headers
+                    .insert(format!("X-Malformed-Stamp-{}", S::NAME), existing);
+                Vec::new()
+            }
+        },
+    };
+    values.push(value);
+    if crate::transport::serializer::is_history(S::NAME) {
+        let excess = values
+            .len()
+            .saturating_sub(crate::transport::serializer::STAMP_HISTORY);
+        values.drain(..excess);
+    }
+    if let Ok(json) = serde_json::to_string(&values) {
+        raw.headers.insert(key, json);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn appending_a_stamp_header_keeps_what_was_there() {
+        let mut raw = RawMessage::default();
+        raw.headers.insert("X-Message-Stamp-Delay", r#"[{"ms":1}]"#);
+        append_stamp_header(&mut raw, &DelayStamp { ms: 2 });
+        assert_eq!(
+            raw.header("X-Message-Stamp-Delay"),
+            Some(r#"[{"ms":1},{"ms":2}]"#)
+        );
+        raw.headers.insert("X-Message-Stamp-Delay", "garbage");
+        append_stamp_header(&mut raw, &DelayStamp { ms: 3 });
+        assert_eq!(raw.header("X-Message-Stamp-Delay"), Some(r#"[{"ms":3}]"#));
+        assert_eq!(raw.header("X-Malformed-Stamp-Delay"), Some("garbage"));
+    }
+
+    #[test]
+    fn appending_a_retry_history_stamp_header_keeps_only_the_newest() {
+        let mut raw = RawMessage::default();
+        for n in 0..40 {
+            append_stamp_header(
+                &mut raw,
+                &RedeliveryStamp {
+                    retry_count: n,
+                    at: 0,
+                },
+            );
+        }
+        let kept: Vec<RedeliveryStamp> =
+            serde_json::from_str(raw.header("X-Message-Stamp-Redelivery").unwrap()).unwrap();
+        let counts: Vec<u32> = kept.iter().map(|r| r.retry_count).collect();
+        let newest: Vec<u32> =
+            (40 - crate::transport::serializer::STAMP_HISTORY as u32..40).collect();
+        assert_eq!(counts, newest);
     }
 }

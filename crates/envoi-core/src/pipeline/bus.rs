@@ -37,13 +37,15 @@ use crate::envelope::Envelope;
 use crate::error::{BusError, Result, StepResult};
 use crate::middleware::{Endpoint, Middleware, Next};
 use crate::pipeline::add_bus_name::AddBusNameStamp;
-use crate::pipeline::dispatch_after_current_bus;
-use crate::pipeline::dispatch_after_current_bus::{scope, take_deferred};
-use crate::pipeline::dispatch_after_current_bus::{DeferredDispatches, Settle};
+use crate::pipeline::dispatch_after_current_bus::{
+    self, into_result, run_now, scope, take_deferred,
+};
 use crate::pipeline::failed_message_processing::FailedMessageProcessing;
-use crate::pipeline::handle_message::{single_failed, with_deferred, HandleMessage};
+use crate::pipeline::frame::{framed, Frame};
+use crate::pipeline::handle_message::{hand_on, single_failed, HandleMessage};
 use crate::pipeline::retry::Retry;
 use crate::pipeline::send_message::{Route, SendMessage, Started};
+use crate::pipeline::verdict::Verdict;
 use crate::BoxFuture;
 
 /// Identifies a middleware added to a live bus, for removing it later.
@@ -130,27 +132,35 @@ impl MessageBus {
             .map(|out: StepResult| out.map_err(|e| *e))
     }
 
-    /// Whether [`dispatch_received`](Self::dispatch_received) can take
-    /// `envelope`, a message a worker received: when the bus has no user
-    /// middleware and nothing waits for the current dispatch, its steps
-    /// run without the boxes [`dispatch`](Self::dispatch) keeps its own
-    /// future small with. Anything else goes through `dispatch`.
-    pub(crate) fn receives_inline(&self, envelope: &Envelope) -> bool {
-        self.inner.receives_inline(envelope)
-    }
-
-    /// [`dispatch`](Self::dispatch) for an envelope a worker received and
-    /// [`receives_inline`](Self::receives_inline) accepted: the same steps,
-    /// with retrying and handling awaited inline. The worker keeps this
-    /// future in its own slot, so it may be larger than `dispatch`'s, which
-    /// boxes those steps to stay small for every caller.
-    pub(crate) fn dispatch_received(
-        &self,
-        envelope: Envelope,
-    ) -> impl Future<Output = Result<Envelope>> + Send + '_ {
-        self.inner
-            .dispatch_received(envelope)
-            .map(|out: StepResult| out.map_err(|e| *e))
+    /// Dispatches `envelope`, a message received from a transport (stamped
+    /// with its [`ReceivedStamp`]), and says what became of it: handled,
+    /// retried, parked or failed, with the dispatches its handlers deferred
+    /// that failed afterwards. What a worker settles the
+    /// message with its transport by.
+    ///
+    /// ```
+    /// use envoi_core::pipeline::verdict::Fate;
+    /// use envoi_core::stamp::ReceivedStamp;
+    /// use envoi_core::{Command, Envelope, Message, Messenger};
+    ///
+    /// #[derive(Debug, Clone)]
+    /// struct Ping;
+    /// impl Message for Ping { const NAME: &'static str = "Ping"; }
+    /// impl Command for Ping { type Output = (); type Error = std::convert::Infallible; }
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+    /// let messenger = Messenger::builder()
+    ///     .command_handler(|_: Ping| async { Ok(()) })
+    ///     .build()
+    ///     .unwrap();
+    /// let received = Envelope::new(Ping).with(ReceivedStamp::new("queue"));
+    /// let verdict = messenger.bus().receive(received).await;
+    /// assert!(matches!(verdict.fate, Fate::Handled(_)));
+    /// assert!(verdict.failed_deferred.is_empty());
+    /// # });
+    /// ```
+    pub fn receive(&self, envelope: Envelope) -> impl Future<Output = Verdict> + Send + '_ {
+        self.inner.receive(envelope)
     }
 
     /// Dispatches `message` as a command.
@@ -319,25 +329,25 @@ impl BusInner {
                 // What the handler deferred goes out of scope before the
                 // await below, so the future keeps no slot for it and the
                 // common, empty case is neither stored nor dropped.
-                let out = {
+                let frame = {
                     let deferred = take_deferred(scope_id);
                     if deferred.is_empty() {
                         return Ok(out);
                     }
-                    with_deferred(out, deferred)
+                    Frame {
+                        deferred,
+                        retry: None,
+                    }
                 };
-                return Box::pin(dispatch_after_current_bus::settle(out)).await;
+                return Box::pin(settle_plain(Ok(out), frame, false)).await;
             }
-            let out = Box::pin(self.handle.process(envelope)).await?;
-            if !out.has::<DeferredDispatches>() {
-                return Ok(out);
-            }
-            return Box::pin(dispatch_after_current_bus::settle(out)).await;
+            let (result, frame) = Box::pin(framed(self.handle.process(envelope))).await;
+            return finish(result, frame, false).await;
         }
-        // Step 2 has nothing to defer: the steps after it run here, and
-        // step 2 settles what the handlers deferred afterwards, awaited in
-        // one place so the future keeps one slot for it.
-        let result = match &user {
+        // Step 2 has nothing to defer: the steps after it run here in a
+        // frame, and step 2 settles what their handlers deferred afterwards.
+        let received = envelope.has::<ReceivedStamp>();
+        let (result, frame) = match &user {
             // No user middleware with work to do: sent (step 5) or,
             // once received, steps 3, 6 and 7.
             None => match self.route(&envelope) {
@@ -350,45 +360,52 @@ impl BusInner {
                 }
                 None => {
                     let envelope = FailedMessageProcessing::apply(envelope);
-                    Box::pin(self.core(envelope)).await
+                    Box::pin(framed(self.core(envelope))).await
                 }
             },
             // Steps 3 and 4 from the first middleware that takes part.
             Some((chain, start)) => {
                 let envelope = FailedMessageProcessing::apply(envelope);
                 let next = Next::after_asking(&chain.items[start + 1..], Some(&**self));
-                chain.items[*start]
-                    .handle(envelope, next)
-                    .await
-                    .map_err(Box::new)
+                let (result, frame) = framed(chain.items[*start].handle(envelope, next)).await;
+                (result.map_err(Box::new), frame)
             }
         };
-        match dispatch_after_current_bus::after(result) {
-            Settle::Ready(result) => result,
-            Settle::Pending(settling) => settling.await,
+        finish(result, frame, received).await
+    }
+
+    /// [`MessageBus::receive`]: steps 1 and 3, then the user middleware and
+    /// steps 5 to 7 in a frame; step 2 settles what the handlers deferred,
+    /// and the frame's record of the retry step says what became of the
+    /// message.
+    async fn receive(self: &Arc<Self>, envelope: Envelope) -> Verdict {
+        let received = envelope.clone();
+        if self.disposed.load(Ordering::Relaxed) {
+            let error = Box::new(BusError::Disposed(self.name.to_string()));
+            return Verdict::of(Err(error), None, Vec::new(), &received);
         }
-    }
-
-    /// [`MessageBus::receives_inline`].
-    fn receives_inline(&self, envelope: &Envelope) -> bool {
-        !self.disposed.load(Ordering::Relaxed)
-            && self.user_empty.load(Ordering::Relaxed)
-            && !envelope.has::<DispatchAfterCurrentBusStamp>()
-    }
-
-    /// [`MessageBus::dispatch_received`]: steps 1, 3 and 5 to 7, the core
-    /// awaited inline, then step 2 settles what the handlers deferred.
-    ///
-    /// It does not fall back on [`Self::dispatch`] itself: a second caller
-    /// of that future would keep it from being inlined into the one every
-    /// dispatch takes.
-    async fn dispatch_received(self: &Arc<Self>, envelope: Envelope) -> StepResult {
-        // 1. AddBusNameStamp, 3. FailedMessageProcessing, then the core.
+        // 1. AddBusNameStamp, 3. FailedMessageProcessing
         let envelope = FailedMessageProcessing::apply(self.add_bus_name.apply(envelope));
-        match dispatch_after_current_bus::after(self.core(envelope).await) {
-            Settle::Ready(result) => result,
-            Settle::Pending(settling) => settling.await,
-        }
+        let user = if self.user_empty.load(Ordering::Relaxed) {
+            None
+        } else {
+            self.user_chain(&envelope)
+        };
+        let (result, frame) = match &user {
+            None => framed(self.core(envelope)).await,
+            Some((chain, start)) => {
+                let next = Next::after_asking(&chain.items[start + 1..], Some(&**self));
+                let (result, frame) = framed(chain.items[*start].handle(envelope, next)).await;
+                (result.map_err(Box::new), frame)
+            }
+        };
+        let retry = frame.retry.clone();
+        let (result, failed) = if frame.deferred.is_empty() {
+            (result, Vec::new())
+        } else {
+            Box::pin(dispatch_after_current_bus::settle(result, frame, true)).await
+        };
+        Verdict::of(result, retry, failed, &received)
     }
 
     /// The user middleware chain and the position of its first middleware
@@ -442,7 +459,8 @@ impl BusInner {
             .map_err(Box::new)
     }
 
-    /// Steps 5 to 7.
+    /// Steps 5 to 7. What the handlers deferred goes to the frame of the
+    /// dispatch this runs in.
     async fn core(&self, envelope: Envelope) -> StepResult {
         // 5. SendMessage
         if let Some((send, targets)) = self.route(&envelope) {
@@ -465,13 +483,35 @@ impl BusInner {
             return Box::pin(self.handle.process(envelope)).await;
         };
         match scope(handler.call(&envelope)).await {
-            Ok((result, scope_id)) => Ok(with_deferred(
-                envelope.with(HandledStamp::new(handler.name(), result)),
-                take_deferred(scope_id),
-            )),
+            Ok((result, scope_id)) => {
+                let out = envelope.with(HandledStamp::new(handler.name(), result));
+                let unframed = hand_on(take_deferred(scope_id));
+                if unframed.is_empty() {
+                    Ok(out)
+                } else {
+                    Box::pin(run_now(out, unframed)).await
+                }
+            }
             Err(error) => Err(single_failed(envelope, handler, error)),
         }
     }
+}
+
+/// Step 2's end for a dispatch not made by a worker: what the frame holds
+/// is settled, and deferred dispatches that failed become the dispatch's
+/// error.
+#[inline]
+async fn finish(result: StepResult, frame: Frame, received: bool) -> StepResult {
+    if frame.deferred.is_empty() {
+        return result;
+    }
+    Box::pin(settle_plain(result, frame, received)).await
+}
+
+/// [`dispatch_after_current_bus::settle`], failures made an error.
+async fn settle_plain(result: StepResult, frame: Frame, received: bool) -> StepResult {
+    let (result, failed) = dispatch_after_current_bus::settle(result, frame, received).await;
+    into_result(result, failed)
 }
 
 impl Endpoint for BusInner {

@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use super::dispatch_after_current_bus::{scope, take_deferred, Deferred, DeferredDispatches};
+use super::dispatch_after_current_bus::{run_now, scope, take_deferred, Deferred};
+use super::frame;
 use crate::envelope::message::MessageKind;
 use crate::envelope::stamp::HandledStamp;
 use crate::envelope::Envelope;
@@ -20,6 +21,9 @@ use crate::BoxFuture;
 ///   event whose other handler failed) is not run again.
 /// * If any handler fails, the result is [`BusError::HandlerFailed`] with the
 ///   envelope (carrying the stamps of those that succeeded) and every error.
+/// * What a handler that succeeded deferred goes to the dispatch's frame,
+///   for step 2 to run once the dispatch is over; in a stack without step
+///   2 (no frame), it runs once the handlers succeeded.
 ///
 /// It never calls `next`: it is the end of the pipeline.
 #[derive(Clone)]
@@ -70,18 +74,7 @@ impl HandleMessage {
                 })),
             };
         };
-        if let [handler] = reg.handlers.as_slice() {
-            if !already_handled(&envelope, &**handler) {
-                return match scope(handler.call(&envelope)).await {
-                    Ok((result, scope_id)) => Ok(with_deferred(
-                        envelope.with(HandledStamp::new(handler.name(), result)),
-                        take_deferred(scope_id),
-                    )),
-                    Err(error) => Err(single_failed(envelope, &**handler, error)),
-                };
-            }
-            return Ok(envelope);
-        }
+        let mut unframed = Vec::new();
         let mut envelope = envelope;
         let mut errors = Vec::new();
         for handler in &reg.handlers {
@@ -90,10 +83,8 @@ impl HandleMessage {
             }
             match scope(handler.call(&envelope)).await {
                 Ok((result, scope_id)) => {
-                    envelope = with_deferred(
-                        envelope.with(HandledStamp::new(handler.name(), result)),
-                        take_deferred(scope_id),
-                    )
+                    envelope = envelope.with(HandledStamp::new(handler.name(), result));
+                    unframed.extend(hand_on(take_deferred(scope_id)));
                 }
                 Err(error) => errors.push(HandlerError {
                     handler: handler.name(),
@@ -101,13 +92,16 @@ impl HandleMessage {
                 }),
             }
         }
-        if errors.is_empty() {
-            Ok(envelope)
-        } else {
-            Err(Box::new(BusError::HandlerFailed {
+        if !errors.is_empty() {
+            return Err(Box::new(BusError::HandlerFailed {
                 envelope: Box::new(envelope),
                 errors,
-            }))
+            }));
+        }
+        if unframed.is_empty() {
+            Ok(envelope)
+        } else {
+            Box::pin(run_now(envelope, unframed)).await
         }
     }
 }
@@ -127,14 +121,11 @@ pub(crate) fn single_failed(
     })
 }
 
-/// Attaches what a successful handler deferred, for step 2 to run.
+/// Hands what a handler that succeeded deferred to the dispatch's frame,
+/// for step 2; returns what has no frame to go to.
 #[inline]
-pub(crate) fn with_deferred(envelope: Envelope, deferred: Vec<Deferred>) -> Envelope {
-    if deferred.is_empty() {
-        envelope
-    } else {
-        envelope.with(DeferredDispatches(deferred))
-    }
+pub(crate) fn hand_on(deferred: Vec<Deferred>) -> Vec<Deferred> {
+    frame::defer(deferred).err().unwrap_or_default()
 }
 
 #[inline]

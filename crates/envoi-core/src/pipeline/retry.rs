@@ -38,7 +38,7 @@
 
 use std::sync::Arc;
 
-use super::dispatch_after_current_bus::{DeferredDispatches, ParkedWithDeferred};
+use super::frame::{self, RetryRecord};
 use crate::envelope::stamp::{
     DelayStamp, ReceivedStamp, RedeliveryStamp, SentStamp, SentToFailureTransportStamp,
 };
@@ -63,6 +63,7 @@ async fn on_failure(
                 .with(RedeliveryStamp::new(attempt))
                 .with(DelayStamp::new(delay));
             let sent = config.dispatcher().send(transport, retry).await?;
+            frame::record_retry(RetryRecord::Retried { attempt, delay });
             return Ok(sent.with(SentStamp::new(transport)));
         }
         Decision::Fail => {
@@ -80,12 +81,13 @@ async fn on_failure(
         .any(|r| &*r.transport == failure);
     let parked = parked_copy(envelope, error_details(&errors), transport, again);
     let sent = config.dispatcher().send(failure, parked).await?;
-    let mut parked = sent.with(SentStamp::new(failure));
-    // What the handlers that succeeded deferred is dispatched by step 2,
-    // as for a retry: they will not run again.
-    if parked.has::<DeferredDispatches>() {
-        parked = parked.with(ParkedWithDeferred);
-    }
+    let parked = sent.with(SentStamp::new(failure));
+    // Step 2 then dispatches what the handlers that succeeded deferred, as
+    // for a retry (they will not run again), and a worker knows the message
+    // is parked.
+    frame::record_retry(RetryRecord::Parked {
+        failure: failure.to_string(),
+    });
     Err(BusError::HandlerFailed {
         envelope: Box::new(parked),
         errors,
