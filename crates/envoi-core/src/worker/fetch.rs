@@ -277,89 +277,24 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
     {
         let mut wait: Option<Duration> = None;
         for receiver in from..self.ctx.receivers.len() {
-            // Paused after one of its messages could not be parked: the
-            // receivers after it are read meanwhile.
-            if self.fetch_after[receiver].is_some() {
-                if self.paused(receiver, Instant::now()).is_some() {
-                    continue;
-                }
-                self.fetch_after[receiver] = None;
-            }
-            let mut want = self
-                .options
-                .batch_size
-                .min(budget.min(usize::MAX as u64) as usize);
-            if let Some(bucket) = &mut self.buckets[receiver] {
-                let tokens = bucket.available(Instant::now());
-                if tokens == 0 {
-                    let w = bucket.wait();
-                    wait = Some(wait.map_or(w, |x: Duration| x.min(w)));
-                    continue;
-                }
-                want = want.min(tokens);
-            }
+            let Some(want) = self.wanted(receiver, budget, &mut wait) else {
+                continue;
+            };
             if want == 0 {
                 break;
             }
-            let ctx = self.ctx;
-            let got = if ctx.receivers[receiver]
+            let got = if self.ctx.receivers[receiver]
                 .transport
                 .as_local_receiver()
                 .is_none()
             {
-                // A broker's `get` may wait long for a message (a long
-                // poll): it must not hold up a stop or the time limit.
-                let mut get = match ctx.receivers[receiver].receiver() {
-                    Ok(r) => r.get(want),
-                    Err(e) => Box::pin(std::future::ready(Err(e))),
-                };
-                let must_stop = self.must_stop();
-                tokio::pin!(must_stop);
-                let got = loop {
-                    tokio::select! {
-                        biased;
-                        got = get.as_mut() => break Some(got),
-                        done = acking.as_mut(), if pending && sent.is_none() => *sent = Some(done),
-                        finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
-                            self.record(finished);
-                        }
-                        // A long poll must not let the leases of what is
-                        // in flight run out.
-                        _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
-                        () = &mut must_stop => break None,
-                    }
-                    // What finished meanwhile is settled now, not when the
-                    // poll ends (it may outlast their leases).
-                    if (!pending || sent.is_some()) && self.has_outcomes() {
-                        break None;
-                    }
-                };
-                match got {
+                match self.get_remote(receiver, want, acking, sent, pending).await {
                     Some(got) => got.map(Batch::Remote),
-                    None => {
-                        // The `get` goes on as the batch asked for ahead:
-                        // a stop gives back what it brings.
-                        self.ahead = Some(Ahead {
-                            receiver,
-                            want,
-                            get,
-                        });
-                        return (0, wait);
-                    }
+                    // The `get` goes on as the batch asked for ahead.
+                    None => return (0, wait),
                 }
             } else {
-                let get = ctx.receivers[receiver].get(want);
-                tokio::pin!(get);
-                loop {
-                    tokio::select! {
-                        biased;
-                        got = &mut get => break got,
-                        done = acking.as_mut(), if pending && sent.is_none() => *sent = Some(done),
-                        finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
-                            self.record(finished);
-                        }
-                    }
-                }
+                self.get_local(receiver, want, acking, sent, pending).await
             };
             match got {
                 Ok(batch) if batch.len() > 0 => {
@@ -375,6 +310,120 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             }
         }
         (0, wait)
+    }
+
+    /// How many messages to ask `receiver` for within `budget` and its rate
+    /// limit; `None` to skip it for now (paused after a failed park, or out
+    /// of tokens: `wait` then holds the soonest next token).
+    fn wanted(
+        &mut self,
+        receiver: usize,
+        budget: u64,
+        wait: &mut Option<Duration>,
+    ) -> Option<usize> {
+        // Paused after one of its messages could not be parked: the
+        // receivers after it are read meanwhile.
+        if self.fetch_after[receiver].is_some() {
+            if self.paused(receiver, Instant::now()).is_some() {
+                return None;
+            }
+            self.fetch_after[receiver] = None;
+        }
+        let mut want = self
+            .options
+            .batch_size
+            .min(budget.min(usize::MAX as u64) as usize);
+        if let Some(bucket) = &mut self.buckets[receiver] {
+            let tokens = bucket.available(Instant::now());
+            if tokens == 0 {
+                let w = bucket.wait();
+                *wait = Some(wait.map_or(w, |x: Duration| x.min(w)));
+                return None;
+            }
+            want = want.min(tokens);
+        }
+        Some(want)
+    }
+
+    /// Asks a broker's `receiver` for `want` messages, going on with the
+    /// acknowledgements, the messages in flight and their leases meanwhile.
+    /// A `get` may wait long for a message (a long poll): it must not hold
+    /// up a stop, the time limit, or what finished meanwhile; then it goes
+    /// on as the batch asked for ahead (a stop gives back what it brings)
+    /// and this returns `None`.
+    async fn get_remote<A>(
+        &mut self,
+        receiver: usize,
+        want: usize,
+        acking: &mut Pin<&mut A>,
+        sent: &mut Option<SentAcks>,
+        pending: bool,
+    ) -> Option<Result<Vec<crate::transport::Delivery>, TransportError>>
+    where
+        A: Future<Output = SentAcks>,
+    {
+        let ctx = self.ctx;
+        let mut get = match ctx.receivers[receiver].receiver() {
+            Ok(r) => r.get(want),
+            Err(e) => Box::pin(std::future::ready(Err(e))),
+        };
+        let must_stop = self.must_stop();
+        tokio::pin!(must_stop);
+        let got = loop {
+            tokio::select! {
+                biased;
+                got = get.as_mut() => break Some(got),
+                done = acking.as_mut(), if pending && sent.is_none() => *sent = Some(done),
+                finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    self.record(finished);
+                }
+                // A long poll must not let the leases of what is in flight
+                // run out.
+                _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
+                () = &mut must_stop => break None,
+            }
+            // What finished meanwhile is settled now, not when the poll
+            // ends (it may outlast their leases).
+            if (!pending || sent.is_some()) && self.has_outcomes() {
+                break None;
+            }
+        };
+        if got.is_none() {
+            self.ahead = Some(Ahead {
+                receiver,
+                want,
+                get,
+            });
+        }
+        got
+    }
+
+    /// Asks an in-process `receiver` for `want` messages, going on with the
+    /// acknowledgements and the messages in flight meanwhile.
+    async fn get_local<A>(
+        &mut self,
+        receiver: usize,
+        want: usize,
+        acking: &mut Pin<&mut A>,
+        sent: &mut Option<SentAcks>,
+        pending: bool,
+    ) -> Result<Batch, TransportError>
+    where
+        A: Future<Output = SentAcks>,
+    {
+        let ctx = self.ctx;
+        let get = ctx.receivers[receiver].get(want);
+        tokio::pin!(get);
+        loop {
+            tokio::select! {
+                biased;
+                got = &mut get => break got,
+                done = acking.as_mut(), if pending && sent.is_none() => *sent = Some(done),
+                finished = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    self.record(finished);
+                }
+            }
+        }
     }
 
     /// How many more messages may be asked for within the message limit:

@@ -12,7 +12,7 @@ use super::handle::Ctx;
 use super::in_flight::{Finished, InFlight};
 use super::settle::Action;
 use crate::messenger::Messenger;
-use crate::transport::Payload;
+use crate::transport::{Payload, Transport};
 
 /// What became of a message handled by [`consume_one`].
 #[derive(Debug, Clone)]
@@ -123,33 +123,7 @@ pub async fn handle_one(
         .transport(transport)
         .ok_or_else(|| WorkerError::UnknownTransport(transport.to_string()))?
         .clone();
-    let events = Arc::new(std::sync::Mutex::new(Vec::<WorkerEvent>::new()));
-    let record = events.clone();
-    let ctx = Ctx::new(
-        messenger.clone(),
-        Events {
-            listeners: vec![Arc::new(move |e: &WorkerEvent| {
-                if matches!(
-                    e,
-                    WorkerEvent::Handled { .. }
-                        | WorkerEvent::Retried { .. }
-                        | WorkerEvent::Failed { .. }
-                ) {
-                    record
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push(e.clone());
-                }
-            })],
-            tx: None,
-        },
-        Arc::new(Counters::default()),
-        vec![Source {
-            name: Arc::from(transport),
-            transport: t,
-            rate: None,
-        }],
-    );
+    let (ctx, events) = recording(messenger, transport, t);
     let mut in_flight = InFlight::new();
     let (task, work) = ctx.begin(Held {
         receiver: 0,
@@ -176,7 +150,58 @@ pub async fn handle_one(
         }
     };
     let events = std::mem::take(&mut *events.lock().unwrap_or_else(|p| p.into_inner()));
-    let outcome = match events.last() {
+    let settlement = match done.action {
+        Action::Ack => Settlement::Ack,
+        Action::Reject => Settlement::Reject,
+        Action::Release => Settlement::Release,
+    };
+    Ok(HandledOne {
+        outcome: outcome_of(&events),
+        settlement,
+        events,
+    })
+}
+
+/// What is recorded of one message handled outside a worker.
+type Recorded = Arc<std::sync::Mutex<Vec<WorkerEvent>>>;
+
+/// A worker's context for the one transport `name`, recording the
+/// `Handled`, `Retried` and `Failed` events.
+fn recording(messenger: &Messenger, name: &str, transport: Arc<dyn Transport>) -> (Ctx, Recorded) {
+    let events = Recorded::default();
+    let record = events.clone();
+    let ctx = Ctx::new(
+        messenger.clone(),
+        Events {
+            listeners: vec![Arc::new(move |e: &WorkerEvent| {
+                if matches!(
+                    e,
+                    WorkerEvent::Handled { .. }
+                        | WorkerEvent::Retried { .. }
+                        | WorkerEvent::Failed { .. }
+                ) {
+                    record
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(e.clone());
+                }
+            })],
+            tx: None,
+        },
+        Arc::new(Counters::default()),
+        vec![Source {
+            name: Arc::from(name),
+            transport,
+            rate: None,
+        }],
+    );
+    (ctx, events)
+}
+
+/// What became of the message, by its last event: a dispatch its handlers
+/// deferred that failed has a `Failed` event of its own before it.
+fn outcome_of(events: &[WorkerEvent]) -> Outcome {
+    match events.last() {
         Some(WorkerEvent::Retried { retry_count, .. }) => Outcome::Retried {
             retry_count: *retry_count,
         },
@@ -191,17 +216,7 @@ pub async fn handle_one(
             released: *released,
         },
         _ => Outcome::Handled,
-    };
-    let settlement = match done.action {
-        Action::Ack => Settlement::Ack,
-        Action::Reject => Settlement::Reject,
-        Action::Release => Settlement::Release,
-    };
-    Ok(HandledOne {
-        outcome,
-        settlement,
-        events,
-    })
+    }
 }
 
 /// Handles one message of `transport` exactly as a worker would — decode,

@@ -405,32 +405,8 @@ impl Ctx {
         failed: Failure<'_>,
         send: Option<(&str, impl Future<Output = Result<Option<String>, E>>)>,
     ) -> Settled {
-        let Failure {
-            receiver,
-            transport,
-            id,
-            message,
-            kind,
-            mut error,
-            what,
-            release,
-        } = failed;
         let Some((name, send)) = send else {
-            tracing::warn!(
-                transport = %transport,
-                id,
-                message,
-                kind,
-                error = %error,
-                "message rejected: it {what} and no failure transport is configured"
-            );
-            return Settled {
-                action: Action::Reject,
-                parked_in: None,
-                id: None,
-                released: false,
-                error,
-            };
+            return self.unparkable(failed);
         };
         // A failure transport whose `send` panics leaves the message where
         // it is, like one whose `send` fails: caught here, the panic neither
@@ -441,51 +417,94 @@ impl Ctx {
         };
         match sent {
             Ok(id) => {
-                self.parked(receiver, true);
+                self.parked(failed.receiver, true);
                 Settled {
                     action: Action::Ack,
                     parked_in: Some(name.to_string()),
                     id,
                     released: false,
-                    error,
+                    error: failed.error,
                 }
             }
-            Err(e) if !release => {
-                self.parked(receiver, false);
-                error = format!("{error}; parking in `{name}` failed, so it is dropped: {e}");
-                tracing::error!(
-                    transport = %transport,
-                    id,
-                    message,
-                    error = %error,
-                    "message dropped: it {what} and could not be parked"
-                );
-                Settled {
-                    action: Action::Ack,
-                    parked_in: None,
-                    id: None,
-                    released: false,
-                    error,
-                }
-            }
-            Err(e) => {
-                self.parked(receiver, false);
-                error = format!("{error}; parking in `{name}` failed: {e}");
-                tracing::error!(
-                    transport = %transport,
-                    id,
-                    message,
-                    error = %error,
-                    "message released: it {what} and could not be parked"
-                );
-                Settled {
-                    action: Action::Release,
-                    parked_in: None,
-                    id: None,
-                    released: true,
-                    error,
-                }
-            }
+            Err(e) => self.not_parked(failed, name, &e),
+        }
+    }
+
+    /// A failed message with no failure transport to go to: rejected, with
+    /// a warning.
+    fn unparkable(&self, failed: Failure<'_>) -> Settled {
+        let Failure {
+            transport,
+            id,
+            message,
+            kind,
+            error,
+            what,
+            ..
+        } = failed;
+        tracing::warn!(
+            transport = %transport,
+            id,
+            message,
+            kind,
+            error = %error,
+            "message rejected: it {what} and no failure transport is configured"
+        );
+        Settled {
+            action: Action::Reject,
+            parked_in: None,
+            id: None,
+            released: false,
+            error,
+        }
+    }
+
+    /// A failed message that `failure` did not take (`why`): released and
+    /// kept, or dropped when it lives on elsewhere; fetching from its
+    /// receiver pauses either way.
+    fn not_parked(&self, failed: Failure<'_>, failure: &str, why: &str) -> Settled {
+        let Failure {
+            receiver,
+            transport,
+            id,
+            message,
+            error,
+            what,
+            release,
+            ..
+        } = failed;
+        self.parked(receiver, false);
+        if !release {
+            let error = format!("{error}; parking in `{failure}` failed, so it is dropped: {why}");
+            tracing::error!(
+                transport = %transport,
+                id,
+                message,
+                error = %error,
+                "message dropped: it {what} and could not be parked"
+            );
+            return Settled {
+                action: Action::Ack,
+                parked_in: None,
+                id: None,
+                released: false,
+                error,
+            };
+        }
+        let error = format!("{error}; parking in `{failure}` failed: {why}");
+        tracing::error!(
+            transport = %transport,
+            id,
+            message,
+            error = %error,
+            "message released: it {what} and could not be parked"
+        );
+        Settled {
+            action: Action::Release,
+            parked_in: None,
+            id: None,
+            released: true,
+            error,
         }
     }
 

@@ -61,6 +61,16 @@ pub(super) struct Run<'a, F> {
 }
 
 /// Resolves when any of `futures` does.
+/// What interrupts a worker's waits: a stop, and its time limit.
+pub(super) struct Interrupts {
+    /// Changes when a stop is asked for.
+    stopped: tokio::sync::watch::Receiver<u8>,
+    /// The end of the time limit.
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// Whether there is a time limit.
+    timed: bool,
+}
+
 async fn any(mut futures: Vec<BoxFuture<'_, ()>>) {
     poll_fn(|cx| {
         for f in &mut futures {
@@ -249,159 +259,21 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         ctx.events.emit(|| WorkerEvent::Started {
             transports: ctx.receivers.iter().map(|r| r.name.to_string()).collect(),
         });
-        let mut stopped = self.stop.tx.subscribe();
-        let deadline =
-            tokio::time::sleep_until(self.started + self.options.time_limit.unwrap_or(far::FAR));
-        tokio::pin!(deadline);
+        let mut interrupts = Interrupts {
+            stopped: self.stop.tx.subscribe(),
+            deadline: Box::pin(tokio::time::sleep_until(
+                self.started + self.options.time_limit.unwrap_or(far::FAR),
+            )),
+            timed: self.options.time_limit.is_some(),
+        };
         // Checked at once, then about every second.
         let mut memory_checked = None;
         let reason = loop {
             if let Some(reason) = self.limit_reached(&mut memory_checked) {
                 break reason;
             }
-            // A worker kept busy (handlers that finish at once, a free slot,
-            // messages to fetch) never reaches a wait that watches the
-            // ticker: extend the leases of what it holds here too.
-            if self.keepalive_every.is_some()
-                && poll_fn(|cx| Poll::Ready(self.ticker.poll_tick(cx).is_ready())).await
-            {
-                self.keepalive().await;
-            }
-            // Start what the buffer holds, up to the concurrency (at most
-            // that many per round, though most finish at once, so the stop
-            // conditions are checked as often as before).
-            let room = self
-                .options
-                .concurrency
-                .saturating_sub(self.in_flight.len());
-            for _ in 0..room {
-                let Some(held) = self.buffer.pop_front() else {
-                    break;
-                };
-                self.start(held);
-                // Let the runtime run other tasks now and then.
-                tokio::task::consume_budget().await;
-            }
-            // Harvest whatever finished without waiting (the batch asked
-            // for ahead is sent on its way by its first poll here).
-            if self.ahead.is_some() {
-                poll_fn(|cx| {
-                    let _ = poll_ahead(
-                        &mut self.ahead,
-                        &mut self.buffer,
-                        &mut self.buckets,
-                        ctx,
-                        cx,
-                    );
-                    Poll::Ready(())
-                })
-                .await;
-            }
-            while !self.in_flight.is_empty() {
-                match self.in_flight.try_next().await {
-                    Some(finished) => self.record(finished),
-                    None => break,
-                }
-            }
-            let budget = self.budget();
-            let fetching = self.buffer.is_empty()
-                && self.in_flight.len() < self.options.concurrency
-                && (budget > 0 || self.ahead.is_some());
-            // Acknowledgements wait for a batch's worth, for the buffer to
-            // run dry, or for a keepalive tick; then they go with the next
-            // fetch, if there is one.
-            let pending = self.pending_acks();
-            if !self.panicked.is_empty()
-                || !self.rejects.is_empty()
-                || !self.releases.is_empty()
-                || (pending >= self.options.batch_size && !self.buffer.is_empty())
-                // No keepalive extends a handled message's lease: it waits
-                // for the others one keepalive interval at most.
-                || (pending > 0 && self.settle)
-                || (pending > 0 && self.buffer.is_empty() && !fetching)
-            {
-                self.flush().await;
-                continue;
-            }
-            if !self.buffer.is_empty() && self.in_flight.len() < self.options.concurrency {
-                // Room freed up while harvesting: start more first.
-                continue;
-            }
-            if fetching {
-                if let Some(until) = self.all_paused() {
-                    // Parking failed for every receiver: wait before
-                    // fetching (the messages given back) again, handling
-                    // what is in flight.
-                    tokio::select! {
-                        finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
-                        _ = stopped.changed() => {}
-                        _ = &mut deadline, if self.options.time_limit.is_some() => {}
-                        _ = tokio::time::sleep_until(until) => {}
-                        // The pause (up to 5 s) must not let the leases of
-                        // what is in flight run out.
-                        _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
-                    }
-                    continue;
-                }
-                let (n, token_wait) = self.fetch(budget).await;
-                // A `get` still out: the worker must stop, or settle what
-                // finished while it waits.
-                if n > 0 || self.ahead.is_some() {
-                    continue;
-                }
-                if self.in_flight.is_empty() && self.buffer.is_empty() {
-                    self.flush().await;
-                    // A receiver paused after a failed park holds the
-                    // message given back, and was not asked since: it is
-                    // not known to be empty (it may not count).
-                    if self.options.stop_when_empty
-                        && self.panicked.is_empty()
-                        && self.fetch_after.iter().all(Option::is_none)
-                        && self.all_empty().await
-                    {
-                        break StopReason::Empty;
-                    }
-                }
-                let idle = token_wait.map_or(self.options.idle_sleep, |w| {
-                    w.max(Duration::from_millis(1)).min(self.options.idle_sleep)
-                });
-                let now = Instant::now();
-                let waits: Vec<BoxFuture<'_, ()>> = ctx
-                    .receivers
-                    .iter()
-                    .enumerate()
-                    .map(|(i, r)| {
-                        // A paused receiver (holding the message it could
-                        // not park) wakes us when its pause ends, not at
-                        // once; a rate-limited one not before its next
-                        // token.
-                        if let Some(until) = self.paused(i, now) {
-                            Box::pin(tokio::time::sleep_until(until)) as BoxFuture<'_, ()>
-                        } else if self.buckets[i].is_some() {
-                            Box::pin(tokio::time::sleep(idle)) as BoxFuture<'_, ()>
-                        } else if let Some(wake_up) = r.transport.as_wake_up() {
-                            wake_up.wait_for_messages(idle)
-                        } else {
-                            Box::pin(tokio::time::sleep(idle)) as BoxFuture<'_, ()>
-                        }
-                    })
-                    .collect();
-                tokio::select! {
-                    finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
-                    _ = stopped.changed() => {}
-                    _ = &mut deadline, if self.options.time_limit.is_some() => {}
-                    _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
-                    _ = any(waits) => {}
-                }
-                continue;
-            }
-            // Full, or out of budget: wait for a message to finish.
-            tokio::select! {
-                finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
-                _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, &mut self.buckets, ctx, cx)), if self.ahead.is_some() => {}
-                _ = stopped.changed() => {}
-                _ = &mut deadline, if self.options.time_limit.is_some() => {}
-                _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
+            if let Some(reason) = self.round(&mut interrupts).await {
+                break reason;
             }
         };
         self.shut_down().await;
@@ -412,6 +284,185 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         };
         ctx.events.emit(|| WorkerEvent::Stopped { report });
         report
+    }
+
+    /// One round of the loop: extend due leases, start what the buffer
+    /// holds, harvest what finished, then settle, fetch or wait. Returns why
+    /// the worker stops, when it found every receiver empty.
+    async fn round(&mut self, interrupts: &mut Interrupts) -> Option<StopReason> {
+        // A worker kept busy (handlers that finish at once, a free slot,
+        // messages to fetch) never reaches a wait that watches the ticker:
+        // extend the leases of what it holds here too.
+        if self.keepalive_every.is_some()
+            && poll_fn(|cx| Poll::Ready(self.ticker.poll_tick(cx).is_ready())).await
+        {
+            self.keepalive().await;
+        }
+        self.start_buffered().await;
+        self.harvest().await;
+        let budget = self.budget();
+        let fetching = self.buffer.is_empty()
+            && self.in_flight.len() < self.options.concurrency
+            && (budget > 0 || self.ahead.is_some());
+        if self.must_flush(fetching) {
+            self.flush().await;
+            return None;
+        }
+        if !self.buffer.is_empty() && self.in_flight.len() < self.options.concurrency {
+            // Room freed up while harvesting: start more first.
+            return None;
+        }
+        if fetching {
+            return self.fetch_or_idle(budget, interrupts).await;
+        }
+        // Full, or out of budget: wait for a message to finish.
+        let ctx = self.ctx;
+        tokio::select! {
+            finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
+            _ = poll_fn(|cx| poll_ahead(&mut self.ahead, &mut self.buffer, &mut self.buckets, ctx, cx)), if self.ahead.is_some() => {}
+            _ = interrupts.stopped.changed() => {}
+            _ = interrupts.deadline.as_mut(), if interrupts.timed => {}
+            _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
+        }
+        None
+    }
+
+    /// Starts what the buffer holds, up to the concurrency (at most that
+    /// many per round, though most finish at once, so the stop conditions
+    /// are checked as often as before).
+    async fn start_buffered(&mut self) {
+        let room = self
+            .options
+            .concurrency
+            .saturating_sub(self.in_flight.len());
+        for _ in 0..room {
+            let Some(held) = self.buffer.pop_front() else {
+                break;
+            };
+            self.start(held);
+            // Let the runtime run other tasks now and then.
+            tokio::task::consume_budget().await;
+        }
+    }
+
+    /// Records whatever finished without waiting (the batch asked for ahead
+    /// is sent on its way by its first poll here).
+    async fn harvest(&mut self) {
+        let ctx = self.ctx;
+        if self.ahead.is_some() {
+            poll_fn(|cx| {
+                let _ = poll_ahead(
+                    &mut self.ahead,
+                    &mut self.buffer,
+                    &mut self.buckets,
+                    ctx,
+                    cx,
+                );
+                Poll::Ready(())
+            })
+            .await;
+        }
+        while !self.in_flight.is_empty() {
+            match self.in_flight.try_next().await {
+                Some(finished) => self.record(finished),
+                None => break,
+            }
+        }
+    }
+
+    /// Whether what is settled waits no longer. Acknowledgements wait for a
+    /// batch's worth, for the buffer to run dry, or for a keepalive tick;
+    /// then they go with the next fetch, if there is one (`fetching`).
+    fn must_flush(&self, fetching: bool) -> bool {
+        let pending = self.pending_acks();
+        !self.panicked.is_empty()
+            || !self.rejects.is_empty()
+            || !self.releases.is_empty()
+            || (pending >= self.options.batch_size && !self.buffer.is_empty())
+            // No keepalive extends a handled message's lease: it waits for
+            // the others one keepalive interval at most.
+            || (pending > 0 && self.settle)
+            || (pending > 0 && self.buffer.is_empty() && !fetching)
+    }
+
+    /// Fetches a batch, or, when nothing came, checks whether every
+    /// receiver is empty (with `stop_when_empty`) and waits for messages.
+    async fn fetch_or_idle(
+        &mut self,
+        budget: u64,
+        interrupts: &mut Interrupts,
+    ) -> Option<StopReason> {
+        if let Some(until) = self.all_paused() {
+            // Parking failed for every receiver: wait before fetching (the
+            // messages given back) again, handling what is in flight.
+            tokio::select! {
+                finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
+                _ = interrupts.stopped.changed() => {}
+                _ = interrupts.deadline.as_mut(), if interrupts.timed => {}
+                _ = tokio::time::sleep_until(until) => {}
+                // The pause (up to 5 s) must not let the leases of what is
+                // in flight run out.
+                _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
+            }
+            return None;
+        }
+        let (n, token_wait) = self.fetch(budget).await;
+        // A `get` still out: the worker must stop, or settle what finished
+        // while it waits.
+        if n > 0 || self.ahead.is_some() {
+            return None;
+        }
+        if self.in_flight.is_empty() && self.buffer.is_empty() {
+            self.flush().await;
+            // A receiver paused after a failed park holds the message given
+            // back, and was not asked since: it is not known to be empty
+            // (it may not count).
+            if self.options.stop_when_empty
+                && self.panicked.is_empty()
+                && self.fetch_after.iter().all(Option::is_none)
+                && self.all_empty().await
+            {
+                return Some(StopReason::Empty);
+            }
+        }
+        self.idle(token_wait, interrupts).await;
+        None
+    }
+
+    /// Waits for messages to arrive (or a paused or rate-limited receiver
+    /// to be ready), for one in flight to finish, or for an interrupt.
+    async fn idle(&mut self, token_wait: Option<Duration>, interrupts: &mut Interrupts) {
+        let idle = token_wait.map_or(self.options.idle_sleep, |w| {
+            w.max(Duration::from_millis(1)).min(self.options.idle_sleep)
+        });
+        let now = Instant::now();
+        let waits: Vec<BoxFuture<'_, ()>> = self
+            .ctx
+            .receivers
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                // A paused receiver (holding the message it could not park)
+                // wakes us when its pause ends, not at once; a rate-limited
+                // one not before its next token.
+                if let Some(until) = self.paused(i, now) {
+                    Box::pin(tokio::time::sleep_until(until)) as BoxFuture<'_, ()>
+                } else if self.buckets[i].is_some() {
+                    Box::pin(tokio::time::sleep(idle)) as BoxFuture<'_, ()>
+                } else if let Some(wake_up) = r.transport.as_wake_up() {
+                    wake_up.wait_for_messages(idle)
+                } else {
+                    Box::pin(tokio::time::sleep(idle)) as BoxFuture<'_, ()>
+                }
+            })
+            .collect();
+        tokio::select! {
+            finished = self.in_flight.next(), if !self.in_flight.is_empty() => self.record(finished),
+            _ = interrupts.stopped.changed() => {}
+            _ = interrupts.deadline.as_mut(), if interrupts.timed => {}
+            _ = self.ticker.tick(), if self.keepalive_every.is_some() => self.keepalive().await,
+            _ = any(waits) => {}
+        }
     }
 
     /// Gives back the messages fetched and not started.

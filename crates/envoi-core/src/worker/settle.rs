@@ -61,9 +61,7 @@ impl Ctx {
             failed_deferred,
             ..
         } = verdict;
-        let transport = &self.receivers[receiver].name;
-        let mut again = None;
-        let action = match fate {
+        let (action, again) = match fate {
             Fate::Handled(after) => {
                 // What its handlers deferred that failed is parked on its
                 // own; one that cannot be parked is kept by giving the
@@ -71,13 +69,14 @@ impl Ctx {
                 let instead = self
                     .park_deferred(receiver, &id, envelope, failed_deferred, false)
                     .await;
-                match instead {
+                let action = match instead {
                     Some(Action::Release) => Action::Release,
                     rejected => {
                         let acked = self.handled(receiver, &id, after, duration);
                         rejected.unwrap_or(acked)
                     }
-                }
+                };
+                (action, None)
             }
             Fate::Retried {
                 envelope: after,
@@ -88,36 +87,73 @@ impl Ctx {
                 // becomes of what its handlers deferred.
                 self.park_deferred(receiver, &id, envelope, failed_deferred, true)
                     .await;
-                self.retried(receiver, &id, after, attempt, duration)
+                (self.retried(receiver, &id, after, attempt, duration), None)
             }
             Fate::Parked {
                 envelope: parked,
                 failure_transport,
                 reason,
             } => {
-                bump(&self.counters.failed);
-                self.parked(receiver, true);
                 self.park_deferred(receiver, &id, envelope, failed_deferred, true)
                     .await;
-                if failure_transport == **transport {
-                    again = parked
-                        .last::<TransportMessageIdStamp>()
-                        .map(|s| s.id.clone());
-                }
-                self.events.emit(|| WorkerEvent::Failed {
-                    transport: transport.clone(),
-                    id: id.text().into_owned(),
-                    message: Cow::Borrowed(parked.message_name()),
-                    kind: Cow::Borrowed("handler"),
-                    error: reason,
-                    parked_in: Some(failure_transport),
-                    released: false,
-                    envelope: Some(parked),
-                });
-                Action::Ack
+                self.parked_by_retry(receiver, &id, parked, failure_transport, reason)
             }
-            // Its handlers failed and there is no failure transport.
-            Fate::Failed(error @ BusError::HandlerFailed { .. }) => {
+            Fate::Failed(error) => self.failed(receiver, &id, envelope, error).await,
+        };
+        Done {
+            receiver,
+            action,
+            again,
+        }
+    }
+
+    /// Counts and reports a message the retry step parked, and says to
+    /// acknowledge it; returns the id of the copy when it went back into
+    /// the transport it came from.
+    fn parked_by_retry(
+        &self,
+        receiver: usize,
+        id: &MessageId,
+        parked: Envelope,
+        failure_transport: String,
+        reason: String,
+    ) -> (Action, Option<String>) {
+        let transport = &self.receivers[receiver].name;
+        bump(&self.counters.failed);
+        self.parked(receiver, true);
+        let again = (failure_transport == **transport)
+            .then(|| {
+                parked
+                    .last::<TransportMessageIdStamp>()
+                    .map(|s| s.id.clone())
+            })
+            .flatten();
+        self.events.emit(|| WorkerEvent::Failed {
+            transport: transport.clone(),
+            id: id.text().into_owned(),
+            message: Cow::Borrowed(parked.message_name()),
+            kind: Cow::Borrowed("handler"),
+            error: reason,
+            parked_in: Some(failure_transport),
+            released: false,
+            envelope: Some(parked),
+        });
+        (Action::Ack, again)
+    }
+
+    /// Settles a message that failed and went nowhere: rejected when its
+    /// handlers failed with no failure transport; kept when its retry or
+    /// park could not be sent for now; parked otherwise.
+    async fn failed(
+        &self,
+        receiver: usize,
+        id: &MessageId,
+        envelope: &Envelope,
+        error: BusError,
+    ) -> (Action, Option<String>) {
+        let transport = &self.receivers[receiver].name;
+        match error {
+            error @ BusError::HandlerFailed { .. } => {
                 bump(&self.counters.failed);
                 self.events.emit(|| WorkerEvent::Failed {
                     transport: transport.clone(),
@@ -129,30 +165,21 @@ impl Ctx {
                     released: false,
                     envelope: error.envelope().cloned(),
                 });
-                Action::Reject
+                (Action::Reject, None)
             }
-            // Its retry, or its park, could not be sent for now: kept. One
-            // refused for good by the transport it was to go back to (gone
-            // from the configuration, or the message too large for it) is
-            // parked below, as sending it again would fail again.
-            Fate::Failed(error @ BusError::Transport { .. })
+            // One refused for good by the transport it was to go back to
+            // (gone from the configuration, or the message too large for
+            // it) is parked below, as sending it again would fail again.
+            error @ BusError::Transport { .. }
                 if !self.refused_for_good_before_parking(transport, &error) =>
             {
-                self.not_sent(receiver, &id, envelope, error);
-                Action::Release
+                self.not_sent(receiver, id, envelope, error);
+                (Action::Release, None)
             }
-            Fate::Failed(error) => {
-                let (action, parked_again) = self
-                    .park_failed(receiver, &id, envelope.clone(), error)
-                    .await;
-                again = parked_again;
-                action
+            error => {
+                self.park_failed(receiver, id, envelope.clone(), error)
+                    .await
             }
-        };
-        Done {
-            receiver,
-            action,
-            again,
         }
     }
 }
