@@ -7,9 +7,10 @@ use crate::envelope::stamp::{
     DelayStamp, ErrorDetailsStamp, RedeliveryStamp, SentToFailureTransportStamp, Stamp,
 };
 use crate::envelope::Envelope;
-use crate::error::HandlerError;
+use crate::error::{BusError, HandlerError};
 use crate::transport::serializer::STAMP_HEADER_PREFIX;
 use crate::transport::RawMessage;
+use crate::transport::SenderDispatcher;
 
 /// The longest [`parked_again_delay`].
 pub const MAX_PARKED_AGAIN_DELAY: Duration = Duration::from_secs(3600);
@@ -66,6 +67,24 @@ pub(crate) fn parked_copy(
         .with(SentToFailureTransportStamp::new(origin))
         .with(RedeliveryStamp::new(0))
         .with(DelayStamp::new(delay))
+}
+
+/// Parks `envelope` in the failure transport `failure`: its copy is
+/// stamped ([`parked_copy`]: why, where it came from, a fresh retry
+/// budget, the park delay) and sent through `dispatcher`. Returns the copy
+/// as sent. The one park operation: the retry step parks a message out of
+/// retries through it, and the worker what fails outside the retry step
+/// (and what `failed retry` handles again).
+pub(crate) async fn park(
+    dispatcher: &dyn SenderDispatcher,
+    failure: &str,
+    envelope: Envelope,
+    details: ErrorDetailsStamp,
+    origin: impl Into<String>,
+    back: bool,
+) -> Result<Envelope, BusError> {
+    let parked = parked_copy(envelope, details, origin, back);
+    dispatcher.send(failure, parked).await
 }
 
 /// One [`ErrorDetailsStamp`] describing every handler failure.

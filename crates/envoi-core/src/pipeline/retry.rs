@@ -44,7 +44,7 @@ use crate::envelope::stamp::{
 };
 use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result, StepResult};
-use crate::failure::park::{error_details, parked_copy};
+use crate::failure::park::{error_details, park};
 use crate::failure::policy::{Decision, RetryConfig};
 use crate::middleware::{Middleware, Next};
 use crate::BoxFuture;
@@ -79,8 +79,16 @@ async fn on_failure(
     let again = envelope
         .all::<ReceivedStamp>()
         .any(|r| &*r.transport == failure);
-    let parked = parked_copy(envelope, error_details(&errors), transport, again);
-    let sent = config.dispatcher().send(failure, parked).await?;
+    let details = error_details(&errors);
+    let sent = park(
+        config.dispatcher(),
+        failure,
+        envelope,
+        details,
+        transport,
+        again,
+    )
+    .await?;
     let parked = sent.with(SentStamp::new(failure));
     // Step 2 then dispatches what the handlers that succeeded deferred, as
     // for a retry (they will not run again), and a worker knows the message

@@ -20,7 +20,7 @@ use crate::envelope::stamp::{
 };
 use crate::envelope::Envelope;
 use crate::error::{BusError, TransportError};
-use crate::failure::park::{append_stamp_header, parked_again_delay, parked_copy};
+use crate::failure::park::{append_stamp_header, park, parked_again_delay};
 use crate::messenger::Messenger;
 use crate::pipeline::dispatch_after_current_bus::FailedDispatch;
 use crate::transport::serializer::STAMP_HEADER_PREFIX;
@@ -298,8 +298,15 @@ impl Ctx {
                     // Back into the transport it came from: later, not at
                     // once, or a worker consuming it would spin on it.
                     let back = failure == &**transport;
-                    let parked = parked_copy(envelope.clone(), details.clone(), origin, back);
-                    let sent = self.messenger.sender_dispatcher().send(failure, parked);
+                    let dispatcher = &**self.messenger.sender_dispatcher();
+                    let sent = park(
+                        dispatcher,
+                        failure,
+                        envelope.clone(),
+                        details.clone(),
+                        origin,
+                        back,
+                    );
                     (failure, async move {
                         sent.await
                             .map(|e| e.last::<TransportMessageIdStamp>().map(|s| s.id.clone()))
