@@ -537,7 +537,7 @@ impl MessengerBuilder {
         } else {
             Some(SendMessage::new(Arc::new(self.routes), dispatcher.clone()))
         };
-        let handle = HandleMessage::new(Arc::new(self.registry));
+        let handle = HandleMessage::with_registry(Arc::new(self.registry));
 
         let mut specs = vec![(
             self.default_bus.clone(),

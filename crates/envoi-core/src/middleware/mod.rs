@@ -324,6 +324,14 @@ impl fmt::Debug for MiddlewareStack {
     }
 }
 
+/// A stack is an endpoint too: what runs once a chain is exhausted can be
+/// a whole pipeline (the steps after step 2, where deferred dispatches go).
+impl Endpoint for MiddlewareStack {
+    fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
+        Box::pin(self.run(envelope))
+    }
+}
+
 /// A middleware made from a closure; see [`from_fn`].
 pub struct FnMiddleware<F> {
     name: Cow<'static, str>,

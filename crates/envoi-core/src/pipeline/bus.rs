@@ -35,8 +35,10 @@ use crate::envelope::message::Message;
 use crate::envelope::stamp::{DispatchAfterCurrentBusStamp, HandledStamp, ReceivedStamp};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, StepResult};
-use crate::middleware::{Endpoint, Middleware, Next};
+use crate::middleware::{Endpoint, Middleware, MiddlewareStack, Next};
 use crate::pipeline::add_bus_name::AddBusNameStamp;
+use crate::pipeline::canonical::{Step, CANONICAL};
+use crate::pipeline::dispatch_after_current_bus::DispatchAfterCurrentBus;
 use crate::pipeline::dispatch_after_current_bus::{
     self, into_result, run_now, scope, take_deferred,
 };
@@ -249,24 +251,61 @@ impl MessageBus {
         }
     }
 
-    /// The pipeline, step by step, for `debug` listings.
+    /// The pipeline, step by step, in the [canonical order](CANONICAL),
+    /// for `debug` listings: the user middleware by name, and whether the
+    /// send and retry steps have work.
     pub fn pipeline(&self) -> Vec<Cow<'static, str>> {
-        let mut steps: Vec<Cow<'static, str>> = vec![
-            "AddBusNameStamp".into(),
-            "DispatchAfterCurrentBus".into(),
-            "FailedMessageProcessing".into(),
-        ];
-        steps.extend(self.inner.user.load().items.iter().map(|m| m.name()));
-        steps.push(match &self.inner.send {
-            Some(s) if !s.routes().is_empty() => "SendMessage".into(),
-            _ => "SendMessage (no routes)".into(),
-        });
-        steps.push(match self.inner.retry.config() {
-            Some(_) => "Retry".into(),
-            None => "Retry (not configured)".into(),
-        });
-        steps.push("HandleMessage".into());
+        let mut steps: Vec<Cow<'static, str>> = Vec::new();
+        for step in CANONICAL {
+            match step {
+                Step::User => {
+                    steps.extend(self.inner.user.load().items.iter().map(|m| m.name()));
+                }
+                Step::SendMessage => steps.push(match &self.inner.send {
+                    Some(s) if !s.routes().is_empty() => step.name().into(),
+                    _ => format!("{} (no routes)", step.name()).into(),
+                }),
+                Step::Retry => steps.push(match self.inner.retry.config() {
+                    Some(_) => step.name().into(),
+                    None => format!("{} (not configured)", step.name()).into(),
+                }),
+                _ => steps.push(step.name().into()),
+            }
+        }
         steps
+    }
+
+    /// The bus's pipeline as a [`MiddlewareStack`] of its public steps, in
+    /// the [canonical order](CANONICAL): what the bus runs, assembled by
+    /// hand. Dispatching through it does what
+    /// [`dispatch`](Self::dispatch) does (the bus runs the same steps
+    /// inline, without a boxed layer for each).
+    pub fn stack(&self) -> MiddlewareStack {
+        let inner = &self.inner;
+        let chain = inner.user.load_full();
+        let mut after_deferral: Vec<Arc<dyn Middleware>> = Vec::new();
+        let mut before: Vec<Arc<dyn Middleware>> = Vec::new();
+        for step in CANONICAL {
+            match step {
+                Step::AddBusName => before.push(Arc::new(inner.add_bus_name.clone())),
+                // Deferred dispatches run through the steps after it.
+                Step::DispatchAfterCurrentBus => {}
+                Step::FailedMessageProcessing => {
+                    after_deferral.push(Arc::new(FailedMessageProcessing))
+                }
+                Step::User => after_deferral.extend(chain.items.iter().cloned()),
+                Step::SendMessage => {
+                    if let Some(send) = &inner.send {
+                        after_deferral.push(Arc::new(send.clone()));
+                    }
+                }
+                Step::Retry => after_deferral.push(Arc::new(inner.retry.clone())),
+                Step::HandleMessage => after_deferral.push(Arc::new(inner.handle.clone())),
+            }
+        }
+        let rest = MiddlewareStack::new(after_deferral.clone());
+        before.push(Arc::new(DispatchAfterCurrentBus::new(Arc::new(rest))));
+        MiddlewareStack::new(before.into_iter().chain(after_deferral))
     }
 
     pub(crate) fn send_step(&self) -> Option<&SendMessage> {

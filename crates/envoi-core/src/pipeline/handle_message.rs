@@ -9,7 +9,7 @@ use crate::envelope::stamp::HandledStamp;
 use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result, StepResult};
 use crate::middleware::{Middleware, Next};
-use crate::pipeline::handler::{ErasedHandler, HandlerRegistry};
+use crate::pipeline::handler::{ErasedHandler, HandlerRegistry, Handlers};
 use crate::BoxFuture;
 
 /// Looks up the handlers of the message's type and runs them one after the
@@ -40,7 +40,12 @@ impl std::fmt::Debug for HandleMessage {
 }
 
 impl HandleMessage {
-    pub(crate) fn new(registry: Arc<HandlerRegistry>) -> Self {
+    /// The step running `handlers`.
+    pub fn new(handlers: Handlers) -> Self {
+        Self::with_registry(Arc::new(handlers.0))
+    }
+
+    pub(crate) fn with_registry(registry: Arc<HandlerRegistry>) -> Self {
         Self { registry }
     }
 

@@ -184,6 +184,70 @@ impl<M: Message, H: Handler<M>> ErasedHandler for Typed<M, H> {
     }
 }
 
+/// The handlers of a [`HandleMessage`](super::handle_message::HandleMessage)
+/// step, by message type: what a messenger's builder collects, for a
+/// pipeline assembled by hand.
+///
+/// ```
+/// use envoi_core::pipeline::handle_message::HandleMessage;
+/// use envoi_core::pipeline::handler::Handlers;
+/// use envoi_core::{Command, Message};
+/// use std::convert::Infallible;
+///
+/// #[derive(Debug, Clone)]
+/// struct Ping;
+/// impl Message for Ping { const NAME: &'static str = "Ping"; }
+/// impl Command for Ping { type Output = (); type Error = Infallible; }
+///
+/// let step = HandleMessage::new(Handlers::new().command(|_: Ping| async { Ok(()) }));
+/// # let _ = step;
+/// ```
+#[derive(Default, Debug)]
+pub struct Handlers(pub(crate) HandlerRegistry);
+
+impl Handlers {
+    /// No handlers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds the handler of command `C`.
+    pub fn command<C, H, Marker>(mut self, handler: H) -> Self
+    where
+        C: crate::Command,
+        H: IntoHandler<C, Marker>,
+        H::Handler: Handler<C, Output = C::Output, Error = C::Error>,
+    {
+        self.0
+            .add::<C, _>(MessageKind::Command, handler.into_handler());
+        self
+    }
+
+    /// Adds the handler of query `Q`.
+    pub fn query<Q, H, Marker>(mut self, handler: H) -> Self
+    where
+        Q: crate::Query,
+        H: IntoHandler<Q, Marker>,
+        H::Handler: Handler<Q, Output = Q::Output, Error = Q::Error>,
+    {
+        self.0
+            .add::<Q, _>(MessageKind::Query, handler.into_handler());
+        self
+    }
+
+    /// Adds a handler of event `E`.
+    pub fn event<E, H, Marker>(mut self, handler: H) -> Self
+    where
+        E: crate::Event,
+        H: IntoHandler<E, Marker>,
+        H::Handler: Handler<E, Output = (), Error = E::Error>,
+    {
+        self.0
+            .add::<E, _>(MessageKind::Event, handler.into_handler());
+        self
+    }
+}
+
 /// The handlers registered for one message type.
 pub(crate) struct Registration {
     pub(crate) kind: MessageKind,

@@ -1,6 +1,8 @@
 //! The canonical pipeline: the bus that runs it, the handlers at its end,
 //! and its built-in steps.
 //!
+//! The order is declared once, in [`canonical`]:
+//!
 //! 1. [`add_bus_name`] — `AddBusNameStamp`
 //! 2. [`dispatch_after_current_bus`] — `DispatchAfterCurrentBus`
 //! 3. [`failed_message_processing`] — `FailedMessageProcessing`
@@ -11,6 +13,7 @@
 
 pub mod add_bus_name;
 pub mod bus;
+pub mod canonical;
 pub mod dispatch_after_current_bus;
 pub mod failed_message_processing;
 pub(crate) mod frame;
