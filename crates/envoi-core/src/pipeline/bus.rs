@@ -576,7 +576,6 @@ impl Endpoint for AfterDeferral {
 mod tests {
     use super::*;
     use crate::middleware::from_fn;
-    use crate::pipeline::handler::HandlerRegistry;
     use std::sync::atomic::AtomicUsize;
     use std::time::{Duration, Instant};
 
@@ -586,7 +585,7 @@ mod tests {
             Vec::new(),
             None,
             Retry::new(None),
-            HandleMessage::new(Arc::new(HandlerRegistry::default())),
+            HandleMessage::new(crate::pipeline::handler::Handlers::new()),
         )
     }
 
