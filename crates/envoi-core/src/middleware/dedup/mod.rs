@@ -126,14 +126,16 @@
 //! # let _ = dedup;
 //! ```
 
+mod claim;
+mod store;
+
 use std::any::TypeId;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -145,6 +147,10 @@ use crate::envelope::stamp::{RedeliveredStamp, Stamp};
 use crate::envelope::Envelope;
 use crate::error::{BoxError, BusError, Result};
 use crate::far;
+
+use claim::Reservation;
+pub use claim::{DedupClaim, DedupClaimStamp};
+pub use store::{DedupStore, InMemoryDedupStore};
 
 /// Marks an envelope that was recognised as a duplicate and not handled.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,273 +164,7 @@ impl Stamp for DeduplicatedStamp {
     const SENDABLE: bool = false;
 }
 
-/// The token of the handling attempt that claimed a message's key, added
-/// by [`Deduplicate`] before the message is handled. It is sent with the
-/// message, so a retry presents it and is not taken for a duplicate of
-/// itself when the failed attempt's key could not be forgotten.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DedupClaimStamp {
-    /// The token the key was claimed with.
-    pub claim: Uuid,
-}
-
-impl Stamp for DedupClaimStamp {
-    const NAME: &'static str = "DedupClaim";
-}
-
-/// How a handling attempt claims a key in [`DedupStore::insert`].
-///
-/// Stores read its fields; [`Deduplicate`] builds it. It may gain fields,
-/// so outside this crate it is built with [`DedupClaim::new`] (a store's
-/// tests claiming a key as an attempt would), not as a struct literal:
-///
-/// ```compile_fail
-/// use envoi_core::middleware::dedup::DedupClaim;
-///
-/// let claim = DedupClaim {
-///     token: DedupClaim::HANDLED,
-///     previous: None,
-///     redelivered: false,
-/// };
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DedupClaim {
-    /// The token this attempt claims the key with: fresh for every attempt,
-    /// or [`DedupClaim::HANDLED`] to remember the key of a handled message.
-    pub token: Uuid,
-    /// The token of the same message's previous attempt (the newest
-    /// [`DedupClaimStamp`] it carries), if it had one.
-    pub previous: Option<Uuid>,
-    /// The message's transport handed it out before without it being
-    /// acknowledged (it carries a [`RedeliveredStamp`]): a key claimed by an
-    /// attempt in processing, whose consumer may have died, is taken over;
-    /// a key claimed by [`DedupClaim::HANDLED`] is not.
-    pub redelivered: bool,
-}
-
-impl DedupClaim {
-    /// The token a key is claimed by once its message was handled, for the
-    /// window: [`Deduplicate`] claims it so with `previous` set to the
-    /// handling attempt's token. A redelivery does not take it over, so
-    /// stores tell a key remembered after success from one merely claimed
-    /// by this token. (The nil UUID: never the token of an attempt.)
-    pub const HANDLED: Uuid = Uuid::nil();
-
-    /// A claim with `token` by a first attempt (no `previous` token) that
-    /// is no redelivery.
-    ///
-    /// ```
-    /// use envoi_core::middleware::dedup::DedupClaim;
-    ///
-    /// # let (token, previous) = (DedupClaim::HANDLED, DedupClaim::HANDLED);
-    /// let claim = DedupClaim::new(token)
-    ///     .with_previous(Some(previous))
-    ///     .with_redelivered(true);
-    /// assert_eq!((claim.token, claim.previous, claim.redelivered), (token, Some(previous), true));
-    /// ```
-    pub fn new(token: Uuid) -> Self {
-        Self {
-            token,
-            previous: None,
-            redelivered: false,
-        }
-    }
-
-    /// The claim with `previous` as the token of the message's previous
-    /// attempt (see [`DedupClaim::previous`]).
-    #[must_use = "`with_previous` returns the changed claim"]
-    pub fn with_previous(mut self, previous: Option<Uuid>) -> Self {
-        self.previous = previous;
-        self
-    }
-
-    /// The claim of a message its transport marked as redelivered, or not
-    /// (see [`DedupClaim::redelivered`]).
-    #[must_use = "`with_redelivered` returns the changed claim"]
-    pub fn with_redelivered(mut self, redelivered: bool) -> Self {
-        self.redelivered = redelivered;
-        self
-    }
-}
-
-/// Where the keys seen recently are kept, each with the token of the
-/// attempt that claimed it and until when.
-///
-/// [`Deduplicate`] claims a key with [`insert`](Self::insert) for the
-/// processing timeout only, renews that claim with [`hold`](Self::hold)
-/// while the handler runs, and once the message was handled claims it with
-/// `insert` for the window under [`DedupClaim::HANDLED`]. A claim left by a
-/// process that died is therefore gone after the processing timeout, and
-/// the redelivered message is handled; a message its transport marks as
-/// redelivered takes such a claim over at once (see
-/// [`DedupClaim::redelivered`]).
-pub trait DedupStore: Send + Sync + 'static {
-    /// Claims `key` for `hold` with `claim.token`, unless it is claimed
-    /// already, and not expired, under a token other than `claim.previous`
-    /// (and, for a `claim.redelivered`, other than any token but
-    /// [`DedupClaim::HANDLED`]). Returns `true` when the key was new,
-    /// expired, claimed by `claim.previous` and not by
-    /// [`DedupClaim::HANDLED`], or `claim.redelivered` and not claimed by
-    /// [`DedupClaim::HANDLED`] (the message is to be handled, or, for a
-    /// `claim.token` of [`DedupClaim::HANDLED`], its key remembered; the
-    /// key is now claimed by `claim.token` until `hold` from now), `false`
-    /// when it is a duplicate (the key and its claim are left as they
-    /// were).
-    ///
-    /// A store that ignores `claim.redelivered` takes a redelivery for a
-    /// duplicate while the key is claimed, so the message of a consumer that
-    /// died is lost when its transport redelivers it within the processing
-    /// timeout (RabbitMQ does).
-    fn insert<'a>(
-        &'a self,
-        key: &'a str,
-        hold: Duration,
-        claim: DedupClaim,
-    ) -> BoxFuture<'a, Result<bool, BoxError>>;
-
-    /// Keeps `key` claimed by `token` until `hold` from now, if it is
-    /// claimed by `token`, expired or not remembered; a key another token
-    /// claimed (and that has not expired) is left as it is. Called with the
-    /// processing timeout to renew the claim of a message still being
-    /// handled, and with the window once it was handled.
-    ///
-    /// The default implementation is
-    /// `insert(key, hold, DedupClaim { token, previous: Some(token),
-    /// redelivered: false })`, which does just that.
-    ///
-    /// [`Deduplicate`] calls it with the processing timeout, to renew the
-    /// claim of a message still being handled.
-    fn hold<'a>(
-        &'a self,
-        key: &'a str,
-        token: Uuid,
-        hold: Duration,
-    ) -> BoxFuture<'a, Result<(), BoxError>> {
-        let claim = DedupClaim {
-            token,
-            previous: Some(token),
-            redelivered: false,
-        };
-        Box::pin(self.insert(key, hold, claim).map(|r| r.map(|_| ())))
-    }
-
-    /// Forgets `key` if it is claimed by `token` (expired or not), so a
-    /// message with it is handled again; a key claimed by another token is
-    /// left as it is. [`Deduplicate`] calls it with the token of an attempt
-    /// that failed, was scheduled for a retry or was abandoned.
-    ///
-    /// A store that forgets the key whoever claims it lets a copy through
-    /// while another attempt handles the message: the retry of a failed
-    /// attempt, sent before that attempt forgets the key, may already have
-    /// claimed it anew, and so may a redelivery that took the claim over
-    /// while the attempt still ran.
-    fn remove<'a>(&'a self, key: &'a str, token: Uuid) -> BoxFuture<'a, Result<(), BoxError>>;
-}
-
-/// A [`DedupStore`] in this process's memory; expired keys are pruned as
-/// new ones arrive.
-#[derive(Debug, Default)]
-pub struct InMemoryDedupStore {
-    /// Each key with when it expires and the token that claimed it.
-    keys: Mutex<HashMap<String, (Instant, Uuid)>>,
-}
-
-impl InMemoryDedupStore {
-    /// An empty store.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// How many keys are remembered (expired ones included until pruned).
-    pub fn len(&self) -> usize {
-        self.keys.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    /// Whether no key is remembered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-impl DedupStore for InMemoryDedupStore {
-    fn insert<'a>(
-        &'a self,
-        key: &'a str,
-        hold: Duration,
-        claim: DedupClaim,
-    ) -> BoxFuture<'a, Result<bool, BoxError>> {
-        let now = Instant::now();
-        let until = now + far::clamp(hold);
-        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-        if keys.len() >= 1024 && keys.len().is_power_of_two() {
-            keys.retain(|_, (until, _)| *until > now);
-        }
-        let fresh = match keys.get_mut(key) {
-            Some((expires, token)) if *expires > now => {
-                let mine = *token != DedupClaim::HANDLED
-                    && (claim.redelivered || claim.previous == Some(*token));
-                if mine {
-                    *expires = until;
-                    *token = claim.token;
-                }
-                mine
-            }
-            Some(expired) => {
-                *expired = (until, claim.token);
-                true
-            }
-            None => {
-                keys.insert(key.to_owned(), (until, claim.token));
-                true
-            }
-        };
-        Box::pin(std::future::ready(Ok(fresh)))
-    }
-
-    fn remove<'a>(&'a self, key: &'a str, token: Uuid) -> BoxFuture<'a, Result<(), BoxError>> {
-        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-        if keys.get(key).is_some_and(|(_, claim)| *claim == token) {
-            keys.remove(key);
-        }
-        Box::pin(std::future::ready(Ok(())))
-    }
-}
-
 type KeyFn = dyn Fn(&Envelope) -> Option<String> + Send + Sync;
-
-/// A key remembered for a message still running: forgotten if the message
-/// is abandoned (its future dropped) before it settled — while the store
-/// remembers the key, while the handler runs, or while the store forgets it
-/// — unless another attempt claimed it meanwhile.
-struct Reservation<'a> {
-    store: &'a Arc<dyn DedupStore>,
-    key: String,
-    /// The token this attempt claims the key with.
-    token: Uuid,
-    /// Cleared once the message settled.
-    armed: bool,
-}
-
-impl Drop for Reservation<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let key = std::mem::take(&mut self.key);
-        let (store, token) = (self.store.clone(), self.token);
-        let mut forget = Box::pin(async move {
-            let _ = store.remove(&key, token).await;
-        });
-        // An in-memory store forgets at once; another one gets a task, when
-        // there is a runtime to run it.
-        if forget.as_mut().now_or_never().is_none() {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                runtime.spawn(forget);
-            }
-        }
-    }
-}
 
 /// How long [`Deduplicate`] holds the key of a message being handled
 /// unless told otherwise ([`Deduplicate::processing_timeout`]): 20 seconds,
@@ -564,6 +304,124 @@ impl Deduplicate {
             source,
         }
     }
+
+    /// Handles `envelope`, whose key is `key`, unless the key is claimed
+    /// already: then the envelope comes back stamped with
+    /// [`DeduplicatedStamp`], unhandled.
+    async fn deduplicate(
+        &self,
+        key: String,
+        envelope: Envelope,
+        next: Next<'_>,
+    ) -> Result<Envelope> {
+        // Forgets the key if this future is dropped before the message
+        // settled (a deadline, a stopping worker), so the message is
+        // handled when it comes again. Armed before the store is asked:
+        // a store that is not in memory may remember the key before its
+        // `insert` returns.
+        let claim = DedupClaim {
+            token: Uuid::new_v4(),
+            previous: envelope.last::<DedupClaimStamp>().map(|s| s.claim),
+            redelivered: envelope.has::<RedeliveredStamp>(),
+        };
+        let mut reserved = Reservation {
+            store: &self.store,
+            key,
+            token: claim.token,
+            armed: true,
+        };
+        if !self.claim_key(&mut reserved, claim).await? {
+            reserved.armed = false;
+            let key = std::mem::take(&mut reserved.key);
+            return Ok(envelope.with(DeduplicatedStamp { key }));
+        }
+        // Carried by a retry of this attempt, which the store then
+        // lets through even if it could not forget the key.
+        let envelope = envelope.with(DedupClaimStamp { claim: claim.token });
+        let before = envelope.clone();
+        let out = self
+            .run_holding(&reserved.key, claim.token, next.run(envelope))
+            .await;
+        if matches!(&out, Ok(after) if !was_retried(&before, after)) {
+            self.remember_handled(&mut reserved).await;
+            return out;
+        }
+        self.forget_key(&mut reserved, out).await
+    }
+
+    /// Claims the key of `reserved` with `claim` for the processing
+    /// timeout: whether the message is to be handled (`false`: it is a
+    /// duplicate). A store failure is the dispatch's error, and leaves no
+    /// key to forget.
+    async fn claim_key(&self, reserved: &mut Reservation<'_>, claim: DedupClaim) -> Result<bool> {
+        let fresh = self
+            .store
+            .insert(&reserved.key, self.processing(), claim)
+            .await;
+        fresh.map_err(|e| {
+            reserved.armed = false;
+            Self::store_error(e)
+        })
+    }
+
+    /// Remembers the key of `reserved`, whose message was handled, for the
+    /// window. A store failure is logged: the message was handled all the
+    /// same.
+    async fn remember_handled(&self, reserved: &mut Reservation<'_>) {
+        // Remembered for the window only now that it was handled, as
+        // handled: a redelivery does not take it over. (Not remembered if
+        // a redelivery took the claim over meanwhile: that attempt
+        // remembers it when it is handled.)
+        let handled = DedupClaim {
+            token: DedupClaim::HANDLED,
+            previous: Some(reserved.token),
+            redelivered: false,
+        };
+        let kept = self.store.insert(&reserved.key, self.window, handled).await;
+        reserved.armed = false;
+        if let Err(e) = kept {
+            // Handled all the same: a worker must acknowledge it.
+            tracing::warn!(
+                key = %reserved.key,
+                error = %e,
+                "Deduplicate: could not remember the key of a handled message \
+                 for the window; a copy that comes after the processing timeout \
+                 is handled again"
+            );
+        }
+    }
+
+    /// Forgets the key of `reserved`, whose message was not handled (it
+    /// failed or was scheduled for a retry), and returns `out`. When the
+    /// store cannot forget it, a handler failure is still returned (the
+    /// store error is logged); after other outcomes the store error is.
+    async fn forget_key(
+        &self,
+        reserved: &mut Reservation<'_>,
+        out: Result<Envelope>,
+    ) -> Result<Envelope> {
+        // Let the redelivery (or a new attempt) through, unless the
+        // key is claimed by another attempt already (this one's retry,
+        // or a redelivery that took it over).
+        let removed = self.store.remove(&reserved.key, reserved.token).await;
+        reserved.armed = false;
+        match removed {
+            Ok(()) => out,
+            // The handler failure is what the caller acts on (a worker
+            // parks or rejects the message by it): keep it.
+            Err(e) if matches!(out, Err(BusError::HandlerFailed { .. })) => {
+                tracing::warn!(
+                    key = %reserved.key,
+                    error = %e,
+                    "Deduplicate: could not forget the key of a failed message; \
+                     its retry is still handled, but another message with the key \
+                     is acknowledged as a duplicate within the processing timeout"
+                );
+                out
+            }
+            Err(e) => Err(Self::store_error(e)),
+        }
+    }
 }
 
 impl Middleware for Deduplicate {
@@ -572,93 +430,10 @@ impl Middleware for Deduplicate {
             Some(f) if !next.sends(&envelope) => f(&envelope),
             _ => None,
         };
-        let Some(key) = key else {
-            return next.run(envelope).boxed();
-        };
-        Box::pin(async move {
-            // Forgets the key if this future is dropped before the message
-            // settled (a deadline, a stopping worker), so the message is
-            // handled when it comes again. Armed before the store is asked:
-            // a store that is not in memory may remember the key before its
-            // `insert` returns.
-            let claim = DedupClaim {
-                token: Uuid::new_v4(),
-                previous: envelope.last::<DedupClaimStamp>().map(|s| s.claim),
-                redelivered: envelope.has::<RedeliveredStamp>(),
-            };
-            let mut reserved = Reservation {
-                store: &self.store,
-                key,
-                token: claim.token,
-                armed: true,
-            };
-            let fresh = self
-                .store
-                .insert(&reserved.key, self.processing(), claim)
-                .await;
-            let fresh = fresh.map_err(|e| {
-                reserved.armed = false;
-                Self::store_error(e)
-            })?;
-            if !fresh {
-                reserved.armed = false;
-                let key = std::mem::take(&mut reserved.key);
-                return Ok(envelope.with(DeduplicatedStamp { key }));
-            }
-            // Carried by a retry of this attempt, which the store then
-            // lets through even if it could not forget the key.
-            let envelope = envelope.with(DedupClaimStamp { claim: claim.token });
-            let before = envelope.clone();
-            let out = self
-                .run_holding(&reserved.key, claim.token, next.run(envelope))
-                .await;
-            let handled = matches!(&out, Ok(after) if !was_retried(&before, after));
-            if handled {
-                // Remembered for the window only now that it was handled,
-                // as handled: a redelivery does not take it over. (Not
-                // remembered if a redelivery took the claim over meanwhile:
-                // that attempt remembers it when it is handled.)
-                let handled = DedupClaim {
-                    token: DedupClaim::HANDLED,
-                    previous: Some(claim.token),
-                    redelivered: false,
-                };
-                let kept = self.store.insert(&reserved.key, self.window, handled).await;
-                reserved.armed = false;
-                if let Err(e) = kept {
-                    // Handled all the same: a worker must acknowledge it.
-                    tracing::warn!(
-                        key = %reserved.key,
-                        error = %e,
-                        "Deduplicate: could not remember the key of a handled message \
-                         for the window; a copy that comes after the processing timeout \
-                         is handled again"
-                    );
-                }
-                return out;
-            }
-            // Let the redelivery (or a new attempt) through, unless the
-            // key is claimed by another attempt already (this one's retry,
-            // or a redelivery that took it over).
-            let removed = self.store.remove(&reserved.key, claim.token).await;
-            reserved.armed = false;
-            match removed {
-                Ok(()) => out,
-                // The handler failure is what the caller acts on (a worker
-                // parks or rejects the message by it): keep it.
-                Err(e) if matches!(out, Err(BusError::HandlerFailed { .. })) => {
-                    tracing::warn!(
-                        key = %reserved.key,
-                        error = %e,
-                        "Deduplicate: could not forget the key of a failed message; \
-                         its retry is still handled, but another message with the key \
-                         is acknowledged as a duplicate within the processing timeout"
-                    );
-                    out
-                }
-                Err(e) => Err(Self::store_error(e)),
-            }
-        })
+        match key {
+            Some(key) => Box::pin(self.deduplicate(key, envelope, next)),
+            None => next.run(envelope).boxed(),
+        }
     }
 
     fn name(&self) -> Cow<'static, str> {
@@ -668,6 +443,10 @@ impl Middleware for Deduplicate {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+
+    use futures_util::FutureExt;
+
     use super::*;
     use crate::envelope::stamp::RedeliveryStamp;
     use crate::testing::{FailingEndpoint, FnEndpoint, Ping, RecordingEndpoint};

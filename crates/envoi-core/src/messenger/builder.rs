@@ -1,0 +1,578 @@
+//! The configuration of a messenger: a [`MessengerBuilder`] registers
+//! handlers, buses ([`BusBuilder`]), user middleware, routes, transports,
+//! senders and retry policies, checks them and assembles each bus in the
+//! canonical order.
+
+use std::any::TypeId;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Weak};
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::{BuildError, Messenger, MessengerInner};
+use crate::envelope::message::{Command, Event, Message, MessageKind, Query};
+use crate::envelope::stamp::Stamp;
+use crate::failure::{RetryConfig, RetryStrategy};
+use crate::middleware::Middleware;
+use crate::pipeline::bus::MessageBus;
+use crate::pipeline::handle_message::HandleMessage;
+use crate::pipeline::handler::{Handler, HandlerRegistry, IntoHandler};
+use crate::pipeline::retry::Retry;
+use crate::pipeline::send_message::{Routes, SendMessage};
+use crate::transport::registry::{Senders, TransportFactories, TransportSender};
+use crate::transport::serializer::{Serializer, SerializerBuilder};
+use crate::transport::{
+    Inbox, Sender, SenderDispatcher, Transport, TransportBinding, TransportFactory,
+};
+
+/// The configuration of one bus; see [`MessengerBuilder::bus`].
+#[derive(Default)]
+pub struct BusBuilder {
+    middleware: Vec<Arc<dyn Middleware>>,
+}
+
+impl BusBuilder {
+    /// Appends a user middleware (step 4 of the canonical order,
+    /// registration order).
+    pub fn middleware(mut self, middleware: impl Middleware) -> Self {
+        self.middleware.push(Arc::new(middleware));
+        self
+    }
+
+    /// Appends a shared user middleware.
+    pub fn middleware_arc(mut self, middleware: Arc<dyn Middleware>) -> Self {
+        self.middleware.push(middleware);
+        self
+    }
+}
+
+impl fmt::Debug for BusBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BusBuilder")
+            .field(
+                "middleware",
+                &self.middleware.iter().map(|m| m.name()).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// Builds a [`Messenger`]; see [`Messenger::builder`].
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct MessengerBuilder {
+    registry: HandlerRegistry,
+    errors: Vec<BuildError>,
+    default_bus: String,
+    buses: Vec<(String, BusBuilder)>,
+    default_middleware: Vec<Arc<dyn Middleware>>,
+    routes: Routes,
+    route_checks: Vec<(&'static str, String)>,
+    senders: Vec<(String, Arc<dyn Sender>)>,
+    transports: Vec<(String, TransportSpec)>,
+    factories: TransportFactories,
+    serializer: SerializerBuilder,
+    sender_dispatcher: Option<Arc<dyn SenderDispatcher>>,
+    retry_strategies: Vec<(Option<String>, Arc<dyn RetryStrategy>)>,
+    failure_transports: Vec<(Option<String>, String)>,
+}
+
+enum TransportSpec {
+    Ready(Arc<dyn Transport>),
+    Dsn(String),
+}
+
+impl Default for MessengerBuilder {
+    fn default() -> Self {
+        Self {
+            registry: HandlerRegistry::default(),
+            errors: Vec::new(),
+            default_bus: "default".into(),
+            buses: Vec::new(),
+            default_middleware: Vec::new(),
+            routes: Routes::new(),
+            route_checks: Vec::new(),
+            senders: Vec::new(),
+            transports: Vec::new(),
+            factories: TransportFactories::default(),
+            serializer: SerializerBuilder::default(),
+            sender_dispatcher: None,
+            retry_strategies: Vec::new(),
+            failure_transports: Vec::new(),
+        }
+    }
+}
+
+impl fmt::Debug for MessengerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MessengerBuilder")
+            .field("handlers", &self.registry)
+            .field("routes", &self.routes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MessengerBuilder {
+    fn register<M: Message, H: Handler<M>>(&mut self, kind: MessageKind, handler: H) {
+        if let Some(existing) = self.registry.get(TypeId::of::<M>()) {
+            if existing.kind != kind {
+                self.errors.push(BuildError::KindConflict {
+                    message: M::NAME,
+                    first: existing.kind,
+                    second: kind,
+                });
+                return;
+            }
+            if kind != MessageKind::Event {
+                self.errors.push(BuildError::DuplicateHandler {
+                    message: M::NAME,
+                    kind,
+                });
+                return;
+            }
+        }
+        self.registry.add::<M, H>(kind, handler);
+    }
+
+    /// Registers the handler of command `C` (exactly one per command).
+    pub fn command_handler<C, H, Marker>(mut self, handler: H) -> Self
+    where
+        C: Command,
+        H: IntoHandler<C, Marker>,
+        H::Handler: Handler<C, Output = C::Output, Error = C::Error>,
+    {
+        self.register::<C, _>(MessageKind::Command, handler.into_handler());
+        self
+    }
+
+    /// Registers the handler of query `Q` (exactly one per query).
+    pub fn query_handler<Q, H, Marker>(mut self, handler: H) -> Self
+    where
+        Q: Query,
+        H: IntoHandler<Q, Marker>,
+        H::Handler: Handler<Q, Output = Q::Output, Error = Q::Error>,
+    {
+        self.register::<Q, _>(MessageKind::Query, handler.into_handler());
+        self
+    }
+
+    /// Adds a handler of event `E` (any number per event, run in
+    /// registration order).
+    pub fn event_handler<E, H, Marker>(mut self, handler: H) -> Self
+    where
+        E: Event,
+        H: IntoHandler<E, Marker>,
+        H::Handler: Handler<E, Output = (), Error = E::Error>,
+    {
+        self.register::<E, _>(MessageKind::Event, handler.into_handler());
+        self
+    }
+
+    /// Renames the default bus (`"default"` unless renamed).
+    pub fn default_bus(mut self, name: impl Into<String>) -> Self {
+        self.default_bus = name.into();
+        self
+    }
+
+    /// Appends a user middleware to the default bus.
+    pub fn middleware(mut self, middleware: impl Middleware) -> Self {
+        self.default_middleware.push(Arc::new(middleware));
+        self
+    }
+
+    /// Appends a shared user middleware to the default bus.
+    pub fn middleware_arc(mut self, middleware: Arc<dyn Middleware>) -> Self {
+        self.default_middleware.push(middleware);
+        self
+    }
+
+    /// Defines another bus. Every bus shares the handlers, routes and
+    /// transports; each has its own name and user middleware.
+    pub fn bus(
+        mut self,
+        name: impl Into<String>,
+        configure: impl FnOnce(BusBuilder) -> BusBuilder,
+    ) -> Self {
+        self.buses
+            .push((name.into(), configure(BusBuilder::default())));
+        self
+    }
+
+    /// Sends messages of type `M` to `transport` instead of handling them in
+    /// process. May be called several times for several transports.
+    ///
+    /// Registers `M` with the serializer, so it can be encoded here and
+    /// decoded by the worker.
+    pub fn route<M>(mut self, transport: impl Into<String>) -> Self
+    where
+        M: Message + Serialize + DeserializeOwned,
+    {
+        let transport = transport.into();
+        self.route_checks.push((M::NAME, transport.clone()));
+        self.routes.add::<M>(transport);
+        self.serializer.add_message::<M>();
+        self
+    }
+
+    /// Registers message type `M` with the serializer without routing it:
+    /// for types this process only receives from a transport. Only
+    /// registered types decode.
+    pub fn message<M>(mut self) -> Self
+    where
+        M: Message + Serialize + DeserializeOwned,
+    {
+        self.serializer.add_message::<M>();
+        self
+    }
+
+    /// Registers stamp type `S` with the serializer, so its header decodes
+    /// to `S` (unregistered stamp headers are kept as
+    /// [`OpaqueStamp`](crate::transport::serializer::OpaqueStamp)s).
+    pub fn stamp<S: Stamp>(mut self) -> Self {
+        self.serializer.add_stamp::<S>();
+        self
+    }
+
+    /// Limits the size of an encoded message body, in bytes (16 MiB by
+    /// default). Larger messages fail to send; received ones go to the
+    /// failure transport.
+    pub fn max_body_size(mut self, bytes: usize) -> Self {
+        self.serializer.set_max_body_size(bytes);
+        self
+    }
+
+    /// Limits the size of an encoded message's headers, in bytes: every
+    /// header name and value added up, stamp headers included (1 MiB by
+    /// default). Messages with larger headers fail to send; received ones
+    /// go to the failure transport.
+    pub fn max_headers_size(mut self, bytes: usize) -> Self {
+        self.serializer.set_max_headers_size(bytes);
+        self
+    }
+
+    /// Registers the sender of `transport`.
+    pub fn sender(mut self, transport: impl Into<String>, sender: Arc<dyn Sender>) -> Self {
+        self.senders.push((transport.into(), sender));
+        self
+    }
+
+    /// Registers `transport` under `name`: routes, retries and failure
+    /// transports can name it, workers can consume it, and
+    /// [`Messenger::transport`] hands it out.
+    pub fn transport(mut self, name: impl Into<String>, transport: Arc<dyn Transport>) -> Self {
+        self.transports
+            .push((name.into(), TransportSpec::Ready(transport)));
+        self
+    }
+
+    /// Registers a transport created from `dsn` (`in-memory://`, `sync://`,
+    /// or any scheme of a registered [`TransportFactory`]) when the
+    /// messenger is built with [`build_async`](Self::build_async).
+    pub fn transport_dsn(mut self, name: impl Into<String>, dsn: impl Into<String>) -> Self {
+        self.transports
+            .push((name.into(), TransportSpec::Dsn(dsn.into())));
+        self
+    }
+
+    /// Registers a factory for [`transport_dsn`](Self::transport_dsn);
+    /// it is asked before the built-in ones.
+    pub fn transport_factory(mut self, factory: impl TransportFactory) -> Self {
+        self.factories.register(Arc::new(factory));
+        self
+    }
+
+    /// Creates the transports configured by DSN, then builds as
+    /// [`build`](Self::build) does. A DSN that no factory supports or that
+    /// its factory refuses is a [`BuildError::Transport`].
+    pub async fn build_async(mut self) -> Result<Messenger, BuildError> {
+        let specs = std::mem::take(&mut self.transports);
+        let mut ready = Vec::with_capacity(specs.len());
+        for (name, spec) in specs {
+            let transport = match spec {
+                TransportSpec::Ready(t) => t,
+                TransportSpec::Dsn(dsn) => {
+                    self.factories
+                        .create(&name, &dsn)
+                        .await
+                        .map_err(|e| BuildError::Transport {
+                            name: name.clone(),
+                            reason: e.to_string(),
+                        })?
+                }
+            };
+            ready.push((name, TransportSpec::Ready(transport)));
+        }
+        self.transports = ready;
+        self.build()
+    }
+
+    /// Replaces "send now" with another [`SenderDispatcher`] (a
+    /// transactional outbox, for instance). Routes and failure transports
+    /// are then not checked against registered transports and senders.
+    pub fn sender_dispatcher(mut self, dispatcher: Arc<dyn SenderDispatcher>) -> Self {
+        self.sender_dispatcher = Some(dispatcher);
+        self
+    }
+
+    /// Uses `strategy` for messages received from `transport`.
+    pub fn retry_strategy(
+        mut self,
+        transport: impl Into<String>,
+        strategy: impl RetryStrategy,
+    ) -> Self {
+        self.retry_strategies
+            .push((Some(transport.into()), Arc::new(strategy)));
+        self
+    }
+
+    /// Uses `strategy` for transports without their own.
+    pub fn default_retry_strategy(mut self, strategy: impl RetryStrategy) -> Self {
+        self.retry_strategies.push((None, Arc::new(strategy)));
+        self
+    }
+
+    /// Parks messages that are out of retries in `transport`.
+    pub fn failure_transport(mut self, transport: impl Into<String>) -> Self {
+        self.failure_transports.push((None, transport.into()));
+        self
+    }
+
+    /// Parks messages from `transport` that are out of retries in `failure`.
+    pub fn failure_transport_for(
+        mut self,
+        transport: impl Into<String>,
+        failure: impl Into<String>,
+    ) -> Self {
+        self.failure_transports
+            .push((Some(transport.into()), failure.into()));
+        self
+    }
+
+    /// Checks the configuration and assembles every bus. Transports
+    /// configured by DSN need [`build_async`](Self::build_async).
+    pub fn build(self) -> Result<Messenger, BuildError> {
+        let MessengerBuilder {
+            registry,
+            errors,
+            default_bus,
+            buses,
+            default_middleware,
+            routes,
+            route_checks,
+            senders,
+            transports,
+            factories: _,
+            serializer,
+            sender_dispatcher,
+            retry_strategies,
+            failure_transports,
+        } = self;
+        if let Some(e) = errors.into_iter().next() {
+            return Err(e);
+        }
+        let serializer = serializer.build()?;
+        let (transports, senders) = assemble_senders(transports, senders, &serializer)?;
+        check_failure_transports(&failure_transports, &transports)?;
+        let dispatcher: Arc<dyn SenderDispatcher> = match sender_dispatcher {
+            Some(d) => d,
+            None => {
+                check_destinations(&route_checks, &failure_transports, &senders)?;
+                Arc::new(senders)
+            }
+        };
+        let has_transports =
+            !dispatcher.transports().is_empty() || !routes.is_empty() || !transports.is_empty();
+        let retry_config = has_transports.then(|| {
+            Arc::new(failure_policy(
+                &dispatcher,
+                &transports,
+                retry_strategies,
+                failure_transports,
+            ))
+        });
+        let retry = Retry::new(retry_config.clone());
+        let send = if routes.is_empty() {
+            None
+        } else {
+            Some(SendMessage::new(Arc::new(routes), dispatcher.clone()))
+        };
+        let handle = HandleMessage::with_registry(Arc::new(registry));
+
+        let mut specs = vec![(
+            default_bus.clone(),
+            BusBuilder {
+                middleware: default_middleware,
+            },
+        )];
+        specs.extend(buses);
+        let (buses, order) = assemble_buses(specs, send.as_ref(), &retry, &handle)?;
+        let default = buses[&default_bus].clone();
+        let messenger = Messenger {
+            inner: Arc::new(MessengerInner {
+                buses,
+                order,
+                default,
+                dispatcher,
+                transports,
+                serializer,
+                retry: retry_config,
+            }),
+        };
+        bind_transports(&messenger);
+        Ok(messenger)
+    }
+}
+
+/// The registered transports, by name.
+type Transports = BTreeMap<String, Arc<dyn Transport>>;
+
+/// The transports, each with a sender that encodes for it, then the
+/// senders registered on their own. A transport configured by DSN (not
+/// created, as [`MessengerBuilder::build_async`] would) and a name given
+/// twice are refused.
+fn assemble_senders(
+    specs: Vec<(String, TransportSpec)>,
+    own_senders: Vec<(String, Arc<dyn Sender>)>,
+    serializer: &Serializer,
+) -> Result<(Transports, Senders), BuildError> {
+    let mut transports = Transports::new();
+    let mut senders = Senders::new();
+    for (name, spec) in specs {
+        let transport = match spec {
+            TransportSpec::Ready(t) => t,
+            TransportSpec::Dsn(_) => return Err(BuildError::NeedsAsyncBuild(name)),
+        };
+        if transports.contains_key(&name) {
+            return Err(BuildError::DuplicateTransport(name));
+        }
+        senders.insert_transport(
+            name.clone(),
+            TransportSender::new(name.as_str(), transport.clone(), serializer.clone()),
+        );
+        transports.insert(name, transport);
+    }
+    for (name, sender) in own_senders {
+        if senders.contains(&name) {
+            return Err(BuildError::DuplicateTransport(name));
+        }
+        senders.insert_sender(name, sender);
+    }
+    Ok((transports, senders))
+}
+
+/// Refuses a failure transport that handles messages when they are sent
+/// (`sync://`), which would handle a parked message again at once.
+fn check_failure_transports(
+    failure_transports: &[(Option<String>, String)],
+    transports: &Transports,
+) -> Result<(), BuildError> {
+    for (_, failure) in failure_transports {
+        if transports
+            .get(failure)
+            .and_then(|t| t.as_local_sender())
+            .is_some_and(|l| l.handles_on_send())
+        {
+            return Err(BuildError::FailureTransportHandlesOnSend(failure.clone()));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a route or a failure transport that names neither a transport
+/// nor a sender of `senders`, when the messenger sends through them (no
+/// other [`SenderDispatcher`] was given).
+fn check_destinations(
+    route_checks: &[(&'static str, String)],
+    failure_transports: &[(Option<String>, String)],
+    senders: &Senders,
+) -> Result<(), BuildError> {
+    for (message, transport) in route_checks {
+        if !senders.contains(transport) {
+            return Err(BuildError::UnknownTransport {
+                message,
+                transport: transport.clone(),
+            });
+        }
+    }
+    for (_, failure) in failure_transports {
+        if !senders.contains(failure) {
+            return Err(BuildError::UnknownFailureTransport(failure.clone()));
+        }
+    }
+    Ok(())
+}
+
+/// The failure policy: no retry for the transports that handle messages
+/// when they are sent, then the retry strategies and the failure
+/// transports, in the order they were configured.
+fn failure_policy(
+    dispatcher: &Arc<dyn SenderDispatcher>,
+    transports: &Transports,
+    retry_strategies: Vec<(Option<String>, Arc<dyn RetryStrategy>)>,
+    failure_transports: Vec<(Option<String>, String)>,
+) -> RetryConfig {
+    let mut cfg = RetryConfig::new(dispatcher.clone());
+    for (name, transport) in transports {
+        if transport
+            .as_local_sender()
+            .is_some_and(|l| l.handles_on_send())
+        {
+            cfg = cfg.without_retry(name.clone());
+        }
+    }
+    for (transport, strategy) in retry_strategies {
+        cfg = match transport {
+            Some(t) => cfg.strategy(t, strategy),
+            None => cfg.default_strategy(strategy),
+        };
+    }
+    for (transport, failure) in failure_transports {
+        cfg = match transport {
+            Some(t) => cfg.failure_transport_for(t, failure),
+            None => cfg.failure_transport(failure),
+        };
+    }
+    cfg
+}
+
+/// Each bus with its own name and user middleware around the shared
+/// steps, by name, and the bus names in definition order. A name given
+/// twice is refused.
+fn assemble_buses(
+    specs: Vec<(String, BusBuilder)>,
+    send: Option<&SendMessage>,
+    retry: &Retry,
+    handle: &HandleMessage,
+) -> Result<(BTreeMap<String, MessageBus>, Vec<String>), BuildError> {
+    let mut buses = BTreeMap::new();
+    let mut order = Vec::new();
+    for (name, spec) in specs {
+        if buses.contains_key(&name) {
+            return Err(BuildError::DuplicateBus(name));
+        }
+        let bus = MessageBus::new(
+            Arc::from(name.as_str()),
+            spec.middleware,
+            send.cloned(),
+            retry.clone(),
+            handle.clone(),
+        );
+        order.push(name.clone());
+        buses.insert(name, bus);
+    }
+    Ok((buses, order))
+}
+
+/// Binds every transport of `messenger` to it: its name, the serializer
+/// and the messenger as the inbox of what it dispatches.
+fn bind_transports(messenger: &Messenger) {
+    let inbox: Weak<dyn Inbox> = Arc::downgrade(&messenger.inner) as Weak<dyn Inbox>;
+    for (name, transport) in &messenger.inner.transports {
+        transport.bind(&TransportBinding::new(
+            Arc::from(name.as_str()),
+            messenger.inner.serializer.clone(),
+            inbox.clone(),
+        ));
+    }
+}

@@ -1,0 +1,71 @@
+//! The configuration mistakes
+//! [`MessengerBuilder::build`](super::MessengerBuilder::build) refuses: a
+//! [`BuildError`].
+
+use crate::envelope::message::MessageKind;
+use crate::transport::serializer::RegistryError;
+
+/// A configuration mistake found by
+/// [`MessengerBuilder::build`](super::MessengerBuilder::build).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// A command or query got a second handler.
+    #[error("{kind} `{message}` already has a handler; a {kind} has exactly one")]
+    DuplicateHandler {
+        /// The message name.
+        message: &'static str,
+        /// Its kind.
+        kind: MessageKind,
+    },
+    /// One message type was registered as two kinds.
+    #[error("`{message}` is registered both as {first} and as {second}")]
+    KindConflict {
+        /// The message name.
+        message: &'static str,
+        /// The first kind.
+        first: MessageKind,
+        /// The second kind.
+        second: MessageKind,
+    },
+    /// Two buses have one name.
+    #[error("bus `{0}` is defined twice")]
+    DuplicateBus(String),
+    /// A route names a transport with no sender.
+    #[error("`{message}` is routed to `{transport}`, which is not a configured transport")]
+    UnknownTransport {
+        /// The message name.
+        message: &'static str,
+        /// The transport name.
+        transport: String,
+    },
+    /// A failure transport is not a configured transport.
+    #[error("failure transport `{0}` is not a configured transport")]
+    UnknownFailureTransport(String),
+    /// A failure transport handles messages when they are sent
+    /// (`sync://`): parking a message there would handle it again at once,
+    /// fail again and park it again, without end.
+    #[error(
+        "failure transport `{0}` handles messages when they are sent (`sync://`); \
+         a failure transport must store them"
+    )]
+    FailureTransportHandlesOnSend(String),
+    /// Two transports (or a transport and a sender) have one name.
+    #[error("transport `{0}` is defined twice")]
+    DuplicateTransport(String),
+    /// Two message or stamp types share a wire name.
+    #[error(transparent)]
+    Serializer(#[from] RegistryError),
+    /// A transport could not be created from its DSN.
+    #[error("transport `{name}`: {reason}")]
+    Transport {
+        /// The transport's name.
+        name: String,
+        /// Why (the DSN in it has its password masked).
+        reason: String,
+    },
+    /// A transport is configured by DSN, which needs
+    /// [`MessengerBuilder::build_async`](super::MessengerBuilder::build_async).
+    #[error("transport `{0}` is configured by DSN; build with `build_async().await`")]
+    NeedsAsyncBuild(String),
+}
