@@ -399,3 +399,94 @@ async fn on_consumed_successfully_does_not_run_for_a_received_message_whose_hand
         "the handler failed"
     );
 }
+
+#[tokio::test]
+async fn a_filter_added_to_a_live_bus_runs_before_the_stage_middleware_added_at_build_time() {
+    let log: Log = Arc::default();
+    let seen = log.clone();
+    let messenger = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .stages(StagePipeline::new().use_(
+            PipelineStage::BeforeConsuming,
+            [as_middleware(move |e: Envelope, next| {
+                seen.lock().unwrap().push("middleware".into());
+                next.run(e)
+            })],
+        ))
+        .build()
+        .unwrap();
+    let bus = messenger.bus();
+    bus.dispatch(Envelope::new(Invoice { amount: 1 }))
+        .await
+        .unwrap();
+    assert_eq!(entries(&log), ["middleware", "handler"]);
+    log.lock().unwrap().clear();
+
+    let filtered = log.clone();
+    bus.use_stage(
+        PipelineStage::BeforeConsuming,
+        [as_filter(move |_: &Envelope| {
+            filtered.lock().unwrap().push("filter".into());
+            FilterAction::Stop
+        })],
+    );
+    bus.dispatch(Envelope::new(Invoice { amount: 1 }))
+        .await
+        .unwrap();
+    // One stage pipeline: the new filter stops the stage before the
+    // middleware added at build time runs, and the handler never runs.
+    assert_eq!(entries(&log), ["filter"]);
+}
+
+#[tokio::test]
+async fn stage_middleware_added_to_a_live_bus_runs_after_the_filters_added_at_build_time() {
+    let log: Log = Arc::default();
+    let filtered = log.clone();
+    let messenger = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .stages(StagePipeline::new().use_(
+            PipelineStage::BeforeConsuming,
+            [as_filter(move |e: &Envelope| {
+                filtered.lock().unwrap().push("filter".into());
+                if e.header("tenant").is_some() {
+                    FilterAction::Continue
+                } else {
+                    FilterAction::Stop
+                }
+            })],
+        ))
+        .build()
+        .unwrap();
+    let seen = log.clone();
+    messenger.bus().use_stage(
+        PipelineStage::BeforeConsuming,
+        [as_middleware(move |e: Envelope, next| {
+            seen.lock().unwrap().push("middleware".into());
+            next.run(e)
+        })],
+    );
+    messenger
+        .bus()
+        .dispatch(Envelope::new(Invoice { amount: 1 }))
+        .await
+        .unwrap();
+    assert_eq!(entries(&log), ["filter"], "stopped before the middleware");
+    log.lock().unwrap().clear();
+    messenger
+        .bus()
+        .dispatch(Envelope::new(Invoice { amount: 1 }).with_header("tenant", "acme"))
+        .await
+        .unwrap();
+    assert_eq!(entries(&log), ["filter", "middleware", "handler"]);
+    assert_eq!(
+        messenger
+            .bus()
+            .pipeline()
+            .iter()
+            .filter(|s| *s == "StagePipeline")
+            .count(),
+        1,
+        "one stage pipeline: {:?}",
+        messenger.bus().pipeline()
+    );
+}

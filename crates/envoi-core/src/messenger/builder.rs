@@ -15,6 +15,7 @@ use super::{BuildError, Messenger, MessengerInner};
 use crate::envelope::message::{Command, Event, Message, MessageKind, Query};
 use crate::envelope::stamp::Stamp;
 use crate::failure::{RetryConfig, RetryStrategy};
+use crate::middleware::stage::StagePipeline;
 use crate::middleware::Middleware;
 use crate::pipeline::bus::MessageBus;
 use crate::pipeline::handle_message::HandleMessage;
@@ -31,6 +32,7 @@ use crate::transport::{
 #[derive(Default)]
 pub struct BusBuilder {
     middleware: Vec<Arc<dyn Middleware>>,
+    stages: StagePipeline,
 }
 
 impl BusBuilder {
@@ -44,6 +46,15 @@ impl BusBuilder {
     /// Appends a shared user middleware.
     pub fn middleware_arc(mut self, middleware: Arc<dyn Middleware>) -> Self {
         self.middleware.push(middleware);
+        self
+    }
+
+    /// Adds the filters and middleware of `stages` to the bus's stage
+    /// pipeline, which runs after the user middleware. Within each stage
+    /// every filter runs before any middleware, whatever was added when,
+    /// here or later with [`MessageBus::use_stage`](crate::MessageBus::use_stage).
+    pub fn stages(mut self, stages: StagePipeline) -> Self {
+        self.stages = std::mem::take(&mut self.stages).merge(stages);
         self
     }
 }
@@ -67,6 +78,7 @@ pub struct MessengerBuilder {
     default_bus: String,
     buses: Vec<(String, BusBuilder)>,
     default_middleware: Vec<Arc<dyn Middleware>>,
+    default_stages: StagePipeline,
     routes: Routes,
     route_checks: Vec<(&'static str, String)>,
     senders: Vec<(String, Arc<dyn Sender>)>,
@@ -91,6 +103,7 @@ impl Default for MessengerBuilder {
             default_bus: "default".into(),
             buses: Vec::new(),
             default_middleware: Vec::new(),
+            default_stages: StagePipeline::new(),
             routes: Routes::new(),
             route_checks: Vec::new(),
             senders: Vec::new(),
@@ -184,6 +197,16 @@ impl MessengerBuilder {
     /// Appends a shared user middleware to the default bus.
     pub fn middleware_arc(mut self, middleware: Arc<dyn Middleware>) -> Self {
         self.default_middleware.push(middleware);
+        self
+    }
+
+    /// Adds the filters and middleware of `stages` to the default bus's
+    /// stage pipeline, which runs after the user middleware. Within each
+    /// stage every filter runs before any middleware, whatever was added
+    /// when, here or later with
+    /// [`MessageBus::use_stage`](crate::MessageBus::use_stage).
+    pub fn stages(mut self, stages: StagePipeline) -> Self {
+        self.default_stages = std::mem::take(&mut self.default_stages).merge(stages);
         self
     }
 
@@ -358,6 +381,7 @@ impl MessengerBuilder {
             default_bus,
             buses,
             default_middleware,
+            default_stages,
             routes,
             route_checks,
             senders,
@@ -403,6 +427,7 @@ impl MessengerBuilder {
             default_bus.clone(),
             BusBuilder {
                 middleware: default_middleware,
+                stages: default_stages,
             },
         )];
         specs.extend(buses);
@@ -554,6 +579,7 @@ fn assemble_buses(
         let bus = MessageBus::new(
             Arc::from(name.as_str()),
             spec.middleware,
+            spec.stages,
             send.cloned(),
             retry.clone(),
             handle.clone(),

@@ -14,8 +14,14 @@
 //! before all middleware**, whatever order they were given in; a `Stop`
 //! from any filter short-circuits the stage, so its middleware never runs.
 //!
-//! The pipeline is one [`Middleware`] of the bus. Where the stages run
-//! depends on where the message goes:
+//! A bus has one stage pipeline, which runs after its user middleware:
+//! give it items when the messenger is built (`MessengerBuilder::stages`,
+//! `BusBuilder::stages`) or while it runs (`MessageBus::use_stage`), and
+//! within each stage every filter runs before any middleware, whatever was
+//! added when. (A `StagePipeline` is also a [`Middleware`] of its own, for a
+//! pipeline assembled by hand; added to a bus as a user middleware, it is a
+//! layer apart from the bus's.) Where the stages run depends on where the
+//! message goes:
 //!
 //! * dispatched and handled in this process: all four, in order, around the
 //!   handler;
@@ -316,6 +322,22 @@ impl StagePipeline {
             }
         }
         self
+    }
+
+    /// Appends every stage's filters and middleware of `other` to this
+    /// pipeline's.
+    #[must_use = "`merge` returns the pipeline with the items added"]
+    pub fn merge(mut self, other: StagePipeline) -> Self {
+        for (mine, theirs) in self.stages.iter_mut().zip(other.stages) {
+            mine.filters.extend(theirs.filters);
+            mine.middleware.extend(theirs.middleware);
+        }
+        self
+    }
+
+    /// Whether no stage has a filter or a middleware.
+    pub fn is_empty(&self) -> bool {
+        self.stages.iter().all(StageItems::is_empty)
     }
 
     fn items(&self, stage: PipelineStage) -> &StageItems {

@@ -35,6 +35,7 @@ use crate::envelope::message::Message;
 use crate::envelope::stamp::{DispatchAfterCurrentBusStamp, HandledStamp, ReceivedStamp};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result, StepResult};
+use crate::middleware::stage::{PipelineStage, StageItem, StagePipeline};
 use crate::middleware::{Endpoint, Middleware, MiddlewareStack, Next};
 use crate::pipeline::add_bus_name::AddBusNameStamp;
 use crate::pipeline::canonical::{Step, CANONICAL};
@@ -54,10 +55,34 @@ use crate::BoxFuture;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MiddlewareId(u64);
 
+/// The user part of a bus's pipeline (step 4): the user middleware, then
+/// the bus's one stage pipeline. Immutable: changing it swaps in a new one.
 #[derive(Default)]
 struct Chain {
     ids: Vec<MiddlewareId>,
+    /// The user middleware, in registration order.
     items: Vec<Arc<dyn Middleware>>,
+    /// Every filter and stage middleware of the bus, added at build time or
+    /// later: within a stage, filters run before the middleware, whoever
+    /// added them when.
+    stages: StagePipeline,
+    /// What runs: `items`, then `stages` when it has anything.
+    run: Vec<Arc<dyn Middleware>>,
+}
+
+impl Chain {
+    fn new(ids: Vec<MiddlewareId>, items: Vec<Arc<dyn Middleware>>, stages: StagePipeline) -> Self {
+        let mut run = items.clone();
+        if !stages.is_empty() {
+            run.push(Arc::new(stages.clone()));
+        }
+        Self {
+            ids,
+            items,
+            stages,
+            run,
+        }
+    }
 }
 
 pub(crate) struct BusInner {
@@ -89,21 +114,20 @@ impl MessageBus {
     pub(crate) fn new(
         name: Arc<str>,
         middleware: Vec<Arc<dyn Middleware>>,
+        stages: StagePipeline,
         send: Option<SendMessage>,
         retry: Retry,
         handle: HandleMessage,
     ) -> Self {
         let ids = (0..middleware.len() as u64).map(MiddlewareId).collect();
-        let user_empty = AtomicBool::new(middleware.is_empty());
         let next = middleware.len() as u64;
+        let chain = Chain::new(ids, middleware, stages);
+        let user_empty = AtomicBool::new(chain.run.is_empty());
         Self {
             inner: Arc::new(BusInner {
                 add_bus_name: AddBusNameStamp::new(name.clone()),
                 name,
-                user: ArcSwap::from_pointee(Chain {
-                    ids,
-                    items: middleware,
-                }),
+                user: ArcSwap::from_pointee(chain),
                 user_empty,
                 send,
                 retry,
@@ -191,7 +215,7 @@ impl MessageBus {
             let mut items = chain.items.clone();
             ids.push(id);
             items.push(middleware.clone());
-            Chain { ids, items }
+            Chain::new(ids, items, chain.stages.clone())
         });
         self.inner.user_empty.store(false, Ordering::SeqCst);
         id
@@ -209,7 +233,7 @@ impl MessageBus {
                 ids.remove(pos);
                 removed = Some(items.remove(pos));
             }
-            Chain { ids, items }
+            Chain::new(ids, items, chain.stages.clone())
         });
         self.sync_user_empty();
         match removed {
@@ -227,12 +251,50 @@ impl MessageBus {
         // last answer stored is never a stale "empty" for a chain that has
         // a middleware.
         loop {
-            let empty = self.inner.user.load().items.is_empty();
+            let empty = self.inner.user.load().run.is_empty();
             self.inner.user_empty.store(empty, Ordering::SeqCst);
-            if self.inner.user.load().items.is_empty() == empty {
+            if self.inner.user.load().run.is_empty() == empty {
                 return;
             }
         }
+    }
+
+    /// Appends filters and middleware to `stage` of the bus's stage
+    /// pipeline, the one that runs after the user middleware: within each
+    /// stage, filters run before the middleware, whether they were added
+    /// when the bus was built or now. Dispatches already running keep the
+    /// pipeline they started with.
+    ///
+    /// ```
+    /// use envoi_core::middleware::stage::{as_filter, FilterAction, PipelineStage};
+    /// use envoi_core::{Envelope, Event, Message, Messenger};
+    /// use std::convert::Infallible;
+    ///
+    /// #[derive(Debug, Clone)]
+    /// struct Invoiced;
+    /// impl Message for Invoiced { const NAME: &'static str = "Invoiced"; }
+    /// impl Event for Invoiced { type Error = Infallible; }
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+    /// let messenger = Messenger::builder()
+    ///     .event_handler(|_: Invoiced| async { Ok(()) })
+    ///     .build()
+    ///     .unwrap();
+    /// messenger.bus().use_stage(
+    ///     PipelineStage::BeforeConsuming,
+    ///     [as_filter(|e: &Envelope| if e.header("tenant").is_some() { FilterAction::Continue } else { FilterAction::Stop })],
+    /// );
+    /// let out = messenger.bus().dispatch(Envelope::event(Invoiced)).await.unwrap();
+    /// assert!(out.stamps().all(|s| s.name() != "Handled"), "stopped before the handler");
+    /// # });
+    /// ```
+    pub fn use_stage(&self, stage: PipelineStage, items: impl IntoIterator<Item = StageItem>) {
+        let items: Vec<StageItem> = items.into_iter().collect();
+        self.inner.user.rcu(|chain| {
+            let stages = chain.stages.clone().use_(stage, items.iter().cloned());
+            Chain::new(chain.ids.clone(), chain.items.clone(), stages)
+        });
+        self.sync_user_empty();
     }
 
     /// The ids of the user middleware, in order.
@@ -259,7 +321,7 @@ impl MessageBus {
         for step in CANONICAL {
             match step {
                 Step::User => {
-                    steps.extend(self.inner.user.load().items.iter().map(|m| m.name()));
+                    steps.extend(self.inner.user.load().run.iter().map(|m| m.name()));
                 }
                 Step::SendMessage => steps.push(match &self.inner.send {
                     Some(s) if !s.routes().is_empty() => step.name().into(),
@@ -293,7 +355,7 @@ impl MessageBus {
                 Step::FailedMessageProcessing => {
                     after_deferral.push(Arc::new(FailedMessageProcessing))
                 }
-                Step::User => after_deferral.extend(chain.items.iter().cloned()),
+                Step::User => after_deferral.extend(chain.run.iter().cloned()),
                 Step::SendMessage => {
                     if let Some(send) = &inner.send {
                         after_deferral.push(Arc::new(send.clone()));
@@ -405,8 +467,8 @@ impl BusInner {
             // Steps 3 and 4 from the first middleware that takes part.
             Some((chain, start)) => {
                 let envelope = FailedMessageProcessing::apply(envelope);
-                let next = Next::after_asking(&chain.items[start + 1..], Some(&**self));
-                let (result, frame) = framed(chain.items[*start].handle(envelope, next)).await;
+                let next = Next::after_asking(&chain.run[start + 1..], Some(&**self));
+                let (result, frame) = framed(chain.run[*start].handle(envelope, next)).await;
                 (result.map_err(Box::new), frame)
             }
         };
@@ -433,8 +495,8 @@ impl BusInner {
         let (result, frame) = match &user {
             None => framed(self.core(envelope)).await,
             Some((chain, start)) => {
-                let next = Next::after_asking(&chain.items[start + 1..], Some(&**self));
-                let (result, frame) = framed(chain.items[*start].handle(envelope, next)).await;
+                let next = Next::after_asking(&chain.run[start + 1..], Some(&**self));
+                let (result, frame) = framed(chain.run[*start].handle(envelope, next)).await;
                 (result.map_err(Box::new), frame)
             }
         };
@@ -452,7 +514,7 @@ impl BusInner {
     #[inline(never)]
     fn user_chain(&self, envelope: &Envelope) -> Option<(Arc<Chain>, usize)> {
         let chain = self.user.load_full();
-        let start = chain.items.iter().position(|m| m.takes_part(envelope))?;
+        let start = chain.run.iter().position(|m| m.takes_part(envelope))?;
         Some((chain, start))
     }
 
@@ -492,7 +554,7 @@ impl BusInner {
             return self.core(envelope).await;
         }
         let chain = self.user.load_full();
-        Next::new(&chain.items, Some(self))
+        Next::new(&chain.run, Some(self))
             .run(envelope)
             .await
             .map_err(Box::new)
