@@ -645,6 +645,7 @@ mod tests {
         MessageBus::new(
             Arc::from("bus"),
             Vec::new(),
+            StagePipeline::new(),
             None,
             Retry::new(None),
             HandleMessage::new(crate::pipeline::handler::Handlers::new()),
