@@ -17,12 +17,14 @@
 //! | `lease` | `5m` | how long a handed-out message may stay unsettled before it is given back; `0` or `off` disables the timer |
 //! | `consumer_idle` | `5s`, at most half the lease | the consumer is cancelled (and its prefetched messages given back) when `get` was not called for this long |
 //! | `reconnect_timeout` | `30s` | how long an operation keeps reconnecting before it fails |
-//! | `auto_setup` | `true` | declare the exchange, queues and binding on (re)connect |
+//! | `auto_setup` | `true` | declare the exchange, queues and binding on (re)connect (a boolean) |
 //! | `expires` | none | `x-expires` on the queues: they are deleted after being unused this long (temporary queues, tests) |
 //! | `connection_name` | `envoi-<transport>` | the connection name shown by the management tools |
 //! | `heartbeat`, `frame_max`, `channel_max`, `connection_timeout`, `auth_mechanism` | server's | passed to the AMQP client |
 //!
-//! An unknown option, or one given twice, is an error.
+//! Options are read as on every envoi transport ([`DsnQuery`]): values are
+//! percent-decoded, a boolean is `true`/`false`, `1`/`0`, `yes`/`no` or
+//! `on`/`off`, and an unknown option, or one given twice, is an error.
 //!
 //! Durations are read by [`envoi_core::transport::parse_duration`], as on
 //! every transport: numbers with a unit (`ms`, `s`, `m`, `h`, `d`), such as
@@ -32,7 +34,8 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use envoi_core::transport::mask_dsn;
+use envoi_core::transport::support::DsnQuery;
+use envoi_core::transport::{dsn_has_scheme, mask_dsn};
 use envoi_core::TransportError;
 use lapin::uri::AMQPUri;
 
@@ -121,48 +124,74 @@ impl fmt::Debug for AmqpConfig {
     }
 }
 
-/// Options the AMQP client itself reads from the query string.
-const CLIENT_OPTIONS: &[&str] = &[
-    "heartbeat",
-    "frame_max",
-    "channel_max",
-    "connection_timeout",
-    "auth_mechanism",
+/// Options the AMQP client itself reads from the query string, with the
+/// largest value each takes (`None`: not a number).
+const CLIENT_OPTIONS: &[(&str, Option<u64>)] = &[
+    ("heartbeat", Some(u16::MAX as u64)),
+    ("frame_max", Some(u32::MAX as u64)),
+    ("channel_max", Some(u16::MAX as u64)),
+    ("connection_timeout", Some(u64::MAX)),
+    ("auth_mechanism", None),
 ];
 
-/// Checks the numeric options the AMQP client reads, whose own errors
-/// (`invalid digit found in string`) do not name the option.
-fn check_client_options(dsn: &str) -> Result<(), String> {
-    for (key, value) in query_pairs(dsn) {
-        let fits = match key {
-            "heartbeat" | "channel_max" => value.parse::<u16>().is_ok(),
-            "frame_max" => value.parse::<u32>().is_ok(),
-            "connection_timeout" => value.parse::<u64>().is_ok(),
-            _ => continue,
+/// Takes the options the AMQP client reads itself (it parses them from the
+/// URI) and checks the numeric ones, whose own errors (`invalid digit found
+/// in string`) do not name the option.
+fn check_client_options(q: &mut DsnQuery) -> Result<(), TransportError> {
+    for &(key, max) in CLIENT_OPTIONS {
+        let (Some(value), Some(max)) = (q.string(key), max) else {
+            continue;
         };
-        if !fits {
-            let max = match key {
-                "frame_max" => u64::from(u32::MAX),
-                "connection_timeout" => u64::MAX,
-                _ => u64::from(u16::MAX),
-            };
-            return Err(format!(
+        if !value.parse::<u64>().is_ok_and(|n| n <= max) {
+            return Err(q.invalid(format!(
                 "option `{key}`: `{value}` is not a whole number from 0 to {max}"
-            ));
+            )));
         }
     }
     Ok(())
 }
 
-/// The `key=value` pairs of `dsn`'s query (a pair without `=` has an empty
-/// value), as written: not percent-decoded.
-fn query_pairs(dsn: &str) -> impl Iterator<Item = (&str, &str)> {
-    let query = dsn.split_once('?').map(|(_, q)| q).unwrap_or("");
-    let query = query.split('#').next().unwrap_or("");
-    query
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|pair| pair.split_once('=').unwrap_or((pair, "")))
+/// Takes option `key` as a number `T` that `fits`; `what` says what it must
+/// be when it is not one.
+fn ranged<T: FromStr>(
+    q: &mut DsnQuery,
+    key: &'static str,
+    what: &str,
+    fits: impl Fn(&T) -> bool,
+) -> Result<Option<T>, TransportError> {
+    let Some(value) = q.string(key) else {
+        return Ok(None);
+    };
+    match value.parse::<T>().ok().filter(|n| fits(n)) {
+        Some(n) => Ok(Some(n)),
+        None => Err(q.invalid(format!("option `{key}`: `{value}` is not {what}"))),
+    }
+}
+
+/// Takes option `key` as a duration (see
+/// [`envoi_core::transport::parse_duration`]) that `fits` and is under
+/// [`MAX_DURATION_SECS`]; `what` says what it must be when it is not one.
+fn duration(
+    q: &mut DsnQuery,
+    key: &'static str,
+    what: &str,
+    fits: impl Fn(&Duration) -> bool,
+) -> Result<Option<Duration>, TransportError> {
+    let Some(value) = q.string(key) else {
+        return Ok(None);
+    };
+    match parse_duration(&value).filter(|d| fits(d)) {
+        Some(d) => Ok(Some(d)),
+        None => Err(q.invalid(format!("option `{key}`: `{value}` is not {what}"))),
+    }
+}
+
+/// Takes option `key` as the name of an exchange or queue.
+fn name(q: &mut DsnQuery, key: &'static str) -> Result<Option<String>, TransportError> {
+    match q.string(key) {
+        Some(value) => check_name(key, &value).map(Some).map_err(|r| q.invalid(r)),
+        None => Ok(None),
+    }
 }
 
 impl AmqpConfig {
@@ -185,15 +214,15 @@ impl AmqpConfig {
     /// ```
     pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
         let masked = mask_dsn(dsn);
-        let invalid = |reason: String| TransportError::InvalidDsn {
-            dsn: masked.clone(),
-            reason,
-        };
-        if !(dsn.starts_with("amqp://") || dsn.starts_with("amqps://")) {
-            return Err(invalid("the scheme must be `amqp` or `amqps`".into()));
+        if !(dsn_has_scheme(dsn, "amqp://") || dsn_has_scheme(dsn, "amqps://")) {
+            return Err(TransportError::InvalidDsn {
+                dsn: masked,
+                reason: "the scheme must be `amqp` or `amqps`".into(),
+            });
         }
-        check_client_options(dsn).map_err(invalid)?;
-        let uri = AMQPUri::from_str(dsn).map_err(|e| invalid(mask_reason(&e, dsn)))?;
+        let mut q = DsnQuery::parse(dsn)?;
+        check_client_options(&mut q)?;
+        let uri = AMQPUri::from_str(dsn).map_err(|e| q.invalid(mask_reason(&e, dsn)))?;
         let mut config = AmqpConfig {
             exchange: None,
             queue: None,
@@ -207,94 +236,68 @@ impl AmqpConfig {
             expires: None,
             connection_name: None,
             uri,
-            masked: masked.clone(),
+            masked,
         };
-        let mut idle_given = false;
-        let mut seen: Vec<&str> = Vec::new();
-        for (key, raw) in query_pairs(dsn) {
-            if seen.contains(&key) {
-                return Err(invalid(format!("option `{key}` is given twice")));
-            }
-            seen.push(key);
-            let value = percent_decode(raw).ok_or_else(|| {
-                invalid(format!("option `{key}` is not valid percent-encoded UTF-8"))
-            })?;
-            let bad = |what: &str| invalid(format!("option `{key}`: `{value}` is not {what}"));
-            match key {
-                "exchange" => config.exchange = Some(check_name(key, &value).map_err(invalid)?),
-                "queue" => {
-                    if value.is_empty() {
-                        return Err(invalid("option `queue` must not be empty".into()));
-                    }
-                    config.queue = Some(check_name(key, &value).map_err(invalid)?);
-                }
-                "queue_type" => {
-                    config.queue_type = match value.as_str() {
-                        "quorum" => QueueType::Quorum,
-                        "classic" => QueueType::Classic,
-                        _ => return Err(bad("`quorum` or `classic`")),
-                    }
-                }
-                "prefetch" => {
-                    config.prefetch = value
-                        .parse::<u16>()
-                        .ok()
-                        .filter(|p| *p > 0)
-                        .ok_or_else(|| bad("a count from 1 to 65535"))?
-                }
-                "delivery_limit" => {
-                    config.delivery_limit = value
-                        .parse::<u32>()
-                        .ok()
-                        .filter(|p| *p > 0)
-                        .ok_or_else(|| bad("a positive count"))?
-                }
-                "lease" => {
-                    config.lease = if value == "off" {
-                        None
-                    } else {
-                        Some(parse_duration(&value).ok_or_else(|| bad("a duration"))?)
-                            .filter(|d| !d.is_zero())
-                    }
-                }
-                "consumer_idle" => {
-                    config.consumer_idle = parse_duration(&value)
-                        .filter(|d| !d.is_zero())
-                        .ok_or_else(|| bad("a positive duration"))?;
-                    idle_given = true;
-                }
-                "reconnect_timeout" => {
-                    config.reconnect_timeout =
-                        parse_duration(&value).ok_or_else(|| bad("a duration"))?
-                }
-                "auto_setup" => {
-                    config.auto_setup = match value.as_str() {
-                        "true" | "1" => true,
-                        "false" | "0" => false,
-                        _ => return Err(bad("`true` or `false`")),
-                    }
-                }
-                "expires" => {
-                    config.expires = Some(
-                        parse_duration(&value)
-                            .filter(|d| !d.is_zero() && d.as_millis() <= u128::from(u32::MAX))
-                            .ok_or_else(|| bad("a positive duration under 49 days"))?,
-                    )
-                }
-                "connection_name" => config.connection_name = Some(value),
-                k if CLIENT_OPTIONS.contains(&k) => {}
-                _ => return Err(invalid(format!("unknown option `{key}`"))),
-            }
-        }
-        if !idle_given {
-            if let Some(lease) = config.lease {
-                config.consumer_idle = config
-                    .consumer_idle
-                    .min(lease / 2)
-                    .max(Duration::from_millis(10));
-            }
-        }
+        config.read_options(&mut q)?;
+        q.finish()?;
         Ok(config)
+    }
+
+    /// Sets the fields the query options of `q` give.
+    fn read_options(&mut self, q: &mut DsnQuery) -> Result<(), TransportError> {
+        self.exchange = name(q, "exchange")?;
+        self.queue = name(q, "queue")?;
+        if self.queue.as_deref() == Some("") {
+            return Err(q.invalid("option `queue` must not be empty".into()));
+        }
+        if let Some(kind) = q.string("queue_type") {
+            self.queue_type = match kind.as_str() {
+                "quorum" => QueueType::Quorum,
+                "classic" => QueueType::Classic,
+                _ => {
+                    return Err(q.invalid(format!(
+                        "option `queue_type`: `{kind}` is not `quorum` or `classic`"
+                    )))
+                }
+            };
+        }
+        let positive = |n: &u32| *n > 0;
+        if let Some(n) = ranged(q, "prefetch", "a count from 1 to 65535", |n: &u16| *n > 0)? {
+            self.prefetch = n;
+        }
+        if let Some(n) = ranged(q, "delivery_limit", "a positive count", positive)? {
+            self.delivery_limit = n;
+        }
+        match q.string("lease") {
+            Some(off) if off == "off" => self.lease = None,
+            Some(value) => match parse_duration(&value) {
+                Some(d) => self.lease = Some(d).filter(|d| !d.is_zero()),
+                None => {
+                    return Err(q.invalid(format!("option `lease`: `{value}` is not a duration")))
+                }
+            },
+            None => {}
+        }
+        let idle = duration(q, "consumer_idle", "a positive duration", |d| !d.is_zero())?;
+        if let Some(d) = duration(q, "reconnect_timeout", "a duration", |_| true)? {
+            self.reconnect_timeout = d;
+        }
+        if let Some(auto_setup) = q.bool("auto_setup")? {
+            self.auto_setup = auto_setup;
+        }
+        self.expires = duration(q, "expires", "a positive duration under 49 days", |d| {
+            !d.is_zero() && d.as_millis() <= u128::from(u32::MAX)
+        })?;
+        self.connection_name = q.string("connection_name");
+        self.consumer_idle = match (idle, self.lease) {
+            (Some(idle), _) => idle,
+            (None, Some(lease)) => self
+                .consumer_idle
+                .min(lease / 2)
+                .max(Duration::from_millis(10)),
+            (None, None) => self.consumer_idle,
+        };
+        Ok(())
     }
 
     /// Checks what [`from_dsn`](Self::from_dsn) checks of the public fields,
@@ -380,30 +383,6 @@ pub(crate) fn parse_duration(s: &str) -> Option<Duration> {
 /// Durations are shorter than this many seconds (about 31 years): adding
 /// one to a clock cannot overflow.
 const MAX_DURATION_SECS: f64 = 1.0e9;
-
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' => {
-                let hex = s.get(i + 1..i + 3)?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
-                i += 3;
-            }
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).ok()
-}
 
 #[cfg(test)]
 mod tests {
@@ -496,6 +475,40 @@ mod tests {
             .contains("option `prefetch` is given twice"));
         assert!(reason("amqp://u:s3cret@h/%2f?heartbeat=5&heartbeat=60")
             .contains("option `heartbeat` is given twice"));
+    }
+
+    #[test]
+    fn booleans_take_the_one_rule_of_every_transport() {
+        for (value, expected) in [
+            ("true", true),
+            ("1", true),
+            ("yes", true),
+            ("ON", true),
+            ("false", false),
+            ("0", false),
+            ("no", false),
+            ("off", false),
+        ] {
+            let c = AmqpConfig::from_dsn(&format!("amqp://h/%2f?auto_setup={value}")).unwrap();
+            assert_eq!(c.auto_setup, expected, "auto_setup={value}");
+        }
+        assert!(reason("amqp://u:s3cret@h/%2f?auto_setup=maybe").contains("`auto_setup`"));
+    }
+
+    #[test]
+    fn the_scheme_is_read_in_any_case_as_the_factory_does() {
+        let c = AmqpConfig::from_dsn("AMQP://guest:guest@127.0.0.1:5672/%2f?prefetch=3").unwrap();
+        assert_eq!(c.prefetch, 3);
+        assert_eq!(c.uri().vhost, "/");
+    }
+
+    #[test]
+    fn an_unknown_option_is_named_with_the_known_ones() {
+        let why = reason("amqp://u:s3cret@h/%2f?prefech=5");
+        assert!(why.contains("unknown option `prefech`"), "{why}");
+        for known in ["prefetch", "queue_type", "lease", "heartbeat"] {
+            assert!(why.contains(known), "{known} missing from: {why}");
+        }
     }
 
     #[test]

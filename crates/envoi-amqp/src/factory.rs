@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{dsn_has_scheme, Transport, TransportFactory};
+use envoi_core::BoxFuture;
 use envoi_core::TransportError;
 
 use crate::AmqpTransport;

@@ -3,12 +3,10 @@
 //! Each header becomes one entry of the message's `headers` table, a long
 //! string holding the UTF-8 value. Headers the broker adds on its own
 //! (dead-lettering and quorum queue bookkeeping) are dropped on the way in,
-//! so a message comes back with exactly the headers it was sent with; so is
-//! [`REDELIVERED_HEADER`], which only the broker's `redelivered` flag sets.
+//! so a message comes back with exactly the headers it was sent with.
 
 use envoi_core::headers::header_text;
 use envoi_core::serializer::INVALID_HEADERS_HEADER;
-use envoi_core::transport::REDELIVERED_HEADER;
 use envoi_core::Headers;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
@@ -48,8 +46,7 @@ pub(crate) fn encode(headers: &Headers) -> Result<(FieldTable, usize), AmqpError
 
 /// Decodes a received header table. String values (long or short) are kept;
 /// numbers, booleans, timestamps and UTF-8 byte arrays (set by other
-/// producers) are rendered as text; broker bookkeeping headers and
-/// [`REDELIVERED_HEADER`] are dropped.
+/// producers) are rendered as text; broker bookkeeping headers are dropped.
 ///
 /// A value that has no faithful text — bytes that are not UTF-8, a nested
 /// table or array, a decimal — is kept as well as it can be rendered, and
@@ -63,8 +60,7 @@ pub(crate) fn decode(table: Option<&FieldTable>) -> Headers {
     let mut headers = Headers::with_capacity(table.inner().len());
     let mut unreadable = Vec::new();
     for (k, v) in table {
-        // The mark of a redelivery is the broker's to give, not a producer's.
-        if is_broker_header(k.as_str()) || k.as_str() == REDELIVERED_HEADER {
+        if is_broker_header(k.as_str()) {
             continue;
         }
         // String values as they are; anything else rendered as text.

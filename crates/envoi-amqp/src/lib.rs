@@ -5,7 +5,7 @@
 //!
 //! ```no_run
 //! use envoi_amqp::AmqpTransport;
-//! use envoi_core::transport::{RawMessage, Transport};
+//! use envoi_core::transport::{RawMessage, Receiver, Setup, Transport};
 //!
 //! # async fn run() -> Result<(), envoi_core::TransportError> {
 //! let orders = AmqpTransport::connect(
@@ -18,9 +18,16 @@
 //! for delivery in orders.get(10).await? {
 //!     orders.ack(&delivery.id).await?;
 //! }
+//! orders.close().await?;
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! [`AmqpTransport`] is a [`Transport`] with the abilities RabbitMQ has:
+//! [`Receiver`], [`Setup`], [`MessageCount`], [`Teardown`], [`WakeUp`], and
+//! [`Keepalive`] when it leases what it hands out (`lease` is not `off`).
+//! It has no [`Browse`]: AMQP cannot read a queue without taking messages
+//! out of it, so `as_browse` is `None`.
 //!
 //! ## Topology
 //!
@@ -52,6 +59,9 @@
 //!   not been called for `consumer_idle`, the consumer is cancelled and its
 //!   buffered messages are given back, so an idle handle does not hold
 //!   messages other consumers could take.
+//! * **Redeliveries**: a delivery RabbitMQ flags `redelivered` (handed out
+//!   before and not acknowledged) is handed out with
+//!   [`Delivery::redelivered`] set.
 //! * **Settling**: `ack` → `basic.ack`, `reject` → `basic.reject(requeue=false)`
 //!   (dead-lettered to `<queue>.dead` on quorum queues, discarded on classic
 //!   ones), `release` → `basic.nack(requeue=true)`, by delivery tag.
@@ -61,9 +71,10 @@
 //! * `message_count` is the queue's ready messages (passive declare) plus
 //!   what this handle holds unsettled plus what waits in the delay queues
 //!   this handle used. Messages other handles hold unsettled are not counted.
-//! * `list` and `find` are not supported (AMQP cannot read a queue without
-//!   taking messages out of it); [`Capabilities::listable`] is `false`.
-//!
+//! * **Teardown**: `purge` deletes what `message_count` counts and returns
+//!   how many; `delete` deletes the queue, its dead-letter queue, the delay
+//!   queues this handle used and the exchange. [`AmqpTransport::close`]
+//!   closes the connection, giving back what the handle held.
 //!
 //! ## Performance notes
 //!
@@ -83,14 +94,22 @@
 //! ## Reconnection
 //!
 //! When the connection or one of its channels breaks, the next operation
-//! reconnects (with backoff, for up to `reconnect_timeout`), declares the
+//! reconnects (with back-off, for up to `reconnect_timeout`), declares the
 //! topology again and, on the next `get`, consumes again. Unconfirmed
 //! publishes are published again. Deliveries handed out before the break are
 //! void: the broker requeued them, and settling them fails with
 //! [`AmqpError::StaleDelivery`].
 //!
-//! [`Capabilities::listable`]: envoi_core::transport::Capabilities::listable
-//! [`wait_for_messages`]: envoi_core::transport::Transport::wait_for_messages
+//! [`Transport`]: envoi_core::transport::Transport
+//! [`Receiver`]: envoi_core::transport::Receiver
+//! [`Setup`]: envoi_core::transport::Setup
+//! [`MessageCount`]: envoi_core::transport::MessageCount
+//! [`Teardown`]: envoi_core::transport::Teardown
+//! [`WakeUp`]: envoi_core::transport::WakeUp
+//! [`Keepalive`]: envoi_core::transport::Keepalive
+//! [`Browse`]: envoi_core::transport::Browse
+//! [`Delivery::redelivered`]: envoi_core::transport::Delivery::redelivered
+//! [`wait_for_messages`]: envoi_core::transport::WakeUp::wait_for_messages
 
 #![forbid(unsafe_code)]
 
@@ -98,6 +117,15 @@ pub mod config;
 pub mod error;
 mod factory;
 mod headers;
+
+mod consume;
+mod housekeeping;
+mod inventory;
+mod link;
+mod publish;
+mod settle;
+mod shared;
+mod topology;
 mod transport;
 
 pub use config::{AmqpConfig, QueueType};

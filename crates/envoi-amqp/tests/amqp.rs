@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_amqp::{AmqpError, AmqpTransport, AmqpTransportFactory};
-use envoi_core::transport::{RawMessage, Transport, TransportFactory, REDELIVERED_HEADER};
+use envoi_core::transport::{
+    DeliveryId, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport, TransportFactory,
+};
 use envoi_core::{Headers, TransportError};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
@@ -225,7 +227,7 @@ async fn idle_consumer_gives_its_prefetched_messages_to_other_handles() {
     bodies.sort();
     let expected: Vec<String> = (0..10).map(|i| format!("m{i}")).collect();
     assert_eq!(bodies, expected);
-    let ids: Vec<String> = others.iter().map(|d| d.id.clone()).collect();
+    let ids: Vec<DeliveryId> = others.iter().map(|d| d.id.clone()).collect();
     b.ack_batch(&ids).await.expect("ack_batch");
     // What `a` handed out is still its own to settle.
     a.ack(&held[0].id).await.expect("ack of the held message");
@@ -336,7 +338,8 @@ async fn close_gives_back_unsettled_messages_and_later_calls_fail_closed() {
             .await
             .expect("connect b"),
     );
-    let again = receive(&*b, 1, Duration::from_secs(10)).await;
+    let b = b.as_receiver().expect("a RabbitMQ queue can be consumed");
+    let again = receive(b, 1, Duration::from_secs(10)).await;
     assert_eq!(again[0].raw.body, b"held");
     b.ack(&again[0].id).await.expect("ack");
     AmqpTransport::connect(&name, &dsn)
@@ -358,13 +361,12 @@ async fn a_message_a_consumer_did_not_acknowledge_before_its_connection_closed_c
     let a = AmqpTransport::connect(&name, &dsn)
         .await
         .expect("connect a");
-    // A producer cannot mark a message itself.
-    a.send(message("held", &[(REDELIVERED_HEADER, "true")]), None)
+    a.send(message("held", &[("type", "Held")]), None)
         .await
         .expect("send");
     let held = receive(&a, 1, Duration::from_secs(10)).await;
-    assert!(!held[0].is_redelivered(), "handed out the first time");
-    assert_eq!(held[0].raw, message("held", &[]));
+    assert!(!held[0].redelivered, "handed out the first time");
+    assert_eq!(held[0].raw, message("held", &[("type", "Held")]));
     // The consumer dies: its connection closes with the message unsettled.
     a.close().await.expect("close");
 
@@ -373,7 +375,8 @@ async fn a_message_a_consumer_did_not_acknowledge_before_its_connection_closed_c
         .expect("connect b");
     let again = receive(&b, 1, Duration::from_secs(10)).await;
     assert_eq!(again[0].raw.body, b"held");
-    assert!(again[0].is_redelivered(), "handed out again, marked");
+    assert!(again[0].redelivered, "handed out again, marked");
+    assert_eq!(again[0].raw, message("held", &[("type", "Held")]));
     b.ack(&again[0].id).await.expect("ack");
     b.delete().await.expect("delete");
 }
@@ -396,7 +399,7 @@ async fn acking_a_batch_leaves_an_unacknowledged_earlier_delivery_alone() {
     assert_eq!(bodies, [b"m0", b"m1", b"m2", b"m3", b"m4", b"m5"]);
     // The third stays unsettled while the ones around it are acknowledged,
     // the later ones first.
-    let ids: Vec<String> = [5, 4, 0, 1, 3].iter().map(|&i| got[i].id.clone()).collect();
+    let ids: Vec<DeliveryId> = [5, 4, 0, 1, 3].iter().map(|&i| got[i].id.clone()).collect();
     t.ack_batch(&ids).await.expect("ack_batch");
     t.release(&got[2].id)
         .await
@@ -451,4 +454,71 @@ async fn message_count_includes_what_the_consumer_received_but_no_fetch_took() {
         .expect("ack_batch");
     assert_eq!(t.message_count().await.expect("count"), 0);
     t.delete().await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_abilities_are_those_rabbitmq_has() {
+    let Some(url) = url("the_abilities_are_those_rabbitmq_has") else {
+        return;
+    };
+    let name = unique("amqp_abilities");
+    let leased = AmqpTransport::connect(&name, &dsn(&url, "lease=30s"))
+        .await
+        .expect("connect");
+    assert!(leased.as_receiver().is_some());
+    assert!(leased.as_setup().is_some());
+    assert!(leased.as_message_count().is_some());
+    assert!(leased.as_teardown().is_some());
+    assert!(leased.as_wake_up().is_some());
+    assert!(leased.as_keepalive().is_some(), "a lease to extend");
+    assert!(
+        leased.as_browse().is_none(),
+        "AMQP cannot read a queue without taking messages out of it"
+    );
+    assert!(leased.as_local_sender().is_none() && leased.as_local_receiver().is_none());
+    let unleased = AmqpTransport::connect(&name, &dsn(&url, "lease=off"))
+        .await
+        .expect("connect");
+    assert!(unleased.as_keepalive().is_none(), "no lease to extend");
+    leased.delete().await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_deletes_what_message_count_counts_and_says_how_many() {
+    let Some(url) = url("purge_deletes_what_message_count_counts_and_says_how_many") else {
+        return;
+    };
+    let name = unique("amqp_purge");
+    let t = AmqpTransport::connect(&name, &dsn(&url, "lease=off&prefetch=50"))
+        .await
+        .expect("connect");
+    for i in 0..4 {
+        t.send(message(&format!("m{i}"), &[]), None)
+            .await
+            .expect("send");
+    }
+    t.send(message("later", &[]), Some(Duration::from_secs(60)))
+        .await
+        .expect("delayed send");
+    // One handed out and held; the consumer prefetches the others.
+    let held = receive(&t, 1, Duration::from_secs(10)).await;
+    assert_eq!(t.message_count().await.expect("count"), 5);
+
+    assert_eq!(t.purge().await.expect("purge"), 5);
+    assert_eq!(t.message_count().await.expect("count"), 0);
+    assert!(t.get(10).await.expect("get").is_empty());
+    assert!(matches!(
+        t.ack(&held[0].id).await,
+        Err(TransportError::NotFound(_))
+    ));
+    // Nothing comes back once the handle is gone either.
+    t.close().await.expect("close");
+    let other = AmqpTransport::connect(&name, &dsn(&url, "lease=off"))
+        .await
+        .expect("connect again");
+    assert!(other.get(10).await.expect("get").is_empty());
+    assert_eq!(other.message_count().await.expect("count"), 0);
+
+    other.delete().await.expect("delete");
+    other.delete().await.expect("deleting again is no error");
 }

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_amqp::AmqpTransport;
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{
+    DeliveryId, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
+};
 
 use common::{dsn, receive, unique, url};
 
@@ -63,7 +65,7 @@ async fn a_get_dropped_while_the_consumer_starts_leaves_no_consumer_behind() {
         // Every message reaches a later `get`, through the one consumer.
         let got = receive(&t, 3, Duration::from_secs(5)).await;
         assert_eq!(consumers(&url, &name).await, 1, "a consumer nobody polls");
-        let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+        let ids: Vec<DeliveryId> = got.iter().map(|d| d.id.clone()).collect();
         t.ack_batch(&ids).await.expect("ack_batch");
         t.delete().await.expect("delete");
     }

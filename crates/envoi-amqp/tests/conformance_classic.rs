@@ -26,8 +26,16 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
 
 envoi_transport_tests::conformance!(
     make,
+    // Durable queues, one consumer served in order, delays through TTL
+    // queues, leases kept by the transport, redeliveries flagged by the
+    // broker; RabbitMQ cannot list a queue, so the browsing case is skipped.
     envoi_transport_tests::Options {
         lease: LEASE,
+        persistent: true,
+        ordered: true,
+        delay: true,
+        lease_expiry: true,
+        marks_redeliveries: true,
         ..envoi_transport_tests::Options::default()
     }
 );

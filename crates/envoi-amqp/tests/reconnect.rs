@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use envoi_amqp::AmqpTransport;
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{MessageCount, RawMessage, Receiver, Teardown, Transport};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 

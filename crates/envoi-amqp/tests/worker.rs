@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use envoi_amqp::{AmqpTransport, AmqpTransportFactory};
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{RawMessage, Receiver, Teardown, Transport, WakeUp};
 use envoi_core::worker::{StopReason, Worker};
 use envoi_core::{Command, Message, Messenger};
 use serde::{Deserialize, Serialize};
@@ -54,7 +54,15 @@ async fn the_worker_handles_every_message_sent_through_an_amqp_dsn() {
         .await
         .expect("the messenger builds from an amqp DSN");
     let transport = Arc::clone(messenger.transport("orders").expect("registered"));
-    transport.setup().await.expect("setup");
+    transport
+        .as_setup()
+        .expect("a RabbitMQ transport declares its queues")
+        .setup()
+        .await
+        .expect("setup");
+    let count = transport
+        .as_message_count()
+        .expect("a RabbitMQ transport counts its messages");
 
     for id in 0..N {
         messenger
@@ -63,7 +71,7 @@ async fn the_worker_handles_every_message_sent_through_an_amqp_dsn() {
             .await
             .expect("dispatch sends to RabbitMQ");
     }
-    assert_eq!(transport.message_count().await.unwrap(), u64::from(N));
+    assert_eq!(count.message_count().await.unwrap(), u64::from(N));
 
     let report = Worker::builder(&messenger)
         .receiver("orders")
@@ -78,7 +86,7 @@ async fn the_worker_handles_every_message_sent_through_an_amqp_dsn() {
     let distinct: BTreeSet<u32> = seen.iter().copied().collect();
     assert_eq!(seen.len(), N as usize, "some orders were handled twice");
     assert_eq!(distinct, (0..N).collect(), "some orders were never handled");
-    assert_eq!(transport.message_count().await.unwrap(), 0);
+    assert_eq!(count.message_count().await.unwrap(), 0);
     drop(messenger);
     AmqpTransport::connect(&queue, &dsn(&url, ""))
         .await

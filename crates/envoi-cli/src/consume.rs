@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use envoi_core::transport::Transport;
-use envoi_core::worker::{Worker, WorkerEvent, WorkerListener, WorkerReport, WorkerStats};
+use envoi_core::worker::{
+    StopHandle, Worker, WorkerEvent, WorkerListener, WorkerReport, WorkerStats,
+};
 use envoi_core::Messenger;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -222,10 +224,12 @@ fn processed(s: &WorkerStats) -> u64 {
     s.handled + s.retried + s.failed
 }
 
+/// The messages waiting in the transports that can count them (the others
+/// add nothing: the bar then only grows as messages are handled).
 async fn waiting(transports: &[Arc<dyn Transport>]) -> u64 {
     let mut total = 0;
-    for t in transports {
-        total += t.message_count().await.unwrap_or(0);
+    for counter in transports.iter().filter_map(|t| t.as_message_count()) {
+        total += counter.message_count().await.unwrap_or(0);
     }
     total
 }
@@ -281,25 +285,19 @@ fn flush(console: &mut Console<'_>, bar: Option<&ProgressBar>, log: &FailureLog)
     }
 }
 
-pub(crate) async fn run(
+/// The worker `args` describe, reporting failed fetches to
+/// `fetch_failures` and, unless quiet, failures to `log`.
+fn build_worker(
     messenger: &Messenger,
-    args: ConsumeArgs,
-    console: &mut Console<'_>,
-) -> Result<(), CliError> {
-    let mut transports = Vec::with_capacity(args.transports.len());
-    for name in &args.transports {
-        let t = messenger
-            .transport(name)
-            .ok_or_else(|| unknown_transport(messenger, name))?;
-        transports.push(t.clone());
-    }
-    let log = Arc::new(FailureLog::default());
-    let fetch_failures = Arc::new(FetchFailures::default());
-    let stop = console.stop.clone().unwrap_or_default();
+    args: &ConsumeArgs,
+    stop: StopHandle,
+    log: &Arc<FailureLog>,
+    fetch_failures: &Arc<FetchFailures>,
+) -> Result<Worker, CliError> {
     let mut builder = Worker::builder(messenger)
         .receivers(args.transports.iter().cloned())
         .concurrency(args.concurrency)
-        .stop_handle(stop.clone())
+        .stop_handle(stop)
         .listener(FetchListener(fetch_failures.clone()));
     if let Some(n) = args.limit {
         builder = builder.message_limit(n);
@@ -325,11 +323,16 @@ pub(crate) async fn run(
     if !args.quiet {
         builder = builder.listener(LogListener(log.clone()));
     }
-    let worker = builder.build()?;
-    // Listening from here on: a Ctrl-C while the banner is written or the
-    // waiting messages are counted stops the worker before it starts.
-    let signals = stop.stop_on_signals().ok();
-    let progress = worker.progress();
+    Ok(builder.build()?)
+}
+
+/// Writes the warning about consuming a failure transport, if there is
+/// one, and the banner.
+fn announce(
+    messenger: &Messenger,
+    args: &ConsumeArgs,
+    console: &mut Console<'_>,
+) -> Result<(), CliError> {
     if let Some(warning) = failure_transport_warning(
         &args.transports,
         &messenger.failure_transports(),
@@ -345,11 +348,30 @@ pub(crate) async fn run(
         args.concurrency
     )?;
     console.out.flush()?;
+    Ok(())
+}
 
-    let (bar, initial) = if console.progress {
+/// The progress bar and what keeps its length up to date.
+struct Bar {
+    bar: ProgressBar,
+    /// The messages waiting, refreshed in the background (counting must
+    /// not hold up the worker); until the first count, the one made for
+    /// the bar.
+    waiting: Arc<AtomicU64>,
+    /// The task refreshing `waiting`, when the bar's length follows it
+    /// (without `--limit`).
+    counter: Option<tokio::task::JoinHandle<()>>,
+    /// Whether the length is `--limit` rather than what is waiting.
+    fixed_length: bool,
+}
+
+impl Bar {
+    /// A bar on standard error, sized by `--limit` or by the messages
+    /// waiting in the transports that can count them.
+    async fn start(limit: Option<u64>, transports: Vec<Arc<dyn Transport>>) -> Bar {
         let initial = waiting(&transports).await;
         let bar = ProgressBar::with_draw_target(
-            Some(args.limit.unwrap_or(initial)),
+            Some(limit.unwrap_or(initial)),
             ProgressDrawTarget::stderr(),
         );
         if let Ok(style) = ProgressStyle::with_template(
@@ -357,65 +379,80 @@ pub(crate) async fn run(
         ) {
             bar.set_style(style.progress_chars("=> "));
         }
-        (Some(bar), initial)
-    } else {
-        (None, 0)
-    };
-    // The number of messages waiting, refreshed in the background for the
-    // bar's length (counting must not hold up the worker); until the first
-    // count, the one made for the bar.
-    let waiting_now = Arc::new(AtomicU64::new(initial));
-    let counter = (bar.is_some() && args.limit.is_none()).then(|| {
-        let waiting_now = waiting_now.clone();
-        let transports = transports.clone();
-        tokio::spawn(async move {
-            loop {
-                waiting_now.store(waiting(&transports).await, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        })
-    });
+        let waiting_now = Arc::new(AtomicU64::new(initial));
+        let counter = limit.is_none().then(|| {
+            let waiting_now = waiting_now.clone();
+            tokio::spawn(async move {
+                loop {
+                    waiting_now.store(waiting(&transports).await, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            })
+        });
+        Bar {
+            bar,
+            waiting: waiting_now,
+            counter,
+            fixed_length: limit.is_some(),
+        }
+    }
 
+    fn update(&self, stats: &WorkerStats, per_sec: f64) {
+        let done = processed(stats);
+        if !self.fixed_length {
+            self.bar
+                .set_length(done + self.waiting.load(Ordering::Relaxed));
+        }
+        self.bar.set_position(done);
+        self.bar.set_message(format!(
+            "{per_sec:.0} msg/s | handled {} | retried {} | failed {}",
+            stats.handled, stats.retried, stats.failed
+        ));
+    }
+
+    fn finish(self) {
+        if let Some(task) = self.counter {
+            task.abort();
+        }
+        self.bar.finish_and_clear();
+    }
+}
+
+/// Runs `worker` to its end, updating `bar` and writing out the failure
+/// lines every tenth of a second.
+async fn drive(
+    worker: Worker,
+    bar: Option<&Bar>,
+    log: &FailureLog,
+    console: &mut Console<'_>,
+) -> WorkerReport {
+    let progress = worker.progress();
     let mut rate = Rate::new();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let run = worker.run();
     tokio::pin!(run);
-    let report: WorkerReport = loop {
+    loop {
         tokio::select! {
-            report = &mut run => break report,
+            report = &mut run => return report,
             _ = tick.tick() => {
                 let stats = progress.snapshot();
-                let done = processed(&stats);
-                let per_sec = rate.record(Instant::now(), done);
-                if let Some(bar) = &bar {
-                    if args.limit.is_none() {
-                        bar.set_length(done + waiting_now.load(Ordering::Relaxed));
-                    }
-                    bar.set_position(done);
-                    bar.set_message(format!(
-                        "{per_sec:.0} msg/s | handled {} | retried {} | failed {}",
-                        stats.handled, stats.retried, stats.failed
-                    ));
+                let per_sec = rate.record(Instant::now(), processed(&stats));
+                if let Some(bar) = bar {
+                    bar.update(&stats, per_sec);
                 }
-                flush(console, bar.as_ref(), &log);
+                flush(console, bar.map(|b| &b.bar), log);
             }
         }
-    };
-    if let Some(task) = counter {
-        task.abort();
     }
-    if let Some(task) = signals {
-        task.abort();
-    }
-    if let Some(bar) = &bar {
-        bar.finish_and_clear();
-    }
-    flush(console, None, &log);
-    let s = report.stats;
+}
+
+/// Writes the summary line of a finished run.
+fn summarize(console: &mut Console<'_>, report: &WorkerReport) -> Result<(), CliError> {
+    let s = &report.stats;
     let secs = report.elapsed.as_secs_f64();
     let avg = if secs > 0.0 {
-        processed(&s) as f64 / secs
+        processed(s) as f64 / secs
     } else {
         0.0
     };
@@ -424,7 +461,44 @@ pub(crate) async fn run(
         "Stopped ({}) after {secs:.1}s: handled {}, retried {}, failed {}, released {} ({avg:.0} msg/s).",
         report.reason, s.handled, s.retried, s.failed, s.released
     )?;
-    match fetch_failures.nothing_read(&s) {
+    Ok(())
+}
+
+pub(crate) async fn run(
+    messenger: &Messenger,
+    args: ConsumeArgs,
+    console: &mut Console<'_>,
+) -> Result<(), CliError> {
+    let mut transports = Vec::with_capacity(args.transports.len());
+    for name in &args.transports {
+        let t = messenger
+            .transport(name)
+            .ok_or_else(|| unknown_transport(messenger, name))?;
+        transports.push(t.clone());
+    }
+    let log = Arc::new(FailureLog::default());
+    let fetch_failures = Arc::new(FetchFailures::default());
+    let stop = console.stop.clone().unwrap_or_default();
+    let worker = build_worker(messenger, &args, stop.clone(), &log, &fetch_failures)?;
+    // Listening from here on: a Ctrl-C while the banner is written or the
+    // waiting messages are counted stops the worker before it starts.
+    let signals = stop.stop_on_signals().ok();
+    announce(messenger, &args, console)?;
+    let bar = if console.progress {
+        Some(Bar::start(args.limit, transports).await)
+    } else {
+        None
+    };
+    let report = drive(worker, bar.as_ref(), &log, console).await;
+    if let Some(task) = signals {
+        task.abort();
+    }
+    if let Some(bar) = bar {
+        bar.finish();
+    }
+    flush(console, None, &log);
+    summarize(console, &report)?;
+    match fetch_failures.nothing_read(&report.stats) {
         Some(error) => Err(error),
         None => Ok(()),
     }

@@ -1,11 +1,10 @@
 //! `failed show`, `failed retry` and `failed remove`.
 
 use std::io::Write;
-use std::sync::Arc;
 
 use clap::{ArgGroup, Args, Subcommand};
 use envoi_core::stamp::{SentStamp, TransportMessageIdStamp, UnsentStamp};
-use envoi_core::transport::{Delivery, Transport};
+use envoi_core::transport::{Browse, Delivery, DeliveryId, MessageCount, Receiver};
 use envoi_core::worker::{handle_one, Outcome as WorkerOutcome, Settlement, WorkerEvent};
 use envoi_core::Messenger;
 
@@ -97,83 +96,121 @@ pub(crate) async fn run(
     }
 }
 
-/// The failure transport to work on: `--transport`, or the only one
-/// configured.
-///
-/// When failure transports are configured, `--transport` must name one of
-/// them: the commands delete and re-dispatch messages, which must not
-/// happen to the waiting work of an ordinary transport. A messenger without
-/// failure transports cannot tell, and accepts any transport.
-fn failure_transport<'m>(
-    messenger: &'m Messenger,
-    chosen: Option<&str>,
-) -> Result<crate::Named<'m>, CliError> {
-    let failure = messenger.failure_transports();
-    let name = match chosen {
-        Some(name) => name,
-        None => match failure.as_slice() {
-            [] => return Err(CliError::NoFailureTransport),
-            [one] => *one,
-            many => return Err(CliError::AmbiguousFailureTransport(many.join(", "))),
-        },
-    };
-    let found = messenger
-        .transports()
-        .find(|(n, _)| *n == name)
-        .ok_or_else(|| unknown_transport(messenger, name))?;
-    if !failure.is_empty() && !failure.contains(&name) {
-        return Err(CliError::NotAFailureTransport {
-            name: name.to_string(),
-            failure: failure.join(", "),
-        });
-    }
-    Ok(found)
+/// The failure transport a `failed` command works on, with the abilities
+/// it is read and changed through.
+struct Failures<'m> {
+    name: &'m str,
+    /// Listing and finding its messages, which every `failed` command does.
+    browse: &'m dyn Browse,
+    /// Counting them, if it can.
+    count: Option<&'m dyn MessageCount>,
+    /// Removing them, if it can (`failed retry` and `failed remove` need it).
+    receiver: Option<&'m dyn Receiver>,
 }
 
-async fn find(name: &str, transport: &Arc<dyn Transport>, id: &str) -> Result<Delivery, CliError> {
-    transport
-        .find(id)
-        .await
-        .map_err(CliError::transport(name))?
-        .ok_or_else(|| CliError::MessageNotFound {
-            transport: name.to_string(),
-            id: id.to_string(),
-        })
-}
-
-/// The messages `ids` name (all found, or an error before anything is
-/// done), or every message with `all`.
-///
-/// Each message is selected once, however many of `ids` name it: repeats
-/// are recognised by the id of the message found, as the transport may read
-/// different texts as the same id (SQLite reads `6`, `06` and `+6` as 6).
-async fn select(
-    name: &str,
-    transport: &Arc<dyn Transport>,
-    ids: &[String],
-    all: bool,
-) -> Result<Vec<Delivery>, CliError> {
-    if all {
-        let limit = match transport.message_count().await {
-            Ok(n) => usize::try_from(n).unwrap_or(usize::MAX),
-            Err(_) => ALL_WITHOUT_COUNT,
+impl<'m> Failures<'m> {
+    /// The failure transport to work on: `--transport`, or the only one
+    /// configured. `command` (such as `failed show`) names the command in
+    /// the error for a transport that cannot list and find its messages.
+    ///
+    /// When failure transports are configured, `--transport` must name one
+    /// of them: the commands delete and re-dispatch messages, which must not
+    /// happen to the waiting work of an ordinary transport. A messenger
+    /// without failure transports cannot tell, and accepts any transport.
+    fn choose(
+        messenger: &'m Messenger,
+        chosen: Option<&str>,
+        command: &'static str,
+    ) -> Result<Failures<'m>, CliError> {
+        let failure = messenger.failure_transports();
+        let name = match chosen {
+            Some(name) => name,
+            None => match failure.as_slice() {
+                [] => return Err(CliError::NoFailureTransport),
+                [one] => *one,
+                many => return Err(CliError::AmbiguousFailureTransport(many.join(", "))),
+            },
         };
-        if limit == 0 {
-            return Ok(Vec::new());
+        let (name, transport) = messenger
+            .transports()
+            .find(|(n, _)| *n == name)
+            .ok_or_else(|| unknown_transport(messenger, name))?;
+        if !failure.is_empty() && !failure.contains(&name) {
+            return Err(CliError::NotAFailureTransport {
+                name: name.to_string(),
+                failure: failure.join(", "),
+            });
         }
-        return transport
-            .list(limit)
+        let browse = transport.as_browse().ok_or_else(|| CliError::Unable {
+            command,
+            transport: name.to_string(),
+            ability: "list and find its messages",
+        })?;
+        Ok(Failures {
+            name,
+            browse,
+            count: transport.as_message_count(),
+            receiver: transport.as_receiver(),
+        })
+    }
+
+    /// The receiving side `command` removes messages through, or an error
+    /// naming the command when the transport has none.
+    fn receiver(&self, command: &'static str) -> Result<&'m dyn Receiver, CliError> {
+        self.receiver.ok_or_else(|| CliError::Unable {
+            command,
+            transport: self.name.to_string(),
+            ability: "remove messages",
+        })
+    }
+
+    /// How many messages it holds, when it can count them.
+    async fn total(&self) -> Option<u64> {
+        self.count?.message_count().await.ok()
+    }
+
+    async fn find(&self, id: &str) -> Result<Delivery, CliError> {
+        self.browse
+            .find(&DeliveryId::from(id))
             .await
-            .map_err(CliError::transport(name));
+            .map_err(CliError::transport(self.name))?
+            .ok_or_else(|| CliError::MessageNotFound {
+                transport: self.name.to_string(),
+                id: id.to_string(),
+            })
     }
-    let mut found = Vec::with_capacity(ids.len());
-    for id in ids {
-        let delivery = find(name, transport, id).await?;
-        if !found.iter().any(|d: &Delivery| d.id == delivery.id) {
-            found.push(delivery);
+
+    /// The messages `ids` name (all found, or an error before anything is
+    /// done), or every message with `all`.
+    ///
+    /// Each message is selected once, however many of `ids` name it: repeats
+    /// are recognised by the id of the message found, as the transport may
+    /// read different texts as the same id (SQLite reads `6`, `06` and `+6`
+    /// as 6).
+    async fn select(&self, ids: &[String], all: bool) -> Result<Vec<Delivery>, CliError> {
+        if all {
+            let limit = match self.total().await {
+                Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+                None => ALL_WITHOUT_COUNT,
+            };
+            if limit == 0 {
+                return Ok(Vec::new());
+            }
+            return self
+                .browse
+                .list(limit)
+                .await
+                .map_err(CliError::transport(self.name));
         }
+        let mut found = Vec::with_capacity(ids.len());
+        for id in ids {
+            let delivery = self.find(id).await?;
+            if !found.iter().any(|d: &Delivery| d.id == delivery.id) {
+                found.push(delivery);
+            }
+        }
+        Ok(found)
     }
-    Ok(found)
 }
 
 async fn show(
@@ -181,10 +218,11 @@ async fn show(
     args: ShowArgs,
     console: &mut Console<'_>,
 ) -> Result<(), CliError> {
-    let (name, transport) = failure_transport(messenger, args.transport.as_deref())?;
+    let failures = Failures::choose(messenger, args.transport.as_deref(), "failed show")?;
+    let name = failures.name;
     let out = &mut console.out;
     if let Some(id) = &args.id {
-        let info = inspect(&find(name, transport, id).await?);
+        let info = inspect(&failures.find(id).await?);
         match args.format.or_json(args.json) {
             Format::Json => {
                 serde_json::to_writer_pretty(&mut *out, &info.detail_json(name))
@@ -195,8 +233,9 @@ async fn show(
         }
         return Ok(());
     }
-    let total = transport.message_count().await.ok();
-    let listed: Vec<Inspected> = transport
+    let total = failures.total().await;
+    let listed: Vec<Inspected> = failures
+        .browse
         .list(args.max)
         .await
         .map_err(CliError::transport(name))?
@@ -389,112 +428,160 @@ async fn retry_one(
 /// cut there and written in full below it.
 const OUTCOME_WIDTH: usize = 100;
 
+/// What `failed retry` did, message by message.
+struct Retried<'f> {
+    /// The failure transport's name.
+    name: &'f str,
+    table: Table,
+    /// Outcomes too long for the table, written in full after it.
+    long: Vec<(String, String)>,
+    handled: usize,
+    /// Parked because they could not be sent: sent on, not handled.
+    sent: usize,
+    rescheduled: usize,
+    failed_again: usize,
+    kept: usize,
+    /// Retried, but their old copy could not be removed: still there too.
+    not_removed: usize,
+    /// The transports messages were sent back to for another try.
+    destinations: Vec<String>,
+}
+
+impl<'f> Retried<'f> {
+    fn new(name: &'f str) -> Self {
+        Retried {
+            name,
+            table: Table::new(&["ID", "MESSAGE", "OUTCOME"]),
+            long: Vec::new(),
+            handled: 0,
+            sent: 0,
+            rescheduled: 0,
+            failed_again: 0,
+            kept: 0,
+            not_removed: 0,
+            destinations: Vec::new(),
+        }
+    }
+
+    /// Counts `outcome` and says what it was.
+    fn count(&mut self, outcome: Outcome) -> String {
+        match outcome {
+            Outcome::Handled => {
+                self.handled += 1;
+                "handled".to_string()
+            }
+            Outcome::Sent { transport } => {
+                self.sent += 1;
+                format!("sent to `{transport}`, which it could not be sent to before")
+            }
+            Outcome::Rescheduled { transport } => {
+                self.rescheduled += 1;
+                let text = format!("failed; sent to `{transport}` for another try");
+                if !self.destinations.contains(&transport) {
+                    self.destinations.push(transport);
+                }
+                text
+            }
+            Outcome::FailedAgain { new_id, error } => {
+                self.failed_again += 1;
+                format!("failed again, back in `{}` as {new_id}: {error}", self.name)
+            }
+            Outcome::Kept { reason } => {
+                self.kept += 1;
+                format!("kept: {reason}")
+            }
+        }
+    }
+
+    /// Adds the row of `delivery`, whose outcome is `text`.
+    fn row(&mut self, delivery: &Delivery, text: String) {
+        let id = delivery.id.to_string();
+        let shown = truncate(&text, OUTCOME_WIDTH);
+        if shown != text {
+            self.long.push((id.clone(), text));
+        }
+        self.table.row(vec![id, inspect(delivery).message, shown]);
+    }
+
+    /// The table, the outcomes too long for it, the summary and what to
+    /// run next.
+    fn write(&self, out: &mut dyn Write, retried: usize) -> std::io::Result<()> {
+        write!(out, "{}", self.table.render())?;
+        for (id, text) in &self.long {
+            writeln!(out, "{id}: {text}")?;
+        }
+        let sent = if self.sent > 0 {
+            format!(", {} sent on to its transport", self.sent)
+        } else {
+            String::new()
+        };
+        writeln!(
+            out,
+            "Retried {retried} message(s) from `{}`: {} handled, {} sent for another try, {} failed again, {} kept{sent}.",
+            self.name, self.handled, self.rescheduled, self.failed_again, self.kept
+        )?;
+        if !self.destinations.is_empty() {
+            writeln!(
+                out,
+                "Run `consume {}` to handle the messages sent for another try.",
+                self.destinations.join(" ")
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The command's result: messages left behind matter more than output
+    /// nobody reads any more.
+    fn result(&self, written: std::io::Result<()>) -> Result<(), CliError> {
+        if self.kept > 0 {
+            return Err(CliError::RetryIncomplete {
+                kept: self.kept,
+                transport: self.name.to_string(),
+            });
+        }
+        if self.not_removed > 0 {
+            return Err(CliError::RetriedNotRemoved {
+                copies: self.not_removed,
+                transport: self.name.to_string(),
+            });
+        }
+        Ok(written?)
+    }
+}
+
 async fn retry(
     messenger: &Messenger,
     args: RetryArgs,
     console: &mut Console<'_>,
 ) -> Result<(), CliError> {
-    let (name, transport) = failure_transport(messenger, args.transport.as_deref())?;
-    let selected = select(name, transport, &args.ids, args.all).await?;
+    const COMMAND: &str = "failed retry";
+    let failures = Failures::choose(messenger, args.transport.as_deref(), COMMAND)?;
+    let receiver = failures.receiver(COMMAND)?;
+    let name = failures.name;
+    let selected = failures.select(&args.ids, args.all).await?;
     let out = &mut console.out;
     if selected.is_empty() {
         writeln!(out, "No failed messages in `{name}`.")?;
         return Ok(());
     }
-    let mut table = Table::new(&["ID", "MESSAGE", "OUTCOME"]);
-    let (mut handled, mut rescheduled, mut failed_again, mut kept) = (0, 0, 0, 0);
-    // Parked because they could not be sent: sent on, not handled.
-    let mut sent = 0;
-    // Retried, but their old copy could not be removed: still there too.
-    let mut not_removed = 0;
-    let mut destinations: Vec<String> = Vec::new();
-    // Outcomes too long for the table, written in full after it.
-    let mut long = Vec::new();
+    let mut retried = Retried::new(name);
     for delivery in &selected {
         let (outcome, deferred) = retry_one(messenger, name, delivery).await;
         let remove = !matches!(outcome, Outcome::Kept { .. });
-        let mut text = match outcome {
-            Outcome::Handled => {
-                handled += 1;
-                "handled".to_string()
-            }
-            Outcome::Sent { transport } => {
-                sent += 1;
-                format!("sent to `{transport}`, which it could not be sent to before")
-            }
-            Outcome::Rescheduled { transport } => {
-                rescheduled += 1;
-                let text = format!("failed; sent to `{transport}` for another try");
-                if !destinations.contains(&transport) {
-                    destinations.push(transport);
-                }
-                text
-            }
-            Outcome::FailedAgain { new_id, error } => {
-                failed_again += 1;
-                format!("failed again, back in `{name}` as {new_id}: {error}")
-            }
-            Outcome::Kept { reason } => {
-                kept += 1;
-                format!("kept: {reason}")
-            }
-        };
+        let mut text = retried.count(outcome);
         for line in deferred {
             text = format!("{text}; {line}");
         }
         if remove {
-            if let Err(e) = transport.ack(&delivery.id).await {
-                not_removed += 1;
+            if let Err(e) = receiver.ack(&delivery.id).await {
+                retried.not_removed += 1;
                 text = format!("{text}; removing the old copy failed: {e}");
             }
         }
-        let shown = truncate(&text, OUTCOME_WIDTH);
-        if shown != text {
-            long.push((delivery.id.clone(), text));
-        }
-        table.row(vec![delivery.id.clone(), inspect(delivery).message, shown]);
+        retried.row(delivery, text);
     }
-    let written = write!(out, "{}", table.render())
-        .and_then(|()| {
-            long.iter()
-                .try_for_each(|(id, text)| writeln!(out, "{id}: {text}"))
-        })
-        .and_then(|()| {
-            let sent = if sent > 0 {
-                format!(", {sent} sent on to its transport")
-            } else {
-                String::new()
-            };
-            writeln!(
-                out,
-                "Retried {} message(s) from `{name}`: {handled} handled, {rescheduled} sent for another try, {failed_again} failed again, {kept} kept{sent}.",
-                selected.len()
-            )
-        })
-        .and_then(|()| {
-            if destinations.is_empty() {
-                return Ok(());
-            }
-            writeln!(
-                out,
-                "Run `consume {}` to handle the messages sent for another try.",
-                destinations.join(" ")
-            )
-        });
-    // Messages left behind matter more than output nobody reads any more.
-    if kept > 0 {
-        return Err(CliError::RetryIncomplete {
-            kept,
-            transport: name.to_string(),
-        });
-    }
-    if not_removed > 0 {
-        return Err(CliError::RetriedNotRemoved {
-            copies: not_removed,
-            transport: name.to_string(),
-        });
-    }
-    Ok(written?)
+    let written = retried.write(out, selected.len());
+    retried.result(written)
 }
 
 async fn remove(
@@ -502,27 +589,33 @@ async fn remove(
     args: RemoveArgs,
     console: &mut Console<'_>,
 ) -> Result<(), CliError> {
-    let (name, transport) = failure_transport(messenger, args.transport.as_deref())?;
-    let selected = select(name, transport, &args.ids, args.all).await?;
+    const COMMAND: &str = "failed remove";
+    let failures = Failures::choose(messenger, args.transport.as_deref(), COMMAND)?;
+    let receiver = failures.receiver(COMMAND)?;
+    let name = failures.name;
+    let selected = failures.select(&args.ids, args.all).await?;
     let out = &mut console.out;
     if selected.is_empty() {
         writeln!(out, "No failed messages in `{name}`.")?;
         return Ok(());
     }
-    let ids: Vec<String> = selected.iter().map(|d| d.id.clone()).collect();
-    let outcome = transport.ack_batch(&ids).await;
-    // A batch that failed may have removed some (see `Transport::ack_batch`):
+    let ids: Vec<DeliveryId> = selected.iter().map(|d| d.id.clone()).collect();
+    let outcome = receiver.ack_batch(&ids).await;
+    // A batch that failed may have removed some (see `Receiver::ack_batch`):
     // those still there are found again.
     let mut still_there = Vec::new();
     if outcome.is_err() {
         for id in &ids {
-            if !matches!(transport.find(id).await, Ok(None)) {
+            if !matches!(failures.browse.find(id).await, Ok(None)) {
                 still_there.push(id.as_str());
             }
         }
     }
     let mut table = Table::new(&["ID", "MESSAGE", "ERROR"]);
-    for delivery in selected.iter().filter(|d| !still_there.contains(&&*d.id)) {
+    for delivery in selected
+        .iter()
+        .filter(|d| !still_there.contains(&d.id.as_str()))
+    {
         let info = inspect(delivery);
         table.row(vec![
             info.id.clone(),

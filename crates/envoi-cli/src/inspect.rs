@@ -54,7 +54,7 @@ pub(crate) fn inspect(delivery: &Delivery) -> Inspected {
         Err(_) => Value::String(String::from_utf8_lossy(&delivery.raw.body).into_owned()),
     };
     Inspected {
-        id: delivery.id.clone(),
+        id: delivery.id.to_string(),
         message: delivery
             .raw
             .header(TYPE_HEADER)
@@ -136,16 +136,16 @@ mod tests {
     use envoi_core::transport::RawMessage;
 
     fn delivery(headers: &[(&str, &str)], body: &[u8]) -> Delivery {
-        Delivery {
-            id: "7".into(),
-            raw: RawMessage {
+        Delivery::new(
+            "7",
+            RawMessage {
                 body: body.to_vec(),
                 headers: headers
                     .iter()
                     .map(|(k, v)| (k.to_string(), v.to_string()))
                     .collect(),
             },
-        }
+        )
     }
 
     #[test]

@@ -24,8 +24,8 @@
 //! | `failed show [id]` | a table of the messages in the failure transport (id, message, error, retries, failed at), or one message in detail with its error chain and stamps; `--max N`, `--transport NAME`, `--format text\|json` (`--json` for short) |
 //! | `failed retry <ids…>` / `--all` | handles failed messages again (see below) |
 //! | `failed remove <ids…>` / `--all` | deletes failed messages |
-//! | `stats [transports…]` | messages waiting per transport; `--format text\|json` (`--json` for short) |
-//! | `setup-transports [transports…]` | creates tables, queues and streams, and brings a table made by an older version up to date |
+//! | `stats [transports…]` | messages waiting per transport (a transport that cannot count its messages says so, without failing the command); `--format text\|json` (`--json` for short) |
+//! | `setup-transports [transports…]` | creates tables, queues and streams, and brings a table made by an older version up to date (a transport with nothing to create says so) |
 //! | `debug` | each bus's pipeline, the routes, transports and handlers |
 //!
 //! Errors — an unknown transport, a missing id, a transport that cannot be
@@ -40,6 +40,18 @@
 //! failure transports, naming any other transport is an error, so `failed
 //! remove --all --transport orders` cannot delete waiting work; a messenger
 //! without any accepts the transport `--transport` names.
+//!
+//! Each command works through the abilities a transport hands out (see
+//! [`Transport`](envoi_core::transport::Transport)): `failed show` lists
+//! and finds messages through its
+//! [`Browse`](envoi_core::transport::Browse), `failed retry` and `failed
+//! remove` also remove them through its
+//! [`Receiver`](envoi_core::transport::Receiver), `stats` counts through
+//! [`MessageCount`](envoi_core::transport::MessageCount) and
+//! `setup-transports` sets up through
+//! [`Setup`](envoi_core::transport::Setup). A failure transport without the
+//! ability a `failed` command needs is an error of one line naming the
+//! command, before anything is done.
 //!
 //! `consume` on a failure transport prints a warning on standard error:
 //! messages that fail there again are parked in it again under a new id, due
@@ -231,6 +243,17 @@ pub enum CliError {
         transport: String,
         /// The id.
         id: String,
+    },
+    /// The transport lacks an ability the command needs, such as listing
+    /// its messages for `failed show`.
+    #[error("`{command}` needs a transport that can {ability}; `{transport}` cannot")]
+    Unable {
+        /// The command.
+        command: &'static str,
+        /// The transport.
+        transport: String,
+        /// What the command needs it to do, such as "list its messages".
+        ability: &'static str,
     },
     /// A transport operation failed.
     #[error("transport `{transport}`: {source}")]

@@ -3,6 +3,7 @@
 use std::io::Write;
 
 use clap::Args;
+use envoi_core::transport::Transport;
 use envoi_core::{Messenger, TransportError};
 use serde_json::json;
 
@@ -33,6 +34,69 @@ pub struct SetupArgs {
     pub transports: Vec<String>,
 }
 
+/// What `stats` found for one transport.
+enum Waiting {
+    /// This many messages wait.
+    Messages(u64),
+    /// The transport cannot count its messages.
+    Uncountable,
+    /// Counting failed.
+    Failed(TransportError),
+}
+
+impl Waiting {
+    async fn of(transport: &dyn Transport) -> Waiting {
+        match transport.as_message_count() {
+            Some(counter) => match counter.message_count().await {
+                Ok(n) => Waiting::Messages(n),
+                Err(e) => Waiting::Failed(e),
+            },
+            None => Waiting::Uncountable,
+        }
+    }
+
+    /// The row's JSON: `messages` is null unless counted, with a `note`
+    /// for a transport that cannot count and an `error` for a count that
+    /// failed.
+    fn json(&self, name: &str, failure_transport: bool) -> serde_json::Value {
+        let mut v = json!({
+            "name": name,
+            "messages": match self {
+                Waiting::Messages(n) => Some(*n),
+                _ => None,
+            },
+            "failure_transport": failure_transport,
+        });
+        if let Some(map) = v.as_object_mut() {
+            match self {
+                Waiting::Messages(_) => {}
+                Waiting::Uncountable => {
+                    map.insert("note".into(), json!("cannot count"));
+                }
+                Waiting::Failed(e) => {
+                    map.insert("error".into(), json!(e.to_string()));
+                }
+            }
+        }
+        v
+    }
+
+    /// The MESSAGES and NOTE cells of the row's text.
+    fn cells(&self, failure_transport: bool) -> (String, String) {
+        let (messages, note) = match self {
+            Waiting::Messages(n) => (n.to_string(), String::new()),
+            Waiting::Uncountable => ("-".to_string(), "cannot count".to_string()),
+            Waiting::Failed(e) => ("?".to_string(), format!("error: {e}")),
+        };
+        let note = match (failure_transport, note.is_empty()) {
+            (false, _) => note,
+            (true, true) => "failure transport".to_string(),
+            (true, false) => format!("failure transport; {note}"),
+        };
+        (messages, note)
+    }
+}
+
 pub(crate) async fn stats(
     messenger: &Messenger,
     args: StatsArgs,
@@ -42,59 +106,31 @@ pub(crate) async fn stats(
     let failure = messenger.failure_transports();
     let mut rows = Vec::with_capacity(transports.len());
     for (name, transport) in &transports {
-        rows.push((*name, transport.message_count().await));
+        rows.push((*name, Waiting::of(transport.as_ref()).await));
     }
     let failed = rows
         .iter()
-        .filter(|(_, r)| matches!(r, Err(e) if !matches!(e, TransportError::Unsupported(_))))
+        .filter(|(_, c)| matches!(c, Waiting::Failed(_)))
         .count();
     let out = &mut console.out;
     match args.format.or_json(args.json) {
         Format::Json => {
             let list: Vec<_> = rows
                 .iter()
-                .map(|(name, count)| {
-                    let mut v = json!({
-                        "name": name,
-                        "messages": count.as_ref().ok(),
-                        "failure_transport": failure.contains(name),
-                    });
-                    if let (Err(e), Some(map)) = (count, v.as_object_mut()) {
-                        map.insert("error".into(), json!(e.to_string()));
-                    }
-                    v
-                })
+                .map(|(name, count)| count.json(name, failure.contains(name)))
                 .collect();
             serde_json::to_writer_pretty(&mut *out, &json!({ "transports": list }))
                 .map_err(std::io::Error::from)?;
             writeln!(out)?;
         }
+        Format::Text if rows.is_empty() => writeln!(out, "No transports are configured.")?,
         Format::Text => {
-            if rows.is_empty() {
-                writeln!(out, "No transports are configured.")?;
-            } else {
-                let mut table = Table::new(&["TRANSPORT", "MESSAGES", "NOTE"]);
-                for (name, count) in &rows {
-                    let (messages, note) = match count {
-                        Ok(n) => (n.to_string(), String::new()),
-                        Err(TransportError::Unsupported(_)) => {
-                            ("-".to_string(), "cannot count".to_string())
-                        }
-                        Err(e) => ("?".to_string(), format!("error: {e}")),
-                    };
-                    let note = if failure.contains(name) {
-                        if note.is_empty() {
-                            "failure transport".to_string()
-                        } else {
-                            format!("failure transport; {note}")
-                        }
-                    } else {
-                        note
-                    };
-                    table.row(vec![name.to_string(), messages, note]);
-                }
-                write!(out, "{}", table.render())?;
+            let mut table = Table::new(&["TRANSPORT", "MESSAGES", "NOTE"]);
+            for (name, count) in &rows {
+                let (messages, note) = count.cells(failure.contains(name));
+                table.row(vec![name.to_string(), messages, note]);
             }
+            write!(out, "{}", table.render())?;
         }
     }
     if failed > 0 {
@@ -106,6 +142,8 @@ pub(crate) async fn stats(
     Ok(())
 }
 
+/// Sets up each transport that has something to set up; the others say
+/// there is nothing to set up.
 pub(crate) async fn setup(
     messenger: &Messenger,
     args: SetupArgs,
@@ -115,7 +153,11 @@ pub(crate) async fn setup(
     let out = &mut console.out;
     let mut failed = 0;
     for (name, transport) in &transports {
-        match transport.setup().await {
+        let Some(setup) = transport.as_setup() else {
+            writeln!(out, "nothing to set up for `{name}`")?;
+            continue;
+        };
+        match setup.setup().await {
             Ok(()) => writeln!(out, "set up `{name}`")?,
             Err(e) => {
                 failed += 1;

@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use envoi::failure::MultiplierRetryStrategy;
 use envoi::middleware::BoxFuture;
-use envoi::transport::{Capabilities, Delivery, RawMessage, Transport};
+use envoi::testing::Abilities;
+use envoi::transport::{
+    Browse, Delivery, DeliveryId, MessageCount, RawMessage, Receiver, Setup, Transport,
+};
 use envoi::worker::StopHandle;
 use envoi::TransportError;
 use envoi::{Command, Message, Messenger, MessengerBuilderExt, Recoverable, Unrecoverable};
@@ -64,7 +67,11 @@ impl App {
     }
 
     async fn count(&self, name: &str) -> u64 {
-        self.transport(name).message_count().await.unwrap()
+        self.transport(name)
+            .counter()
+            .message_count()
+            .await
+            .unwrap()
     }
 
     async fn place(&self, orders: &[(u32, Fate)]) {
@@ -104,11 +111,12 @@ impl App {
     /// Ids of the messages in the failure transport, oldest first.
     async fn failed_ids(&self) -> Vec<String> {
         self.transport("failed")
+            .browser()
             .list(100)
             .await
             .unwrap()
             .into_iter()
-            .map(|d| d.id)
+            .map(|d| d.id.into_string())
             .collect()
     }
 }
@@ -218,10 +226,7 @@ async fn debug_prints_each_bus_pipeline_and_the_routes() {
     assert!(out.contains("bus default"), "{out}");
     assert!(out.contains("SendMessage"), "{out}");
     assert!(out.contains("PlaceOrder -> orders"), "{out}");
-    assert!(
-        out.contains("failed (failure transport, persistent)"),
-        "{out}"
-    );
+    assert!(out.contains("failed (failure transport)\n"), "{out}");
 }
 
 #[tokio::test]
@@ -353,6 +358,12 @@ impl Transport for Refusing {
         Box::pin(async { Ok("1".to_string()) })
     }
 
+    fn as_receiver(&self) -> Option<&dyn Receiver> {
+        Some(self)
+    }
+}
+
+impl Receiver for Refusing {
     fn get(&self, _: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         Box::pin(async {
             Err(TransportError::backend(
@@ -362,16 +373,16 @@ impl Transport for Refusing {
         })
     }
 
-    fn ack<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn ack<'a>(&'a self, _: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async { Ok(()) })
     }
 
-    fn release<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn reject<'a>(&'a self, _: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async { Ok(()) })
     }
 
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::new(false, false, false, false)
+    fn release<'a>(&'a self, _: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async { Ok(()) })
     }
 }
 
@@ -1037,18 +1048,36 @@ impl Transport for Undeletable {
         self.inner.send(message, delay)
     }
 
-    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
-        self.inner.get(max)
+    fn as_receiver(&self) -> Option<&dyn Receiver> {
+        Some(self)
     }
 
-    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn as_setup(&self) -> Option<&dyn Setup> {
+        self.inner.as_setup()
+    }
+
+    fn as_message_count(&self) -> Option<&dyn MessageCount> {
+        self.inner.as_message_count()
+    }
+
+    fn as_browse(&self) -> Option<&dyn Browse> {
+        self.inner.as_browse()
+    }
+}
+
+impl Receiver for Undeletable {
+    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+        self.inner.receiver().get(max)
+    }
+
+    fn ack<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         use std::sync::atomic::Ordering;
         let allowed = self
             .deletable
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok();
         if allowed {
-            return self.inner.ack(id);
+            return self.inner.receiver().ack(id);
         }
         Box::pin(async {
             Err(TransportError::backend(
@@ -1058,28 +1087,12 @@ impl Transport for Undeletable {
         })
     }
 
-    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        self.inner.release(id)
+    fn reject<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+        self.inner.receiver().reject(id)
     }
 
-    fn setup(&self) -> BoxFuture<'_, Result<(), TransportError>> {
-        self.inner.setup()
-    }
-
-    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
-        self.inner.message_count()
-    }
-
-    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
-        self.inner.list(limit)
-    }
-
-    fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
-        self.inner.find(id)
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+    fn release<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+        self.inner.receiver().release(id)
     }
 }
 
@@ -1089,9 +1102,9 @@ async fn undeletable_failures(
     deletable: usize,
 ) -> (tempfile::TempDir, Messenger, Arc<dyn Transport>) {
     let dir = tempfile::tempdir().unwrap();
-    let failed = envoi::sqlite::SqliteTransport::open(
+    let failed = envoi::sqlite::SqliteTransport::with_config(
         "failed",
-        envoi::sqlite::SqliteOptions::new(dir.path().join("envoi.db")),
+        envoi::sqlite::SqliteConfig::new(dir.path().join("envoi.db")),
     )
     .await
     .unwrap();
@@ -1106,7 +1119,7 @@ async fn undeletable_failures(
         .build()
         .unwrap();
     let failed = messenger.transport("failed").unwrap().clone();
-    failed.setup().await.unwrap();
+    failed.as_setup().unwrap().setup().await.unwrap();
     (dir, messenger, failed)
 }
 
@@ -1127,7 +1140,7 @@ async fn failed_retry_that_cannot_remove_the_old_copy_fails_and_says_so() {
         err,
         "error: 1 retried message(s) could not be removed from `failed` and are still there; see above\n"
     );
-    assert_eq!(failed.message_count().await.unwrap(), 1);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 1);
 }
 
 #[tokio::test]
@@ -1170,7 +1183,7 @@ async fn failed_remove_that_deletes_only_some_says_which_are_still_there() {
     let rows: Vec<&str> = out.lines().filter(|l| l.starts_with(&ids[0])).collect();
     assert_eq!(rows.len(), 1, "the removed message is listed: {out}");
     assert!(err.contains("database is locked"), "{err}");
-    assert_eq!(failed.message_count().await.unwrap(), 2);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 2);
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -1275,19 +1288,19 @@ async fn failed_retry_of_a_message_handled_whose_deferred_dispatch_fails_removes
         "{out}"
     );
     // The order left the failure transport; only its audit is there.
-    let left = failed.list(10).await.unwrap();
+    let left = failed.browser().list(10).await.unwrap();
     assert_eq!(left.len(), 1, "{out}");
-    assert!(left[0].id != id, "the order was removed");
+    assert!(left[0].id.as_str() != id, "the order was removed");
     assert_eq!(left[0].raw.header("type"), Some("Audit"));
     assert_eq!(orders.load(Ordering::SeqCst), 1);
 
     // Retried in turn, the audit is handled, and the order not again.
     audit_failing.store(false, Ordering::SeqCst);
-    let (code, out, err) = run_cli(&messenger, &["failed", "retry", &left[0].id]).await;
+    let (code, out, err) = run_cli(&messenger, &["failed", "retry", left[0].id.as_str()]).await;
     assert_eq!(code, 0, "{out}{err}");
     assert_eq!(audits.load(Ordering::SeqCst), 1);
     assert_eq!(orders.load(Ordering::SeqCst), 1);
-    assert_eq!(failed.message_count().await.unwrap(), 0);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 0);
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -1340,6 +1353,7 @@ async fn failed_retry_of_a_message_parked_again_parks_what_its_successful_handle
     // The event, parked again, and the audit its first handler deferred,
     // which will not be deferred again (that handler does not run again).
     let mut names: Vec<String> = failed
+        .browser()
         .list(10)
         .await
         .unwrap()
@@ -1384,8 +1398,8 @@ async fn failed_retry_of_a_dispatch_parked_because_it_could_not_be_sent_says_whe
         "{out}"
     );
     assert_eq!(audits.load(Ordering::SeqCst), 0, "not handled here");
-    assert_eq!(down.message_count().await.unwrap(), 1);
-    assert_eq!(failed.message_count().await.unwrap(), 0);
+    assert_eq!(down.counter().message_count().await.unwrap(), 1);
+    assert_eq!(failed.counter().message_count().await.unwrap(), 0);
 }
 
 #[tokio::test]
@@ -1411,12 +1425,211 @@ async fn failed_retry_of_a_dispatch_parked_unsent_to_a_transport_that_is_gone_pa
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("unknown transport `gone`"), "{out}");
     assert!(out.contains("1 failed again"), "{out}");
-    let left = failed.list(10).await.unwrap();
+    let left = failed.browser().list(10).await.unwrap();
     assert_eq!(left.len(), 1, "parked again, the old copy removed: {out}");
-    assert_ne!(left[0].id, id, "{out}");
+    assert_ne!(left[0].id.as_str(), id, "{out}");
     let again = messenger.serializer().decode(&left[0].raw).unwrap();
     assert_eq!(
         again.last::<envoi::stamp::UnsentStamp>().unwrap().transport,
         "gone"
     );
+}
+
+/// A transport that hands out every ability of `inner` but those named in
+/// `hidden` ("receiver", "message count", "browse", "setup").
+struct Hiding {
+    inner: Arc<dyn Transport>,
+    hidden: &'static [&'static str],
+}
+
+impl Hiding {
+    fn in_memory(hidden: &'static [&'static str]) -> Arc<dyn Transport> {
+        Arc::new(Hiding {
+            inner: Arc::new(envoi::transport::in_memory::InMemoryTransport::new()),
+            hidden,
+        })
+    }
+
+    fn shows<'a, T: ?Sized>(&self, ability: &str, it: Option<&'a T>) -> Option<&'a T> {
+        it.filter(|_| !self.hidden.contains(&ability))
+    }
+}
+
+impl Transport for Hiding {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>> {
+        self.inner.send(message, delay)
+    }
+
+    fn as_receiver(&self) -> Option<&dyn Receiver> {
+        self.shows("receiver", self.inner.as_receiver())
+    }
+
+    fn as_keepalive(&self) -> Option<&dyn envoi::transport::Keepalive> {
+        self.inner.as_keepalive()
+    }
+
+    fn as_setup(&self) -> Option<&dyn Setup> {
+        self.shows("setup", self.inner.as_setup())
+    }
+
+    fn as_message_count(&self) -> Option<&dyn MessageCount> {
+        self.shows("message count", self.inner.as_message_count())
+    }
+
+    fn as_browse(&self) -> Option<&dyn Browse> {
+        self.shows("browse", self.inner.as_browse())
+    }
+
+    fn bind(&self, binding: &envoi::transport::TransportBinding) {
+        self.inner.bind(binding);
+    }
+}
+
+/// A messenger routing `PlaceOrder` (declined by its handler) to an
+/// in-memory `orders`, with the failure transport `failed`.
+fn with_failure_transport(failed: Arc<dyn Transport>) -> Messenger {
+    Messenger::builder()
+        .command_handler(|_: PlaceOrder| async {
+            Err::<(), _>(OrderError::Declined(Unrecoverable::new("nope")))
+        })
+        .transport(
+            "orders",
+            Arc::new(envoi::transport::in_memory::InMemoryTransport::new()),
+        )
+        .transport("failed", failed)
+        .route::<PlaceOrder>("orders")
+        .failure_transport("failed")
+        .build()
+        .unwrap()
+}
+
+/// Parks `n` declined orders in the failure transport through a worker.
+async fn park_declined(messenger: &Messenger, n: u32) {
+    for id in 1..=n {
+        let order = PlaceOrder {
+            id,
+            fate: Fate::Declined,
+        };
+        messenger.dispatcher().dispatch(order).await.unwrap();
+    }
+    let (code, out, err) = run_cli(messenger, &["consume", "orders", "--stop-when-empty"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains(&format!("failed {n},")), "{out}");
+}
+
+#[tokio::test]
+async fn stats_says_a_transport_that_cannot_count_cannot_instead_of_failing() {
+    let messenger = with_failure_transport(Hiding::in_memory(&["message count"]));
+    park_declined(&messenger, 2).await;
+    let order = PlaceOrder {
+        id: 3,
+        fate: Fate::Fine,
+    };
+    messenger.dispatcher().dispatch(order).await.unwrap();
+
+    let (code, out, err) = run_cli(&messenger, &["stats"]).await;
+    assert_eq!((code, err.as_str()), (0, ""), "{out}");
+    assert_eq!(
+        out,
+        "TRANSPORT  MESSAGES  NOTE\n\
+         failed     -         failure transport; cannot count\n\
+         orders     1\n"
+    );
+    let (code, out, err) = run_cli(&messenger, &["stats", "--json"]).await;
+    assert_eq!((code, err.as_str()), (0, ""), "{out}");
+    let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        doc,
+        serde_json::json!({"transports": [
+            {"name": "failed", "messages": null, "failure_transport": true, "note": "cannot count"},
+            {"name": "orders", "messages": 1, "failure_transport": false}
+        ]})
+    );
+
+    // The failure commands work without a count: they count what they list.
+    let (code, out, err) = run_cli(&messenger, &["failed", "show"]).await;
+    assert_eq!((code, err.as_str()), (0, ""), "{out}");
+    assert!(out.contains("2 message(s) in `failed`."), "{out}");
+    let (code, out, err) = run_cli(&messenger, &["failed", "remove", "--all"]).await;
+    assert_eq!((code, err.as_str()), (0, ""), "{out}");
+    assert!(
+        out.ends_with("Removed 2 message(s) from `failed`.\n"),
+        "{out}"
+    );
+    let failed = messenger.transport("failed").unwrap();
+    assert!(failed.browser().list(10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn setup_transports_says_when_a_transport_has_nothing_to_set_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let messenger = Messenger::builder()
+        .with_transport_factories()
+        .transport_dsn("cache", "in-memory://")
+        .transport_dsn(
+            "orders",
+            format!("sqlite://{}/envoi.db", dir.path().display()),
+        )
+        .build_async()
+        .await
+        .unwrap();
+    let (code, out, err) = run_cli(&messenger, &["setup-transports"]).await;
+    assert_eq!((code, err.as_str()), (0, ""), "{out}");
+    assert_eq!(out, "nothing to set up for `cache`\nset up `orders`\n");
+}
+
+#[tokio::test]
+async fn failed_commands_on_a_failure_transport_that_cannot_list_its_messages_fail_in_one_line() {
+    let messenger = with_failure_transport(Hiding::in_memory(&["browse"]));
+    park_declined(&messenger, 1).await;
+    for (command, args) in [
+        ("show", &["failed", "show"][..]),
+        ("show", &["failed", "show", "1"][..]),
+        ("retry", &["failed", "retry", "--all"][..]),
+        ("remove", &["failed", "remove", "1"][..]),
+    ] {
+        let (code, out, err) = run_cli(&messenger, args).await;
+        assert_eq!((code, out.as_str()), (1, ""), "{args:?}");
+        assert_eq!(
+            err,
+            format!(
+                "error: `failed {command}` needs a transport that can list and find its messages; `failed` cannot\n"
+            ),
+            "{args:?}"
+        );
+    }
+    let failed = messenger.transport("failed").unwrap();
+    assert_eq!(failed.counter().message_count().await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn failed_retry_and_remove_need_a_failure_transport_that_can_remove_messages() {
+    let inner: Arc<dyn Transport> = Arc::new(envoi::transport::in_memory::InMemoryTransport::new());
+    let messenger = with_failure_transport(Arc::new(Hiding {
+        inner: inner.clone(),
+        hidden: &["receiver"],
+    }));
+    let id = park_raw(
+        messenger.transport("failed").unwrap(),
+        "PlaceOrder",
+        br#"{"id":1,"fate":"Fine"}"#,
+    )
+    .await;
+    let out = run_cli(&messenger, &["failed", "show"]).await.1;
+    assert!(out.contains("1 message(s) in `failed`."), "{out}");
+    for command in ["retry", "remove"] {
+        let (code, out, err) = run_cli(&messenger, &["failed", command, &id]).await;
+        assert_eq!((code, out.as_str()), (1, ""), "{command}");
+        assert_eq!(
+            err,
+            format!(
+                "error: `failed {command}` needs a transport that can remove messages; `failed` cannot\n"
+            ),
+        );
+    }
+    assert_eq!(inner.counter().message_count().await.unwrap(), 1);
 }

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use envoi_core::transport::{mask_dsn, parse_duration};
+use envoi_core::transport::mask_dsn;
+use envoi_core::transport::support::DsnQuery;
 use envoi_core::TransportError;
 use url::Url;
 
@@ -35,23 +36,24 @@ pub enum Storage {
 /// | `auto_setup`      | `auto_setup`        | `true`                      |
 /// | `tls`             | `tls`               | `false`                     |
 ///
-/// Durations are read by [`envoi_core::transport::parse_duration`], as on
-/// every transport: `1500ms`, `2s`, `1m`, `1h30m` or plain (decimal) seconds.
-/// `<name>` is the transport name with characters that JetStream does not
-/// allow in names (`.`, `*`, `>`, `/`, `\`, whitespace and control
-/// characters) replaced by `_`.
+/// Options are read by [`DsnQuery`], as on every transport: an unknown
+/// option or one given twice is refused; booleans are `true`/`false`,
+/// `1`/`0`, `yes`/`no` or `on`/`off`; durations are `1500ms`, `2s`, `1m`,
+/// `1h30m` or plain (decimal) seconds.
+///
+/// `stream`, `subject` and `consumer` are `None` unless the DSN names them:
+/// the transport then derives them from its name, `<name>` being the
+/// transport name with characters that JetStream does not allow in names
+/// (`.`, `*`, `>`, `/`, `\`, whitespace and control characters) replaced
+/// by `_`. [`NatsTransport::config`](crate::NatsTransport::config) shows
+/// the names in use.
 ///
 /// ```
 /// use std::time::Duration;
 /// use envoi_nats::NatsConfig;
 ///
-/// let config = NatsConfig::from_dsn(
-///     "orders",
-///     "nats://127.0.0.1:4222?lease=2s&batch=50",
-/// )
-/// .unwrap();
-/// assert_eq!(config.stream, "envoi-orders");
-/// assert_eq!(config.subject, "envoi.orders");
+/// let config = NatsConfig::from_dsn("nats://127.0.0.1:4222?lease=2s&batch=50").unwrap();
+/// assert_eq!(config.stream, None, "derived from the transport name");
 /// assert_eq!(config.lease, Duration::from_secs(2));
 /// assert_eq!(config.batch, 50);
 /// ```
@@ -60,12 +62,14 @@ pub enum Storage {
 pub struct NatsConfig {
     /// The server URL without the query (`nats://user:password@host:port`).
     pub server: String,
-    /// The JetStream stream holding the messages.
-    pub stream: String,
-    /// The subject messages are published to (the stream captures it).
-    pub subject: String,
-    /// The durable pull consumer shared by every handle on this transport.
-    pub consumer: String,
+    /// The JetStream stream holding the messages; `None`: `envoi-<name>`.
+    pub stream: Option<String>,
+    /// The subject messages are published to (the stream captures it);
+    /// `None`: `envoi.<name>`.
+    pub subject: Option<String>,
+    /// The durable pull consumer shared by every handle on this transport;
+    /// `None`: `envoi-<name>`.
+    pub consumer: Option<String>,
     /// How long a handed-out message stays leased before JetStream delivers
     /// it again: the consumer's `ack_wait`.
     pub lease: Duration,
@@ -119,11 +123,20 @@ const MAX_WAIT: Duration = Duration::from_secs(30);
 /// The longest lease taken: a year.
 const MAX_LEASE: Duration = Duration::from_secs(365 * 86_400);
 
+/// The stream, subject and consumer a transport uses: those of its
+/// configuration, or those derived from its name.
+#[derive(Debug, Clone)]
+pub(crate) struct Names {
+    pub(crate) stream: String,
+    pub(crate) subject: String,
+    pub(crate) consumer: String,
+}
+
 impl NatsConfig {
-    /// Parses `dsn` for the transport called `name`. Fails with
-    /// [`TransportError::InvalidDsn`] (password masked) when the DSN or one
-    /// of its options is not understood, or an option is given twice.
-    pub fn from_dsn(name: &str, dsn: &str) -> Result<Self, TransportError> {
+    /// Parses `dsn`. Fails with [`TransportError::InvalidDsn`] (password
+    /// masked) when the DSN or one of its options is not understood, or an
+    /// option is given twice.
+    pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
         let invalid = |reason: String| TransportError::InvalidDsn {
             dsn: mask_dsn(dsn),
             reason,
@@ -144,13 +157,11 @@ impl NatsConfig {
                 url.path()
             )));
         }
-
-        let token = sanitize_token(name);
         let mut config = NatsConfig {
             server: server_url(&url),
-            stream: format!("envoi-{token}"),
-            subject: format!("envoi.{token}"),
-            consumer: format!("envoi-{token}"),
+            stream: None,
+            subject: None,
+            consumer: None,
             lease: Duration::from_secs(30),
             batch: 500,
             wait: Duration::from_millis(250),
@@ -161,68 +172,69 @@ impl NatsConfig {
             auto_setup: true,
             tls: false,
         };
-
-        let mut seen: Vec<String> = Vec::new();
-        for (key, value) in url.query_pairs() {
-            if seen.iter().any(|k| *k == key) {
-                return Err(invalid(format!("option `{key}` is given twice")));
-            }
-            seen.push(key.to_string());
-            let value = value.as_ref();
-            match key.as_ref() {
-                "stream" => config.stream = name_option("stream", value).map_err(invalid)?,
-                "consumer" => config.consumer = name_option("consumer", value).map_err(invalid)?,
-                "subject" => config.subject = subject_option(value).map_err(invalid)?,
-                // Ranges are checked by `validate`, below.
-                "lease" => {
-                    config.lease = parse_duration(value)
-                        .ok_or_else(|| invalid(format!("`lease={value}` is not a duration")))?;
-                }
-                "wait" => {
-                    config.wait = parse_duration(value)
-                        .ok_or_else(|| invalid(format!("`wait={value}` is not a duration")))?;
-                }
-                "batch" => {
-                    config.batch = value.parse::<usize>().map_err(|_| {
-                        invalid(format!("`batch={value}` must be a number from 1 to 100000"))
-                    })?;
-                }
-                "storage" => {
-                    config.storage = match value {
-                        "file" => Storage::File,
-                        "memory" => Storage::Memory,
-                        _ => {
-                            return Err(invalid(format!(
-                                "`storage={value}` must be `file` or `memory`"
-                            )))
-                        }
-                    }
-                }
-                "double_ack" => config.double_ack = bool_option(&key, value).map_err(invalid)?,
-                "dedup" => config.dedup = bool_option(&key, value).map_err(invalid)?,
-                "auto_setup" => config.auto_setup = bool_option(&key, value).map_err(invalid)?,
-                "tls" => config.tls = bool_option(&key, value).map_err(invalid)?,
-                "max_ack_pending" => {
-                    config.max_ack_pending = value.parse::<i64>().map_err(|_| {
-                        invalid(format!(
-                            "`max_ack_pending={value}` must be -1 or a positive number"
-                        ))
-                    })?;
-                }
-                other => return Err(invalid(format!("unknown option `{other}`"))),
-            }
-        }
+        let mut query = DsnQuery::parse(dsn)?;
+        config.read_options(&mut query)?;
+        query.finish()?;
         config.validate().map_err(invalid)?;
         Ok(config)
     }
 
+    /// Takes every option this transport knows from `query`. Ranges are
+    /// checked by [`validate`](Self::validate).
+    fn read_options(&mut self, query: &mut DsnQuery) -> Result<(), TransportError> {
+        self.stream = query.string("stream");
+        self.subject = query.string("subject");
+        self.consumer = query.string("consumer");
+        if let Some(lease) = query.duration("lease")? {
+            self.lease = lease;
+        }
+        if let Some(batch) = query.number("batch")? {
+            self.batch = batch;
+        }
+        if let Some(wait) = query.duration("wait")? {
+            self.wait = wait;
+        }
+        if let Some(storage) = query.string("storage") {
+            self.storage = match storage.as_str() {
+                "file" => Storage::File,
+                "memory" => Storage::Memory,
+                _ => {
+                    return Err(
+                        query.invalid(format!("`storage={storage}` must be `file` or `memory`"))
+                    )
+                }
+            };
+        }
+        let flags: [(&'static str, &mut bool); 4] = [
+            ("double_ack", &mut self.double_ack),
+            ("dedup", &mut self.dedup),
+            ("auto_setup", &mut self.auto_setup),
+            ("tls", &mut self.tls),
+        ];
+        for (name, flag) in flags {
+            if let Some(value) = query.bool(name)? {
+                *flag = value;
+            }
+        }
+        if let Some(max) = query.number("max_ack_pending")? {
+            self.max_ack_pending = max;
+        }
+        Ok(())
+    }
+
     /// Checks what [`from_dsn`](Self::from_dsn) checks, for a configuration
-    /// changed or built in code: the names, the lease, wait, batch and
-    /// `max_ack_pending` ranges.
+    /// changed or built in code: the names given, the lease, wait, batch
+    /// and `max_ack_pending` ranges.
     pub(crate) fn validate(&self) -> Result<(), String> {
-        name_option("stream", &self.stream)?;
-        name_option("consumer", &self.consumer)?;
-        subject_option(&self.subject)?;
+        if let Some(stream) = &self.stream {
+            name_option("stream", stream)?;
+        }
+        if let Some(consumer) = &self.consumer {
+            name_option("consumer", consumer)?;
+        }
+        if let Some(subject) = &self.subject {
+            subject_option(subject)?;
+        }
         // JetStream keeps `ack_wait` in nanoseconds: past about 292 years it
         // overflows and no consumer can be made.
         if self.lease < Duration::from_millis(100) || self.lease > MAX_LEASE {
@@ -250,6 +262,31 @@ impl NatsConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The names the transport called `name` uses, checked as the DSN's
+    /// would be (a name derived from a transport name JetStream does not
+    /// accept is refused too).
+    pub(crate) fn names(&self, name: &str) -> Result<Names, String> {
+        let token = sanitize_token(name);
+        let names = Names {
+            stream: self
+                .stream
+                .clone()
+                .unwrap_or_else(|| format!("envoi-{token}")),
+            subject: self
+                .subject
+                .clone()
+                .unwrap_or_else(|| format!("envoi.{token}")),
+            consumer: self
+                .consumer
+                .clone()
+                .unwrap_or_else(|| format!("envoi-{token}")),
+        };
+        name_option("stream", &names.stream)?;
+        name_option("consumer", &names.consumer)?;
+        subject_option(&names.subject)?;
+        Ok(names)
     }
 }
 
@@ -285,14 +322,14 @@ fn sanitize_token(name: &str) -> String {
     }
 }
 
-fn name_option(key: &str, value: &str) -> Result<String, String> {
+fn name_option(key: &str, value: &str) -> Result<(), String> {
     let valid = !value.is_empty()
         && value.len() <= 255
         && value
             .chars()
             .all(|c| c.is_ascii_graphic() && !matches!(c, '.' | '*' | '>' | '/' | '\\'));
     if valid {
-        Ok(value.to_string())
+        Ok(())
     } else {
         Err(format!(
             "`{key}={value}` is not a valid JetStream name (printable ASCII without `.`, `*`, `>`, `/`)"
@@ -300,7 +337,7 @@ fn name_option(key: &str, value: &str) -> Result<String, String> {
     }
 }
 
-fn subject_option(value: &str) -> Result<String, String> {
+fn subject_option(value: &str) -> Result<(), String> {
     let valid = !value.is_empty()
         && value.split('.').all(|token| {
             !token.is_empty()
@@ -311,19 +348,11 @@ fn subject_option(value: &str) -> Result<String, String> {
                     .all(|c| c.is_ascii_graphic() && c != '*' && c != '>')
         });
     if valid {
-        Ok(value.to_string())
+        Ok(())
     } else {
         Err(format!(
             "`subject={value}` must be a literal subject (dot-separated tokens, no wildcards)"
         ))
-    }
-}
-
-fn bool_option(key: &str, value: &str) -> Result<bool, String> {
-    match value {
-        "true" | "1" | "yes" | "on" => Ok(true),
-        "false" | "0" | "no" | "off" => Ok(false),
-        _ => Err(format!("`{key}={value}` must be true or false")),
     }
 }
 
@@ -349,11 +378,16 @@ mod tests {
 
     #[test]
     fn defaults_are_derived_from_the_transport_name() {
-        let config = NatsConfig::from_dsn("my orders.v2", "nats://127.0.0.1:4222").unwrap();
+        let config = NatsConfig::from_dsn("nats://127.0.0.1:4222").unwrap();
         assert_eq!(config.server, "nats://127.0.0.1:4222");
-        assert_eq!(config.stream, "envoi-my_orders_v2");
-        assert_eq!(config.subject, "envoi.my_orders_v2");
-        assert_eq!(config.consumer, "envoi-my_orders_v2");
+        assert_eq!(config.stream, None);
+        assert_eq!(config.subject, None);
+        assert_eq!(config.consumer, None);
+        let names = config.names("my orders.v2").unwrap();
+        assert_eq!(names.stream, "envoi-my_orders_v2");
+        assert_eq!(names.subject, "envoi.my_orders_v2");
+        assert_eq!(names.consumer, "envoi-my_orders_v2");
+        assert_eq!(config.names("").unwrap().stream, "envoi-default");
         assert_eq!(config.lease, Duration::from_secs(30));
         assert_eq!(config.batch, 500);
         assert_eq!(config.wait, Duration::from_millis(250));
@@ -365,18 +399,33 @@ mod tests {
     }
 
     #[test]
+    fn a_transport_name_jetstream_does_not_accept_is_refused() {
+        let config = NatsConfig::from_dsn("nats://127.0.0.1:4222").unwrap();
+        let why = config.names("commandes-é").unwrap_err();
+        assert!(why.contains("stream"), "{why}");
+        // Named in the DSN, the stream and consumer need no derived name.
+        let config =
+            NatsConfig::from_dsn("nats://127.0.0.1:4222?stream=S&consumer=C&subject=a.b").unwrap();
+        let names = config.names("x").unwrap();
+        assert_eq!(
+            (names.stream.as_str(), names.subject.as_str()),
+            ("S", "a.b")
+        );
+        assert_eq!(names.consumer, "C");
+    }
+
+    #[test]
     fn every_option_is_read_from_the_query() {
         let config = NatsConfig::from_dsn(
-            "q",
             "nats://u:p@nats.local:4223/?stream=S1&subject=a.b.c&consumer=C1&lease=1500ms\
              &batch=7&wait=0.1&storage=memory&double_ack=true&dedup=on&max_ack_pending=64\
              &auto_setup=false&tls=1",
         )
         .unwrap();
         assert_eq!(config.server, "nats://u:p@nats.local:4223");
-        assert_eq!(config.stream, "S1");
-        assert_eq!(config.subject, "a.b.c");
-        assert_eq!(config.consumer, "C1");
+        assert_eq!(config.stream.as_deref(), Some("S1"));
+        assert_eq!(config.subject.as_deref(), Some("a.b.c"));
+        assert_eq!(config.consumer.as_deref(), Some("C1"));
         assert_eq!(config.lease, Duration::from_millis(1500));
         assert_eq!(config.batch, 7);
         assert_eq!(config.wait, Duration::from_millis(100));
@@ -390,14 +439,31 @@ mod tests {
 
     #[test]
     fn durations_take_the_same_spellings_as_every_other_transport() {
-        let config =
-            NatsConfig::from_dsn("q", "nats://127.0.0.1:4222?lease=1h&wait=1s500ms").unwrap();
+        let config = NatsConfig::from_dsn("nats://127.0.0.1:4222?lease=1h&wait=1s500ms").unwrap();
         assert_eq!(config.lease, Duration::from_secs(3600));
         assert_eq!(config.wait, Duration::from_millis(1500));
     }
 
+    #[test]
+    fn booleans_take_the_same_spellings_as_every_other_transport() {
+        for (value, expected) in [
+            ("true", true),
+            ("YES", true),
+            ("on", true),
+            ("1", true),
+            ("false", false),
+            ("no", false),
+            ("Off", false),
+            ("0", false),
+        ] {
+            let config =
+                NatsConfig::from_dsn(&format!("nats://127.0.0.1:4222?double_ack={value}")).unwrap();
+            assert_eq!(config.double_ack, expected, "{value}");
+        }
+    }
+
     fn reason(dsn: &str) -> (String, String) {
-        match NatsConfig::from_dsn("q", dsn) {
+        match NatsConfig::from_dsn(dsn) {
             Err(TransportError::InvalidDsn { dsn, reason }) => (dsn, reason),
             other => panic!("expected InvalidDsn for {dsn}, got {other:?}"),
         }
@@ -411,9 +477,9 @@ mod tests {
         assert!(why.contains("lease"), "{why}");
 
         assert!(reason("redis://127.0.0.1:6379").1.contains("scheme"));
-        assert!(reason("nats://127.0.0.1:4222?colour=red")
-            .1
-            .contains("colour"));
+        let (_, why) = reason("nats://127.0.0.1:4222?colour=red");
+        assert!(why.contains("unknown option `colour`"), "{why}");
+        assert!(why.contains("stream") && why.contains("tls"), "{why}");
         assert!(reason("nats://127.0.0.1:4222?stream=a.b")
             .1
             .contains("stream"));
@@ -424,6 +490,9 @@ mod tests {
             .1
             .contains("subject"));
         assert!(reason("nats://127.0.0.1:4222?batch=0").1.contains("batch"));
+        assert!(reason("nats://127.0.0.1:4222?batch=none")
+            .1
+            .contains("batch"));
         assert!(reason("nats://127.0.0.1:4222?wait=5m").1.contains("wait"));
         assert!(reason("nats://127.0.0.1:4222?lease=10ms")
             .1
@@ -432,7 +501,7 @@ mod tests {
         // the consumer cannot be made; a year is the most taken.
         let (_, why) = reason("nats://127.0.0.1:4222?lease=9300000000s");
         assert!(why.contains("at most 365 days"), "{why}");
-        assert!(NatsConfig::from_dsn("q", "nats://127.0.0.1:4222?lease=31536000s").is_ok());
+        assert!(NatsConfig::from_dsn("nats://127.0.0.1:4222?lease=31536000s").is_ok());
         assert!(reason("nats://127.0.0.1:4222?storage=tape")
             .1
             .contains("storage"));
@@ -440,6 +509,9 @@ mod tests {
             .1
             .contains("double_ack"));
         assert!(reason("nats://127.0.0.1:4222?dedup=2").1.contains("dedup"));
+        assert!(reason("nats://127.0.0.1:4222?max_ack_pending=0")
+            .1
+            .contains("max_ack_pending"));
         assert!(reason("nats://127.0.0.1:4222/queue").1.contains("path"));
         assert!(reason("not a dsn").0.contains("not a dsn"));
     }

@@ -2,11 +2,10 @@
 
 use std::sync::Arc;
 
-use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{dsn_has_scheme, Transport, TransportFactory};
-use envoi_core::TransportError;
+use envoi_core::{BoxFuture, TransportError};
 
-use crate::{NatsConfig, NatsTransport};
+use crate::NatsTransport;
 
 /// Creates a [`NatsTransport`] for every `nats://` DSN.
 ///
@@ -32,8 +31,7 @@ impl TransportFactory for NatsTransportFactory {
         dsn: &'a str,
     ) -> BoxFuture<'a, Result<Arc<dyn Transport>, TransportError>> {
         Box::pin(async move {
-            let config = NatsConfig::from_dsn(name, dsn)?;
-            let transport = NatsTransport::connect(config).await?;
+            let transport = NatsTransport::connect(name, dsn).await?;
             Ok(Arc::new(transport) as Arc<dyn Transport>)
         })
     }

@@ -4,17 +4,17 @@
 //! names must be printable ASCII without `:`, values cannot hold line breaks
 //! and lose leading and trailing whitespace, and `Nats-*` names steer the
 //! server. Headers that would not survive (or would steer the server) travel
-//! JSON-encoded in one [`EXTRA_HEADERS`] header instead, so every header comes
-//! back exactly as it was sent. A received [`REDELIVERED_HEADER`] is
-//! dropped: only the transport marks a redelivery.
+//! JSON-encoded in one [`EXTRA_HEADERS`] header instead (a JSON object of
+//! strings, read and written by core's shared JSON header support), so every
+//! header comes back exactly as it was sent.
 
-use std::collections::BTreeMap;
 use std::str::FromStr;
 
 use async_nats::header::{HeaderMap, HeaderName, HeaderValue};
 use envoi_core::serializer::INVALID_HEADERS_HEADER;
-use envoi_core::transport::{RawMessage, REDELIVERED_HEADER};
-use envoi_core::Headers;
+use envoi_core::transport::support::{decode_json_headers, encode_json_headers};
+use envoi_core::transport::RawMessage;
+use envoi_core::{Headers, TransportError};
 
 /// The time (milliseconds since the Unix epoch) before which a delayed
 /// message must not be handed out.
@@ -66,9 +66,9 @@ pub(crate) fn encode(
     headers: &Headers,
     msg_id: Option<uuid::Uuid>,
     not_before_ms: Option<u128>,
-) -> Result<HeaderMap, serde_json::Error> {
+) -> Result<HeaderMap, TransportError> {
     let mut map = HeaderMap::new();
-    let mut extra: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut extra = Headers::new();
     for (name, value) in headers {
         match (
             travels_natively(name, value),
@@ -77,12 +77,12 @@ pub(crate) fn encode(
         ) {
             (true, Ok(name), Ok(value)) => map.insert(name, value),
             _ => {
-                extra.insert(name, value);
+                extra.insert_copy(name, value);
             }
         }
     }
     if !extra.is_empty() {
-        map.insert(EXTRA_HEADERS, serde_json::to_string(&extra)?);
+        map.insert(EXTRA_HEADERS, encode_json_headers(&extra)?);
     }
     if let Some(msg_id) = msg_id {
         let mut id = uuid::Uuid::encode_buffer();
@@ -112,9 +112,7 @@ pub(crate) fn encoded_len(headers: &HeaderMap) -> usize {
 }
 
 /// Rebuilds the envoi message from a NATS message's headers and payload.
-/// Headers JetStream adds (`Nats-*`) and the transport's own are left out,
-/// and so is a [`REDELIVERED_HEADER`] a producer set: the mark of a
-/// redelivery is the transport's to give.
+/// Headers JetStream adds (`Nats-*`) and the transport's own are left out.
 ///
 /// A header with several values, or given both natively and in
 /// [`EXTRA_HEADERS`], is kept with its last value and
@@ -122,9 +120,10 @@ pub(crate) fn encoded_len(headers: &HeaderMap) -> usize {
 /// decode and the worker parks it rather than guess which value counts.
 ///
 /// A message whose [`EXTRA_HEADERS`] header is not a JSON object of strings
-/// (written by something else than envoi) is still returned, with that
-/// header kept as it is and [`INVALID_HEADERS_HEADER`] saying what is
-/// wrong, so that it does not decode and the worker parks it with the
+/// (written by something else than envoi) is still returned, as core's
+/// [`decode_json_headers`] keeps such headers: the string values it holds,
+/// [`INVALID_HEADERS_HEADER`] saying what is wrong and the header as it was
+/// stored, so that it does not decode and the worker parks it with the
 /// reason instead of handling it without the headers it carried.
 pub(crate) fn decode(headers: Option<&HeaderMap>, payload: &[u8]) -> RawMessage {
     decode_delivered(headers, payload).0
@@ -155,9 +154,6 @@ pub(crate) fn decode_delivered(
                 }
                 continue;
             }
-            if name == REDELIVERED_HEADER {
-                continue;
-            }
             if values.len() > 1 {
                 twice.push(format!("`{name}`"));
             }
@@ -166,30 +162,11 @@ pub(crate) fn decode_delivered(
             }
         }
         if let Some(extra) = extra {
-            match serde_json::from_str::<Headers>(extra.as_str()) {
-                Ok(extra) => {
-                    for (name, value) in extra {
-                        if name == REDELIVERED_HEADER {
-                            continue;
-                        }
-                        if out.contains_key(&name) {
-                            twice.push(format!("`{name}`"));
-                        }
-                        out.insert(name, value);
-                    }
+            for (name, value) in decode_json_headers(extra.as_str().as_bytes()) {
+                if out.contains_key(&name) {
+                    twice.push(format!("`{name}`"));
                 }
-                Err(error) => {
-                    tracing::warn!(%error, "header `{EXTRA_HEADERS}` is not a JSON object of strings");
-                    out.insert(EXTRA_HEADERS, extra.as_str().to_string());
-                    // The headers it held are lost: the message must not be
-                    // handled without them, but parked with the reason.
-                    out.insert(
-                        INVALID_HEADERS_HEADER,
-                        format!(
-                            "header `{EXTRA_HEADERS}` is not a JSON object of strings: {error}"
-                        ),
-                    );
-                }
+                out.insert(name, value);
             }
         }
         if !twice.is_empty() {
@@ -211,6 +188,7 @@ pub(crate) fn decode_delivered(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use envoi_core::transport::support::STORED_HEADERS_HEADER;
 
     fn roundtrip(headers: &[(&str, &str)]) -> Headers {
         let headers: Headers = headers
@@ -219,22 +197,6 @@ mod tests {
             .collect();
         let map = encode(&headers, Some(uuid::Uuid::nil()), None).unwrap();
         decode(Some(&map), b"body").headers
-    }
-
-    #[test]
-    fn a_redelivery_mark_a_producer_set_is_dropped() {
-        // As a NATS header, and in the extra headers (where a value NATS
-        // cannot carry sends it).
-        for value in ["true", "  true"] {
-            let got = roundtrip(&[("type", "Job"), (REDELIVERED_HEADER, value)]);
-            assert_eq!(got, Headers::from([("type", "Job")]), "{value:?}");
-        }
-        // Given twice, it does not make the message invalid either.
-        let mut map = HeaderMap::new();
-        map.append(REDELIVERED_HEADER, "true");
-        map.append(REDELIVERED_HEADER, "true");
-        map.insert(EXTRA_HEADERS, r#"{"X-Envoi-Redelivered":"true"}"#);
-        assert_eq!(decode(Some(&map), b"").headers, Headers::new());
     }
 
     #[test]
@@ -306,11 +268,19 @@ mod tests {
         map.insert(EXTRA_HEADERS, "not json");
         map.insert("type", "Order");
         let raw = decode(Some(&map), b"payload");
-        assert_eq!(raw.header(EXTRA_HEADERS), Some("not json"));
+        assert_eq!(raw.header(STORED_HEADERS_HEADER), Some("not json"));
         assert_eq!(raw.header("type"), Some("Order"));
         assert_eq!(raw.body, b"payload");
         let reason = raw.header(INVALID_HEADERS_HEADER).unwrap();
         assert!(reason.contains("not a JSON object of strings"), "{reason}");
+
+        // An object with a value that is not a string: the strings are kept.
+        let mut map = HeaderMap::new();
+        map.insert(EXTRA_HEADERS, r#"{"trace":"t1","n":1}"#);
+        let raw = decode(Some(&map), b"payload");
+        assert_eq!(raw.header("trace"), Some("t1"));
+        let reason = raw.header(INVALID_HEADERS_HEADER).unwrap();
+        assert!(reason.contains("`n` holds a number"), "{reason}");
     }
 
     #[test]

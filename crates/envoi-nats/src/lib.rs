@@ -12,18 +12,29 @@
 //!
 //! ## How each operation maps to JetStream
 //!
-//! | Transport             | JetStream                                                    |
-//! |-----------------------|--------------------------------------------------------------|
-//! | `setup`               | get-or-create stream, create-or-update durable pull consumer |
-//! | `send` / `send_batch` | publish (`Nats-Msg-Id` with `dedup`), wait for the ack        |
-//! | `get`                 | one pull request (fetch) with an expiry of `wait`            |
-//! | `ack`                 | `+ACK` (with `double_ack`, confirmed by the server)          |
-//! | `reject`              | `+ACK` (a work queue then drops the message)                 |
-//! | `release`             | `-NAK` with no delay: handed out again at once               |
-//! | `keepalive`           | `+WPI` (in progress): the lease starts over                  |
-//! | lease                 | the consumer's `ack_wait`                                    |
-//! | `message_count`       | consumer info: `num_pending + num_ack_pending`               |
-//! | `list` / `find`       | `STREAM.MSG.GET` by subject / by sequence                    |
+//! [`NatsTransport`] is a [`Transport`](envoi_core::transport::Transport)
+//! with these abilities, each handed out by its `as_*` method:
+//!
+//! | Ability / call                 | JetStream                                                    |
+//! |--------------------------------|--------------------------------------------------------------|
+//! | `Setup::setup`                 | get-or-create stream, create-or-update durable pull consumer |
+//! | `send` / `send_batch`          | publish (`Nats-Msg-Id` with `dedup`), wait for the ack        |
+//! | `Receiver::get`                | one pull request (fetch) with an expiry of `wait`            |
+//! | `Receiver::ack`                | `+ACK` (with `double_ack`, confirmed by the server)          |
+//! | `Receiver::reject`             | `+ACK` (a work queue then drops the message for good)        |
+//! | `Receiver::release`            | `-NAK` with no delay: handed out again at once               |
+//! | `Keepalive::keepalive`         | `+WPI` (in progress): the lease starts over                  |
+//! | lease                          | the consumer's `ack_wait`                                    |
+//! | `MessageCount::message_count`  | consumer info: `num_pending + num_ack_pending`               |
+//! | `Browse::list` / `find`        | `STREAM.MSG.GET` by subject / by sequence                    |
+//! | `Teardown::purge`              | stream purge of the transport's subject (returns the count)  |
+//! | `Teardown::delete`             | stream delete (its consumer and messages with it)            |
+//! | `WakeUp::wait_for_messages`    | returns at once: an empty `get` already waited on the server |
+//! | [`NatsTransport::close`]       | gives back what was fetched ahead, confirms acks, drains     |
+//!
+//! A message JetStream delivered before (its delivery count is above one)
+//! is handed out with [`Delivery::redelivered`](envoi_core::transport::Delivery::redelivered)
+//! set, unless it is a delayed message (deferring counts as a delivery).
 //!
 //! Ids are stream sequence numbers, the same for every delivery of a message.
 //! `ack` and `reject` of an id this handle did not hand out (one from `list`,
@@ -56,8 +67,9 @@
 //! if it went missing). After five seconds (or four `wait`s) without a
 //! message, `get` asks the server about the consumer; if it reports pending
 //! messages that fetches do not return, or cannot be read, the binding is
-//! re-created. Acks still queued when the last handle is dropped are flushed
-//! and confirmed before the connection closes.
+//! re-created. [`NatsTransport::close`] (or dropping the last handle) gives
+//! back what was fetched ahead and flushes and confirms the acks still
+//! queued before the connection closes.
 //!
 //! ## What an acknowledged send survives
 //!
@@ -90,17 +102,41 @@
 //!   `double_ack=true` each is confirmed, concurrently within a batch.
 //!
 //! ```
+//! use std::time::Duration;
 //! use envoi_nats::NatsConfig;
 //!
-//! let config = NatsConfig::from_dsn("emails", "nats://127.0.0.1:4222?lease=1m").unwrap();
-//! assert_eq!(config.consumer, "envoi-emails");
+//! let config = NatsConfig::from_dsn("nats://127.0.0.1:4222?lease=1m&consumer=mailer").unwrap();
+//! assert_eq!(config.consumer.as_deref(), Some("mailer"));
+//! assert_eq!(config.lease, Duration::from_secs(60));
+//! ```
+//!
+//! ```no_run
+//! use envoi_core::transport::Transport;
+//! use envoi_nats::NatsTransport;
+//!
+//! # async fn run() -> Result<(), envoi_core::TransportError> {
+//! let emails = NatsTransport::connect("emails", "nats://127.0.0.1:4222?lease=1m").await?;
+//! assert_eq!(emails.consumer(), "envoi-emails");
+//! if let Some(teardown) = emails.as_teardown() {
+//!     let purged = teardown.purge().await?;
+//!     println!("{purged} messages purged");
+//! }
+//! emails.close().await?;
+//! # Ok(())
+//! # }
 //! ```
 
 #![forbid(unsafe_code)]
 
+mod browse;
 pub mod config;
 pub mod factory;
+mod fetch;
 mod headers;
+mod publish;
+mod receive;
+mod settle;
+mod setup;
 pub mod transport;
 
 pub use config::{NatsConfig, Storage};

@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{nats_url, transport, unique_name};
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{DeliveryId, Keepalive, RawMessage, Receiver, Teardown, Transport};
 
 fn message(body: &str) -> RawMessage {
     RawMessage {
@@ -54,7 +54,7 @@ async fn settling_runs_promptly_while_a_long_fetch_waits() {
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].id, held[1].id);
     t.ack(&got[0].id).await.unwrap();
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -82,14 +82,14 @@ async fn a_message_sent_after_a_dropped_fetch_goes_to_the_next_get() {
         got = t.get(1).await.unwrap();
     }
     eprintln!("delivered after {:?}", sent_at.elapsed());
-    assert_eq!(got[0].id, id);
+    assert_eq!(got[0].id.as_str(), id);
     assert!(
         sent_at.elapsed() < Duration::from_secs(2),
         "went to the dropped pull request: {:?}",
         sent_at.elapsed()
     );
-    t.ack(&id).await.unwrap();
-    t.delete_stream().await.unwrap();
+    t.ack(&got[0].id).await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -113,7 +113,7 @@ async fn a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_le
     // and waits on the server, the stream being empty.
     let first = common::get_n(&t, 100, Duration::from_secs(5)).await;
     assert_eq!(first.len(), 100);
-    let ids: Vec<String> = first.iter().map(|d| d.id.clone()).collect();
+    let ids: Vec<DeliveryId> = first.iter().map(|d| d.id.clone()).collect();
     t.ack_batch(&ids).await.unwrap();
     // This `get` waits for that pull request, and is dropped meanwhile.
     let dropped = tokio::time::timeout(Duration::from_millis(200), t.get(100)).await;
@@ -129,12 +129,12 @@ async fn a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_le
         got = t.get(100).await.unwrap();
     }
     eprintln!("delivered after {:?}", sent_at.elapsed());
-    assert_eq!(got[0].id, id);
+    assert_eq!(got[0].id.as_str(), id);
     assert!(
         sent_at.elapsed() < Duration::from_secs(5),
         "waited for the lease: {:?}",
         sent_at.elapsed()
     );
-    t.ack(&id).await.unwrap();
-    t.delete_stream().await.unwrap();
+    t.ack(&got[0].id).await.unwrap();
+    t.delete().await.unwrap();
 }

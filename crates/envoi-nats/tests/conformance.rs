@@ -12,9 +12,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use envoi_core::middleware::BoxFuture;
-use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport};
-use envoi_core::TransportError;
+use envoi_core::transport::{
+    Browse, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport, WakeUp,
+};
+use envoi_core::{BoxFuture, TransportError};
 use envoi_nats::NatsTransport;
 use futures_util::StreamExt;
 
@@ -94,7 +95,7 @@ struct Cleaned(NatsTransport);
 
 impl Drop for Cleaned {
     fn drop(&mut self) {
-        let stream = self.0.config().stream.clone();
+        let stream = self.0.stream().to_string();
         let server = self.0.config().server.clone();
         let opened_so_far = {
             let mut usage = usage();
@@ -131,38 +132,26 @@ impl Transport for Cleaned {
     ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
         self.0.send_batch(messages)
     }
-    fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
-        self.0.get(max)
+    fn as_receiver(&self) -> Option<&dyn Receiver> {
+        self.0.as_receiver()
     }
-    fn ack<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        self.0.ack(id)
+    fn as_keepalive(&self) -> Option<&dyn Keepalive> {
+        self.0.as_keepalive()
     }
-    fn ack_batch<'a>(&'a self, ids: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
-        self.0.ack_batch(ids)
+    fn as_setup(&self) -> Option<&dyn Setup> {
+        self.0.as_setup()
     }
-    fn reject<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        self.0.reject(id)
+    fn as_message_count(&self) -> Option<&dyn MessageCount> {
+        self.0.as_message_count()
     }
-    fn release<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        self.0.release(id)
+    fn as_browse(&self) -> Option<&dyn Browse> {
+        self.0.as_browse()
     }
-    fn keepalive<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), TransportError>> {
-        self.0.keepalive(id)
+    fn as_teardown(&self) -> Option<&dyn Teardown> {
+        self.0.as_teardown()
     }
-    fn setup(&self) -> BoxFuture<'_, Result<(), TransportError>> {
-        self.0.setup()
-    }
-    fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
-        self.0.message_count()
-    }
-    fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
-        self.0.list(limit)
-    }
-    fn find<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<Delivery>, TransportError>> {
-        self.0.find(id)
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.0.capabilities()
+    fn as_wake_up(&self) -> Option<&dyn WakeUp> {
+        self.0.as_wake_up()
     }
 }
 
@@ -179,7 +168,7 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
     }
     let separator = if url.contains('?') { '&' } else { '?' };
     let dsn = format!("{url}{separator}lease=2s&stream={stream}");
-    let transport = NatsTransport::from_dsn(&name, &dsn)
+    let transport = NatsTransport::connect(&name, &dsn)
         .await
         .unwrap_or_else(|e| panic!("connecting to {dsn}: {e}"));
     if SWEPT.set(()).is_ok() {
@@ -188,4 +177,17 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
     Some(Arc::new(Cleaned(transport)))
 }
 
-envoi_transport_tests::conformance!(make);
+// A file-backed stream keeps its messages when every handle goes
+// (persistent); one consumer gets them in order; delays are honoured by
+// deferring early deliveries; redeliveries are marked from JetStream's
+// delivery count.
+envoi_transport_tests::conformance!(
+    make,
+    envoi_transport_tests::Options {
+        persistent: true,
+        ordered: true,
+        delay: true,
+        marks_redeliveries: true,
+        ..envoi_transport_tests::Options::default()
+    }
+);

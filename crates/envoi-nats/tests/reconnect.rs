@@ -14,7 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{nats_url, unique_name, with_options};
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{
+    DeliveryId, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
+};
 use envoi_nats::NatsTransport;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -116,7 +118,7 @@ async fn every_message_is_handled_when_the_connection_is_cut_mid_run() {
     let options = "lease=1s&wait=100ms";
 
     // A direct handle for setup, checks and clean-up.
-    let direct = NatsTransport::from_dsn(&name, &with_options(&url, options))
+    let direct = NatsTransport::connect(&name, &with_options(&url, options))
         .await
         .expect("connect directly");
     direct.setup().await.expect("setup");
@@ -137,14 +139,14 @@ async fn every_message_is_handled_when_the_connection_is_cut_mid_run() {
         .expect("port");
     let proxied = with_options(through_proxy.as_str(), options);
 
-    let producer = NatsTransport::from_dsn(&name, &proxied)
+    let producer = NatsTransport::connect(&name, &proxied)
         .await
         .expect("producer");
     let consumers = [
-        NatsTransport::from_dsn(&name, &proxied)
+        NatsTransport::connect(&name, &proxied)
             .await
             .expect("consumer 1"),
-        NatsTransport::from_dsn(&name, &proxied)
+        NatsTransport::connect(&name, &proxied)
             .await
             .expect("consumer 2"),
     ];
@@ -182,7 +184,7 @@ async fn every_message_is_handled_when_the_connection_is_cut_mid_run() {
                 while handled.lock().unwrap().len() < MESSAGES && Instant::now() < deadline {
                     match consumer.get(10).await {
                         Ok(deliveries) => {
-                            let ids: Vec<String> =
+                            let ids: Vec<DeliveryId> =
                                 deliveries.iter().map(|d| d.id.clone()).collect();
                             {
                                 let mut handled = handled.lock().unwrap();
@@ -245,9 +247,9 @@ async fn every_message_is_handled_when_the_connection_is_cut_mid_run() {
         for delivery in &deliveries {
             assert!(handled.contains(&index(&delivery.raw)));
         }
-        let ids: Vec<String> = deliveries.into_iter().map(|d| d.id).collect();
+        let ids: Vec<DeliveryId> = deliveries.into_iter().map(|d| d.id).collect();
         direct.ack_batch(&ids).await.expect("ack");
     }
     assert_eq!(direct.message_count().await.expect("count"), 0);
-    direct.delete_stream().await.expect("delete stream");
+    direct.delete().await.expect("delete stream");
 }

@@ -6,7 +6,10 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use common::{get_n, nats_url, transport, unique_name};
-use envoi_core::transport::{RawMessage, Transport, REDELIVERED_HEADER};
+use envoi_core::transport::{
+    Browse, DeliveryId, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
+    WakeUp,
+};
 use envoi_core::{Headers, TransportError};
 
 fn message(body: &str) -> RawMessage {
@@ -35,7 +38,7 @@ async fn a_sent_message_arrives_intact_and_an_acked_one_never_returns() {
     let id = t.send(raw.clone(), None).await.unwrap();
     let got = get_n(&t, 1, Duration::from_secs(5)).await;
     assert_eq!(got.len(), 1);
-    assert_eq!(got[0].id, id);
+    assert_eq!(got[0].id.as_str(), id);
     assert_eq!(got[0].raw, raw);
     assert_eq!(t.leased(), 1);
 
@@ -45,7 +48,7 @@ async fn a_sent_message_arrives_intact_and_an_acked_one_never_returns() {
     let again = get_n(&t, 1, Duration::from_millis(2500)).await;
     assert!(again.is_empty(), "acked message came back: {again:?}");
     assert_eq!(t.message_count().await.unwrap(), 0);
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -65,10 +68,10 @@ async fn an_unacknowledged_message_comes_back_after_the_lease() {
 
     let second = get_n(&t, 1, Duration::from_secs(6)).await;
     assert_eq!(second.len(), 1, "message not redelivered after the lease");
-    assert_eq!(second[0].id, id);
+    assert_eq!(second[0].id.as_str(), id);
     assert!(leased_at.elapsed() >= Duration::from_millis(800));
     t.ack(&second[0].id).await.unwrap();
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -79,22 +82,23 @@ async fn a_message_not_acknowledged_within_its_lease_comes_back_marked_as_redeli
         return;
     };
     let t = transport(&url, &unique_name("redelivered"), "lease=1s&wait=200ms").await;
-    // A producer cannot mark a message itself.
-    let mut sent = message("m");
-    sent.headers.insert(REDELIVERED_HEADER, "true");
-    t.send(sent, None).await.unwrap();
+    t.send(message("m"), None).await.unwrap();
     let first = get_n(&t, 1, Duration::from_secs(5)).await;
     assert_eq!(first.len(), 1);
-    assert!(!first[0].is_redelivered(), "handed out the first time");
+    assert!(!first[0].redelivered, "handed out the first time");
     assert_eq!(first[0].raw, message("m"));
 
     let again = get_n(&t, 1, Duration::from_secs(6)).await;
     assert_eq!(again.len(), 1, "message not redelivered after the lease");
     assert_eq!(again[0].id, first[0].id);
-    assert!(again[0].is_redelivered(), "handed out again, marked");
-    assert_eq!(again[0].raw.body, b"m");
+    assert!(again[0].redelivered, "handed out again, marked");
+    assert_eq!(
+        again[0].raw,
+        message("m"),
+        "the message itself is unchanged"
+    );
     t.ack(&again[0].id).await.unwrap();
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -112,13 +116,15 @@ async fn a_released_message_is_handed_out_again_before_its_lease_ends() {
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].id, first[0].id);
     // JetStream counts the delivery the consumer gave back: marked.
-    assert_eq!(again[0].raw, first[0].clone().redelivered().raw);
+    assert!(!first[0].redelivered);
+    assert!(again[0].redelivered, "a released message comes back marked");
+    assert_eq!(again[0].raw, first[0].raw);
     assert!(
         released_at.elapsed() < Duration::from_secs(10),
         "waited for the lease"
     );
     t.ack(&again[0].id).await.unwrap();
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -142,7 +148,7 @@ async fn keepalive_keeps_a_message_from_being_handed_out_again() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     worker.ack(&got[0].id).await.unwrap();
-    worker.delete_stream().await.unwrap();
+    worker.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -160,23 +166,28 @@ async fn a_delayed_message_is_not_handed_out_before_it_is_due() {
 
     let first = get_n(&t, 1, Duration::from_secs(3)).await;
     assert_eq!(first.len(), 1);
-    assert_eq!(first[0].id, now, "the undelayed message comes first");
+    assert_eq!(
+        first[0].id.as_str(),
+        now,
+        "the undelayed message comes first"
+    );
     t.ack(&first[0].id).await.unwrap();
 
     let later = get_n(&t, 1, Duration::from_secs(8)).await;
     let elapsed = sent_at.elapsed();
     assert_eq!(later.len(), 1, "delayed message never arrived");
-    assert_eq!(later[0].id, delayed);
+    assert_eq!(later[0].id.as_str(), delayed);
     // Deferred until due, it was delivered before: not marked, as that
     // does not tell a deferral from a redelivery.
-    assert_eq!(later[0].raw, message("later"), "unmarked");
+    assert!(!later[0].redelivered, "unmarked");
+    assert_eq!(later[0].raw, message("later"));
     assert!(elapsed >= Duration::from_millis(1150), "early: {elapsed:?}");
     assert!(
         elapsed < Duration::from_secs(6),
         "much too late: {elapsed:?}"
     );
     t.ack(&later[0].id).await.unwrap();
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -206,7 +217,7 @@ async fn message_count_includes_waiting_leased_and_delayed_messages() {
         count = t.message_count().await.unwrap();
     }
     assert_eq!(count, 2);
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -227,7 +238,10 @@ async fn list_and_find_show_stored_messages_oldest_first_without_leasing() {
 
     let listed = t.list(10).await.unwrap();
     assert_eq!(
-        listed.iter().map(|d| d.id.clone()).collect::<Vec<_>>(),
+        listed
+            .iter()
+            .map(|d| d.id.as_str().to_string())
+            .collect::<Vec<_>>(),
         ids,
         "listed oldest first"
     );
@@ -235,10 +249,11 @@ async fn list_and_find_show_stored_messages_oldest_first_without_leasing() {
     assert_eq!(t.list(2).await.unwrap().len(), 2);
     assert_eq!(t.leased(), 0, "listing leases nothing");
 
+    let ids: Vec<DeliveryId> = ids.into_iter().map(DeliveryId::from).collect();
     let found = t.find(&ids[2]).await.unwrap().expect("found");
     assert_eq!(found.raw, message("three"));
-    assert!(t.find("999999").await.unwrap().is_none());
-    assert!(t.find("not-an-id").await.unwrap().is_none());
+    assert!(t.find(&"999999".into()).await.unwrap().is_none());
+    assert!(t.find(&"not-an-id".into()).await.unwrap().is_none());
 
     // Removing a listed (never handed out) message deletes it.
     t.reject(&ids[0]).await.unwrap();
@@ -257,7 +272,7 @@ async fn list_and_find_show_stored_messages_oldest_first_without_leasing() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(t.list(10).await.unwrap().is_empty());
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -275,7 +290,13 @@ async fn setup_is_idempotent_and_handles_with_one_name_share_the_queue() {
     let batch = (0..20)
         .map(|i| (message(&format!("m{i}")), None))
         .collect::<Vec<_>>();
-    let ids: BTreeSet<String> = a.send_batch(batch).await.unwrap().into_iter().collect();
+    let ids: BTreeSet<DeliveryId> = a
+        .send_batch(batch)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(DeliveryId::from)
+        .collect();
     assert_eq!(ids.len(), 20);
 
     let mut seen = BTreeSet::new();
@@ -289,7 +310,7 @@ async fn setup_is_idempotent_and_handles_with_one_name_share_the_queue() {
         }
     }
     assert_eq!(seen, ids);
-    a.delete_stream().await.unwrap();
+    a.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -305,8 +326,8 @@ async fn transport_names_isolate_messages() {
     let got = get_n(&a, 1, Duration::from_secs(5)).await;
     assert_eq!(got.len(), 1);
     a.ack(&got[0].id).await.unwrap();
-    a.delete_stream().await.unwrap();
-    b.delete_stream().await.unwrap();
+    a.delete().await.unwrap();
+    b.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -328,7 +349,7 @@ async fn get_hands_out_at_most_max_and_waits_briefly_when_empty() {
     t.send_batch(batch).await.unwrap();
     assert_eq!(t.get(3).await.unwrap().len(), 3);
     assert_eq!(t.get(10).await.unwrap().len(), 4, "capped by batch=4");
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -343,8 +364,8 @@ async fn a_consumer_deleted_behind_its_back_is_recreated() {
         .await
         .unwrap();
     let js = async_nats::jetstream::new(client);
-    let stream = js.get_stream(&t.config().stream).await.unwrap();
-    stream.delete_consumer(&t.config().consumer).await.unwrap();
+    let stream = js.get_stream(&t.stream()).await.unwrap();
+    stream.delete_consumer(t.consumer()).await.unwrap();
 
     // The next gets fail or come back empty until the consumer is re-bound.
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -353,9 +374,9 @@ async fn a_consumer_deleted_behind_its_back_is_recreated() {
         got = t.get(1).await.unwrap_or_default();
     }
     assert_eq!(got.len(), 1, "consumer never resumed");
-    assert_eq!(got[0].id, id);
+    assert_eq!(got[0].id.as_str(), id);
     t.ack(&got[0].id).await.unwrap();
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -373,7 +394,7 @@ async fn only_dedup_gives_publishes_an_id_that_jetstream_deduplicates() {
     let mut stored_ids = Vec::new();
     for t in [&plain, &dedup] {
         let id = t.send(message("m"), None).await.unwrap();
-        let stream = js.get_stream(&t.config().stream).await.unwrap();
+        let stream = js.get_stream(&t.stream()).await.unwrap();
         let stored = stream.get_raw_message(id.parse().unwrap()).await.unwrap();
         stored_ids.push(stored.headers.get("Nats-Msg-Id").cloned());
         // Whatever JetStream keeps, the delivery shows the sent headers only.
@@ -388,15 +409,15 @@ async fn only_dedup_gives_publishes_an_id_that_jetstream_deduplicates() {
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Msg-Id", msg_id);
     let ack = js
-        .publish_with_headers(dedup.config().subject.clone(), headers, "again".into())
+        .publish_with_headers(dedup.subject().to_string(), headers, "again".into())
         .await
         .unwrap()
         .await
         .unwrap();
     assert!(ack.duplicate);
     assert_eq!(dedup.message_count().await.unwrap(), 0);
-    plain.delete_stream().await.unwrap();
-    dedup.delete_stream().await.unwrap();
+    plain.delete().await.unwrap();
+    dedup.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -406,20 +427,20 @@ async fn ids_that_were_not_handed_out_cannot_be_released_or_kept_alive() {
         return;
     };
     let t = transport(&url, &unique_name("unknown"), "wait=100ms").await;
-    let id = t.send(message("m"), None).await.unwrap();
+    let id = DeliveryId::from(t.send(message("m"), None).await.unwrap());
     assert!(matches!(
         t.release(&id).await,
         Err(TransportError::NotFound(_))
     ));
     assert!(matches!(
-        t.keepalive("nope").await,
+        t.keepalive(&"nope".into()).await,
         Err(TransportError::NotFound(_))
     ));
     assert!(matches!(
-        t.ack("nope").await,
+        t.ack(&"nope".into()).await,
         Err(TransportError::NotFound(_))
     ));
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -450,7 +471,7 @@ async fn an_oversized_payload_is_refused_with_its_size() {
         other => panic!("expected TooLarge, got {other:?}"),
     }
     assert_eq!(t.message_count().await.unwrap(), 0);
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -495,7 +516,7 @@ async fn a_body_within_the_limit_whose_headers_are_not_is_refused_with_both_coun
         other => panic!("expected TooLarge, got {other:?}"),
     }
     assert_eq!(t.message_count().await.unwrap(), 0);
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -513,7 +534,7 @@ async fn double_ack_waits_for_the_server_and_removes_the_message() {
     t.ack_batch(&[got[1].id.clone()]).await.unwrap();
     // Confirmed acks: the count is already zero, no waiting needed.
     assert_eq!(t.message_count().await.unwrap(), 0);
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test]
@@ -530,7 +551,7 @@ async fn wait_for_messages_returns_at_once_after_an_empty_get_that_waited() {
         started.elapsed() < Duration::from_secs(5),
         "slept although get already waited"
     );
-    t.delete_stream().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 /// A large `get` that comes back full fetches the next batch ahead; what it
@@ -550,7 +571,7 @@ async fn messages_fetched_ahead_are_given_back_when_the_handle_is_dropped() {
         .unwrap();
     let first = t.get(100).await.unwrap();
     assert_eq!(first.len(), 100);
-    let ids: Vec<String> = first.iter().map(|d| d.id.clone()).collect();
+    let ids: Vec<DeliveryId> = first.iter().map(|d| d.id.clone()).collect();
     t.ack_batch(&ids).await.unwrap();
     drop(t);
 
@@ -560,7 +581,7 @@ async fn messages_fetched_ahead_are_given_back_when_the_handle_is_dropped() {
     let mut seen: BTreeSet<Vec<u8>> = first.iter().map(|d| d.raw.body.clone()).collect();
     seen.extend(rest.iter().map(|d| d.raw.body.clone()));
     assert_eq!(seen.len(), 300, "{} of 300 distinct messages", seen.len());
-    other.delete_stream().await.unwrap();
+    other.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -590,5 +611,132 @@ async fn a_smaller_get_after_a_full_large_one_gives_the_surplus_back() {
     let rest = get_n(&other, 300 - seen.len(), Duration::from_secs(20)).await;
     seen.extend(rest.iter().map(|d| d.raw.body.clone()));
     assert_eq!(seen.len(), 300, "{} of 300 distinct messages", seen.len());
-    other.delete_stream().await.unwrap();
+    other.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_transport_has_every_ability_jetstream_gives_it() {
+    let Some(url) = nats_url("the_transport_has_every_ability_jetstream_gives_it") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("abilities"), "wait=100ms").await;
+    assert!(t.as_receiver().is_some());
+    assert!(t.as_keepalive().is_some());
+    assert!(t.as_setup().is_some());
+    assert!(t.as_message_count().is_some());
+    assert!(t.as_browse().is_some());
+    assert!(t.as_teardown().is_some());
+    assert!(t.as_wake_up().is_some());
+    assert!(t.as_local_sender().is_none());
+    assert!(t.as_local_receiver().is_none());
+    t.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_rejected_message_never_comes_back() {
+    let Some(url) = nats_url("a_rejected_message_never_comes_back") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("reject"), "lease=1s&wait=200ms").await;
+    t.send(message("poison"), None).await.unwrap();
+    let got = get_n(&t, 1, Duration::from_secs(5)).await;
+    assert_eq!(got.len(), 1);
+    t.reject(&got[0].id).await.unwrap();
+    assert_eq!(t.leased(), 0);
+    // Well past the 1 s lease.
+    let again = get_n(&t, 1, Duration::from_millis(2500)).await;
+    assert!(again.is_empty(), "rejected message came back: {again:?}");
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    t.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn purge_deletes_waiting_leased_and_delayed_messages_and_counts_them() {
+    let Some(url) = nats_url("purge_deletes_waiting_leased_and_delayed_messages_and_counts_them")
+    else {
+        return;
+    };
+    let t = transport(&url, &unique_name("purge"), "lease=10s&wait=100ms").await;
+    t.send_batch(vec![
+        (message("a"), None),
+        (message("b"), None),
+        (message("c"), Some(Duration::from_secs(60))),
+    ])
+    .await
+    .unwrap();
+    let leased = t.get(1).await.unwrap();
+    assert_eq!(leased.len(), 1);
+    assert_eq!(t.purge().await.unwrap(), 3);
+    assert_eq!(t.leased(), 0, "purged messages are no longer leased");
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    assert!(t.get(10).await.unwrap().is_empty());
+    // The purged message is gone: acknowledging it is not an error.
+    t.ack(&leased[0].id).await.unwrap();
+    assert_eq!(t.purge().await.unwrap(), 0);
+    t.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn delete_is_idempotent_and_the_next_use_sets_up_again() {
+    let Some(url) = nats_url("delete_is_idempotent_and_the_next_use_sets_up_again") else {
+        return;
+    };
+    let t = transport(&url, &unique_name("delete"), "wait=100ms").await;
+    t.send(message("gone"), None).await.unwrap();
+    t.delete().await.unwrap();
+    t.delete().await.unwrap();
+    let client = async_nats::connect(t.config().server.as_str())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client);
+    assert!(js.get_stream(t.stream()).await.is_err(), "stream deleted");
+
+    // With auto_setup, the next send makes the stream and consumer again.
+    let id = t.send(message("new"), None).await.unwrap();
+    let got = get_n(&t, 1, Duration::from_secs(5)).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].id.as_str(), id);
+    assert_eq!(got[0].raw, message("new"));
+    t.ack(&got[0].id).await.unwrap();
+    t.delete().await.unwrap();
+}
+
+/// A large `get` that comes back full fetches the next batch ahead; closing
+/// the transport gives it back at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_gives_back_what_was_fetched_ahead_and_later_calls_fail() {
+    let Some(url) = nats_url("close_gives_back_what_was_fetched_ahead_and_later_calls_fail") else {
+        return;
+    };
+    let name = unique_name("close");
+    let options = "lease=60s&wait=200ms";
+    let t = transport(&url, &name, options).await;
+    let bodies: Vec<String> = (0..300).map(|i| format!("m{i}")).collect();
+    t.send_batch(bodies.iter().map(|b| (message(b), None)).collect())
+        .await
+        .unwrap();
+    let first = t.get(100).await.unwrap();
+    assert_eq!(first.len(), 100);
+    let ids: Vec<DeliveryId> = first.iter().map(|d| d.id.clone()).collect();
+    t.ack_batch(&ids).await.unwrap();
+    let other = t.clone();
+    t.close().await.unwrap();
+    t.close().await.unwrap();
+    assert!(matches!(other.get(10).await, Err(TransportError::Closed)));
+    assert!(matches!(
+        other.send(message("late"), None).await,
+        Err(TransportError::Closed)
+    ));
+    assert!(matches!(
+        other.ack(&ids[0]).await,
+        Err(TransportError::Closed)
+    ));
+
+    // Well within the 60 s lease, a new handle gets all the others.
+    let after = transport(&url, &name, options).await;
+    let rest = get_n(&after, 200, Duration::from_secs(20)).await;
+    let mut seen: BTreeSet<Vec<u8>> = first.iter().map(|d| d.raw.body.clone()).collect();
+    seen.extend(rest.iter().map(|d| d.raw.body.clone()));
+    assert_eq!(seen.len(), 300, "{} of 300 distinct messages", seen.len());
+    after.delete().await.unwrap();
 }

@@ -16,14 +16,12 @@
 //! `X-Envoi-Invalid-Headers` names it, so that the worker parks the message
 //! rather than handling it with an altered header. So does a body or header
 //! given more than once (two `type` fields, say): the message is not
-//! handled with whichever came last. A field named `X-Envoi-Redelivered`
-//! is dropped: only the transport marks a redelivery
-//! ([`Delivery::redelivered`]).
+//! handled with whichever came last.
 
 use std::io::Write;
 
 use envoi_core::serializer::INVALID_HEADERS_HEADER;
-use envoi_core::transport::{Delivery, RawMessage, REDELIVERED_HEADER};
+use envoi_core::transport::{Delivery, RawMessage};
 use envoi_core::Headers;
 use redis::{Cmd, RedisWrite, ToRedisArgs, Value};
 
@@ -172,92 +170,111 @@ pub(crate) fn decode_fields(fields: Vec<Value>) -> Result<RawMessage, String> {
             fields.len()
         ));
     }
-    let mut raw = RawMessage {
-        body: Vec::new(),
-        headers: Headers::new(),
-    };
+    let mut decoder = Decoder::default();
     let mut items = fields.into_iter();
-    // Fields whose name or value is not UTF-8, kept as well as they can be
-    // read: the message must not be handled with an altered header.
-    let mut altered = Vec::new();
-    // The body or headers given more than once (by a foreign producer):
-    // which one counts is anyone's guess, so the message must not be
-    // handled with either.
-    let mut twice = Vec::new();
-    let mut has_body = false;
-    let mut read = |bytes: Vec<u8>| {
-        let (text, exact) = text(bytes);
-        if !exact {
-            altered.push(format!("`{text}`"));
-        }
-        text
-    };
     while let (Some(field), Some(value)) = (items.next(), items.next()) {
-        let mut field = bytes(field).ok_or("an entry has a field name that is not a string")?;
+        let field = bytes(field).ok_or("an entry has a field name that is not a string")?;
         let value = bytes(value).ok_or("an entry has a field value that is not a string")?;
+        decoder.field(field, value);
+    }
+    Ok(decoder.finish())
+}
+
+/// A message being read field by field, with what is wrong with it.
+#[derive(Default)]
+struct Decoder {
+    raw: RawMessage,
+    /// Fields whose name or value is not UTF-8, kept as well as they can be
+    /// read: the message must not be handled with an altered header.
+    altered: Vec<String>,
+    /// The body or headers given more than once (by a foreign producer):
+    /// which one counts is anyone's guess, so the message must not be
+    /// handled with either.
+    twice: Vec<String>,
+    has_body: bool,
+}
+
+impl Decoder {
+    fn field(&mut self, mut field: Vec<u8>, value: Vec<u8>) {
         if field == BODY.as_bytes() {
-            if has_body {
-                twice.push(format!("`{BODY}`"));
+            if self.has_body {
+                self.twice.push(format!("`{BODY}`"));
             }
-            has_body = true;
-            raw.body = value;
+            self.has_body = true;
+            self.raw.body = value;
         } else if field == HEADERS.as_bytes() {
-            let mut repeated = Vec::new();
-            let unpacked = unpack_headers(&value, &mut repeated);
-            if unpacked.is_some() {
-                twice.append(&mut repeated);
-            }
-            match unpacked {
-                Some(headers) if raw.headers.is_empty() => raw.headers = headers,
-                Some(headers) => {
-                    for (name, value) in headers {
-                        if raw.headers.contains_key(&name) {
-                            twice.push(format!("`{name}`"));
-                        }
-                        raw.headers.insert(name, value);
-                    }
-                }
-                // Someone else's field of that name: kept as it is.
-                None => {
-                    let (field, value) = (read(field), read(value));
-                    if raw.headers.insert(field, value).is_some() {
-                        twice.push(format!("`{HEADERS}`"));
-                    }
-                }
-            }
+            self.headers_field(field, value);
         } else {
             if field.starts_with(HEADER_PREFIX.as_bytes()) {
                 field.drain(..HEADER_PREFIX.len());
             }
-            let (field, value) = (read(field), read(value));
-            if raw.headers.contains_key(&field) {
-                twice.push(format!("`{field}`"));
+            let (field, value) = (self.read(field), self.read(value));
+            if self.raw.headers.contains_key(&field) {
+                self.twice.push(format!("`{field}`"));
             }
-            raw.headers.insert(field, value);
+            self.raw.headers.insert(field, value);
         }
     }
-    // The mark of a redelivery is the transport's to give (entries taken
-    // over with `XAUTOCLAIM`), not a producer's: dropped, however often it
-    // was given.
-    if raw.headers.remove(REDELIVERED_HEADER).is_some() && !twice.is_empty() {
-        let mark = format!("`{REDELIVERED_HEADER}`");
-        twice.retain(|name| *name != mark);
+
+    /// The `headers` field: the packed headers, or someone else's field of
+    /// that name, kept as it is.
+    fn headers_field(&mut self, field: Vec<u8>, value: Vec<u8>) {
+        let mut repeated = Vec::new();
+        match unpack_headers(&value, &mut repeated) {
+            Some(headers) if self.raw.headers.is_empty() => {
+                self.twice.append(&mut repeated);
+                self.raw.headers = headers;
+            }
+            Some(headers) => {
+                self.twice.append(&mut repeated);
+                for (name, value) in headers {
+                    if self.raw.headers.contains_key(&name) {
+                        self.twice.push(format!("`{name}`"));
+                    }
+                    self.raw.headers.insert(name, value);
+                }
+            }
+            None => {
+                let (field, value) = (self.read(field), self.read(value));
+                if self.raw.headers.insert(field, value).is_some() {
+                    self.twice.push(format!("`{HEADERS}`"));
+                }
+            }
+        }
     }
-    let mut problems = Vec::new();
-    if !altered.is_empty() {
-        problems.push(format!("fields that are not UTF-8: {}", altered.join(", ")));
+
+    /// `bytes` as text, noting it when they are not UTF-8.
+    fn read(&mut self, bytes: Vec<u8>) -> String {
+        let (text, exact) = text(bytes);
+        if !exact {
+            self.altered.push(format!("`{text}`"));
+        }
+        text
     }
-    if !twice.is_empty() {
-        problems.push(format!(
-            "fields or headers given more than once: {}",
-            twice.join(", ")
-        ));
+
+    /// The message, with `X-Envoi-Invalid-Headers` saying what is wrong with
+    /// it, if anything.
+    fn finish(mut self) -> RawMessage {
+        let mut problems = Vec::new();
+        if !self.altered.is_empty() {
+            problems.push(format!(
+                "fields that are not UTF-8: {}",
+                self.altered.join(", ")
+            ));
+        }
+        if !self.twice.is_empty() {
+            problems.push(format!(
+                "fields or headers given more than once: {}",
+                self.twice.join(", ")
+            ));
+        }
+        if !problems.is_empty() {
+            self.raw
+                .headers
+                .insert(INVALID_HEADERS_HEADER, problems.join("; "));
+        }
+        self.raw
     }
-    if !problems.is_empty() {
-        raw.headers
-            .insert(INVALID_HEADERS_HEADER, problems.join("; "));
-    }
-    Ok(raw)
 }
 
 fn flatten(value: Value) -> Option<Vec<Value>> {
@@ -301,7 +318,7 @@ pub(crate) fn decode_entries(value: Value, what: &str) -> Result<Entries, String
                     .ok_or_else(|| format!("{what} gave entry `{id}` without fields"))?;
                 let raw =
                     decode_fields(fields).map_err(|e| format!("{what}: entry `{id}`: {e}"))?;
-                out.deliveries.push(Delivery { id, raw });
+                out.deliveries.push(Delivery::new(id, raw));
             }
         }
     }
@@ -360,24 +377,6 @@ mod tests {
 
     fn bulk(s: &[u8]) -> Value {
         Value::BulkString(s.to_vec())
-    }
-
-    #[test]
-    fn a_redelivery_mark_a_producer_wrote_is_dropped() {
-        // As a field of its own and inside the packed headers.
-        let fields = vec![
-            bulk(b"body"),
-            bulk(b"{}"),
-            bulk(b"headers"),
-            bulk(b"4:type3:Job19:X-Envoi-Redelivered4:true"),
-            bulk(b"h:X-Envoi-Redelivered"),
-            bulk(b"true"),
-        ];
-        let raw = decode_fields(fields).unwrap();
-        assert_eq!(raw.header("type"), Some("Job"));
-        assert_eq!(raw.header(REDELIVERED_HEADER), None);
-        // Dropped, it is not given twice: the message is not held invalid.
-        assert_eq!(raw.header(INVALID_HEADERS_HEADER), None);
     }
 
     #[test]
@@ -637,7 +636,7 @@ mod tests {
         let entries = decode_entries(reply, "XAUTOCLAIM").unwrap();
         assert_eq!(entries.deleted, vec!["1-0".to_string()]);
         assert_eq!(entries.deliveries.len(), 1);
-        assert_eq!(entries.deliveries[0].id, "2-0");
+        assert_eq!(entries.deliveries[0].id.as_str(), "2-0");
         assert_eq!(entries.deliveries[0].raw.body, b"x");
     }
 
@@ -653,7 +652,7 @@ mod tests {
         ]);
         let (cursor, entries) = decode_autoclaim(reply).unwrap();
         assert_eq!(cursor, "5-0");
-        assert_eq!(entries.deliveries[0].id, "3-0");
+        assert_eq!(entries.deliveries[0].id.as_str(), "3-0");
         assert_eq!(entries.deleted, vec!["4-0".to_string()]);
     }
 }

@@ -2,14 +2,14 @@
 
 use std::sync::Arc;
 
-use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{dsn_has_scheme, Transport, TransportFactory};
-use envoi_core::TransportError;
+use envoi_core::{BoxFuture, TransportError};
 
 use crate::RedisTransport;
 
-/// Creates [`RedisTransport`]s from `redis://` DSNs (see
-/// [`RedisOptions::from_dsn`](crate::RedisOptions::from_dsn) for the
+/// Creates [`RedisTransport`]s from `redis://` DSNs with
+/// [`RedisTransport::connect`] (see
+/// [`RedisConfig::from_dsn`](crate::RedisConfig::from_dsn) for the
 /// options). Creating connects nothing; the first use does.
 ///
 /// ```
@@ -34,7 +34,7 @@ impl TransportFactory for RedisTransportFactory {
         dsn: &'a str,
     ) -> BoxFuture<'a, Result<Arc<dyn Transport>, TransportError>> {
         Box::pin(async move {
-            let transport: Arc<dyn Transport> = Arc::new(RedisTransport::from_dsn(name, dsn)?);
+            let transport: Arc<dyn Transport> = Arc::new(RedisTransport::connect(name, dsn).await?);
             Ok(transport)
         })
     }
@@ -66,7 +66,7 @@ mod tests {
             .create("t", "redis://127.0.0.1:1")
             .await
             .expect("creating connects nothing");
-        assert!(t.capabilities().delay);
+        assert!(t.as_receiver().is_some());
     }
 
     #[test]

@@ -1,18 +1,30 @@
 //! A named, self-healing connection to Redis.
 
 use std::future::Future;
-use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
+use envoi_core::transport::support::Backoff;
 use envoi_core::TransportError;
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Client, RedisError, RedisResult};
+use redis::{AsyncConnectionConfig, Client, ErrorKind, RedisError, RedisResult};
+
+/// The wait after a failed attempt to connect before the next one, doubling
+/// up to [`RECONNECT_MAX`] while the server stays out of reach.
+const RECONNECT_FIRST: Duration = Duration::from_millis(50);
+/// The longest wait between two attempts to connect.
+const RECONNECT_MAX: Duration = Duration::from_secs(1);
 
 /// One multiplexed connection that is opened on first use, named with
 /// `CLIENT SETNAME` every time it is (re)opened, and replaced after a
 /// connection-level failure. [`Link::run`] retries an operation once on a
 /// fresh connection when the first attempt failed that way, so a connection
 /// killed between two calls costs nothing but a reconnect.
+///
+/// While the server is out of reach, attempts to connect are spaced by a
+/// [`Backoff`] (50 ms, doubling up to 1 s): a command that comes before the
+/// next attempt is due fails at once with the last attempt's error, so
+/// callers retrying in a loop do not each open a connection.
 pub(crate) struct Link {
     client: Client,
     config: AsyncConnectionConfig,
@@ -22,12 +34,30 @@ pub(crate) struct Link {
     slot: Mutex<Slot>,
     /// Held while a connection is opened, so only one is.
     connecting: tokio::sync::Mutex<()>,
+    /// When the next attempt to connect may be made after failed ones.
+    reconnect: Mutex<Reconnect>,
 }
 
 #[derive(Default)]
 struct Slot {
     generation: u64,
     connection: Option<MultiplexedConnection>,
+    /// Set by [`Link::close`]: every command fails with
+    /// [`TransportError::Closed`] from then on.
+    closed: bool,
+}
+
+/// The pace of attempts to connect while they fail.
+struct Reconnect {
+    backoff: Backoff,
+    /// No attempt before this, with why the last one failed.
+    not_before: Option<(Instant, String)>,
+}
+
+/// Why [`Link::connection`] gave no connection.
+enum NoConnection {
+    Closed,
+    Failed(RedisError),
 }
 
 impl Link {
@@ -41,6 +71,10 @@ impl Link {
             name,
             slot: Mutex::new(Slot::default()),
             connecting: tokio::sync::Mutex::new(()),
+            reconnect: Mutex::new(Reconnect {
+                backoff: Backoff::new(RECONNECT_FIRST, RECONNECT_MAX),
+                not_before: None,
+            }),
         }
     }
 
@@ -49,25 +83,79 @@ impl Link {
         &self.name
     }
 
-    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
+    fn slot(&self) -> MutexGuard<'_, Slot> {
         self.slot.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn current(&self) -> Option<(u64, MultiplexedConnection)> {
-        let slot = self.slot();
-        slot.connection
-            .as_ref()
-            .map(|connection| (slot.generation, connection.clone()))
+    fn reconnect(&self) -> MutexGuard<'_, Reconnect> {
+        self.reconnect
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
-    async fn connection(&self) -> RedisResult<(u64, MultiplexedConnection)> {
-        if let Some(current) = self.current() {
+    /// Drops the connection; every later command fails with
+    /// [`TransportError::Closed`]. Commands in flight finish.
+    pub(crate) fn close(&self) {
+        let mut slot = self.slot();
+        slot.closed = true;
+        slot.connection = None;
+    }
+
+    fn current(&self) -> Result<Option<(u64, MultiplexedConnection)>, NoConnection> {
+        let slot = self.slot();
+        if slot.closed {
+            return Err(NoConnection::Closed);
+        }
+        Ok(slot
+            .connection
+            .as_ref()
+            .map(|connection| (slot.generation, connection.clone())))
+    }
+
+    async fn connection(&self) -> Result<(u64, MultiplexedConnection), NoConnection> {
+        if let Some(current) = self.current()? {
             return Ok(current);
         }
         let _connecting = self.connecting.lock().await;
-        if let Some(current) = self.current() {
+        if let Some(current) = self.current()? {
             return Ok(current);
         }
+        self.too_soon().map_err(NoConnection::Failed)?;
+        match self.open().await {
+            Ok(connection) => {
+                let mut reconnect = self.reconnect();
+                reconnect.backoff.reset();
+                reconnect.not_before = None;
+                drop(reconnect);
+                self.install(connection)
+            }
+            Err(e) => {
+                let mut reconnect = self.reconnect();
+                let wait = reconnect.backoff.next_wait();
+                reconnect.not_before = Some((Instant::now() + wait, e.to_string()));
+                Err(NoConnection::Failed(e))
+            }
+        }
+    }
+
+    /// An error when the last attempt to connect failed and the next one is
+    /// not due yet.
+    fn too_soon(&self) -> RedisResult<()> {
+        match &self.reconnect().not_before {
+            Some((at, why)) if Instant::now() < *at => Err(RedisError::from((
+                ErrorKind::Io,
+                "not reconnecting yet after a failed attempt",
+                format!(
+                    "next attempt in {:?}; the last one failed: {why}",
+                    at.saturating_duration_since(Instant::now())
+                ),
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// A new connection, named.
+    async fn open(&self) -> RedisResult<MultiplexedConnection> {
         let mut connection = self
             .client
             .get_multiplexed_async_connection_with_config(&self.config)
@@ -77,7 +165,19 @@ impl Link {
             .arg(&self.name)
             .exec_async(&mut connection)
             .await?;
+        Ok(connection)
+    }
+
+    /// Makes `connection` the current one, unless the link was closed
+    /// meanwhile.
+    fn install(
+        &self,
+        connection: MultiplexedConnection,
+    ) -> Result<(u64, MultiplexedConnection), NoConnection> {
         let mut slot = self.slot();
+        if slot.closed {
+            return Err(NoConnection::Closed);
+        }
         slot.generation += 1;
         slot.connection = Some(connection.clone());
         if slot.generation > 1 {
@@ -93,9 +193,10 @@ impl Link {
         }
     }
 
-    /// Runs `op` on the connection; on a connection-level failure, drops the
-    /// connection and tries once more on a new one. Errors become
-    /// [`TransportError::Backend`] with `context`.
+    /// Runs `op` on the connection; when `op` fails at the connection level,
+    /// drops the connection and tries once more on a new one. Errors become
+    /// [`TransportError::Backend`] with `context`, or
+    /// [`TransportError::Closed`] once the link is closed.
     pub(crate) async fn run<T, F, Fut>(&self, context: &str, op: F) -> Result<T, TransportError>
     where
         F: Fn(MultiplexedConnection) -> Fut,
@@ -105,11 +206,10 @@ impl Link {
         loop {
             let (generation, connection) = match self.connection().await {
                 Ok(c) => c,
-                Err(e) if !retried && is_connection_failure(&e) => {
-                    retried = true;
-                    continue;
-                }
-                Err(e) => return Err(backend(context, e)),
+                Err(NoConnection::Closed) => return Err(TransportError::Closed),
+                // Trying again at once would only be refused: the next
+                // attempt waits for the back-off.
+                Err(NoConnection::Failed(e)) => return Err(backend(context, e)),
             };
             match op(connection).await {
                 Ok(value) => return Ok(value),
@@ -135,4 +235,53 @@ pub(crate) fn is_connection_failure(e: &RedisError) -> bool {
 
 fn backend(context: &str, e: RedisError) -> TransportError {
     TransportError::backend(context.to_string(), e)
+}
+
+/// The server's error code (`BUSYGROUP`, `NOGROUP`, ...) behind `e`, if any.
+pub(crate) fn redis_code(e: &TransportError) -> Option<&str> {
+    match e {
+        TransportError::Backend { source, .. } => source.downcast_ref::<RedisError>()?.code(),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unreachable() -> Link {
+        // Nothing listens on port 1: every attempt to connect fails at once.
+        let client = Client::open("redis://127.0.0.1:1").unwrap();
+        Link::new(client, "test".to_string(), Duration::from_secs(1))
+    }
+
+    async fn ping(link: &Link) -> Result<(), TransportError> {
+        link.run("PING", |mut c| async move {
+            redis::cmd("PING").exec_async(&mut c).await
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn attempts_to_connect_are_spaced_while_they_fail() {
+        let link = unreachable();
+        let err = ping(&link).await.unwrap_err().to_string();
+        assert!(!err.contains("not reconnecting yet"), "{err}");
+        // Within the wait: refused without an attempt, saying why.
+        let err = ping(&link).await.unwrap_err().to_string();
+        assert!(err.contains("not reconnecting yet"), "{err}");
+        let first = link.reconnect().backoff.peek();
+        tokio::time::sleep(RECONNECT_FIRST * 4).await;
+        // Due again: a real attempt, which fails and doubles the wait.
+        let err = ping(&link).await.unwrap_err().to_string();
+        assert!(!err.contains("not reconnecting yet"), "{err}");
+        assert!(link.reconnect().backoff.peek() > first);
+    }
+
+    #[tokio::test]
+    async fn a_closed_link_refuses_every_command() {
+        let link = unreachable();
+        link.close();
+        assert!(matches!(ping(&link).await, Err(TransportError::Closed)));
+    }
 }

@@ -78,28 +78,71 @@ return {#due, wait}
     )
 });
 
-/// Gives a pending entry back: re-adds its fields at the end of the stream
-/// and acknowledges the old entry, atomically (the old entry is then
-/// trimmed with the other acknowledged ones). Returns the new id, or nil
-/// when the entry is not pending (already settled).
+/// Gives pending entries back: re-adds each one's fields at the end of the
+/// stream and acknowledges the old entry, atomically (the old entry is then
+/// trimmed with the other acknowledged ones). Returns how many were re-added;
+/// an id that is not pending (already settled) is skipped.
 ///
-/// KEYS: stream. ARGV: group, id, trim (`''` for none).
+/// KEYS: stream. ARGV: group, trim (`''` for none), id, ...
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
-if #pending == 0 then
+local readded = 0
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) > 0 then
+    local entry = redis.call('XRANGE', KEYS[1], id, id)
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+    if #entry > 0 then
+      if ARGV[2] ~= '' then
+        redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(entry[1][2]))
+      else
+        redis.call('XADD', KEYS[1], '*', unpack(entry[1][2]))
+      end
+      readded = readded + 1
+    end
+  end
+end
+return readded
+",
+    )
+});
+
+/// Rejects pending entries: acknowledges each one and deletes it from the
+/// stream (`XDEL`) unless another group on the stream still needs it (has
+/// it pending, or has not read that far). An id that is not pending is
+/// left alone. Returns how many entries were deleted.
+///
+/// KEYS: stream. ARGV: group, id, ...
+pub(crate) static REJECT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local groups = {}
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local f = {}
+  for i = 1, #g, 2 do
+    f[g[i]] = g[i + 1]
+  end
+  groups[#groups + 1] = f
+end
+local function needed(id)
+  for _, f in ipairs(groups) do
+    if #redis.call('XPENDING', KEYS[1], f['name'], id, id, 1) > 0 then
+      return true
+    end
+    if #redis.call('XRANGE', KEYS[1], '(' .. f['last-delivered-id'], id, 'COUNT', 1) > 0 then
+      return true
+    end
+  end
   return false
 end
-local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-if #entry == 0 then
-  return false
+local deleted = 0
+for i = 2, #ARGV do
+  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 and not needed(ARGV[i]) then
+    deleted = deleted + redis.call('XDEL', KEYS[1], ARGV[i])
+  end
 end
-if ARGV[3] ~= '' then
-  return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', unpack(entry[1][2]))
-end
-return redis.call('XADD', KEYS[1], '*', unpack(entry[1][2]))
+return deleted
 ",
     )
 });
@@ -198,6 +241,59 @@ if not lag then
   lag = #redis.call('XRANGE', KEYS[1], '(' .. g['last-delivered-id'], '+')
 end
 return count + g['pending'] + lag
+"
+    ))
+});
+
+/// Deletes every message waiting for the group: the delayed ones (the delay
+/// set and their payloads), and in the stream the group's pending entries
+/// (acknowledged) and those it has not read (it moves past them). Entries
+/// no other group needs are then trimmed like acknowledged ones. Without a
+/// group, creates it past every entry. Returns how many messages there
+/// were, as [`COUNT`] counts them.
+///
+/// KEYS: stream, delay set. ARGV: group, payload key prefix.
+pub(crate) static PURGE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        group_fields!(),
+        r"
+local count = redis.call('ZCARD', KEYS[2])
+local delayed = redis.call('ZRANGE', KEYS[2], 0, -1)
+for i = 1, #delayed, 500 do
+  local keys = {}
+  for j = i, math.min(i + 499, #delayed) do
+    keys[#keys + 1] = ARGV[2] .. delayed[j]
+  end
+  redis.call('DEL', unpack(keys))
+end
+redis.call('DEL', KEYS[2])
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return count
+end
+local g = group_fields(KEYS[1], ARGV[1])
+if g == nil then
+  count = count + redis.call('XLEN', KEYS[1])
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '$')
+  return count
+end
+local lag = g['lag']
+if not lag then
+  lag = #redis.call('XRANGE', KEYS[1], '(' .. g['last-delivered-id'], '+')
+end
+count = count + g['pending'] + lag
+while true do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000)
+  if #pending == 0 then
+    break
+  end
+  local ids = {}
+  for i, p in ipairs(pending) do
+    ids[i] = p[1]
+  end
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
+end
+redis.call('XGROUP', 'SETID', KEYS[1], ARGV[1], '$')
+return count
 "
     ))
 });

@@ -7,7 +7,9 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{
+    DeliveryId, Keepalive, RawMessage, Receiver, Setup, Teardown, Transport,
+};
 use envoi_core::Headers;
 use envoi_redis::RedisTransport;
 use redis::aio::MultiplexedConnection;
@@ -45,11 +47,14 @@ async fn settling_runs_promptly_while_a_long_read_is_pending() {
     let Some(url) = common::url("settling_runs_promptly_while_a_long_read_is_pending") else {
         return;
     };
-    let t = Arc::new(common::transport(
-        &url,
-        &common::unique("cancel-settle"),
-        "block=10s&lease=30s",
-    ));
+    let t = Arc::new(
+        common::transport(
+            &url,
+            &common::unique("cancel-settle"),
+            "block=10s&lease=30s",
+        )
+        .await,
+    );
     t.setup().await.unwrap();
     for i in 0..3 {
         t.send(text(&format!("m{i}")), None).await.unwrap();
@@ -80,7 +85,7 @@ async fn settling_runs_promptly_while_a_long_read_is_pending() {
         .unwrap();
     assert_eq!(got.len(), 1);
     t.ack(&got[0].id).await.unwrap();
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -88,11 +93,9 @@ async fn an_entry_read_by_a_dropped_get_comes_back_after_the_lease() {
     let Some(url) = common::url("an_entry_read_by_a_dropped_get_comes_back_after_the_lease") else {
         return;
     };
-    let t = Arc::new(common::transport(
-        &url,
-        &common::unique("cancel-drop"),
-        "block=3s&lease=2s",
-    ));
+    let t = Arc::new(
+        common::transport(&url, &common::unique("cancel-drop"), "block=3s&lease=2s").await,
+    );
     t.setup().await.unwrap();
     let get = {
         let t = Arc::clone(&t);
@@ -115,15 +118,15 @@ async fn an_entry_read_by_a_dropped_get_comes_back_after_the_lease() {
         got = t.get(1).await.unwrap();
     }
     eprintln!("delivered after {:?}", sent_at.elapsed());
-    assert_eq!(got[0].id, id);
-    t.ack(&id).await.unwrap();
+    assert_eq!(got[0].id.as_str(), id);
+    t.ack(&got[0].id).await.unwrap();
     // The blocking connection still works: a new entry is read at once.
     let again = t.send(text("next"), None).await.unwrap();
     let started = Instant::now();
     let got = t.get(1).await.unwrap();
     assert_eq!(got.len(), 1);
-    assert_eq!(got[0].id, again);
+    assert_eq!(got[0].id.as_str(), again);
     assert!(started.elapsed() < Duration::from_secs(1));
-    t.ack(&again).await.unwrap();
-    t.destroy().await.unwrap();
+    t.ack(&DeliveryId::from(again)).await.unwrap();
+    t.delete().await.unwrap();
 }

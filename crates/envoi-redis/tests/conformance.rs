@@ -9,7 +9,7 @@ use envoi_core::transport::Transport;
 
 async fn make(name: String) -> Option<Arc<dyn Transport>> {
     let url = common::url("conformance")?;
-    Some(Arc::new(common::transport(&url, &name, "lease=2s")))
+    Some(Arc::new(common::transport(&url, &name, "lease=2s").await))
 }
 
 envoi_transport_tests::conformance!(make);

@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{
+    DeliveryId, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
+};
 use envoi_redis::RedisTransport;
 use redis::aio::MultiplexedConnection;
 use tokio::net::{TcpListener, TcpStream};
@@ -73,10 +75,13 @@ async fn run_under_fire(
     name: &str,
     disrupt: impl FnOnce(Arc<AtomicBool>) -> JoinHandle<()>,
 ) -> Outcome {
-    let producer = Arc::new(common::transport(url, name, "lease=1s"));
-    let consumers: Vec<Arc<RedisTransport>> = (0..2)
-        .map(|_| Arc::new(common::transport(url, name, "lease=1s&block=100ms")))
-        .collect();
+    let producer = Arc::new(common::transport(url, name, "lease=1s").await);
+    let mut consumers: Vec<Arc<RedisTransport>> = Vec::new();
+    for _ in 0..2 {
+        consumers.push(Arc::new(
+            common::transport(url, name, "lease=1s&block=100ms").await,
+        ));
+    }
     let setup_deadline = Instant::now() + Duration::from_secs(5);
     while let Err(e) = producer.setup().await {
         assert!(Instant::now() < setup_deadline, "setup failed: {e}");
@@ -144,14 +149,17 @@ async fn run_under_fire(
                             continue;
                         }
                     };
-                    let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+                    let ids: Vec<DeliveryId> = got.iter().map(|d| d.id.clone()).collect();
                     {
                         let mut handled = handled.lock().unwrap();
                         for d in &got {
                             let seq = d.raw.header("seq").unwrap_or("?").to_string();
                             *handled.entry(seq).or_default() += 1;
                         }
-                        handled_ids.lock().unwrap().extend(ids.iter().cloned());
+                        handled_ids
+                            .lock()
+                            .unwrap()
+                            .extend(ids.iter().map(|id| id.to_string()));
                     }
                     // A failed ack leaves the entries pending: they come back
                     // after the lease and are handled again.
@@ -195,7 +203,7 @@ async fn run_under_fire(
     let drain_deadline = Instant::now() + Duration::from_secs(10);
     loop {
         if let Ok(got) = drain.get(BATCH).await {
-            let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+            let ids: Vec<DeliveryId> = got.iter().map(|d| d.id.clone()).collect();
             let _ = drain.ack_batch(&ids).await;
         }
         if drain.message_count().await.ok() == Some(0) {
@@ -206,7 +214,7 @@ async fn run_under_fire(
             "messages left after the run"
         );
     }
-    producer.destroy().await.expect("destroy");
+    producer.delete().await.expect("delete");
     Outcome {
         errors: errors.load(Ordering::SeqCst),
         redeliveries: handled.values().map(|n| n - 1).sum(),
@@ -220,7 +228,10 @@ async fn every_message_is_handled_when_connections_are_killed_mid_run() {
         return;
     };
     let name = common::unique("reconnect_kill");
-    let stream = common::options(&url, &name, "").stream;
+    let stream = common::transport(&url, &name, "")
+        .await
+        .stream()
+        .to_string();
     // Every connection of every handle on this stream carries this prefix.
     let prefix = format!("envoi:{stream}:");
     let kills = Arc::new(AtomicUsize::new(0));

@@ -6,7 +6,10 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::{Delivery, RawMessage, Transport};
+use envoi_core::transport::{
+    Browse, Delivery, DeliveryId, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown,
+    Transport, WakeUp,
+};
 use envoi_core::{Headers, TransportError};
 use envoi_redis::RedisTransport;
 use redis::aio::MultiplexedConnection;
@@ -24,7 +27,7 @@ fn body(d: &Delivery) -> String {
 }
 
 /// Gets until `n` deliveries arrived (or panics after `within`).
-async fn receive(t: &dyn Transport, n: usize, within: Duration) -> Vec<Delivery> {
+async fn receive(t: &dyn Receiver, n: usize, within: Duration) -> Vec<Delivery> {
     let deadline = Instant::now() + within;
     let mut out = Vec::new();
     while out.len() < n {
@@ -49,8 +52,8 @@ async fn xlen(c: &mut MultiplexedConnection, stream: &str) -> i64 {
 /// `XPENDING <stream> <group>`'s count.
 async fn pending(c: &mut MultiplexedConnection, t: &RedisTransport) -> i64 {
     let summary: Vec<Value> = redis::cmd("XPENDING")
-        .arg(&t.options().stream)
-        .arg(&t.options().group)
+        .arg(t.stream())
+        .arg(&t.config().group)
         .query_async(c)
         .await
         .expect("XPENDING");
@@ -67,8 +70,8 @@ async fn pending_entry(
     id: &str,
 ) -> Option<(String, i64)> {
     let rows: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
-        .arg(&t.options().stream)
-        .arg(&t.options().group)
+        .arg(t.stream())
+        .arg(&t.config().group)
         .arg(id)
         .arg(id)
         .arg(1)
@@ -83,8 +86,8 @@ async fn pending_entry(
 async fn consumers(c: &mut MultiplexedConnection, t: &RedisTransport) -> Vec<String> {
     let rows: Vec<Vec<Value>> = redis::cmd("XINFO")
         .arg("CONSUMERS")
-        .arg(&t.options().stream)
-        .arg(&t.options().group)
+        .arg(t.stream())
+        .arg(&t.config().group)
         .query_async(c)
         .await
         .expect("XINFO CONSUMERS");
@@ -103,22 +106,27 @@ async fn acked_entries_leave_the_pending_list_and_are_trimmed_from_the_stream() 
     else {
         return;
     };
-    let t = common::transport(&url, &common::unique("acked"), "");
+    let t = common::transport(&url, &common::unique("acked"), "").await;
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
     for i in 0..5 {
         t.send(text(&format!("m{i}")), None).await.unwrap();
     }
-    assert_eq!(xlen(&mut c, &t.options().stream).await, 5);
+    assert_eq!(xlen(&mut c, t.stream()).await, 5);
     let got = receive(&t, 5, Duration::from_secs(10)).await;
     assert_eq!(
         pending(&mut c, &t).await,
         5,
         "handed out entries are pending"
     );
-    let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+    let ids: Vec<DeliveryId> = got.iter().map(|d| d.id.clone()).collect();
     t.ack_batch(&ids[..3]).await.unwrap();
     t.reject(&ids[3]).await.unwrap();
+    assert_eq!(
+        xlen(&mut c, t.stream()).await,
+        4,
+        "a rejected entry stays in the stream"
+    );
     t.ack(&ids[4]).await.unwrap();
     assert_eq!(pending(&mut c, &t).await, 0, "settled entries stay pending");
     assert_eq!(t.message_count().await.unwrap(), 0);
@@ -126,13 +134,13 @@ async fn acked_entries_leave_the_pending_list_and_are_trimmed_from_the_stream() 
         t.list(10).await.unwrap().is_empty(),
         "settled entries are listed"
     );
-    assert_eq!(t.trim_acknowledged().await.unwrap(), 5);
+    assert_eq!(t.trim_acknowledged().await.unwrap(), 4);
     assert_eq!(
-        xlen(&mut c, &t.options().stream).await,
+        xlen(&mut c, t.stream()).await,
         0,
         "settled entries stay in the stream"
     );
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -140,14 +148,14 @@ async fn acking_an_entry_that_was_never_handed_out_leaves_it_alone() {
     let Some(url) = common::url("acking_an_entry_that_was_never_handed_out_leaves_it_alone") else {
         return;
     };
-    let t = common::transport(&url, &common::unique("stray_ack"), "");
+    let t = common::transport(&url, &common::unique("stray_ack"), "").await;
     t.setup().await.unwrap();
-    let id = t.send(text("waiting"), None).await.unwrap();
+    let id = DeliveryId::from(t.send(text("waiting"), None).await.unwrap());
     t.ack(&id).await.unwrap();
     let got = receive(&t, 1, Duration::from_secs(10)).await;
     assert_eq!(got[0].id, id, "an ack of an undelivered entry deleted it");
     t.ack(&id).await.unwrap();
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -159,7 +167,7 @@ async fn delayed_messages_are_moved_exactly_once_by_competing_workers() {
         return;
     };
     let name = common::unique("delay_race");
-    let sender = common::transport(&url, &name, "lease=30s");
+    let sender = common::transport(&url, &name, "lease=30s").await;
     sender.setup().await.unwrap();
     let start = Instant::now();
     let delay = Duration::from_millis(700);
@@ -178,7 +186,7 @@ async fn delayed_messages_are_moved_exactly_once_by_competing_workers() {
     );
     let mut c = common::raw(&url).await;
     assert_eq!(
-        xlen(&mut c, &sender.options().stream).await,
+        xlen(&mut c, sender.stream()).await,
         0,
         "delayed messages reached the stream early"
     );
@@ -186,13 +194,13 @@ async fn delayed_messages_are_moved_exactly_once_by_competing_workers() {
     let seen = Arc::new(std::sync::Mutex::new(Vec::<(String, Duration)>::new()));
     let mut tasks = Vec::new();
     for _ in 0..WORKERS {
-        let t = common::transport(&url, &name, "lease=30s&block=50ms");
+        let t = common::transport(&url, &name, "lease=30s&block=50ms").await;
         let seen = Arc::clone(&seen);
         tasks.push(tokio::spawn(async move {
             let deadline = Instant::now() + Duration::from_secs(15);
             while seen.lock().unwrap().len() < N && Instant::now() < deadline {
                 let got = t.get(25).await.expect("get failed");
-                let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+                let ids: Vec<DeliveryId> = got.iter().map(|d| d.id.clone()).collect();
                 let at = start.elapsed();
                 seen.lock()
                     .unwrap()
@@ -222,7 +230,7 @@ async fn delayed_messages_are_moved_exactly_once_by_competing_workers() {
         );
     }
     assert_eq!(sender.message_count().await.unwrap(), 0);
-    sender.destroy().await.unwrap();
+    sender.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -231,7 +239,7 @@ async fn list_and_find_show_delayed_messages_by_the_id_send_returned() {
     else {
         return;
     };
-    let t = common::transport(&url, &common::unique("delayed_list"), "");
+    let t = common::transport(&url, &common::unique("delayed_list"), "").await;
     t.setup().await.unwrap();
     let now_id = t.send(text("now"), None).await.unwrap();
     let later = RawMessage {
@@ -240,11 +248,12 @@ async fn list_and_find_show_delayed_messages_by_the_id_send_returned() {
             .into_iter()
             .collect(),
     };
-    let later_id = t
-        .send(later.clone(), Some(Duration::from_secs(60)))
-        .await
-        .unwrap();
-    assert_ne!(now_id, later_id);
+    let later_id = DeliveryId::from(
+        t.send(later.clone(), Some(Duration::from_secs(60)))
+            .await
+            .unwrap(),
+    );
+    assert_ne!(now_id, later_id.as_str());
     let listed = t.list(10).await.unwrap();
     let ids: Vec<&str> = listed.iter().map(|d| d.id.as_str()).collect();
     assert_eq!(
@@ -261,15 +270,15 @@ async fn list_and_find_show_delayed_messages_by_the_id_send_returned() {
         .expect("the delayed message is findable");
     assert_eq!(found.raw, later);
     assert_eq!(t.message_count().await.unwrap(), 2);
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
     assert_eq!(
         t.message_count().await.unwrap(),
         0,
-        "destroy left messages behind"
+        "delete left messages behind"
     );
     assert!(
         t.find(&later_id).await.unwrap().is_none(),
-        "destroy left the delayed payload"
+        "delete left the delayed payload"
     );
 }
 
@@ -279,7 +288,7 @@ async fn release_readds_the_entry_and_settles_the_old_one_atomically() {
     else {
         return;
     };
-    let t = common::transport(&url, &common::unique("release"), "lease=30s");
+    let t = common::transport(&url, &common::unique("release"), "lease=30s").await;
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
     let sent = RawMessage {
@@ -307,7 +316,7 @@ async fn release_readds_the_entry_and_settles_the_old_one_atomically() {
     );
     t.trim_acknowledged().await.unwrap();
     assert_eq!(
-        xlen(&mut c, &t.options().stream).await,
+        xlen(&mut c, t.stream()).await,
         1,
         "the old entry was not trimmed"
     );
@@ -324,8 +333,8 @@ async fn release_readds_the_entry_and_settles_the_old_one_atomically() {
     );
     assert_eq!(t.message_count().await.unwrap(), 0);
     t.trim_acknowledged().await.unwrap();
-    assert_eq!(xlen(&mut c, &t.options().stream).await, 0);
-    t.destroy().await.unwrap();
+    assert_eq!(xlen(&mut c, t.stream()).await, 0);
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -333,20 +342,22 @@ async fn keepalive_resets_the_idle_time_of_the_pending_entry() {
     let Some(url) = common::url("keepalive_resets_the_idle_time_of_the_pending_entry") else {
         return;
     };
-    let t = common::transport(&url, &common::unique("keepalive"), "lease=30s");
+    let t = common::transport(&url, &common::unique("keepalive"), "lease=30s").await;
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
     t.send(text("slow"), None).await.unwrap();
     let held = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let (owner, idle_before) = pending_entry(&mut c, &t, &held.id).await.expect("pending");
+    let (owner, idle_before) = pending_entry(&mut c, &t, held.id.as_str())
+        .await
+        .expect("pending");
     assert_eq!(owner, t.consumer_name());
     assert!(
         idle_before >= 700,
         "idle time {idle_before} ms before keepalive"
     );
     t.keepalive(&held.id).await.unwrap();
-    let (owner, idle_after) = pending_entry(&mut c, &t, &held.id)
+    let (owner, idle_after) = pending_entry(&mut c, &t, held.id.as_str())
         .await
         .expect("still pending");
     assert_eq!(
@@ -366,7 +377,7 @@ async fn keepalive_resets_the_idle_time_of_the_pending_entry() {
         ),
         "keepalive of a settled message must fail"
     );
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -376,15 +387,15 @@ async fn a_consumer_whose_lease_expired_loses_the_message_to_the_claimer() {
         return;
     };
     let name = common::unique("claimed");
-    let a = common::transport(&url, &name, "lease=1s");
-    let b = common::transport(&url, &name, "lease=1s");
+    let a = common::transport(&url, &name, "lease=1s").await;
+    let b = common::transport(&url, &name, "lease=1s").await;
     a.setup().await.unwrap();
     a.send(text("contested"), None).await.unwrap();
     let held = receive(&a, 1, Duration::from_secs(10)).await.remove(0);
-    assert!(!held.is_redelivered(), "handed out the first time");
+    assert!(!held.redelivered, "handed out the first time");
     let again = receive(&b, 1, Duration::from_secs(10)).await.remove(0);
     assert_eq!(again.id, held.id, "XAUTOCLAIM hands over the same entry");
-    assert!(again.is_redelivered(), "the claimed entry is marked");
+    assert!(again.redelivered, "the claimed entry is marked");
     assert!(
         matches!(
             a.keepalive(&held.id).await,
@@ -393,10 +404,12 @@ async fn a_consumer_whose_lease_expired_loses_the_message_to_the_claimer() {
         "the old holder's keepalive must not take the message back"
     );
     let mut c = common::raw(&url).await;
-    let (owner, _) = pending_entry(&mut c, &b, &held.id).await.expect("pending");
+    let (owner, _) = pending_entry(&mut c, &b, held.id.as_str())
+        .await
+        .expect("pending");
     assert_eq!(owner, b.consumer_name());
     b.ack(&again.id).await.unwrap();
-    a.destroy().await.unwrap();
+    a.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -404,18 +417,18 @@ async fn trim_caps_the_stream_approximately() {
     let Some(url) = common::url("trim_caps_the_stream_approximately") else {
         return;
     };
-    let t = common::transport(&url, &common::unique("trim"), "trim=10");
+    let t = common::transport(&url, &common::unique("trim"), "trim=10").await;
     t.setup().await.unwrap();
     t.send_batch((0..1000).map(|i| (text(&format!("t{i}")), None)).collect())
         .await
         .unwrap();
     let mut c = common::raw(&url).await;
-    let len = xlen(&mut c, &t.options().stream).await;
+    let len = xlen(&mut c, t.stream()).await;
     assert!(
         (10..1000).contains(&len),
         "stream holds {len} entries with trim=10"
     );
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -424,13 +437,13 @@ async fn setup_creates_one_group_and_get_recreates_a_deleted_stream() {
     else {
         return;
     };
-    let t = common::transport(&url, &common::unique("setup"), "group=billing");
+    let t = common::transport(&url, &common::unique("setup"), "group=billing").await;
     t.setup().await.unwrap();
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
     let groups: Vec<Value> = redis::cmd("XINFO")
         .arg("GROUPS")
-        .arg(&t.options().stream)
+        .arg(t.stream())
         .query_async(&mut c)
         .await
         .unwrap();
@@ -438,7 +451,7 @@ async fn setup_creates_one_group_and_get_recreates_a_deleted_stream() {
 
     // Someone deletes the stream (and so the group) under a running consumer.
     let _: i64 = redis::cmd("DEL")
-        .arg(&t.options().stream)
+        .arg(t.stream())
         .query_async(&mut c)
         .await
         .unwrap();
@@ -447,7 +460,7 @@ async fn setup_creates_one_group_and_get_recreates_a_deleted_stream() {
     let got = receive(&t, 1, Duration::from_secs(10)).await;
     assert_eq!(body(&got[0]), "after the purge");
     t.ack(&got[0].id).await.unwrap();
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -457,11 +470,11 @@ async fn entries_written_by_other_producers_arrive_with_their_fields_as_headers(
     else {
         return;
     };
-    let t = common::transport(&url, &common::unique("foreign"), "");
+    let t = common::transport(&url, &common::unique("foreign"), "").await;
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
     let _: String = redis::cmd("XADD")
-        .arg(&t.options().stream)
+        .arg(t.stream())
         .arg("*")
         .arg("event")
         .arg("signup")
@@ -472,7 +485,7 @@ async fn entries_written_by_other_producers_arrive_with_their_fields_as_headers(
     assert!(got.raw.body.is_empty());
     assert_eq!(got.raw.header("event"), Some("signup"));
     t.ack(&got.id).await.unwrap();
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -482,11 +495,11 @@ async fn a_delayed_payload_that_is_not_a_hash_is_handed_out_marked_and_holds_up_
     ) else {
         return;
     };
-    let t = common::transport(&url, &common::unique("bad-delayed"), "");
+    let t = common::transport(&url, &common::unique("bad-delayed"), "").await;
     t.setup().await.unwrap();
     // Another program writes a due delayed id whose payload is a string.
     let mut c = common::raw(&url).await;
-    let stream = &t.options().stream;
+    let stream = t.stream();
     let _: i64 = redis::cmd("ZADD")
         .arg(format!("{stream}:delayed"))
         .arg(0)
@@ -521,7 +534,7 @@ async fn a_delayed_payload_that_is_not_a_hash_is_handed_out_marked_and_holds_up_
         t.ack(&d.id).await.unwrap();
     }
     assert_eq!(t.message_count().await.unwrap(), 0);
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -529,11 +542,7 @@ async fn a_blocking_read_does_not_hold_up_sends_on_the_same_handle() {
     let Some(url) = common::url("a_blocking_read_does_not_hold_up_sends_on_the_same_handle") else {
         return;
     };
-    let t = Arc::new(common::transport(
-        &url,
-        &common::unique("block"),
-        "block=5s",
-    ));
+    let t = Arc::new(common::transport(&url, &common::unique("block"), "block=5s").await);
     t.setup().await.unwrap();
     // Make the first get skip straight to the read (no reclaim, no delays due).
     let reader = {
@@ -565,6 +574,7 @@ async fn a_blocking_read_does_not_hold_up_sends_on_the_same_handle() {
     let sent = tokio::time::timeout(Duration::from_secs(3), t.send(text("while blocked"), None))
         .await
         .expect("send waited for the blocking read")
+        .map(DeliveryId::from)
         .unwrap();
     let got = reader.await.unwrap().unwrap();
     assert_eq!(
@@ -574,7 +584,7 @@ async fn a_blocking_read_does_not_hold_up_sends_on_the_same_handle() {
     );
     assert_eq!(got[0].id, sent);
     t.ack(&sent).await.unwrap();
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -582,7 +592,7 @@ async fn a_killed_connection_is_replaced_without_an_error() {
     let Some(url) = common::url("a_killed_connection_is_replaced_without_an_error") else {
         return;
     };
-    let t = common::transport(&url, &common::unique("kill_once"), "");
+    let t = common::transport(&url, &common::unique("kill_once"), "").await;
     t.setup().await.unwrap();
     t.send(text("before"), None).await.unwrap();
     let mut c = common::raw(&url).await;
@@ -601,9 +611,9 @@ async fn a_killed_connection_is_replaced_without_an_error() {
         "the new connection is not named"
     );
     let got = receive(&t, 2, Duration::from_secs(10)).await;
-    let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+    let ids: Vec<DeliveryId> = got.iter().map(|d| d.id.clone()).collect();
     t.ack_batch(&ids).await.unwrap();
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 /// Kills every client whose name is `name`; returns how many.
@@ -641,9 +651,9 @@ async fn pruning_deletes_idle_consumers_but_never_one_with_pending_entries() {
         return;
     };
     let name = common::unique("prune");
-    let holder = common::transport(&url, &name, "lease=30s");
-    let idle = common::transport(&url, &name, "lease=30s&block=10ms");
-    let pruner = common::transport(&url, &name, "lease=30s");
+    let holder = common::transport(&url, &name, "lease=30s").await;
+    let idle = common::transport(&url, &name, "lease=30s&block=10ms").await;
+    let pruner = common::transport(&url, &name, "lease=30s").await;
     holder.setup().await.unwrap();
     holder.send(text("held"), None).await.unwrap();
     holder.send(text("handled"), None).await.unwrap();
@@ -674,7 +684,7 @@ async fn pruning_deletes_idle_consumers_but_never_one_with_pending_entries() {
         "a consumer with a pending entry was deleted"
     );
     holder.ack(&held.id).await.unwrap();
-    holder.destroy().await.unwrap();
+    holder.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -683,12 +693,14 @@ async fn count_list_and_find_skip_acked_entries_behind_a_pending_one() {
     else {
         return;
     };
-    let t = common::transport(&url, &common::unique("holes"), "lease=30s");
+    let t = common::transport(&url, &common::unique("holes"), "lease=30s").await;
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
     let mut ids = Vec::new();
     for i in 0..6 {
-        ids.push(t.send(text(&format!("h{i}")), None).await.unwrap());
+        ids.push(DeliveryId::from(
+            t.send(text(&format!("h{i}")), None).await.unwrap(),
+        ));
     }
     let got = receive(&t, 4, Duration::from_secs(10)).await;
     assert_eq!(
@@ -700,7 +712,7 @@ async fn count_list_and_find_skip_acked_entries_behind_a_pending_one() {
         .await
         .unwrap();
     assert_eq!(t.message_count().await.unwrap(), 3);
-    let listed: Vec<String> = t
+    let listed: Vec<DeliveryId> = t
         .list(10)
         .await
         .unwrap()
@@ -722,11 +734,11 @@ async fn count_list_and_find_skip_acked_entries_behind_a_pending_one() {
     );
     // Only what precedes the oldest pending entry can go.
     assert_eq!(t.trim_acknowledged().await.unwrap(), 1);
-    assert_eq!(xlen(&mut c, &t.options().stream).await, 5);
+    assert_eq!(xlen(&mut c, t.stream()).await, 5);
     t.ack(&ids[1]).await.unwrap();
     assert_eq!(t.trim_acknowledged().await.unwrap(), 3);
     assert_eq!(t.message_count().await.unwrap(), 2);
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -735,15 +747,15 @@ async fn trimming_keeps_what_another_group_has_not_read() {
         return;
     };
     let name = common::unique("fanout");
-    let billing = common::transport(&url, &name, "group=billing");
-    let audit = common::transport(&url, &name, "group=audit");
+    let billing = common::transport(&url, &name, "group=billing").await;
+    let audit = common::transport(&url, &name, "group=audit").await;
     billing.setup().await.unwrap();
     audit.setup().await.unwrap();
     for i in 0..3 {
         billing.send(text(&format!("f{i}")), None).await.unwrap();
     }
     let got = receive(&billing, 3, Duration::from_secs(10)).await;
-    let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+    let ids: Vec<DeliveryId> = got.iter().map(|d| d.id.clone()).collect();
     billing.ack_batch(&ids).await.unwrap();
     assert_eq!(
         billing.trim_acknowledged().await.unwrap(),
@@ -756,7 +768,7 @@ async fn trimming_keeps_what_another_group_has_not_read() {
     assert_eq!(seen.iter().map(|d| d.id.clone()).collect::<Vec<_>>(), ids);
     audit.ack_batch(&ids).await.unwrap();
     assert_eq!(audit.trim_acknowledged().await.unwrap(), 3);
-    billing.destroy().await.unwrap();
+    billing.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -764,7 +776,7 @@ async fn wait_for_messages_returns_at_once_after_a_blocking_get() {
     let Some(url) = common::url("wait_for_messages_returns_at_once_after_a_blocking_get") else {
         return;
     };
-    let t = common::transport(&url, &common::unique("wait"), "block=50ms");
+    let t = common::transport(&url, &common::unique("wait"), "block=50ms").await;
     t.setup().await.unwrap();
     assert!(t.get(1).await.unwrap().is_empty());
     let started = Instant::now();
@@ -774,13 +786,15 @@ async fn wait_for_messages_returns_at_once_after_a_blocking_get() {
         "waited {:?} although get already blocked",
         started.elapsed()
     );
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_for_messages_sleeps_after_a_failed_get() {
     // Nothing listens on port 1: every get fails at once.
-    let t = RedisTransport::from_dsn("unreachable", "redis://127.0.0.1:1").unwrap();
+    let t = RedisTransport::connect("unreachable", "redis://127.0.0.1:1")
+        .await
+        .unwrap();
     assert!(t.get(1).await.is_err(), "get from a closed port succeeded");
     let started = Instant::now();
     t.wait_for_messages(Duration::from_millis(300)).await;
@@ -798,7 +812,7 @@ async fn entries_read_ahead_are_each_handed_out_once() {
     let Some(url) = common::url("entries_read_ahead_are_each_handed_out_once") else {
         return;
     };
-    let t = common::transport(&url, &common::unique("ahead"), "block=100ms");
+    let t = common::transport(&url, &common::unique("ahead"), "block=100ms").await;
     t.setup().await.unwrap();
     let sent: Vec<String> = (0..350).map(|i| format!("m{i}")).collect();
     t.send_batch(sent.iter().map(|b| (text(b), None)).collect())
@@ -808,7 +822,7 @@ async fn entries_read_ahead_are_each_handed_out_once() {
     for max in [100, 10, 100, 100, 100] {
         let got = t.get(max).await.unwrap();
         assert!(got.len() <= max);
-        let ids: Vec<String> = got.iter().map(|d| d.id.clone()).collect();
+        let ids: Vec<DeliveryId> = got.iter().map(|d| d.id.clone()).collect();
         t.ack_batch(&ids).await.unwrap();
         seen.extend(got.iter().map(body));
     }
@@ -823,7 +837,7 @@ async fn entries_read_ahead_are_each_handed_out_once() {
     sorted.dedup();
     assert_eq!(sorted.len(), seen.len(), "an entry was handed out twice");
     assert_eq!(seen.len(), 350);
-    t.destroy().await.unwrap();
+    t.delete().await.unwrap();
 }
 
 /// Entries a handle read ahead and never handed out are not lost with it:
@@ -836,7 +850,7 @@ async fn entries_read_ahead_by_a_dropped_handle_are_claimed_after_the_lease() {
         return;
     };
     let name = common::unique("ahead_drop");
-    let a = common::transport(&url, &name, "lease=1s&block=100ms");
+    let a = common::transport(&url, &name, "lease=1s&block=100ms").await;
     a.setup().await.unwrap();
     let sent: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
     a.send_batch(sent.iter().map(|b| (text(b), None)).collect())
@@ -844,15 +858,167 @@ async fn entries_read_ahead_by_a_dropped_handle_are_claimed_after_the_lease() {
         .unwrap();
     let first = a.get(100).await.unwrap();
     assert_eq!(first.len(), 100);
-    let ids: Vec<String> = first.iter().map(|d| d.id.clone()).collect();
+    let ids: Vec<DeliveryId> = first.iter().map(|d| d.id.clone()).collect();
     a.ack_batch(&ids).await.unwrap();
     drop(a);
 
-    let b = common::transport(&url, &name, "lease=1s&block=100ms");
+    let b = common::transport(&url, &name, "lease=1s&block=100ms").await;
     let rest = receive(&b, 100, Duration::from_secs(15)).await;
     let mut all: Vec<String> = first.iter().chain(&rest).map(body).collect();
     all.sort();
     all.dedup();
     assert_eq!(all.len(), 200);
-    b.destroy().await.unwrap();
+    b.delete().await.unwrap();
+}
+
+/// Reads 200 entries into `a` (100 handed out and acked, 100 read ahead),
+/// lets `give_back` close or drop it, and checks another handle gets the
+/// 100 read ahead at once, long before their 30 s lease ran out.
+async fn read_ahead_is_given_back(tag: &str, give_back: impl AsyncFnOnce(RedisTransport)) {
+    let Some(url) = common::url(tag) else {
+        return;
+    };
+    let name = common::unique(tag);
+    let a = common::transport(&url, &name, "lease=30s&block=100ms").await;
+    a.setup().await.unwrap();
+    let sent: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
+    a.send_batch(sent.iter().map(|b| (text(b), None)).collect())
+        .await
+        .unwrap();
+    let first = a.get(100).await.unwrap();
+    assert_eq!(first.len(), 100, "a full get, which reads ahead");
+    let ids: Vec<DeliveryId> = first.iter().map(|d| d.id.clone()).collect();
+    a.ack_batch(&ids).await.unwrap();
+    give_back(a).await;
+
+    let b = common::transport(&url, &name, "lease=30s&block=100ms").await;
+    let rest = receive(&b, 100, Duration::from_secs(5)).await;
+    assert!(
+        rest.iter().all(|d| !d.redelivered),
+        "entries never handed out are marked as redelivered"
+    );
+    let mut all: Vec<String> = first.iter().chain(&rest).map(body).collect();
+    all.sort();
+    all.dedup();
+    assert_eq!(all.len(), 200);
+    b.delete().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_gives_back_the_entries_read_ahead_and_later_calls_fail() {
+    read_ahead_is_given_back("close_ahead", async |a| {
+        a.close().await.unwrap();
+        a.close().await.expect("closing twice is fine");
+        assert!(matches!(a.get(1).await, Err(TransportError::Closed)));
+        assert!(matches!(
+            a.send(text("late"), None).await,
+            Err(TransportError::Closed)
+        ));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_handle_gives_back_the_entries_read_ahead() {
+    read_ahead_is_given_back("drop_ahead", async |a| drop(a)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_entry_is_deleted_unless_another_group_still_needs_it() {
+    let Some(url) = common::url("a_rejected_entry_is_deleted_unless_another_group_still_needs_it")
+    else {
+        return;
+    };
+    let name = common::unique("reject");
+    let billing = common::transport(&url, &name, "group=billing").await;
+    let audit = common::transport(&url, &name, "group=audit").await;
+    billing.setup().await.unwrap();
+    audit.setup().await.unwrap();
+    let mut c = common::raw(&url).await;
+    for i in 0..2 {
+        billing.send(text(&format!("r{i}")), None).await.unwrap();
+    }
+    let got = receive(&billing, 2, Duration::from_secs(10)).await;
+    billing.reject(&got[0].id).await.unwrap();
+    assert_eq!(
+        xlen(&mut c, billing.stream()).await,
+        2,
+        "an entry `audit` has not read was deleted"
+    );
+    assert!(billing.find(&got[0].id).await.unwrap().is_none());
+    assert_eq!(billing.message_count().await.unwrap(), 1);
+    assert_eq!(audit.message_count().await.unwrap(), 2);
+
+    let seen = receive(&audit, 2, Duration::from_secs(10)).await;
+    assert_eq!(seen[0].id, got[0].id);
+    audit.reject(&seen[0].id).await.unwrap();
+    assert_eq!(
+        xlen(&mut c, billing.stream()).await,
+        1,
+        "an entry every group rejected or acknowledged is still there"
+    );
+    // Rejecting what is not pending any more changes nothing.
+    audit.reject(&seen[0].id).await.unwrap();
+    billing.reject(&got[1].id).await.unwrap();
+    assert_eq!(
+        xlen(&mut c, billing.stream()).await,
+        1,
+        "an entry `audit` holds was deleted"
+    );
+    audit.ack(&seen[1].id).await.unwrap();
+    assert_eq!(billing.message_count().await.unwrap(), 0);
+    assert_eq!(audit.message_count().await.unwrap(), 0);
+    billing.delete().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_deletes_waiting_leased_and_delayed_messages_and_says_how_many() {
+    let Some(url) =
+        common::url("purge_deletes_waiting_leased_and_delayed_messages_and_says_how_many")
+    else {
+        return;
+    };
+    let name = common::unique("purge");
+    let t = common::transport(&url, &name, "lease=30s").await;
+    let audit = common::transport(&url, &name, "group=audit").await;
+    t.setup().await.unwrap();
+    audit.setup().await.unwrap();
+    let mut c = common::raw(&url).await;
+    for i in 0..3 {
+        t.send(text(&format!("p{i}")), None).await.unwrap();
+    }
+    for i in 0..2 {
+        t.send(text(&format!("d{i}")), Some(Duration::from_secs(60)))
+            .await
+            .unwrap();
+    }
+    let leased = receive(&t, 1, Duration::from_secs(10)).await;
+    assert_eq!(t.message_count().await.unwrap(), 5);
+
+    assert_eq!(t.purge().await.unwrap(), 5);
+    assert_eq!(t.message_count().await.unwrap(), 0);
+    assert!(t.list(10).await.unwrap().is_empty());
+    assert_eq!(
+        pending(&mut c, &t).await,
+        0,
+        "a leased entry is still pending"
+    );
+    assert!(matches!(
+        t.release(&leased[0].id).await,
+        Err(TransportError::NotFound(_))
+    ));
+    assert!(t.get(10).await.unwrap().is_empty());
+    // Another group keeps the entries it has not read (the delayed messages,
+    // not in the stream yet, are gone for every group).
+    assert_eq!(audit.message_count().await.unwrap(), 3);
+    assert_eq!(xlen(&mut c, t.stream()).await, 3);
+    assert_eq!(t.purge().await.unwrap(), 0, "purging again");
+
+    // The transport works on.
+    let id = t.send(text("after"), None).await.unwrap();
+    let got = receive(&t, 1, Duration::from_secs(10)).await;
+    assert_eq!(got[0].id.as_str(), id);
+    t.ack(&got[0].id).await.unwrap();
+    t.delete().await.unwrap();
+    t.delete().await.expect("deleting again is fine");
 }

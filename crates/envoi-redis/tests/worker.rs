@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 
-use envoi_core::transport::Transport;
+use envoi_core::transport::{Browse, Teardown, Transport};
 use envoi_core::worker::{StopReason, Worker};
 use envoi_core::{Command, Message, Messenger};
 use envoi_redis::RedisTransportFactory;
@@ -60,8 +60,23 @@ async fn shipping(
         .await
         .expect("the messenger builds from a redis DSN");
     let transport = Arc::clone(messenger.transport("orders").expect("registered"));
-    transport.setup().await.expect("setup");
+    transport
+        .as_setup()
+        .expect("a redis transport is set up")
+        .setup()
+        .await
+        .expect("setup");
     (messenger, transport, seen)
+}
+
+/// How many messages `transport` holds.
+async fn count(transport: &dyn Transport) -> u64 {
+    transport
+        .as_message_count()
+        .expect("a redis transport counts")
+        .message_count()
+        .await
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,7 +95,7 @@ async fn the_worker_handles_every_message_sent_through_a_redis_dsn() {
             .await
             .expect("dispatch sends to redis");
     }
-    assert_eq!(transport.message_count().await.unwrap(), u64::from(N));
+    assert_eq!(count(&*transport).await, u64::from(N));
 
     let report = Worker::builder(&messenger)
         .receiver("orders")
@@ -95,9 +110,19 @@ async fn the_worker_handles_every_message_sent_through_a_redis_dsn() {
     let distinct: BTreeSet<u32> = seen.iter().copied().collect();
     assert_eq!(seen.len(), N as usize, "some orders were handled twice");
     assert_eq!(distinct, (0..N).collect(), "some orders were never handled");
-    assert_eq!(transport.message_count().await.unwrap(), 0);
-    assert!(transport.list(10).await.unwrap().is_empty());
-    common::transport(&url, &name, "").destroy().await.unwrap();
+    assert_eq!(count(&*transport).await, 0);
+    assert!(transport
+        .as_browse()
+        .expect("browsable")
+        .list(10)
+        .await
+        .unwrap()
+        .is_empty());
+    common::transport(&url, &name, "")
+        .await
+        .delete()
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -146,7 +171,7 @@ async fn an_entry_with_its_type_field_given_twice_is_parked_with_the_reason() {
         [1],
         "only the good message is handled"
     );
-    assert_eq!(transport.message_count().await.unwrap(), 0);
+    assert_eq!(count(&*transport).await, 0);
 
     let parked = failed.list(10).await.unwrap();
     assert_eq!(parked.len(), 1, "the entry is parked, not lost");
@@ -164,5 +189,9 @@ async fn an_entry_with_its_type_field_given_twice_is_parked_with_the_reason() {
         details.contains("fields or headers given more than once: `type`"),
         "{details}"
     );
-    common::transport(&url, &name, "").destroy().await.unwrap();
+    common::transport(&url, &name, "")
+        .await
+        .delete()
+        .await
+        .unwrap();
 }

@@ -5,7 +5,7 @@
 //! consumes them with no broker to run.
 //!
 //! ```no_run
-//! use envoi_core::transport::{RawMessage, Transport};
+//! use envoi_core::transport::{RawMessage, Receiver, Setup, Transport};
 //! use envoi_sqlite::SqliteTransport;
 //!
 //! # async fn run() -> Result<(), envoi_core::TransportError> {
@@ -16,13 +16,25 @@
 //!     // handle it, then
 //!     orders.ack(&delivery.id).await?;
 //! }
+//! orders.close().await?;
 //! # Ok(()) }
 //! ```
+//!
+//! Besides sending ([`Transport`]) it has
+//! every ability a worker and the commands use, each handed out by its
+//! `as_*` method: [`Receiver`](envoi_core::transport::Receiver),
+//! [`Keepalive`](envoi_core::transport::Keepalive),
+//! [`Setup`](envoi_core::transport::Setup),
+//! [`MessageCount`](envoi_core::transport::MessageCount),
+//! [`Browse`](envoi_core::transport::Browse),
+//! [`Teardown`](envoi_core::transport::Teardown) and
+//! [`WakeUp`](envoi_core::transport::WakeUp).
 //!
 //! ## DSN
 //!
 //! `sqlite://<path>[?table=..&lease=..&poll=..&batch=..&busy_timeout=..&auto_setup=..]`;
-//! see [`SqliteOptions`] for each option and its default.
+//! see [`SqliteConfig`] for each option and its default (build one in code
+//! and open it with [`SqliteTransport::with_config`]).
 //! `sqlite:///abs/path.db` is absolute, `sqlite://var/envoi.db` relative to
 //! the working directory; the file and its directory are created if
 //! missing. In-memory databases (`sqlite::memory:`) are rejected with
@@ -34,7 +46,7 @@
 //!
 //! One table per transport, `envoi_<name>` unless `table=` says otherwise
 //! (several transports may share a table: every statement filters on
-//! `queue_name`). [`setup`](envoi_core::transport::Transport::setup), or the
+//! `queue_name`). [`setup`](envoi_core::transport::Setup::setup), or the
 //! first use with `auto_setup`, creates it:
 //!
 //! ```sql
@@ -57,9 +69,18 @@
 //! whose headers are not TEXT holding a JSON object of strings, is handed
 //! out all the same, as well as it can be read: the body a number renders
 //! as, the headers that are strings, the stored headers in
-//! [`STORED_HEADERS`], and what is wrong in [`INVALID_BODY`] or
-//! [`INVALID_HEADERS`]. The worker then moves it to the failure transport
-//! when it does not decode, instead of the row coming back on every claim.
+//! [`STORED_HEADERS_HEADER`], and what is wrong in [`INVALID_BODY_HEADER`]
+//! or [`INVALID_HEADERS_HEADER`] (headers are read by
+//! [`decode_json_headers`], as on every transport storing them as JSON;
+//! headers of another storage class are salvaged with that class as the
+//! first problem). The serializer refuses such a message naming the
+//! reason, so the worker moves it to the failure transport instead of the
+//! row coming back on every claim.
+//!
+//! [`STORED_HEADERS_HEADER`]: envoi_core::transport::support::STORED_HEADERS_HEADER
+//! [`decode_json_headers`]: envoi_core::transport::support::decode_json_headers
+//! [`INVALID_BODY_HEADER`]: envoi_core::serializer::INVALID_BODY_HEADER
+//! [`INVALID_HEADERS_HEADER`]: envoi_core::serializer::INVALID_HEADERS_HEADER
 //!
 //! The statements, with `?now` the current Unix time in milliseconds:
 //!
@@ -77,11 +98,16 @@
 //!   to the end of the lease is what makes a claimed row invisible to other
 //!   consumers and visible again when the lease expires, with one index
 //!   range scan.
-//! * **ack** / **reject**: `DELETE … WHERE id = ?`; `ack_batch`:
+//! * **ack** / **reject**: `DELETE … WHERE id = ?` (a rejected message is
+//!   gone, as an acknowledged one: the worker keeps what it gives up on in
+//!   its failure transport); `ack_batch`:
 //!   `DELETE … WHERE id IN (SELECT value FROM json_each(?))`.
 //! * **release**: `lease_until = NULL, available_at = ?now` (handed out
 //!   again at once). **keepalive**: `lease_until = available_at = ?now +
 //!   lease`.
+//! * **purge** ([`Teardown`](envoi_core::transport::Teardown)): `DELETE …
+//!   WHERE queue_name = ?`; **delete**: the same, then `DROP TABLE` when no
+//!   other transport's rows are left in it (nothing to do without a table).
 //!
 //! ## Guarantees
 //!
@@ -94,8 +120,8 @@
 //!   handed out marked as redelivered ([`Delivery::redelivered`]), so
 //!   [`Deduplicate`] handles it even while the claim of a consumer that
 //!   died still holds its key. Rows a handle kept and gave back unused do
-//!   not count. A header of that name stored in a row is dropped when it
-//!   is read. Setup adds the column to a table made before it existed.
+//!   not count, and nothing stored in a row marks it. Setup adds the
+//!   column to a table made before it existed.
 //!
 //!   [`Delivery::redelivered`]: envoi_core::transport::Delivery::redelivered
 //!   [`Deduplicate`]: envoi_core::middleware::dedup::Deduplicate
@@ -141,25 +167,37 @@
 //! of taking turns on the write lock (if any part fails, each operation is
 //! retried on its own, so one failure never fails the others). A lone
 //! operation runs on its own: one statement, or a transaction of its own
-//! for a batch of several messages. Reads (`list`, `find`,
+//! for a batch of several messages (or a `delete`). Reads (`list`, `find`,
 //! `message_count`) use up to two more connections.
+//! [`close`](SqliteTransport::close) lets the writer finish what queued
+//! before it and closes every connection: every clone of the handle fails
+//! with [`Closed`](envoi_core::TransportError::Closed) afterwards. Dropping
+//! the last handle stops the writer once its queue is empty.
 
 #![forbid(unsafe_code)]
 
-mod options;
+mod apply;
+mod browse;
+mod config;
+mod op;
+mod open;
+mod prefetch;
+mod receive;
+mod row;
+mod send;
+mod setup;
+mod signal;
 mod sql;
 mod transport;
 mod writer;
 
 use std::sync::Arc;
 
-use envoi_core::middleware::BoxFuture;
 use envoi_core::transport::{dsn_has_scheme, Transport, TransportFactory};
-use envoi_core::TransportError;
+use envoi_core::{BoxFuture, TransportError};
 
-pub use options::SqliteOptions;
+pub use config::SqliteConfig;
 pub use transport::SqliteTransport;
-pub use writer::{INVALID_BODY, INVALID_HEADERS, STORED_HEADERS};
 
 /// Creates [`SqliteTransport`]s from `sqlite://` DSNs.
 ///

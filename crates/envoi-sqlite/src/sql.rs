@@ -2,19 +2,12 @@
 
 use std::sync::Arc;
 
-use crate::writer::INSERT_CHUNK;
+use crate::apply::INSERT_CHUNK;
 
 /// Every statement, written once per table.
 pub(crate) struct Statements {
-    pub(crate) create_table: Arc<str>,
-    pub(crate) create_index: Arc<str>,
-    /// Whether the table still has the claim index under its former name.
-    pub(crate) has_legacy_index: Arc<str>,
-    pub(crate) drop_legacy_index: Arc<str>,
-    /// Whether the table has the `delivery_count` column (a table set up
-    /// before it was added does not).
-    pub(crate) has_delivery_count: Arc<str>,
-    pub(crate) add_delivery_count: Arc<str>,
+    /// Creating, migrating and dropping the table.
+    pub(crate) schema: Schema,
     pub(crate) insert: Arc<str>,
     pub(crate) insert_chunk: Arc<str>,
     pub(crate) claim: Arc<str>,
@@ -27,23 +20,40 @@ pub(crate) struct Statements {
     pub(crate) count: Arc<str>,
     pub(crate) list: Arc<str>,
     pub(crate) find: Arc<str>,
+    pub(crate) purge: Arc<str>,
 }
 
-// `+queue_name` keeps SQLite from scanning the claim index for a queue's
-// rows when the rows are known by id (or wanted in id order): lookups by
-// rowid, with the queue as a filter.
-impl Statements {
-    pub(crate) fn new(table: &str) -> Self {
+/// The statements that create, migrate and drop the table.
+pub(crate) struct Schema {
+    pub(crate) create_table: Arc<str>,
+    pub(crate) create_index: Arc<str>,
+    /// Whether the table still has the claim index under its former name.
+    pub(crate) has_legacy_index: Arc<str>,
+    pub(crate) drop_legacy_index: Arc<str>,
+    /// Whether the table has the `delivery_count` column (a table set up
+    /// before it was added does not).
+    pub(crate) has_delivery_count: Arc<str>,
+    pub(crate) add_delivery_count: Arc<str>,
+    /// Whether the table exists.
+    pub(crate) table_exists: Arc<str>,
+    /// Whether the table holds any row, of any queue.
+    pub(crate) has_rows: Arc<str>,
+    pub(crate) drop_table: Arc<str>,
+}
+
+fn s(sql: String) -> Arc<str> {
+    Arc::from(sql)
+}
+
+impl Schema {
+    fn new(table: &str) -> Self {
         let t = format!("\"{table}\"");
         // Tables and indexes share one name space: `:` cannot be in a table
         // name, so this cannot be the table of another transport (as
         // `{table}_claim`, the former name, was for `<name>_claim`).
         let index = format!("\"{table}:claim\"");
         let legacy = format!("{table}_claim");
-        let row = "(?, ?, ?, ?, ?)";
-        let rows = vec![row; INSERT_CHUNK].join(", ");
-        let s = |sql: String| Arc::<str>::from(sql);
-        Statements {
+        Schema {
             create_table: s(format!(
                 "CREATE TABLE IF NOT EXISTS {t} (
                     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -71,6 +81,27 @@ impl Statements {
             add_delivery_count: s(format!(
                 "ALTER TABLE {t} ADD COLUMN delivery_count INTEGER NOT NULL DEFAULT 0"
             )),
+            table_exists: s(format!(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'table' \
+                 AND name = '{table}' COLLATE NOCASE"
+            )),
+            has_rows: s(format!("SELECT EXISTS (SELECT 1 FROM {t})")),
+            // Its indexes go with it.
+            drop_table: s(format!("DROP TABLE IF EXISTS {t}")),
+        }
+    }
+}
+
+// `+queue_name` keeps SQLite from scanning the claim index for a queue's
+// rows when the rows are known by id (or wanted in id order): lookups by
+// rowid, with the queue as a filter.
+impl Statements {
+    pub(crate) fn new(table: &str) -> Self {
+        let t = format!("\"{table}\"");
+        let row = "(?, ?, ?, ?, ?)";
+        let rows = vec![row; INSERT_CHUNK].join(", ");
+        Statements {
+            schema: Schema::new(table),
             insert: s(format!(
                 "INSERT INTO {t} (queue_name, body, headers, created_at, available_at) VALUES {row}"
             )),
@@ -123,6 +154,7 @@ impl Statements {
             find: s(format!(
                 "SELECT id, body, headers FROM {t} WHERE id = ?1 AND queue_name = ?2"
             )),
+            purge: s(format!("DELETE FROM {t} WHERE queue_name = ?1")),
         }
     }
 }
@@ -161,7 +193,7 @@ mod tests {
             .await
             .expect("memory db");
         let sql = Statements::new("jobs");
-        for ddl in [&sql.create_table, &sql.create_index] {
+        for ddl in [&sql.schema.create_table, &sql.schema.create_index] {
             sqlx::query(AssertSqlSafe(ddl.to_string()))
                 .execute(&mut conn)
                 .await
@@ -182,6 +214,11 @@ mod tests {
                 "{name} should look rows up by id: {p}"
             );
         }
+        let p = plan(&mut conn, &sql.purge, 1).await;
+        assert!(
+            p.contains("jobs:claim (queue_name=?)"),
+            "purge should find the queue's rows by the claim index: {p}"
+        );
         let p = plan(&mut conn, &sql.claim, 4).await;
         assert!(
             p.contains("jobs:claim (queue_name=? AND available_at<?)")

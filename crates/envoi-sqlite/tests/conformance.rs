@@ -19,4 +19,20 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
     }
 }
 
-envoi_transport_tests::conformance!(make);
+// What SQLite promises: messages outlive their handles (persistent), one
+// consumer gets them in send order (ordered), delays are honoured, a lease
+// that runs out hands the message out again marked as redelivered. The
+// lease is the DSN's.
+envoi_transport_tests::conformance!(
+    make,
+    envoi_transport_tests::Options {
+        lease: std::time::Duration::from_secs(2),
+        lease_expiry: true,
+        marks_redeliveries: true,
+        binary_bodies: true,
+        persistent: true,
+        ordered: true,
+        delay: true,
+        ..envoi_transport_tests::Options::default()
+    }
+);

@@ -29,6 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use envoi_core::testing::Abilities;
 use envoi_core::worker::{StopHandle, StopReason, Worker, WorkerReport};
 use envoi_core::{Message, Messenger};
 use envoi_sqlite::SqliteTransportFactory;
@@ -250,6 +251,7 @@ async fn send_jobs(messenger: &Messenger, n: u32) {
     let count = messenger
         .transport(QUEUE)
         .expect("the queue")
+        .counter()
         .message_count()
         .await
         .expect("count");
@@ -261,6 +263,7 @@ async fn waiting_ids(messenger: &Messenger, n: u32) -> Vec<u32> {
     let rows = messenger
         .transport(QUEUE)
         .expect("the queue")
+        .browser()
         .list(n as usize + 1)
         .await
         .expect("list");
@@ -397,6 +400,7 @@ async fn a_worker_killed_with_sigkill_again_and_again_loses_no_message() {
         parent
             .transport(QUEUE)
             .expect("the queue")
+            .counter()
             .message_count()
             .await
             .expect("count"),
@@ -562,13 +566,13 @@ async fn a_worker_stopped_with_sigterm_finishes_in_flight_work_and_loses_nothing
     assert_eq!(handled.len() + waiting.len(), N as usize);
     let queue = parent.transport(QUEUE).expect("the queue");
     assert_eq!(
-        queue.message_count().await.expect("count"),
+        queue.counter().message_count().await.expect("count"),
         waiting.len() as u64
     );
 
     // None is stuck under a lease (which would last 10 minutes): one claim
     // gets every one of them.
-    let claimed = queue.get(N as usize).await.expect("get");
+    let claimed = queue.receiver().get(N as usize).await.expect("get");
     assert_eq!(
         claimed.len(),
         waiting.len(),

@@ -8,13 +8,14 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use envoi_core::serializer::{INVALID_BODY_HEADER, INVALID_HEADERS_HEADER};
 use envoi_core::stamp::ErrorDetailsStamp;
-use envoi_core::transport::{Delivery, Transport};
+use envoi_core::testing::Abilities;
+use envoi_core::transport::support::STORED_HEADERS_HEADER;
+use envoi_core::transport::{Browse, Delivery, MessageCount, Receiver, Setup};
 use envoi_core::worker::{StopReason, Worker, WorkerEvent};
 use envoi_core::{Command, Message, Messenger};
-use envoi_sqlite::{
-    SqliteTransport, SqliteTransportFactory, INVALID_BODY, INVALID_HEADERS, STORED_HEADERS,
-};
+use envoi_sqlite::{SqliteTransport, SqliteTransportFactory};
 use serde::{Deserialize, Serialize};
 
 mod common;
@@ -50,7 +51,7 @@ struct Row {
     delivered_type: Option<&'static str>,
     /// Which header says what is wrong, and a part of what it says.
     reason: (&'static str, &'static str),
-    /// The stored headers kept in [`STORED_HEADERS`].
+    /// The stored headers kept in [`STORED_HEADERS_HEADER`].
     stored: Option<&'static str>,
 }
 
@@ -61,7 +62,7 @@ const ROWS: [Row; 5] = [
         headers: r#"CAST('{"type":"Job"}' AS BLOB)"#,
         delivered_body: br#"{"n":1}"#,
         delivered_type: Some("Job"),
-        reason: (INVALID_HEADERS, "headers stored as BLOB, not TEXT"),
+        reason: (INVALID_HEADERS_HEADER, "headers stored as BLOB, not TEXT"),
         stored: Some(r#"{"type":"Job"}"#),
     },
     Row {
@@ -70,7 +71,7 @@ const ROWS: [Row; 5] = [
         headers: "CAST(x'7b22ff223a2231227d' AS TEXT)",
         delivered_body: br#"{"n":1}"#,
         delivered_type: None,
-        reason: (INVALID_HEADERS, "stored headers are not UTF-8"),
+        reason: (INVALID_HEADERS_HEADER, "stored headers are not UTF-8"),
         stored: Some("x'7b22ff223a2231227d'"),
     },
     Row {
@@ -78,7 +79,7 @@ const ROWS: [Row; 5] = [
         headers: r#"'{"type":"Job"}'"#,
         delivered_body: b"5",
         delivered_type: Some("Job"),
-        reason: (INVALID_BODY, "body stored as INTEGER, not BLOB"),
+        reason: (INVALID_BODY_HEADER, "body stored as INTEGER, not BLOB"),
         stored: None,
     },
     Row {
@@ -88,7 +89,7 @@ const ROWS: [Row; 5] = [
         delivered_body: br#"{"n":1}"#,
         delivered_type: None,
         reason: (
-            INVALID_HEADERS,
+            INVALID_HEADERS_HEADER,
             "stored headers are not a JSON object of strings: expected ident",
         ),
         stored: Some("not json"),
@@ -100,7 +101,7 @@ const ROWS: [Row; 5] = [
         delivered_body: br#"{"n":1}"#,
         delivered_type: Some("Job"),
         reason: (
-            INVALID_HEADERS,
+            INVALID_HEADERS_HEADER,
             "stored headers are not a JSON object of strings: `n` holds a number",
         ),
         stored: Some(r#"{"type":"Job","n":1}"#),
@@ -135,7 +136,7 @@ fn assert_salvaged(got: &envoi_core::transport::RawMessage, row: &Row) {
         .unwrap_or_else(|| panic!("{what}: no `{header}` saying what is wrong"));
     assert!(reason.contains(says), "{what}: {reason}");
     assert_eq!(
-        got.header(STORED_HEADERS),
+        got.header(STORED_HEADERS_HEADER),
         row.stored,
         "{what}: stored text"
     );
@@ -225,10 +226,19 @@ async fn a_worker_parks_each_malformed_row_once_with_the_reason_and_acks_it() {
         .expect("messenger");
     let jobs = messenger.transport("jobs").expect("jobs transport");
     let failed = messenger.transport("failed").expect("failure transport");
-    jobs.setup().await.expect("setup");
-    failed.setup().await.expect("setup");
+    jobs.as_setup()
+        .expect("setup")
+        .setup()
+        .await
+        .expect("setup");
+    failed
+        .as_setup()
+        .expect("setup")
+        .setup()
+        .await
+        .expect("setup");
     insert_rows(&path, "envoi_jobs").await;
-    assert_eq!(jobs.message_count().await.expect("count"), 5);
+    assert_eq!(jobs.counter().message_count().await.expect("count"), 5);
 
     let events = Arc::new(Mutex::new(Vec::new()));
     let log = events.clone();
@@ -275,8 +285,8 @@ async fn a_worker_parks_each_malformed_row_once_with_the_reason_and_acks_it() {
     );
     // The originals are acknowledged; the parked copies keep what could be
     // read, the reason, the stored headers and the decoder's error.
-    assert_eq!(jobs.message_count().await.expect("count"), 0);
-    let parked = failed.list(10).await.expect("list");
+    assert_eq!(jobs.counter().message_count().await.expect("count"), 0);
+    let parked = failed.browser().list(10).await.expect("list");
     assert_eq!(parked.len(), 5, "nothing lost");
     for (d, row) in parked.iter().zip(&ROWS) {
         assert_salvaged(&d.raw, row);

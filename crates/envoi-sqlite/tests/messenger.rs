@@ -10,6 +10,7 @@ use std::time::Duration;
 use envoi_core::failure::MultiplierRetryStrategy;
 use envoi_core::middleware::dedup::{DedupClaim, DedupStore, Deduplicate, InMemoryDedupStore};
 use envoi_core::stamp::{SentStamp, TransportMessageIdStamp};
+use envoi_core::testing::Abilities;
 use envoi_core::worker::{StopReason, Worker};
 use envoi_core::{Command, Envelope, Message, Messenger};
 use envoi_sqlite::SqliteTransportFactory;
@@ -87,7 +88,7 @@ async fn commands_sent_to_sqlite_are_handled_retried_and_parked_by_a_worker() {
     }
     let orders = messenger.transport("orders").expect("orders transport");
     assert_eq!(
-        orders.message_count().await.expect("count"),
+        orders.counter().message_count().await.expect("count"),
         u64::from(ORDERS)
     );
 
@@ -108,10 +109,10 @@ async fn commands_sent_to_sqlite_are_handled_retried_and_parked_by_a_worker() {
     assert_eq!(report.stats.retried, 6 + 2);
     assert_eq!(report.stats.failed, 1);
     assert_eq!(attempts.lock().unwrap()[&7], 3);
-    assert_eq!(orders.message_count().await.expect("count"), 0);
+    assert_eq!(orders.counter().message_count().await.expect("count"), 0);
 
     let failed = messenger.transport("failed").expect("failure transport");
-    let parked = failed.list(10).await.expect("list");
+    let parked = failed.browser().list(10).await.expect("list");
     assert_eq!(parked.len(), 1, "one message parked");
     assert!(
         String::from_utf8_lossy(&parked[0].raw.body).contains("\"order\":7"),
@@ -158,7 +159,7 @@ async fn a_deduplicated_message_whose_worker_died_is_handled_when_its_lease_runs
         .expect("dispatch");
     // A worker took the message, claimed its key and died.
     let orders = messenger.transport("orders").expect("orders transport");
-    let taken = orders.get(1).await.expect("get");
+    let taken = orders.receiver().get(1).await.expect("get");
     assert_eq!(taken.len(), 1);
     assert!(store
         .insert(
@@ -184,5 +185,5 @@ async fn a_deduplicated_message_whose_worker_died_is_handled_when_its_lease_runs
         1,
         "the redelivery is handled, not taken for a duplicate"
     );
-    assert_eq!(orders.message_count().await.expect("count"), 0);
+    assert_eq!(orders.counter().message_count().await.expect("count"), 0);
 }

@@ -5,9 +5,14 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::{RawMessage, Transport, TransportFactory};
+use envoi_core::serializer::INVALID_HEADERS_HEADER;
+use envoi_core::testing::Abilities;
+use envoi_core::transport::{
+    Browse, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
+    TransportFactory, WakeUp,
+};
 use envoi_core::TransportError;
-use envoi_sqlite::{SqliteTransport, SqliteTransportFactory, INVALID_HEADERS};
+use envoi_sqlite::{SqliteConfig, SqliteTransport, SqliteTransportFactory};
 
 mod common;
 use common::{db_path, raw_pool};
@@ -119,7 +124,7 @@ async fn restart_keeps_waiting_messages_and_redelivers_leased_ones_after_the_lea
     }
     let taken = a.get(3).await.expect("get");
     assert_eq!(taken.len(), 3);
-    a.close().await;
+    a.close().await.expect("close");
     drop(a);
 
     let b = open(&path, "lease=2s&batch=1&poll=20ms").await;
@@ -271,7 +276,7 @@ async fn factory_turns_bad_dsns_into_invalid_dsn_errors() {
         .await
         .expect("a good DSN");
     t.send(text("via factory"), None).await.expect("send");
-    assert_eq!(t.message_count().await.expect("count"), 1);
+    assert_eq!(t.counter().message_count().await.expect("count"), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -368,7 +373,7 @@ async fn a_row_with_malformed_headers_is_delivered_with_the_reason() {
     assert_eq!(got.len(), 1, "the malformed row must still be handed out");
     let reason = got[0]
         .raw
-        .header(INVALID_HEADERS)
+        .header(INVALID_HEADERS_HEADER)
         .expect("the delivery says what is wrong");
     assert!(reason.contains("not a JSON object"), "{reason}");
     assert_eq!(got[0].raw.body, b"{}");
@@ -485,9 +490,9 @@ async fn a_busy_timeout_sqlite_cannot_take_is_an_invalid_dsn() {
         }
         other => panic!("expected InvalidDsn, got {other:?}"),
     }
-    let mut options = envoi_sqlite::SqliteOptions::new(&path);
-    options.busy_timeout = Duration::from_secs(1000 * 3600);
-    match SqliteTransport::open("jobs", options).await {
+    let mut config = SqliteConfig::new(&path);
+    config.busy_timeout = Duration::from_secs(1000 * 3600);
+    match SqliteTransport::with_config("jobs", config).await {
         Err(TransportError::InvalidDsn { reason, .. }) => {
             assert!(reason.contains("busy_timeout"), "{reason}")
         }
@@ -528,25 +533,34 @@ async fn prefetched_rows_whose_lease_ran_out_are_not_taken_from_their_new_holder
     assert_eq!(a.get(1).await.expect("get").len(), 1);
     tokio::time::sleep(Duration::from_millis(450)).await;
     assert_eq!(b.get(10).await.expect("get").len(), 4);
-    a.close().await;
+    a.close().await.expect("close");
     drop(a);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let got = c.get(10).await.expect("get");
     assert!(got.is_empty(), "b's leases were ended: {got:?}");
 }
 
-/// Options built in code are checked as a DSN's are: a lease under 1 ms
-/// would hand every message out again at once, a poll over 1 m would keep
-/// an idle worker asked to stop waiting.
+/// A configuration built in code is checked as a DSN's is: a lease under
+/// 1 ms would hand every message out again at once, a poll over 1 m would
+/// keep an idle worker asked to stop waiting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn options_built_in_code_are_checked_like_a_dsn() {
-    let path = db_path("options-in-code");
-    let mut no_lease = envoi_sqlite::SqliteOptions::new(&path);
+async fn a_config_built_in_code_is_checked_like_a_dsn() {
+    let path = db_path("config-in-code");
+    let mut no_lease = SqliteConfig::new(&path);
     no_lease.lease = Duration::ZERO;
-    let mut long_poll = envoi_sqlite::SqliteOptions::new(&path);
+    let mut long_poll = SqliteConfig::new(&path);
     long_poll.poll = Duration::from_secs(3600);
-    for (options, option) in [(no_lease, "`lease`"), (long_poll, "`poll`")] {
-        match SqliteTransport::open("jobs", options).await {
+    let mut no_batch = SqliteConfig::new(&path);
+    no_batch.batch = 0;
+    let mut bad_table = SqliteConfig::new(&path);
+    bad_table.table = Some("a;drop".into());
+    for (config, option) in [
+        (no_lease, "`lease`"),
+        (long_poll, "`poll`"),
+        (no_batch, "`batch`"),
+        (bad_table, "table name"),
+    ] {
+        match SqliteTransport::with_config("jobs", config).await {
             Err(TransportError::InvalidDsn { reason, .. }) => {
                 assert!(reason.contains(option), "{reason}")
             }
@@ -653,7 +667,7 @@ async fn setup_adds_the_delivery_count_to_a_table_made_without_it() {
     let bodies: Vec<&[u8]> = got.iter().map(|d| d.raw.body.as_slice()).collect();
     assert_eq!(bodies, [b"leased".as_slice(), b"waiting".as_slice()]);
     // Counted from the migration on: neither claim is known to be a second.
-    assert!(got.iter().all(|d| !d.is_redelivered()));
+    assert!(got.iter().all(|d| !d.redelivered));
     pool.close().await;
 }
 
@@ -667,7 +681,7 @@ async fn a_released_or_expired_message_is_marked_and_a_prefetched_one_given_back
     // Claims both, hands out one, keeps the other.
     let first = a.get(1).await.expect("get");
     assert_eq!(first[0].raw.body, b"released");
-    assert!(!first[0].is_redelivered(), "handed out the first time");
+    assert!(!first[0].redelivered, "handed out the first time");
     a.release(&first[0].id).await.expect("release");
     drop(a);
     let b = open(&path, "lease=60s&batch=1&poll=20ms").await;
@@ -678,7 +692,7 @@ async fn a_released_or_expired_message_is_marked_and_a_prefetched_one_given_back
     }
     let marks: Vec<(&[u8], bool)> = got
         .iter()
-        .map(|d| (d.raw.body.as_slice(), d.is_redelivered()))
+        .map(|d| (d.raw.body.as_slice(), d.redelivered))
         .collect();
     assert_eq!(
         marks,
@@ -690,8 +704,11 @@ async fn a_released_or_expired_message_is_marked_and_a_prefetched_one_given_back
     );
 }
 
+/// No header is the transport's: one named `X-Envoi-Redelivered` stored in
+/// a row is an ordinary header, handed out as it is, and only the row's
+/// delivery count marks a delivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stored_redelivered_header_does_not_mark_a_first_delivery() {
+async fn a_stored_redelivered_header_is_an_ordinary_header_and_does_not_mark_a_first_delivery() {
     let path = db_path("stored-mark");
     let t = open(&path, "").await;
     let pool = raw_pool(&path).await;
@@ -704,9 +721,130 @@ async fn a_stored_redelivered_header_does_not_mark_a_first_delivery() {
     .expect("row written by hand");
     let got = t.get(1).await.expect("get");
     assert_eq!(got.len(), 1);
-    assert!(
-        !got[0].is_redelivered(),
-        "the stored header is not the mark"
-    );
+    assert!(!got[0].redelivered, "the stored header is not the mark");
+    assert_eq!(got[0].raw.header("X-Envoi-Redelivered"), Some("true"));
+    assert_eq!(got[0].raw.header(INVALID_HEADERS_HEADER), None);
     pool.close().await;
+}
+
+/// A rejected message is deleted, as an acknowledged one: it never comes
+/// back, whether its lease runs out or another handle looks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_message_is_deleted() {
+    let path = db_path("reject");
+    let t = open(&path, "lease=300ms&poll=20ms").await;
+    t.send(text("bad"), None).await.expect("send");
+    t.send(text("good"), None).await.expect("send");
+    let got = t.get(2).await.expect("get");
+    assert_eq!(got.len(), 2);
+    t.reject(&got[0].id).await.expect("reject");
+    t.release(&got[1].id).await.expect("release");
+    assert_eq!(t.message_count().await.expect("count"), 1);
+    assert!(t.find(&got[0].id).await.expect("find").is_none());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(bodies_within(&t, 2, Duration::from_secs(2)).await, ["good"]);
+    let unknown = t.reject(&"not-an-id".into()).await;
+    assert!(
+        matches!(unknown, Err(TransportError::NotFound(ref id)) if id == "not-an-id"),
+        "{unknown:?}"
+    );
+}
+
+/// `purge` deletes this transport's rows, leased and delayed ones included,
+/// and no other's; `delete` drops the table once no transport's rows are
+/// left in it, does nothing without one, and with `auto_setup` the next use
+/// creates it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_and_delete_remove_only_this_transport_s_rows_and_the_table_once_unused() {
+    let path = db_path("teardown");
+    let options = dsn(&path, "table=shared&batch=4&poll=0");
+    let orders = SqliteTransport::connect("orders", &options)
+        .await
+        .expect("open");
+    let mails = SqliteTransport::connect("mails", &options)
+        .await
+        .expect("open");
+    for body in ["leased", "kept", "waiting"] {
+        orders.send(text(body), None).await.expect("send");
+    }
+    orders
+        .send(text("delayed"), Some(Duration::from_secs(60)))
+        .await
+        .expect("send");
+    mails.send(text("mail"), None).await.expect("send");
+    // One handed out, two kept by this handle (batch=4).
+    assert_eq!(orders.get(1).await.expect("get").len(), 1);
+    assert_eq!(orders.purge().await.expect("purge"), 4);
+    assert_eq!(orders.message_count().await.expect("count"), 0);
+    assert!(
+        orders.get(10).await.expect("get").is_empty(),
+        "kept rows are forgotten"
+    );
+    assert_eq!(mails.message_count().await.expect("count"), 1);
+    assert_eq!(orders.purge().await.expect("purge again"), 0);
+
+    let table_exists = |pool: sqlx::SqlitePool| async move {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'shared'",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("sqlite_master");
+        pool.close().await;
+        n == 1
+    };
+    orders.send(text("again"), None).await.expect("send");
+    orders.delete().await.expect("delete");
+    assert!(
+        table_exists(raw_pool(&path).await).await,
+        "the table still holds another transport's row"
+    );
+    assert_eq!(orders.message_count().await.expect("count"), 0);
+    assert_eq!(mails.message_count().await.expect("count"), 1);
+    mails.delete().await.expect("delete");
+    assert!(!table_exists(raw_pool(&path).await).await, "dropped");
+    mails.delete().await.expect("deleting again does nothing");
+    // With auto_setup, the next use creates the table again.
+    mails.send(text("after"), None).await.expect("send");
+    assert_eq!(mails.message_count().await.expect("count"), 1);
+}
+
+/// `close` gives back what the handle kept, stops the writer and closes
+/// the connections: every clone fails with `Closed` afterwards, and
+/// closing again does nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_gives_back_kept_rows_and_closes_every_clone() {
+    let path = db_path("close");
+    let a = open(&path, "lease=60s&batch=8&poll=0").await;
+    for i in 0..3 {
+        a.send(text(&format!("c{i}")), None).await.expect("send");
+    }
+    assert_eq!(a.get(1).await.expect("get").len(), 1);
+    let clone = a.clone();
+    a.close().await.expect("close");
+    a.close().await.expect("close again");
+    for outcome in [
+        clone.send(text("late"), None).await.map(drop),
+        clone.get(1).await.map(drop),
+        clone.message_count().await.map(drop),
+    ] {
+        assert!(
+            matches!(outcome, Err(TransportError::Closed)),
+            "{outcome:?}"
+        );
+    }
+    let b = open(&path, "lease=60s&poll=0").await;
+    let mut got: Vec<Vec<u8>> = b
+        .get(10)
+        .await
+        .expect("get")
+        .into_iter()
+        .map(|d| d.raw.body)
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [b"c1".to_vec(), b"c2".to_vec()],
+        "kept rows given back"
+    );
 }

@@ -37,7 +37,8 @@
 //!
 //! A DSN whose transport exists but whose feature is off says which feature
 //! to enable. Everything else of core's
-//! [`transports`](envoi_core::transport::registry) module is re-exported here.
+//! [`transport::registry`](envoi_core::transport::registry) module is
+//! re-exported here.
 
 use std::sync::Arc;
 
@@ -140,7 +141,9 @@ impl TransportFactory for DisabledFeatures {
 /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
 /// let factories = envoi::transports::factories();
 /// let queue = factories.create("async", "in-memory://").await.unwrap();
-/// assert!(!queue.capabilities().persistent);
+/// // What it can do beyond sending, each ability handed out by an `as_*`.
+/// assert!(queue.as_receiver().is_some());
+/// assert!(queue.as_setup().is_none(), "nothing to create in memory");
 /// # });
 /// ```
 pub fn factories() -> TransportFactories {

@@ -1,5 +1,6 @@
 //! Configuring transports by DSN through the facade.
 
+use envoi::testing::Abilities;
 use envoi::transport::RawMessage;
 use envoi::{BuildError, Messenger, MessengerBuilderExt, TransportError};
 
@@ -38,7 +39,7 @@ async fn core_schemes_work_in_every_feature_combination() {
         .await
         .unwrap();
     t.send(RawMessage::default(), None).await.unwrap();
-    assert_eq!(t.message_count().await.unwrap(), 1);
+    assert_eq!(t.counter().message_count().await.unwrap(), 1);
 }
 
 #[tokio::test]
@@ -93,17 +94,20 @@ mod sqlite {
                     Ok::<_, Infallible>(())
                 }
             })
-            .transport_dsn("orders", dsn)
+            .transport_dsn("orders", dsn.clone())
             .route::<Ping>("orders")
             .build_async()
             .await
             .unwrap();
         let orders = messenger.transport("orders").unwrap();
-        assert!(orders.capabilities().persistent);
         for n in 1..=3 {
             messenger.dispatcher().dispatch(Ping(n)).await.unwrap();
         }
-        assert_eq!(orders.message_count().await.unwrap(), 3);
+        assert_eq!(orders.counter().message_count().await.unwrap(), 3);
+        // Persistent: stored in the database, where another handle on it
+        // finds them.
+        let reopened = envoi::transports::from_dsn("orders", &dsn).await.unwrap();
+        assert_eq!(reopened.counter().message_count().await.unwrap(), 3);
         let report = Worker::builder(&messenger)
             .receiver("orders")
             .stop_when_empty()
@@ -127,7 +131,7 @@ mod sqlite {
 
     #[test]
     fn the_sqlite_module_is_the_transport_crate() {
-        let options = envoi::sqlite::SqliteOptions::from_dsn("sqlite://var/q.db").unwrap();
-        assert_eq!(options.path, std::path::Path::new("var/q.db"));
+        let config = envoi::sqlite::SqliteConfig::from_dsn("sqlite://var/q.db").unwrap();
+        assert_eq!(config.path, std::path::Path::new("var/q.db"));
     }
 }

@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use envoi::failure::MultiplierRetryStrategy;
-use envoi::sqlite::{SqliteOptions, SqliteTransport};
+use envoi::sqlite::{SqliteConfig, SqliteTransport};
 use envoi::stamp::RedeliveryStamp;
 use envoi::worker::{StopHandle, StopReason, Worker, WorkerError, WorkerEvent, WorkerListener};
 use envoi::{
@@ -271,14 +271,14 @@ impl Handler<OrderPlaced> for ReserveStock {
 ///
 /// When the database cannot be opened.
 pub async fn messenger(database: &Path, retry_delay: Duration) -> Result<Messenger, BuildError> {
-    // Opened from options rather than a DSN, so that any file name works
-    // (a `?` or `#` in it, or bytes that are not UTF-8).
+    // Opened from a configuration rather than a DSN, so that any file name
+    // works (a `?` or `#` in it, or bytes that are not UTF-8).
     let open = |name: &'static str| async move {
-        let mut options = SqliteOptions::new(database);
+        let mut config = SqliteConfig::new(database);
         // A worker reading two transports in priority order must not wait
         // on the first when it is empty; it waits on both when both are.
-        options.poll = Duration::ZERO;
-        SqliteTransport::open(name, options)
+        config.poll = Duration::ZERO;
+        SqliteTransport::with_config(name, config)
             .await
             .map_err(|e| BuildError::Transport {
                 name: name.to_string(),
@@ -922,13 +922,13 @@ pub async fn run(config: &FlowConfig) -> Result<Summary, FlowError> {
     remove_database(&config.database)?;
     let messenger = messenger(&config.database, config.retry_delay).await?;
     for (name, transport) in messenger.transports() {
-        transport
-            .setup()
-            .await
-            .map_err(|source| FlowError::Transport {
-                transport: name.to_string(),
-                source,
-            })?;
+        let Some(setup) = transport.as_setup() else {
+            continue;
+        };
+        setup.setup().await.map_err(|source| FlowError::Transport {
+            transport: name.to_string(),
+            source,
+        })?;
     }
     let n = config.orders;
     let tally = Arc::new(Tally::default());
@@ -1048,8 +1048,11 @@ pub async fn run(config: &FlowConfig) -> Result<Summary, FlowError> {
             ),
         });
     }
-    let in_failure_transport = match messenger.transport(FAILED) {
-        Some(t) => t
+    let in_failure_transport = match messenger
+        .transport(FAILED)
+        .and_then(|t| t.as_message_count())
+    {
+        Some(counter) => counter
             .message_count()
             .await
             .map_err(|source| FlowError::Transport {

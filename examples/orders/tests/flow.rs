@@ -6,6 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use envoi::stamp::ErrorDetailsStamp;
+use envoi::testing::Abilities;
 use example_orders::{
     card_declined, discontinued, gateway_times_out, mail_server_busy, run, thousands, FlowConfig,
     EVENTS, FAILED, ORDERS,
@@ -81,6 +82,7 @@ async fn every_order_and_event_is_handled_or_parked_and_the_parked_ones_fail_for
         let count = messenger
             .transport(name)
             .unwrap()
+            .counter()
             .message_count()
             .await
             .unwrap();
@@ -89,6 +91,7 @@ async fn every_order_and_event_is_handled_or_parked_and_the_parked_ones_fail_for
     let parked = messenger
         .transport(FAILED)
         .unwrap()
+        .browser()
         .list(100)
         .await
         .unwrap();

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::{Delivery, Transport};
+use envoi_core::transport::{Delivery, Receiver};
 
 /// The broker URL, or `None` after printing why `test` is skipped.
 pub fn url(test: &str) -> Option<String> {
@@ -30,7 +30,7 @@ pub fn dsn(url: &str, options: &str) -> String {
 }
 
 /// Gets until `n` messages arrived; fails after `within`.
-pub async fn receive(t: &dyn Transport, n: usize, within: Duration) -> Vec<Delivery> {
+pub async fn receive(t: &dyn Receiver, n: usize, within: Duration) -> Vec<Delivery> {
     let deadline = Instant::now() + within;
     let mut out = Vec::new();
     while out.len() < n {

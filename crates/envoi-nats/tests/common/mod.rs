@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use envoi_core::transport::Transport;
+use envoi_core::transport::{Receiver, Setup};
 use envoi_nats::NatsTransport;
 
 /// The server URL, or `None` after printing why the test is skipped.
@@ -46,7 +46,7 @@ pub fn with_options(url: &str, options: &str) -> String {
 
 /// A set-up transport on a fresh stream.
 pub async fn transport(url: &str, name: &str, options: &str) -> NatsTransport {
-    let transport = NatsTransport::from_dsn(name, &with_options(url, options))
+    let transport = NatsTransport::connect(name, &with_options(url, options))
         .await
         .expect("connect");
     transport.setup().await.expect("setup");

@@ -6,7 +6,7 @@
 
 use std::sync::Once;
 
-use envoi_redis::{RedisOptions, RedisTransport};
+use envoi_redis::{RedisConfig, RedisTransport};
 use redis::aio::MultiplexedConnection;
 
 /// Stream keys of every test start with this.
@@ -32,20 +32,27 @@ pub fn unique(tag: &str) -> String {
     format!("{tag}_{}", &suffix[..12])
 }
 
-/// Options for the transport `name` on `url`, with `extra` DSN options.
-pub fn options(url: &str, name: &str, extra: &str) -> RedisOptions {
+/// The DSN of stream `name` on `url`, with `extra` DSN options.
+pub fn dsn(url: &str, name: &str, extra: &str) -> String {
     let separator = if url.contains('?') { '&' } else { '?' };
     let mut dsn = format!("{url}{separator}stream={PREFIX}{name}");
     if !extra.is_empty() {
         dsn.push('&');
         dsn.push_str(extra);
     }
-    RedisOptions::from_dsn(name, &dsn).unwrap_or_else(|e| panic!("bad test DSN: {e}"))
+    dsn
+}
+
+/// The configuration of stream `name` on `url`, with `extra` DSN options.
+pub fn config(url: &str, name: &str, extra: &str) -> RedisConfig {
+    RedisConfig::from_dsn(&dsn(url, name, extra)).unwrap_or_else(|e| panic!("bad test DSN: {e}"))
 }
 
 /// A transport handle on stream `name`.
-pub fn transport(url: &str, name: &str, extra: &str) -> RedisTransport {
-    RedisTransport::new(options(url, name, extra)).unwrap_or_else(|e| panic!("{e}"))
+pub async fn transport(url: &str, name: &str, extra: &str) -> RedisTransport {
+    RedisTransport::with_config(name, config(url, name, extra))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A plain connection for inspecting the server.

@@ -3,11 +3,14 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use envoi_core::transport::{dsn_has_scheme, mask_dsn, parse_duration};
+use envoi_core::transport::support::DsnQuery;
+use envoi_core::transport::{dsn_has_scheme, mask_dsn};
 use envoi_core::TransportError;
 
 /// How a [`SqliteTransport`](crate::SqliteTransport) is configured; parsed
-/// from a DSN by [`SqliteOptions::from_dsn`].
+/// from a DSN by [`SqliteConfig::from_dsn`], or built in code from
+/// [`SqliteConfig::new`] and given to
+/// [`SqliteTransport::with_config`](crate::SqliteTransport::with_config).
 ///
 /// | option | default | meaning |
 /// |---|---|---|
@@ -18,12 +21,13 @@ use envoi_core::TransportError;
 /// | `busy_timeout` | `5s` | how long a statement waits for another connection's write lock, at most `596h` (SQLite's limit) |
 /// | `auto_setup` | `true` | create the table on first use |
 ///
-/// Durations are read by [`envoi_core::transport::parse_duration`], as on
-/// every transport: `1500ms`, `1.5` (seconds), `2s`, `1m` and `1h30m` are
-/// all valid.
+/// Options are read by [`DsnQuery`], as on every transport: durations such
+/// as `1500ms`, `1.5` (seconds), `2s`, `1m` or `1h30m`; booleans `true`,
+/// `false`, `1`, `0`, `yes`, `no`, `on` or `off`; values percent-decoded;
+/// an unknown option or one given twice is refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct SqliteOptions {
+pub struct SqliteConfig {
     /// The database file; created if missing.
     pub path: PathBuf,
     /// The table, or `None` for `envoi_<transport name>`.
@@ -41,8 +45,8 @@ pub struct SqliteOptions {
     pub auto_setup: bool,
 }
 
-impl SqliteOptions {
-    /// Default options for the database at `path`.
+impl SqliteConfig {
+    /// The default configuration for the database at `path`.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         Self {
             path: path.into(),
@@ -60,14 +64,14 @@ impl SqliteOptions {
     /// relative to the working directory.
     ///
     /// ```
-    /// use envoi_sqlite::SqliteOptions;
+    /// use envoi_sqlite::SqliteConfig;
     /// use std::time::Duration;
     ///
-    /// let o = SqliteOptions::from_dsn("sqlite://var/envoi.db?lease=2s&batch=64").unwrap();
-    /// assert_eq!(o.path, std::path::Path::new("var/envoi.db"));
-    /// assert_eq!(o.lease, Duration::from_secs(2));
-    /// assert_eq!(o.batch, 64);
-    /// assert!(SqliteOptions::from_dsn("sqlite://x.db?lease=soon").is_err());
+    /// let c = SqliteConfig::from_dsn("sqlite://var/envoi.db?lease=2s&batch=64").unwrap();
+    /// assert_eq!(c.path, std::path::Path::new("var/envoi.db"));
+    /// assert_eq!(c.lease, Duration::from_secs(2));
+    /// assert_eq!(c.batch, 64);
+    /// assert!(SqliteConfig::from_dsn("sqlite://x.db?lease=soon").is_err());
     /// ```
     ///
     /// # Errors
@@ -76,105 +80,97 @@ impl SqliteOptions {
     /// in-memory database, an unknown option, an option given twice or a
     /// bad value.
     pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
-        let invalid = |reason: String| TransportError::InvalidDsn {
+        let invalid = |reason: &str| TransportError::InvalidDsn {
             dsn: mask_dsn(dsn),
-            reason,
+            reason: reason.to_string(),
         };
         // The scheme, in any case, then `//` if present.
         if !dsn_has_scheme(dsn, "sqlite:") {
-            return Err(invalid("expected `sqlite://<path>`".into()));
+            return Err(invalid("expected `sqlite://<path>`"));
         }
         let rest = &dsn["sqlite:".len()..];
         let rest = rest.strip_prefix("//").unwrap_or(rest);
-        let (path, query) = match rest.split_once('?') {
-            Some((p, q)) => (p, Some(q)),
-            None => (rest, None),
-        };
+        let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
         if path.is_empty() {
-            return Err(invalid("the database path is empty".into()));
+            return Err(invalid("the database path is empty"));
         }
-        if path == ":memory:" || path.starts_with("file:") {
+        let memory_mode = query.split('&').any(|pair| pair == "mode=memory");
+        if path == ":memory:" || path.starts_with("file:") || memory_mode {
             return Err(invalid(
                 "in-memory and URI databases are not supported (each pooled connection would \
-                 see its own database); use a file path, or the `in-memory://` transport"
-                    .into(),
+                 see its own database); use a file path, or the `in-memory://` transport",
             ));
         }
-        let mut options = SqliteOptions::new(path);
-        let mut seen: Vec<&str> = Vec::new();
-        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair
-                .split_once('=')
-                .ok_or_else(|| invalid(format!("option `{pair}` has no value")))?;
-            if seen.contains(&key) {
-                return Err(invalid(format!("option `{key}` is given twice")));
-            }
-            seen.push(key);
-            match key {
-                "table" => {
-                    validate_table(value).map_err(invalid)?;
-                    options.table = Some(value.to_string());
-                }
-                "lease" => options.lease = positive_duration(key, value).map_err(invalid)?,
-                "poll" => {
-                    options.poll = duration(key, value).map_err(invalid)?;
-                    if options.poll > MAX_POLL {
-                        return Err(invalid(format!(
-                            "`poll` must be at most 1m (an idle worker asked to stop waits \
-                             up to this long), not `{value}`"
-                        )));
-                    }
-                }
-                "busy_timeout" => {
-                    options.busy_timeout = duration(key, value).map_err(invalid)?;
-                    validate_busy_timeout(options.busy_timeout).map_err(invalid)?;
-                }
-                "batch" => {
-                    options.batch = match value.parse::<usize>() {
-                        Ok(n) if (1..=MAX_BATCH).contains(&n) => n,
-                        _ => {
-                            return Err(invalid(format!(
-                            "`batch` must be a whole number from 1 to {MAX_BATCH}, not `{value}`"
-                        )))
-                        }
-                    }
-                }
-                "auto_setup" => {
-                    options.auto_setup = match value {
-                        "true" | "1" => true,
-                        "false" | "0" => false,
-                        _ => {
-                            return Err(invalid(format!(
-                                "`auto_setup` must be `true` or `false`, not `{value}`"
-                            )))
-                        }
-                    }
-                }
-                "mode" if value == "memory" => {
-                    return Err(invalid("in-memory databases are not supported".into()))
-                }
-                _ => {
-                    return Err(invalid(format!(
-                        "unknown option `{key}` (expected table, lease, poll, batch, \
-                         busy_timeout or auto_setup)"
-                    )))
-                }
-            }
+        let mut q = DsnQuery::parse(dsn)?;
+        let mut config = SqliteConfig::new(path);
+        config.table = q.string("table");
+        if let Some(lease) = q.duration("lease")? {
+            config.lease = lease;
         }
-        Ok(options)
+        if let Some(poll) = q.duration("poll")? {
+            config.poll = poll;
+        }
+        if let Some(batch) = q.number("batch")? {
+            config.batch = batch;
+        }
+        if let Some(timeout) = q.duration("busy_timeout")? {
+            config.busy_timeout = timeout;
+        }
+        if let Some(auto_setup) = q.bool("auto_setup")? {
+            config.auto_setup = auto_setup;
+        }
+        q.finish()?;
+        config.check().map_err(|reason| invalid(&reason))?;
+        Ok(config)
+    }
+
+    /// The table of the transport called `name`: the one given, or
+    /// `envoi_<name>`.
+    pub(crate) fn table_for(&self, name: &str) -> String {
+        self.table.clone().unwrap_or_else(|| default_table(name))
+    }
+
+    /// Whether every value is one the transport can use: a valid table
+    /// name, a lease of at least 1 ms, a poll of at most 1 m, a batch of 1
+    /// to 10000 rows and a busy timeout SQLite can take. Says what is wrong
+    /// otherwise.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if let Some(table) = &self.table {
+            validate_table(table)?;
+        }
+        if self.lease < Duration::from_millis(1) {
+            return Err(format!(
+                "`lease` must be at least 1ms, not {:?}",
+                self.lease
+            ));
+        }
+        if self.poll > MAX_POLL {
+            return Err(format!(
+                "`poll` must be at most 1m (an idle worker asked to stop waits up to this \
+                 long), not {:?}",
+                self.poll
+            ));
+        }
+        if !(1..=MAX_BATCH).contains(&self.batch) {
+            return Err(format!(
+                "`batch` must be from 1 to {MAX_BATCH}, not {}",
+                self.batch
+            ));
+        }
+        validate_busy_timeout(self.busy_timeout)
     }
 }
 
 /// The longest `poll`: an idle worker waits this long in `get` before it
 /// sees that it was asked to stop.
-pub(crate) const MAX_POLL: Duration = Duration::from_secs(60);
+const MAX_POLL: Duration = Duration::from_secs(60);
 
 /// The longest busy timeout: SQLite takes it in milliseconds as a C `int`.
 const MAX_BUSY_TIMEOUT_MS: u128 = i32::MAX as u128;
 
 /// A busy timeout SQLite can take: at most `i32::MAX` milliseconds (about
 /// 596 hours).
-pub(crate) fn validate_busy_timeout(timeout: Duration) -> Result<(), String> {
+fn validate_busy_timeout(timeout: Duration) -> Result<(), String> {
     if timeout.as_millis() > MAX_BUSY_TIMEOUT_MS {
         return Err(format!(
             "`busy_timeout` must be at most {MAX_BUSY_TIMEOUT_MS}ms (596h), not {timeout:?}"
@@ -188,7 +184,7 @@ pub(crate) const MAX_BATCH: usize = 10_000;
 
 /// A table name must be a plain identifier: ASCII letters, digits and `_`,
 /// not starting with a digit, at most 64 characters.
-pub(crate) fn validate_table(name: &str) -> Result<(), String> {
+fn validate_table(name: &str) -> Result<(), String> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
@@ -207,7 +203,7 @@ pub(crate) fn validate_table(name: &str) -> Result<(), String> {
 /// The default table for the transport called `name`: `envoi_` followed by
 /// the name with every character other than ASCII letters and digits
 /// replaced by `_`, cut to 64 characters.
-pub(crate) fn default_table(name: &str) -> String {
+fn default_table(name: &str) -> String {
     let mut table: String = "envoi_".to_string();
     table.extend(name.chars().map(|c| {
         if c.is_ascii_alphanumeric() {
@@ -220,28 +216,13 @@ pub(crate) fn default_table(name: &str) -> String {
     table
 }
 
-fn positive_duration(key: &str, value: &str) -> Result<Duration, String> {
-    let d = duration(key, value)?;
-    if d < Duration::from_millis(1) {
-        return Err(format!("`{key}` must be at least 1ms, not `{value}`"));
-    }
-    Ok(d)
-}
-
-/// Parses a duration option with [`parse_duration`].
-fn duration(key: &str, value: &str) -> Result<Duration, String> {
-    parse_duration(value).ok_or_else(|| {
-        format!("`{key}` must be a duration such as `500ms`, `2s` or `1m`, not `{value}`")
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn dsn_options_are_parsed() {
-        let o = SqliteOptions::from_dsn(
+        let o = SqliteConfig::from_dsn(
             "sqlite:///tmp/q.db?table=jobs&lease=1500ms&poll=0.1&batch=8&busy_timeout=1m&auto_setup=false",
         )
         .unwrap();
@@ -252,18 +233,18 @@ mod tests {
         assert_eq!(o.batch, 8);
         assert_eq!(o.busy_timeout, Duration::from_secs(60));
         assert!(!o.auto_setup);
-        let o = SqliteOptions::from_dsn("sqlite:envoi.db").unwrap();
-        assert_eq!(o, SqliteOptions::new("envoi.db"));
+        let o = SqliteConfig::from_dsn("sqlite:envoi.db").unwrap();
+        assert_eq!(o, SqliteConfig::new("envoi.db"));
     }
 
     #[test]
     fn the_scheme_is_read_in_any_case() {
         for dsn in ["SQLITE://envoi.db", "Sqlite:envoi.db"] {
-            let o = SqliteOptions::from_dsn(dsn).unwrap();
-            assert_eq!(o, SqliteOptions::new("envoi.db"), "{dsn}");
+            let o = SqliteConfig::from_dsn(dsn).unwrap();
+            assert_eq!(o, SqliteConfig::new("envoi.db"), "{dsn}");
         }
         for dsn in ["sqlit://envoi.db", "sqlite", "é"] {
-            assert!(SqliteOptions::from_dsn(dsn).is_err(), "{dsn}");
+            assert!(SqliteConfig::from_dsn(dsn).is_err(), "{dsn}");
         }
     }
 
@@ -293,8 +274,13 @@ mod tests {
             ("sqlite://x.db?table=1abc", "table name"),
             ("sqlite://x.db?table=sqlite_master", "table name"),
             ("sqlite://x.db?auto_setup=maybe", "`auto_setup`"),
-            ("sqlite://x.db?colour=blue", "unknown option `colour`"),
-            ("sqlite://x.db?lease", "has no value"),
+            (
+                "sqlite://x.db?colour=blue",
+                "unknown option `colour` (known: table, lease, poll, batch, busy_timeout, \
+                 auto_setup)",
+            ),
+            ("sqlite://x.db?mode=rwc", "unknown option `mode`"),
+            ("sqlite://x.db?lease", "`lease` must be a duration"),
             (
                 "sqlite://x.db?lease=1s&lease=5s",
                 "option `lease` is given twice",
@@ -304,7 +290,7 @@ mod tests {
                 "option `table` is given twice",
             ),
         ] {
-            match SqliteOptions::from_dsn(dsn) {
+            match SqliteConfig::from_dsn(dsn) {
                 Err(TransportError::InvalidDsn { reason: r, .. }) => {
                     assert!(
                         r.contains(reason),

@@ -1,0 +1,297 @@
+//! Settling what was handed out: the leases a handle holds, and the acks,
+//! naks and in-progress acks sent on their JetStream ack subjects.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, AckKind};
+use async_nats::Subject;
+use envoi_core::transport::{DeliveryId, Keepalive};
+use envoi_core::{BoxFuture, TransportError};
+
+use crate::transport::{backend, lock};
+use crate::NatsTransport;
+
+/// Leases not touched for this long (and at least three lease periods) are
+/// forgotten; JetStream has handed those messages out again anyway.
+const LEASE_MEMORY: Duration = Duration::from_secs(300);
+
+/// The stream sequence an id names; `None` for anything but a positive
+/// number.
+pub(crate) fn parse_id(id: &str) -> Option<u64> {
+    id.parse().ok().filter(|seq| *seq > 0)
+}
+
+/// The stream sequence of `id`, or [`TransportError::NotFound`].
+fn sequence_of(id: &DeliveryId) -> Result<u64, TransportError> {
+    parse_id(id.as_str()).ok_or_else(|| TransportError::NotFound(id.to_string()))
+}
+
+/// A message handed out and not yet acknowledged, rejected or released.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    /// The JetStream ack subject of the latest delivery.
+    pub(crate) reply: Subject,
+    /// When it was handed out or last kept alive.
+    pub(crate) touched: Instant,
+}
+
+/// Hashes stream sequences (numbers the server counts up) by a
+/// multiplication that spreads them over all bits: much cheaper than
+/// SipHash for a map every delivery and acknowledgement goes through.
+#[derive(Default)]
+struct SequenceHasher(u64);
+
+impl Hasher for SequenceHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// The messages a handle has handed out and not settled, by stream
+/// sequence.
+#[derive(Debug)]
+pub(crate) struct Leases {
+    by_sequence: HashMap<u64, Lease, BuildHasherDefault<SequenceHasher>>,
+    last_pruned: Instant,
+}
+
+impl Leases {
+    pub(crate) fn new() -> Self {
+        Self {
+            by_sequence: HashMap::default(),
+            last_pruned: Instant::now(),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.by_sequence.len()
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.by_sequence.clear();
+    }
+
+    pub(crate) fn extend(&mut self, leased: impl IntoIterator<Item = (u64, Lease)>) {
+        self.by_sequence.extend(leased);
+    }
+
+    fn remove(&mut self, sequence: u64) -> Option<Lease> {
+        self.by_sequence.remove(&sequence)
+    }
+}
+
+impl NatsTransport {
+    /// Forgets leases untouched for long (at most once a lease period).
+    pub(crate) fn prune_leases(&self) {
+        let lease = self.inner.config.lease;
+        let mut leases = lock(&self.inner.leases);
+        if leases.last_pruned.elapsed() < lease {
+            return;
+        }
+        leases.last_pruned = Instant::now();
+        let keep = LEASE_MEMORY.max(lease * 3);
+        leases.by_sequence.retain(|_, l| l.touched.elapsed() < keep);
+    }
+
+    fn take_lease(&self, sequence: u64) -> Option<Lease> {
+        lock(&self.inner.leases).remove(sequence)
+    }
+
+    async fn send_ack(&self, reply: Subject, kind: AckKind) -> Result<(), TransportError> {
+        if self.inner.config.double_ack {
+            let response = self
+                .inner
+                .client
+                .request(reply, kind.into())
+                .await
+                .map_err(|e| backend("acknowledging (waiting for confirmation)", e))?;
+            if let Some(status) = response.status {
+                if !status.is_success() {
+                    return Err(backend(
+                        "acknowledging",
+                        format!("server answered {status}"),
+                    ));
+                }
+            }
+            Ok(())
+        } else {
+            if matches!(kind, AckKind::Ack) {
+                *lock(&self.inner.unconfirmed_ack) = Some(reply.clone());
+            }
+            self.inner
+                .client
+                .publish(reply, kind.into())
+                .await
+                .map_err(|e| backend("acknowledging", e))
+        }
+    }
+
+    /// Read-your-acks for `list`, `find` and `message_count`: plain acks are
+    /// processed by the server after they are sent, so the latest one is
+    /// sent again as a confirmed ack. The consumer handles acks from one
+    /// connection in order, so once that one is confirmed, every earlier ack
+    /// from this handle has been applied. Acking twice is harmless.
+    pub(crate) async fn ack_barrier(&self) {
+        let Some(reply) = lock(&self.inner.unconfirmed_ack).take() else {
+            return;
+        };
+        let confirmation = self.inner.client.request(reply, AckKind::Ack.into());
+        match tokio::time::timeout(Duration::from_secs(5), confirmation).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::debug!(%error, "ack barrier not confirmed"),
+            Err(_) => tracing::debug!("ack barrier timed out"),
+        }
+    }
+
+    /// Removes the message with stream sequence `sequence` from the stream
+    /// directly (used for ids this handle did not hand out, such as ids
+    /// from `list`). A message that is already gone counts as removed.
+    async fn delete_by_sequence(&self, sequence: u64) -> Result<(), TransportError> {
+        let stream = self.open_stream().await?;
+        match stream.delete_message(sequence).await {
+            Ok(_) => Ok(()),
+            Err(e) => match e.kind() {
+                jetstream::stream::DeleteMessageErrorKind::JetStream(js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_MESSAGE_DELETE_FAILED
+                        || js.error_code() == jetstream::ErrorCode::NO_MESSAGE_FOUND
+                        || js.error_code() == jetstream::ErrorCode::SEQUENCE_NOT_FOUND =>
+                {
+                    Ok(())
+                }
+                _ => Err(backend(format!("deleting message {sequence}"), e)),
+            },
+        }
+    }
+
+    /// `ack` and `reject`: `+ACK` on a work-queue stream removes the
+    /// message for good; a message this handle did not hand out is deleted
+    /// from the stream.
+    pub(crate) async fn remove(&self, id: &DeliveryId) -> Result<(), TransportError> {
+        self.check_open()?;
+        let sequence = sequence_of(id)?;
+        match self.take_lease(sequence) {
+            Some(lease) => self.send_ack(lease.reply, AckKind::Ack).await,
+            None => self.delete_by_sequence(sequence).await,
+        }
+    }
+
+    /// Acknowledges every id: the acks are queued on the connection and
+    /// written together (confirmed concurrently with `double_ack`); ids not
+    /// handed out by this handle are deleted from the stream. Every id that
+    /// can be is settled; the first error is returned.
+    pub(crate) async fn remove_all(&self, ids: &[DeliveryId]) -> Result<(), TransportError> {
+        self.check_open()?;
+        let mut first_error = None;
+        let mut replies = Vec::with_capacity(ids.len());
+        let mut others = Vec::new();
+        {
+            let mut leases = lock(&self.inner.leases);
+            for id in ids {
+                match sequence_of(id) {
+                    Ok(sequence) => match leases.remove(sequence) {
+                        Some(lease) => replies.push(lease.reply),
+                        None => others.push(sequence),
+                    },
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        let acked = self.ack_all(replies).await;
+        for sequence in others {
+            if let Err(e) = self.delete_by_sequence(sequence).await {
+                first_error.get_or_insert(e);
+            }
+        }
+        match (acked, first_error) {
+            (Err(e), _) | (Ok(()), Some(e)) => Err(e),
+            (Ok(()), None) => Ok(()),
+        }
+    }
+
+    async fn ack_all(&self, replies: Vec<Subject>) -> Result<(), TransportError> {
+        if self.inner.config.double_ack {
+            let confirmations = replies
+                .into_iter()
+                .map(|reply| self.send_ack(reply, AckKind::Ack));
+            let mut first_error = None;
+            for result in futures_util::future::join_all(confirmations).await {
+                if let Err(e) = result {
+                    first_error.get_or_insert(e);
+                }
+            }
+            return first_error.map_or(Ok(()), Err);
+        }
+        // Plain publishes, queued on the connection and written together.
+        // The last one is the barrier for `ack_barrier`.
+        if let Some(last) = replies.last() {
+            *lock(&self.inner.unconfirmed_ack) = Some(last.clone());
+        }
+        for reply in replies {
+            self.inner
+                .client
+                .publish(reply, AckKind::Ack.into())
+                .await
+                .map_err(|e| backend("acknowledging", e))?;
+        }
+        Ok(())
+    }
+
+    /// `-NAK` without delay: handed out again at once. Only for a message
+    /// this handle holds.
+    pub(crate) async fn give_back_one(&self, id: &DeliveryId) -> Result<(), TransportError> {
+        self.check_open()?;
+        let lease = self
+            .take_lease(sequence_of(id)?)
+            .ok_or_else(|| TransportError::NotFound(id.to_string()))?;
+        self.send_ack(lease.reply, AckKind::Nak(None)).await
+    }
+}
+
+impl Keepalive for NatsTransport {
+    /// `+WPI` (in progress): JetStream starts the lease over. Only for a
+    /// message this handle holds.
+    fn keepalive<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            self.check_open()?;
+            let sequence = sequence_of(id)?;
+            let reply = {
+                let mut leases = lock(&self.inner.leases);
+                let lease = leases
+                    .by_sequence
+                    .get_mut(&sequence)
+                    .ok_or_else(|| TransportError::NotFound(id.to_string()))?;
+                lease.touched = Instant::now();
+                lease.reply.clone()
+            };
+            self.send_ack(reply, AckKind::Progress).await
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_id;
+
+    #[test]
+    fn ids_are_positive_stream_sequences() {
+        assert_eq!(parse_id("42"), Some(42));
+        assert_eq!(parse_id("0"), None);
+        assert_eq!(parse_id("-1"), None);
+        assert_eq!(parse_id("42.1"), None);
+        assert_eq!(parse_id("abc"), None);
+    }
+}

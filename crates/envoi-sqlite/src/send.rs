@@ -1,0 +1,106 @@
+//! Sending: the [`Transport`] side of [`SqliteTransport`], and the
+//! abilities it hands out.
+
+use std::time::Duration;
+
+use envoi_core::transport::support::encode_json_headers;
+use envoi_core::transport::{
+    Browse, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport, WakeUp,
+};
+use envoi_core::{BoxFuture, TransportError};
+
+use crate::op::{NewRow, Op};
+use crate::transport::{ceil_ms, now_ms, SqliteTransport};
+
+/// `message` as a row, available `delay` after `now`.
+fn new_row(
+    message: RawMessage,
+    delay: Option<Duration>,
+    now: i64,
+) -> Result<NewRow, TransportError> {
+    Ok(NewRow {
+        headers: encode_json_headers(&message.headers)?,
+        body: message.body,
+        created_at: now,
+        available_at: now.saturating_add(delay.map_or(0, ceil_ms)),
+    })
+}
+
+impl Transport for SqliteTransport {
+    fn send(
+        &self,
+        message: RawMessage,
+        delay: Option<Duration>,
+    ) -> BoxFuture<'_, Result<String, TransportError>> {
+        Box::pin(async move {
+            let inner = &*self.inner;
+            inner.ensure_setup().await?;
+            let row = new_row(message, delay, now_ms())?;
+            let ids = inner
+                .write("inserting a message", |reply| Op::Insert(vec![row], reply))
+                .await?;
+            ids.first()
+                .map(i64::to_string)
+                .ok_or_else(|| TransportError::backend("inserting a message", "no id returned"))
+        })
+    }
+
+    /// Inserts 64 rows per statement, all in one transaction: a batch that
+    /// fails stores none of its messages.
+    fn send_batch(
+        &self,
+        messages: Vec<(RawMessage, Option<Duration>)>,
+    ) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+        Box::pin(async move {
+            if messages.is_empty() {
+                return Ok(Vec::new());
+            }
+            let inner = &*self.inner;
+            inner.ensure_setup().await?;
+            let now = now_ms();
+            let rows = messages
+                .into_iter()
+                .map(|(message, delay)| new_row(message, delay, now))
+                .collect::<Result<Vec<_>, _>>()?;
+            let n = rows.len();
+            let ids = inner
+                .write("inserting a batch", |reply| Op::Insert(rows, reply))
+                .await?;
+            if ids.len() != n {
+                return Err(TransportError::backend(
+                    "inserting a batch",
+                    format!("{} ids returned for {n} rows", ids.len()),
+                ));
+            }
+            Ok(ids.into_iter().map(|id| id.to_string()).collect())
+        })
+    }
+
+    fn as_receiver(&self) -> Option<&dyn Receiver> {
+        Some(self)
+    }
+
+    fn as_keepalive(&self) -> Option<&dyn Keepalive> {
+        Some(self)
+    }
+
+    fn as_setup(&self) -> Option<&dyn Setup> {
+        Some(self)
+    }
+
+    fn as_message_count(&self) -> Option<&dyn MessageCount> {
+        Some(self)
+    }
+
+    fn as_browse(&self) -> Option<&dyn Browse> {
+        Some(self)
+    }
+
+    fn as_teardown(&self) -> Option<&dyn Teardown> {
+        Some(self)
+    }
+
+    fn as_wake_up(&self) -> Option<&dyn WakeUp> {
+        Some(self)
+    }
+}
