@@ -44,7 +44,7 @@ use crate::pipeline::dispatch_after_current_bus::{
     self, into_result, run_now, scope, take_deferred,
 };
 use crate::pipeline::failed_message_processing::FailedMessageProcessing;
-use crate::pipeline::frame::{framed, Frame};
+use crate::pipeline::frame::{framed, Frame, Framed};
 use crate::pipeline::handle_message::{hand_on, single_failed, HandleMessage};
 use crate::pipeline::retry::Retry;
 use crate::pipeline::send_message::{Route, SendMessage, Started};
@@ -443,7 +443,10 @@ impl BusInner {
                 return Box::pin(settle_plain(Ok(out), frame, false)).await;
             }
             let (result, frame) = Box::pin(framed(self.handle.process(envelope))).await;
-            return finish(result, frame, false).await;
+            return match finish(result, frame, false) {
+                Finish::Ready(result) => result,
+                Finish::Pending(settling) => settling.await,
+            };
         }
         // Step 2 has nothing to defer: the steps after it run here in a
         // frame, and step 2 settles what their handlers deferred afterwards.
@@ -468,11 +471,14 @@ impl BusInner {
             Some((chain, start)) => {
                 let envelope = FailedMessageProcessing::apply(envelope);
                 let next = Next::after_asking(&chain.run[start + 1..], Some(&**self));
-                let (result, frame) = framed(chain.run[*start].handle(envelope, next)).await;
+                let (result, frame) = Framed::new(chain.run[*start].handle(envelope, next)).await;
                 (result.map_err(Box::new), frame)
             }
         };
-        finish(result, frame, received).await
+        match finish(result, frame, received) {
+            Finish::Ready(result) => result,
+            Finish::Pending(settling) => settling.await,
+        }
     }
 
     /// [`MessageBus::receive`]: steps 1 and 3, then the user middleware and
@@ -496,7 +502,7 @@ impl BusInner {
             None => framed(self.core(envelope)).await,
             Some((chain, start)) => {
                 let next = Next::after_asking(&chain.run[start + 1..], Some(&**self));
-                let (result, frame) = framed(chain.run[*start].handle(envelope, next)).await;
+                let (result, frame) = Framed::new(chain.run[*start].handle(envelope, next)).await;
                 (result.map_err(Box::new), frame)
             }
         };
@@ -598,15 +604,24 @@ impl BusInner {
     }
 }
 
+/// What step 2 still has to do once the steps after it returned.
+enum Finish {
+    /// Nothing: the result is the dispatch's.
+    Ready(StepResult),
+    /// Settling what the handlers deferred, boxed so the dispatch futures
+    /// that await it keep one pointer for it.
+    Pending(BoxFuture<'static, StepResult>),
+}
+
 /// Step 2's end for a dispatch not made by a worker: what the frame holds
 /// is settled, and deferred dispatches that failed become the dispatch's
 /// error.
 #[inline]
-async fn finish(result: StepResult, frame: Frame, received: bool) -> StepResult {
+fn finish(result: StepResult, frame: Frame, received: bool) -> Finish {
     if frame.deferred.is_empty() {
-        return result;
+        return Finish::Ready(result);
     }
-    Box::pin(settle_plain(result, frame, received)).await
+    Finish::Pending(Box::pin(settle_plain(result, frame, received)))
 }
 
 /// [`dispatch_after_current_bus::settle`], failures made an error.

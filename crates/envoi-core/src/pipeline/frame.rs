@@ -41,9 +41,14 @@ pub(crate) struct Frame {
     pub(crate) retry: Option<RetryRecord>,
 }
 
+/// A dispatch's record, made only once a step writes to it: most
+/// dispatches defer nothing and are not retried, and their futures keep a
+/// pointer's room for it.
+type Slot = Option<Box<Frame>>;
+
 thread_local! {
     /// The frame of the dispatch being polled on this thread, if any.
-    static CURRENT: RefCell<Option<Frame>> = const { RefCell::new(None) };
+    static CURRENT: RefCell<Option<Slot>> = const { RefCell::new(None) };
 }
 
 /// Adds `deferred` to the current frame. Hands them back when no dispatch
@@ -53,8 +58,8 @@ pub(crate) fn defer(deferred: Vec<Deferred>) -> Result<(), Vec<Deferred>> {
         return Ok(());
     }
     CURRENT.with(|c| match c.borrow_mut().as_mut() {
-        Some(frame) => {
-            frame.deferred.extend(deferred);
+        Some(slot) => {
+            slot.get_or_insert_with(Box::default).deferred.extend(deferred);
             Ok(())
         }
         None => Err(deferred),
@@ -64,8 +69,8 @@ pub(crate) fn defer(deferred: Vec<Deferred>) -> Result<(), Vec<Deferred>> {
 /// Records what the retry step did in the current frame, if any.
 pub(crate) fn record_retry(record: RetryRecord) {
     CURRENT.with(|c| {
-        if let Some(frame) = c.borrow_mut().as_mut() {
-            frame.retry = Some(record);
+        if let Some(slot) = c.borrow_mut().as_mut() {
+            slot.get_or_insert_with(Box::default).retry = Some(record);
         }
     });
 }
@@ -74,33 +79,62 @@ pub(crate) fn record_retry(record: RetryRecord) {
 /// polled; returns its output and the frame.
 pub(crate) async fn framed<F: Future>(future: F) -> (F::Output, Frame) {
     let mut future = std::pin::pin!(future);
-    let mut frame = Some(Frame::default());
+    let mut slot: Slot = None;
     let out = std::future::poll_fn(|cx| {
-        let entered = Entered::enter(frame.take().unwrap_or_default());
+        let entered = Entered::enter(slot.take());
         let polled = future.as_mut().poll(cx);
-        frame = Some(entered.leave());
+        slot = entered.leave();
         polled
     })
     .await;
-    (out, frame.unwrap_or_default())
+    (out, slot.map(|frame| *frame).unwrap_or_default())
+}
+
+/// [`framed`] for a future that need not be pinned in place (a boxed
+/// one): the same, in the room of the future and a pointer.
+pub(crate) struct Framed<F> {
+    slot: Slot,
+    inner: F,
+}
+
+impl<F> Framed<F> {
+    /// `inner`, to run in a frame of its own.
+    pub(crate) fn new(inner: F) -> Self {
+        Self { slot: None, inner }
+    }
+}
+
+impl<F: Future + Unpin> Future for Framed<F> {
+    type Output = (F::Output, Frame);
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let this = self.get_mut();
+        let entered = Entered::enter(this.slot.take());
+        let polled = std::pin::Pin::new(&mut this.inner).poll(cx);
+        this.slot = entered.leave();
+        polled.map(|out| (out, this.slot.take().map(|frame| *frame).unwrap_or_default()))
+    }
 }
 
 /// A frame made current, and the one it replaced, put back when left, or
 /// when a panic unwinds through the poll (so the thread does not keep a
 /// dead dispatch's frame).
 struct Entered {
-    outer: Option<Option<Frame>>,
+    outer: Option<Option<Slot>>,
 }
 
 impl Entered {
-    fn enter(frame: Frame) -> Self {
-        let outer = CURRENT.with(|c| c.replace(Some(frame)));
+    fn enter(slot: Slot) -> Self {
+        let outer = CURRENT.with(|c| c.replace(Some(slot)));
         Self { outer: Some(outer) }
     }
 
-    fn leave(mut self) -> Frame {
+    fn leave(mut self) -> Slot {
         let outer = self.outer.take().flatten();
-        CURRENT.with(|c| c.replace(outer)).unwrap_or_default()
+        CURRENT.with(|c| c.replace(outer)).flatten()
     }
 }
 

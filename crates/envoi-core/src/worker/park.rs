@@ -125,9 +125,6 @@ impl Ctx {
         failed: Vec<FailedDispatch>,
         kept: bool,
     ) -> BoxFuture<'a, Option<Action>> {
-        if failed.is_empty() {
-            return Box::pin(std::future::ready(None));
-        }
         Box::pin(async move {
             let transport = &self.receivers[receiver].name;
             let origin = envelope

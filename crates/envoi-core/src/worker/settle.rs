@@ -66,9 +66,12 @@ impl Ctx {
                 // What its handlers deferred that failed is parked on its
                 // own; one that cannot be parked is kept by giving the
                 // message back (its handlers defer it again).
-                let instead = self
-                    .park_deferred(receiver, &id, envelope, failed_deferred, false)
-                    .await;
+                let instead = if failed_deferred.is_empty() {
+                    None
+                } else {
+                    self.park_deferred(receiver, &id, envelope, failed_deferred, false)
+                        .await
+                };
                 let action = match instead {
                     Some(Action::Release) => Action::Release,
                     rejected => {
@@ -85,8 +88,10 @@ impl Ctx {
             } => {
                 // The retry holds the message: it is acknowledged whatever
                 // becomes of what its handlers deferred.
-                self.park_deferred(receiver, &id, envelope, failed_deferred, true)
-                    .await;
+                if !failed_deferred.is_empty() {
+                    self.park_deferred(receiver, &id, envelope, failed_deferred, true)
+                        .await;
+                }
                 (self.retried(receiver, &id, after, attempt, duration), None)
             }
             Fate::Parked {
@@ -94,8 +99,10 @@ impl Ctx {
                 failure_transport,
                 reason,
             } => {
-                self.park_deferred(receiver, &id, envelope, failed_deferred, true)
-                    .await;
+                if !failed_deferred.is_empty() {
+                    self.park_deferred(receiver, &id, envelope, failed_deferred, true)
+                        .await;
+                }
                 self.parked_by_retry(receiver, &id, parked, failure_transport, reason)
             }
             Fate::Failed(error) => self.failed(receiver, &id, envelope, error).await,
