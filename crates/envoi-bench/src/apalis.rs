@@ -24,8 +24,9 @@ use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use envoi_core::transport::Transport;
+use envoi_core::transport::Setup;
 
+use crate::brokers::delete_then_close;
 use crate::e2e::{envoi_round_trip, job_messenger, n_messages, peak_rss_mb, runtime};
 use crate::report;
 
@@ -251,25 +252,17 @@ pub(crate) fn postgres() -> Result<(), String> {
             &url,
             &format!("table={table}&batch={BROKER_BATCH}&max_connections={PG_CONNECTIONS}"),
         );
-        let transport =
-            envoi_postgres::PostgresTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?;
+        let transport = envoi_postgres::PostgresTransport::connect("jobs", &dsn)
+            .await
+            .map_err(|e| e.to_string())?;
         and_then_clean(
             async {
                 transport.setup().await.map_err(|e| e.to_string())?;
                 let (messenger, handled) = job_messenger("jobs", Arc::new(transport.clone()))?;
                 envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
             },
-            async {
-                let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DROP TABLE IF EXISTS \"{table}\""
-                )))
-                .execute(transport.pool())
-                .await
-                .map(drop)
-                .map_err(|e| format!("dropping table {table}: {e}"));
-                transport.close().await;
-                dropped
-            },
+            // The table is this run's own: deleting the queue drops it.
+            delete_then_close(&transport, transport.close()),
         )
         .await
     })?;
@@ -296,7 +289,9 @@ pub(crate) fn redis() -> Result<(), String> {
     let envoi = runtime()?.block_on(async {
         let dsn = with_options(&url, &format!("stream={stream}&group=bench"));
         let transport = Arc::new(
-            envoi_redis::RedisTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?,
+            envoi_redis::RedisTransport::connect("jobs", &dsn)
+                .await
+                .map_err(|e| e.to_string())?,
         );
         and_then_clean(
             async {
@@ -304,7 +299,7 @@ pub(crate) fn redis() -> Result<(), String> {
                 let (messenger, handled) = job_messenger("jobs", transport.clone())?;
                 envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
             },
-            async { transport.destroy().await.map_err(|e| e.to_string()) },
+            delete_then_close(&*transport, transport.close()),
         )
         .await
     })?;
@@ -349,11 +344,7 @@ pub(crate) fn amqp() -> Result<(), String> {
                 let (messenger, handled) = job_messenger("jobs", transport.clone())?;
                 envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
             },
-            async {
-                let deleted = transport.delete().await.map_err(|e| e.to_string());
-                let _ = transport.close().await;
-                deleted
-            },
+            delete_then_close(&*transport, transport.close()),
         )
         .await
     })?;

@@ -45,7 +45,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use envoi_core::middleware::BoxFuture;
-use envoi_core::transport::{Capabilities, Delivery, RawMessage, Transport, TransportBinding};
+use envoi_core::transport::{
+    Browse, Delivery, DeliveryId, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown,
+    Transport, TransportBinding, WakeUp,
+};
 use envoi_core::TransportError;
 use futures_util::StreamExt;
 
@@ -222,6 +225,19 @@ async fn and_then_clean<T>(
     Ok(value)
 }
 
+/// Removes what `transport` created (its [`Teardown::delete`]), then awaits
+/// `close`, the transport's own `close()`. A failed delete is the error;
+/// closing only gives back what was read ahead of a run that is over, so
+/// its outcome is not.
+pub(crate) async fn delete_then_close(
+    transport: &dyn Teardown,
+    close: impl Future<Output = Result<(), TransportError>>,
+) -> Result<(), String> {
+    let deleted = transport.delete().await.map_err(|e| e.to_string());
+    let _ = close.await;
+    deleted
+}
+
 /// `ENVOI_BENCH_ONLY`: `envoi` or `baseline` runs only that side of a
 /// broker scenario, once and without a warm-up, to profile it.
 fn only_side() -> Result<Option<String>, String> {
@@ -315,24 +331,16 @@ async fn postgres_envoi(url: &str, n: u64) -> Result<f64, String> {
         url,
         &format!("table={table}&batch={BATCH}&max_connections={PG_CONNECTIONS}"),
     );
-    let transport =
-        envoi_postgres::PostgresTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?;
+    let transport = envoi_postgres::PostgresTransport::connect("jobs", &dsn)
+        .await
+        .map_err(|e| e.to_string())?;
     and_then_clean(
         async {
             transport.setup().await.map_err(|e| e.to_string())?;
             envoi_side(Arc::new(transport.clone()), n).await
         },
-        async {
-            let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
-                "DROP TABLE IF EXISTS \"{table}\""
-            )))
-            .execute(transport.pool())
-            .await
-            .map(drop)
-            .map_err(|e| format!("dropping table {table}: {e}"));
-            transport.close().await;
-            dropped
-        },
+        // The table is this run's own: deleting the queue drops it.
+        delete_then_close(&transport, transport.close()),
     )
     .await
 }
@@ -441,8 +449,11 @@ async fn postgres_baseline(url: &str, n: u64) -> Result<f64, String> {
 /// Counts what the worker asks of the transport (fetches, their sizes and
 /// durations, acknowledgement batches), so a slow run shows whether it
 /// lacks batching or spends its time elsewhere. Sends go straight through.
-struct Probe {
-    inner: Arc<dyn Transport>,
+///
+/// `T` is the transport itself, which is its own [`Receiver`] (as every
+/// broker transport is), so the probe delegates to it directly.
+struct Probe<T> {
+    inner: Arc<T>,
     gets: AtomicU64,
     empty_gets: AtomicU64,
     fetched: AtomicU64,
@@ -453,8 +464,8 @@ struct Probe {
 
 type Fut<'a, T> = BoxFuture<'a, Result<T, TransportError>>;
 
-impl Probe {
-    fn new(inner: Arc<dyn Transport>) -> Self {
+impl<T> Probe<T> {
+    fn new(inner: Arc<T>) -> Self {
         Self {
             inner,
             gets: AtomicU64::new(0),
@@ -484,11 +495,47 @@ fn nanos_since(start: Instant) -> u64 {
     u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
-impl Transport for Probe {
+/// Sends go straight to the wrapped transport; its receiving side is the
+/// probe's own (counted), every other ability is the wrapped transport's.
+impl<T: Transport + Receiver> Transport for Probe<T> {
     fn send(&self, message: RawMessage, delay: Option<Duration>) -> Fut<'_, String> {
         self.inner.send(message, delay)
     }
 
+    fn as_receiver(&self) -> Option<&dyn Receiver> {
+        Some(self)
+    }
+
+    fn as_keepalive(&self) -> Option<&dyn Keepalive> {
+        self.inner.as_keepalive()
+    }
+
+    fn as_setup(&self) -> Option<&dyn Setup> {
+        self.inner.as_setup()
+    }
+
+    fn as_message_count(&self) -> Option<&dyn MessageCount> {
+        self.inner.as_message_count()
+    }
+
+    fn as_browse(&self) -> Option<&dyn Browse> {
+        self.inner.as_browse()
+    }
+
+    fn as_teardown(&self) -> Option<&dyn Teardown> {
+        self.inner.as_teardown()
+    }
+
+    fn as_wake_up(&self) -> Option<&dyn WakeUp> {
+        self.inner.as_wake_up()
+    }
+
+    fn bind(&self, binding: &TransportBinding) {
+        self.inner.bind(binding);
+    }
+}
+
+impl<T: Transport + Receiver> Receiver for Probe<T> {
     fn get(&self, max: usize) -> Fut<'_, Vec<Delivery>> {
         Box::pin(async move {
             let start = Instant::now();
@@ -507,11 +554,11 @@ impl Transport for Probe {
         })
     }
 
-    fn ack<'a>(&'a self, id: &'a str) -> Fut<'a, ()> {
+    fn ack<'a>(&'a self, id: &'a DeliveryId) -> Fut<'a, ()> {
         self.inner.ack(id)
     }
 
-    fn ack_batch<'a>(&'a self, ids: &'a [String]) -> Fut<'a, ()> {
+    fn ack_batch<'a>(&'a self, ids: &'a [DeliveryId]) -> Fut<'a, ()> {
         Box::pin(async move {
             let start = Instant::now();
             let acked = self.inner.ack_batch(ids).await;
@@ -522,41 +569,17 @@ impl Transport for Probe {
         })
     }
 
-    fn reject<'a>(&'a self, id: &'a str) -> Fut<'a, ()> {
+    fn reject<'a>(&'a self, id: &'a DeliveryId) -> Fut<'a, ()> {
         self.inner.reject(id)
     }
 
-    fn release<'a>(&'a self, id: &'a str) -> Fut<'a, ()> {
+    fn release<'a>(&'a self, id: &'a DeliveryId) -> Fut<'a, ()> {
         self.inner.release(id)
-    }
-
-    fn keepalive<'a>(&'a self, id: &'a str) -> Fut<'a, ()> {
-        self.inner.keepalive(id)
-    }
-
-    fn setup(&self) -> Fut<'_, ()> {
-        self.inner.setup()
-    }
-
-    fn message_count(&self) -> Fut<'_, u64> {
-        self.inner.message_count()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn wait_for_messages(&self, timeout: Duration) -> BoxFuture<'_, ()> {
-        self.inner.wait_for_messages(timeout)
-    }
-
-    fn bind(&self, binding: &TransportBinding) {
-        self.inner.bind(binding);
     }
 }
 
 /// [`envoi_round_trip`] on `transport` (behind a [`Probe`]), metered.
-async fn envoi_side(transport: Arc<dyn Transport>, n: u64) -> Result<f64, String> {
+async fn envoi_side<T: Transport + Receiver>(transport: Arc<T>, n: u64) -> Result<f64, String> {
     let probe = Arc::new(Probe::new(transport));
     let (messenger, handled) = job_messenger("jobs", probe.clone())?;
     let rate = metered(
@@ -585,14 +608,17 @@ pub(crate) fn redis() -> Result<(), String> {
 async fn redis_envoi(url: &str, n: u64) -> Result<f64, String> {
     let stream = format!("envoi-bench:{}", unique());
     let dsn = with_options(url, &format!("stream={stream}&group=bench"));
-    let transport =
-        Arc::new(envoi_redis::RedisTransport::from_dsn("jobs", &dsn).map_err(|e| e.to_string())?);
+    let transport = Arc::new(
+        envoi_redis::RedisTransport::connect("jobs", &dsn)
+            .await
+            .map_err(|e| e.to_string())?,
+    );
     and_then_clean(
         async {
             transport.setup().await.map_err(|e| e.to_string())?;
             envoi_side(transport.clone(), n).await
         },
-        async { transport.destroy().await.map_err(|e| e.to_string()) },
+        delete_then_close(&*transport, transport.close()),
     )
     .await
 }
@@ -729,11 +755,7 @@ async fn amqp_envoi(url: &str, n: u64) -> Result<f64, String> {
             transport.setup().await.map_err(|e| e.to_string())?;
             envoi_side(transport.clone(), n).await
         },
-        async {
-            let deleted = transport.delete().await.map_err(|e| e.to_string());
-            let _ = transport.close().await;
-            deleted
-        },
+        delete_then_close(&*transport, transport.close()),
     )
     .await
 }
@@ -887,7 +909,7 @@ async fn nats_envoi(url: &str, n: u64) -> Result<f64, String> {
             subject = name.replace('-', ".")
         ),
     );
-    let transport = envoi_nats::NatsTransport::from_dsn("jobs", &dsn)
+    let transport = envoi_nats::NatsTransport::connect("jobs", &dsn)
         .await
         .map_err(|e| e.to_string())?;
     let transport = Arc::new(transport);
@@ -896,13 +918,7 @@ async fn nats_envoi(url: &str, n: u64) -> Result<f64, String> {
             transport.setup().await.map_err(|e| e.to_string())?;
             envoi_side(transport.clone(), n).await
         },
-        async {
-            transport
-                .delete_stream()
-                .await
-                .map(drop)
-                .map_err(|e| e.to_string())
-        },
+        delete_then_close(&*transport, transport.close()),
     )
     .await
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_core::transport::in_memory::InMemoryTransport;
-use envoi_core::transport::Transport;
+use envoi_core::transport::{Setup, Transport};
 use envoi_core::worker::Worker;
 use envoi_core::{Command, Message, Messenger};
 use serde::{Deserialize, Serialize};
