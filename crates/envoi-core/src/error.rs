@@ -230,23 +230,10 @@ pub enum BusError {
         /// The message name.
         message: &'static str,
     },
-    /// The message failed validation before any handler ran.
-    #[error("`{message}` is invalid: {reason}")]
-    Invalid {
-        /// The message name.
-        message: &'static str,
-        /// What is wrong.
-        reason: String,
-    },
-    /// A circuit breaker is open and fails fast.
-    #[error("circuit open for `{message}`; retry in {retry_in:?}")]
-    CircuitOpen {
-        /// The message name.
-        message: &'static str,
-        /// Time left in the cool-down.
-        retry_in: Duration,
-    },
-    /// A middleware failed with an error of its own.
+    /// A middleware failed with an error of its own: the opt-in
+    /// middleware's error types (a validation's `Invalid`, a circuit
+    /// breaker's `CircuitOpen`) live with them and come wrapped here; see
+    /// [`BusError::middleware_error`].
     #[error("middleware `{middleware}` failed: {source}")]
     Middleware {
         /// The middleware's name.
@@ -271,6 +258,27 @@ impl BusError {
         }
     }
 
+    /// The error of type `E` a middleware failed with
+    /// ([`BusError::Middleware`]), if it is one.
+    ///
+    /// ```
+    /// use envoi_core::BusError;
+    ///
+    /// #[derive(Debug, thiserror::Error)]
+    /// #[error("quota exceeded")]
+    /// struct OverQuota;
+    ///
+    /// let error = BusError::Middleware { middleware: "Quota".into(), source: Box::new(OverQuota) };
+    /// assert!(error.middleware_error::<OverQuota>().is_some());
+    /// assert!(error.middleware_error::<std::fmt::Error>().is_none());
+    /// ```
+    pub fn middleware_error<E: StdError + 'static>(&self) -> Option<&E> {
+        match self {
+            BusError::Middleware { source, .. } => source.downcast_ref::<E>(),
+            _ => None,
+        }
+    }
+
     /// A short, stable classification (`handler`, `no_handler`, `cancelled`,
     /// …) for metrics labels and error-details stamps.
     pub fn kind(&self) -> &'static str {
@@ -284,8 +292,6 @@ impl BusError {
             BusError::Serialization(_) => "serialization",
             BusError::DelayedHandlingFailed { .. } => "delayed",
             BusError::NoResult { .. } => "no_result",
-            BusError::Invalid { .. } => "invalid",
-            BusError::CircuitOpen { .. } => "circuit_open",
             BusError::Middleware { .. } => "middleware",
             BusError::Disposed(_) => "disposed",
         }

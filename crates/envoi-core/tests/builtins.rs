@@ -18,7 +18,7 @@ use envoi_core::middleware::BoxFuture;
 use envoi_core::middleware::{from_fn, Next};
 use envoi_core::stamp::{MessageIdStamp, ReceivedStamp};
 use envoi_core::worker::{Outcome, Worker, WorkerEvent};
-use envoi_core::{BusError, Command, DispatchError, Dispatcher, Envelope, Message, Messenger};
+use envoi_core::{Command, DispatchError, Dispatcher, Envelope, Message, Messenger};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -102,9 +102,12 @@ async fn an_invalid_message_is_refused_before_the_handler_with_a_clear_error() {
         .unwrap();
     let err = m.dispatcher().dispatch(charge("r", -3)).await.unwrap_err();
     match err {
-        DispatchError::Infrastructure(BusError::Invalid { message, reason }) => {
-            assert_eq!(message, "Charge");
-            assert_eq!(reason, "amount must be positive, got -3");
+        DispatchError::Infrastructure(error) => {
+            let invalid = error
+                .middleware_error::<envoi_core::middleware::validation::Invalid>()
+                .unwrap_or_else(|| panic!("not invalid: {error}"));
+            assert_eq!(invalid.message, "Charge");
+            assert_eq!(invalid.reason, "amount must be positive, got -3");
         }
         other => panic!("unexpected {other:?}"),
     }
@@ -473,9 +476,16 @@ async fn the_circuit_opens_after_consecutive_failures_then_lets_a_trial_through_
         );
     }
     match bus.dispatch(charge("r", 1)).await.unwrap_err() {
-        DispatchError::Infrastructure(BusError::CircuitOpen { message, retry_in }) => {
-            assert_eq!(message, "Charge");
-            assert_eq!(retry_in, Duration::from_secs(30));
+        DispatchError::Infrastructure(error)
+            if error
+                .middleware_error::<envoi_core::middleware::circuit_breaker::CircuitOpen>()
+                .is_some() =>
+        {
+            let open = error
+                .middleware_error::<envoi_core::middleware::circuit_breaker::CircuitOpen>()
+                .unwrap();
+            assert_eq!(open.message, "Charge");
+            assert_eq!(open.retry_in, Duration::from_secs(30));
         }
         other => panic!("expected a fast failure, got {other:?}"),
     }

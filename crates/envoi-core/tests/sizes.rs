@@ -22,9 +22,16 @@ fn the_dispatch_and_receive_futures_stay_small() {
         .unwrap();
     let bus = messenger.bus();
     let dispatch = std::mem::size_of_val(&bus.dispatch(Envelope::new(Noop)));
-    let receive = std::mem::size_of_val(&bus.receive(Envelope::new(Noop).with(ReceivedStamp::new("q"))));
+    let receive =
+        std::mem::size_of_val(&bus.receive(Envelope::new(Noop).with(ReceivedStamp::new("q"))));
     let typed = std::mem::size_of_val(&messenger.dispatcher().dispatch(Noop));
     println!("dispatch={dispatch} receive={receive} typed={typed}");
-    assert!(dispatch <= 160, "the dispatch future grew to {dispatch} bytes");
-    assert!(typed <= 160, "the typed dispatch future grew to {typed} bytes");
+    assert!(
+        dispatch <= 160,
+        "the dispatch future grew to {dispatch} bytes"
+    );
+    assert!(
+        typed <= 160,
+        "the typed dispatch future grew to {typed} bytes"
+    );
 }

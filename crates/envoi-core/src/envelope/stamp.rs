@@ -273,7 +273,7 @@ impl StampEntry {
 }
 
 /// Milliseconds since the Unix epoch, the time unit stamps use on the wire.
-pub fn now_millis() -> u64 {
+pub(crate) fn now_millis() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)

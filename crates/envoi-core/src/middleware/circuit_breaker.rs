@@ -7,8 +7,8 @@
 //!   success resets the count. At `failure_threshold` consecutive failures
 //!   the circuit opens.
 //! * **open** — for `cool_down`, messages fail at once with
-//!   [`BusError::CircuitOpen`] (naming the time left) without reaching the
-//!   handler.
+//!   [`CircuitOpen`] (naming the time left, wrapped in
+//!   [`BusError::Middleware`]) without reaching the handler.
 //! * **half-open** — after the cool-down, one trial message goes through
 //!   (others still fail fast). Its success closes the circuit; its failure
 //!   opens it for another cool-down.
@@ -159,20 +159,12 @@ impl Inner {
             CircuitState::Open { until } => {
                 let now = Instant::now();
                 if now < until {
-                    return Err(BusError::CircuitOpen {
-                        message: envelope.message_name(),
-                        retry_in: until - now,
-                    });
+                    return Err(open(envelope.message_name(), until - now));
                 }
                 *state = CircuitState::HalfOpen;
                 true
             }
-            CircuitState::HalfOpen => {
-                return Err(BusError::CircuitOpen {
-                    message: envelope.message_name(),
-                    retry_in: Duration::ZERO,
-                })
-            }
+            CircuitState::HalfOpen => return Err(open(envelope.message_name(), Duration::ZERO)),
         };
         Ok(Admission {
             breaker: self,
@@ -233,6 +225,25 @@ impl Middleware for CircuitBreaker {
     }
 }
 
+/// The circuit is open: the message failed fast, without its handler.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("circuit open for `{message}`; retry in {retry_in:?}")]
+#[non_exhaustive]
+pub struct CircuitOpen {
+    /// The message name.
+    pub message: &'static str,
+    /// Time left in the cool-down.
+    pub retry_in: Duration,
+}
+
+/// The error of a message refused while the circuit is open.
+fn open(message: &'static str, retry_in: Duration) -> BusError {
+    BusError::Middleware {
+        middleware: "CircuitBreaker".into(),
+        source: Box::new(CircuitOpen { message, retry_in }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -272,9 +283,10 @@ mod tests {
             .await
             .unwrap_err()
         {
-            BusError::CircuitOpen { message, retry_in } => {
-                assert_eq!(message, "Ping");
-                assert_eq!(retry_in, Duration::from_secs(6));
+            error if error.middleware_error::<CircuitOpen>().is_some() => {
+                let open = error.middleware_error::<CircuitOpen>().unwrap();
+                assert_eq!(open.message, "Ping");
+                assert_eq!(open.retry_in, Duration::from_secs(6));
             }
             other => panic!("unexpected {other:?}"),
         }
@@ -309,7 +321,7 @@ mod tests {
             .handle(Envelope::new(Ping), end.next())
             .await
             .unwrap_err();
-        assert_eq!(err.kind(), "circuit_open");
+        assert!(err.middleware_error::<CircuitOpen>().is_some(), "{err}");
         assert!(end.calls().is_empty());
     }
 
@@ -337,7 +349,7 @@ mod tests {
             .handle(Envelope::new(Ping), end.next())
             .await
             .unwrap_err();
-        assert_eq!(err.kind(), "circuit_open");
+        assert!(err.middleware_error::<CircuitOpen>().is_some(), "{err}");
         drop(admission);
         cb.handle(Envelope::new(Ping), end.next()).await.unwrap();
         assert_eq!(
@@ -385,7 +397,10 @@ mod tests {
             .handle(Envelope::new(Ping), end.next())
             .await
             .unwrap_err();
-        assert_eq!(err.kind(), "circuit_open", "the trial is still running");
+        assert!(
+            err.middleware_error::<CircuitOpen>().is_some(),
+            "the trial is still running: {err}"
+        );
         assert!(end.calls().is_empty());
         drop(trial);
     }

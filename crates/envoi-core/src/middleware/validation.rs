@@ -3,7 +3,8 @@
 //!
 //! A message type implements [`Validate`]; [`Validation`] lists the types it
 //! checks and, placed in a bus's middleware, fails an invalid message with
-//! [`BusError::Invalid`] naming the message and the reason. The typed
+//! an [`Invalid`] error naming the message and the reason (wrapped in
+//! [`BusError::Middleware`]). The typed
 //! dispatcher reports it as an infrastructure error: validation is a
 //! property of the bus, not part of the message's own error type (a
 //! middleware may not widen that type, as in Effect).
@@ -13,7 +14,7 @@
 //! side it runs again before the handler.
 //!
 //! ```
-//! use envoi_core::middleware::validation::{Validate, Validation};
+//! use envoi_core::middleware::validation::{Invalid, Validate, Validation};
 //! use envoi_core::{BusError, Command, DispatchError, Message, Messenger};
 //! use std::convert::Infallible;
 //!
@@ -35,9 +36,10 @@
 //!     .build()
 //!     .unwrap();
 //! match messenger.dispatcher().dispatch(Transfer { amount: -5 }).await {
-//!     Err(DispatchError::Infrastructure(BusError::Invalid { message, reason })) => {
-//!         assert_eq!(message, "Transfer");
-//!         assert_eq!(reason, "amount must be positive, got -5");
+//!     Err(DispatchError::Infrastructure(error)) => {
+//!         let invalid = error.middleware_error::<Invalid>().expect("invalid");
+//!         assert_eq!(invalid.message, "Transfer");
+//!         assert_eq!(invalid.reason, "amount must be positive, got -5");
 //!     }
 //!     other => panic!("unexpected {other:?}"),
 //! }
@@ -100,13 +102,27 @@ impl Validation {
     /// Checks `envelope`: the error the middleware would fail with, if any.
     pub fn check(&self, envelope: &Envelope) -> Result<()> {
         match self.checks.get(&envelope.message_type_id()) {
-            Some(check) => check(envelope).map_err(|reason| BusError::Invalid {
-                message: envelope.message_name(),
-                reason,
+            Some(check) => check(envelope).map_err(|reason| BusError::Middleware {
+                middleware: "Validation".into(),
+                source: Box::new(Invalid {
+                    message: envelope.message_name(),
+                    reason,
+                }),
             }),
             None => Ok(()),
         }
     }
+}
+
+/// A message that failed validation before any handler ran.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{message}` is invalid: {reason}")]
+#[non_exhaustive]
+pub struct Invalid {
+    /// The message name.
+    pub message: &'static str,
+    /// What is wrong.
+    pub reason: String,
 }
 
 impl Middleware for Validation {
@@ -153,9 +169,15 @@ mod tests {
         assert!(end.calls().is_empty(), "the handler must not run");
         assert_eq!(
             err.to_string(),
-            "`Email` is invalid: `nobody` is not an address"
+            "middleware `Validation` failed: `Email` is invalid: `nobody` is not an address"
         );
-        assert_eq!(err.kind(), "invalid");
+        assert_eq!(
+            err.middleware_error::<Invalid>(),
+            Some(&Invalid {
+                message: "Email",
+                reason: "`nobody` is not an address".into()
+            })
+        );
     }
 
     #[tokio::test]

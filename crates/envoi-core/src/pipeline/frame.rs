@@ -59,7 +59,9 @@ pub(crate) fn defer(deferred: Vec<Deferred>) -> Result<(), Vec<Deferred>> {
     }
     CURRENT.with(|c| match c.borrow_mut().as_mut() {
         Some(slot) => {
-            slot.get_or_insert_with(Box::default).deferred.extend(deferred);
+            slot.get_or_insert_with(Box::default)
+                .deferred
+                .extend(deferred);
             Ok(())
         }
         None => Err(deferred),
@@ -115,7 +117,12 @@ impl<F: Future + Unpin> Future for Framed<F> {
         let entered = Entered::enter(this.slot.take());
         let polled = std::pin::Pin::new(&mut this.inner).poll(cx);
         this.slot = entered.leave();
-        polled.map(|out| (out, this.slot.take().map(|frame| *frame).unwrap_or_default()))
+        polled.map(|out| {
+            (
+                out,
+                this.slot.take().map(|frame| *frame).unwrap_or_default(),
+            )
+        })
     }
 }
 

@@ -48,7 +48,7 @@ pub use binding::{Inbox, TransportBinding};
 pub use factory::TransportFactory;
 pub use local::{LocalDelivery, LocalFuture, LocalReceiver, LocalSender, Payload};
 pub use raw::{Delivery, DeliveryId, RawMessage};
-pub use sender::{DirectSenders, SendError, Sender, SenderDispatcher};
+pub use sender::{SendError, Sender, SenderDispatcher};
 pub use sides::{Receiver, Transport};
 pub(crate) use support::dsn::strip_scheme;
 pub use support::dsn::{dsn_has_scheme, mask_dsn, parse_duration};

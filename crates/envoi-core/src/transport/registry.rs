@@ -1,5 +1,5 @@
 //! Putting transports to work: the envelope-level [`TransportSender`], the
-//! [`Senders`] dispatcher a messenger sends through, and
+//! dispatcher a messenger sends through, and
 //! [`TransportFactories`], which create transports from DSNs.
 //!
 //! Core knows two DSN schemes:
@@ -142,7 +142,7 @@ enum Target {
 /// at once to registered transports (through [`TransportSender`]s) and to
 /// registered plain [`Sender`]s.
 #[derive(Clone, Default)]
-pub struct Senders {
+pub(crate) struct Senders {
     targets: BTreeMap<String, Target>,
 }
 
@@ -154,22 +154,22 @@ impl fmt::Debug for Senders {
 
 impl Senders {
     /// No targets.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Sends to `name` through `sender` (replacing any target of that name).
-    pub fn insert_transport(&mut self, name: impl Into<String>, sender: TransportSender) {
+    pub(crate) fn insert_transport(&mut self, name: impl Into<String>, sender: TransportSender) {
         self.targets.insert(name.into(), Target::Transport(sender));
     }
 
     /// Sends to `name` through a plain [`Sender`].
-    pub fn insert_sender(&mut self, name: impl Into<String>, sender: Arc<dyn Sender>) {
+    pub(crate) fn insert_sender(&mut self, name: impl Into<String>, sender: Arc<dyn Sender>) {
         self.targets.insert(name.into(), Target::Sender(sender));
     }
 
     /// Whether `name` is a target.
-    pub fn contains(&self, name: &str) -> bool {
+    pub(crate) fn contains(&self, name: &str) -> bool {
         self.targets.contains_key(name)
     }
 }
@@ -213,7 +213,7 @@ impl SenderDispatcher for Senders {
 
 /// Creates the `in-memory://` transport.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct InMemoryFactory;
+pub(crate) struct InMemoryFactory;
 
 impl TransportFactory for InMemoryFactory {
     fn supports(&self, dsn: &str) -> bool {
@@ -232,7 +232,7 @@ impl TransportFactory for InMemoryFactory {
 
 /// Creates the `sync://` transport.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct SyncFactory;
+pub(crate) struct SyncFactory;
 
 impl TransportFactory for SyncFactory {
     fn supports(&self, dsn: &str) -> bool {

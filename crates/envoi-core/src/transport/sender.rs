@@ -1,13 +1,11 @@
 //! Sending envelopes: the envelope-level [`Sender`], and the
 //! [`SenderDispatcher`] that decides how the send step's sends happen.
 
-use std::collections::BTreeMap;
-use std::fmt;
 use std::sync::Arc;
 
 use super::Transport;
 use crate::envelope::Envelope;
-use crate::error::{BusError, Result, TransportError};
+use crate::error::{Result, TransportError};
 use crate::BoxFuture;
 
 /// A failed send; hands the envelope back so nothing is lost.
@@ -48,68 +46,5 @@ pub trait SenderDispatcher: Send + Sync + 'static {
     fn direct(&self, transport: &str) -> Option<Arc<dyn Transport>> {
         let _ = transport;
         None
-    }
-}
-
-/// A [`SenderDispatcher`] that sends at once through named [`Sender`]s.
-///
-/// Not what a `Messenger` uses by default: it builds a
-/// [`Senders`](crate::transport::registry::Senders), which sends to its registered
-/// transports as well as to its senders.
-#[derive(Default, Clone)]
-pub struct DirectSenders {
-    senders: BTreeMap<String, Arc<dyn Sender>>,
-}
-
-impl DirectSenders {
-    /// An empty set.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Adds (or replaces) the sender for `transport`.
-    pub fn insert(&mut self, transport: impl Into<String>, sender: Arc<dyn Sender>) {
-        self.senders.insert(transport.into(), sender);
-    }
-
-    /// The sender for `transport`.
-    pub fn get(&self, transport: &str) -> Option<&Arc<dyn Sender>> {
-        self.senders.get(transport)
-    }
-}
-
-impl fmt::Debug for DirectSenders {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list().entries(self.senders.keys()).finish()
-    }
-}
-
-impl SenderDispatcher for DirectSenders {
-    fn send<'a>(
-        &'a self,
-        transport: &'a str,
-        envelope: Envelope,
-    ) -> BoxFuture<'a, Result<Envelope>> {
-        Box::pin(async move {
-            let Some(sender) = self.senders.get(transport) else {
-                return Err(BusError::Transport {
-                    transport: transport.to_string(),
-                    envelope: Some(Box::new(envelope)),
-                    source: TransportError::UnknownTransport(transport.to_string()),
-                });
-            };
-            sender
-                .send(envelope)
-                .await
-                .map_err(|e| BusError::Transport {
-                    transport: transport.to_string(),
-                    envelope: Some(e.envelope),
-                    source: e.source,
-                })
-        })
-    }
-
-    fn transports(&self) -> Vec<String> {
-        self.senders.keys().cloned().collect()
     }
 }
