@@ -10,5 +10,5 @@ pub mod policy;
 pub mod strategy;
 
 pub use park::{error_details, parked_again_delay, MAX_PARKED_AGAIN_DELAY};
-pub use policy::RetryConfig;
+pub use policy::FailurePolicy;
 pub use strategy::{MultiplierRetryStrategy, RetryStrategy};

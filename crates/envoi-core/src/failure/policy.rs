@@ -10,80 +10,92 @@ use super::strategy::{combined_hint, MultiplierRetryStrategy, RetryStrategy};
 use crate::envelope::stamp::RedeliveryStamp;
 use crate::envelope::Envelope;
 use crate::error::{HandlerError, RetryHint};
-use crate::transport::SenderDispatcher;
 
-/// Retry strategies and failure transports per transport.
+/// What happens to a message whose handlers fail: the retry strategy that
+/// decides whether and when it is tried again, and the failure transport
+/// where it is parked once out of retries. One rule for every transport,
+/// and overrides per transport, each set the same way — on a policy, or on
+/// the messenger's builder, whose methods of the same names edit its
+/// policy.
+///
+/// ```
+/// use envoi_core::failure::{FailurePolicy, MultiplierRetryStrategy};
+///
+/// let policy = FailurePolicy::new()
+///     .default_retry_strategy(MultiplierRetryStrategy { max_retries: 5, ..Default::default() })
+///     .failure_transport("failed")
+///     .failure_transport_for("payments", "payments_failed");
+/// assert_eq!(policy.failure_for("orders"), Some("failed"));
+/// assert_eq!(policy.failure_for("payments"), Some("payments_failed"));
+/// assert_eq!(policy.failure_transports(), ["failed", "payments_failed"]);
+/// ```
 #[derive(Clone)]
-pub struct RetryConfig {
-    strategies: BTreeMap<String, Arc<dyn RetryStrategy>>,
+pub struct FailurePolicy {
+    /// The strategy of transports without their own.
     default_strategy: Arc<dyn RetryStrategy>,
-    failure_transports: BTreeMap<String, String>,
-    default_failure_transport: Option<String>,
+    /// The failure transport of transports without their own.
+    default_failure: Option<String>,
+    transports: BTreeMap<String, Rule>,
     without_retry: BTreeSet<String>,
-    dispatcher: Arc<dyn SenderDispatcher>,
 }
 
-impl fmt::Debug for RetryConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RetryConfig")
-            .field("strategies", &self.strategies.keys().collect::<Vec<_>>())
-            .field("failure_transports", &self.failure_transports)
-            .field("default_failure_transport", &self.default_failure_transport)
-            .finish()
-    }
+/// The rule of one transport: what it sets of its own.
+#[derive(Clone, Default)]
+struct Rule {
+    strategy: Option<Arc<dyn RetryStrategy>>,
+    failure_transport: Option<String>,
 }
 
-impl RetryConfig {
-    /// Sends retries and failures through `dispatcher`; every transport uses
-    /// the default [`MultiplierRetryStrategy`] and no failure transport.
-    pub fn new(dispatcher: Arc<dyn SenderDispatcher>) -> Self {
+impl Default for FailurePolicy {
+    fn default() -> Self {
         Self {
-            strategies: BTreeMap::new(),
             default_strategy: Arc::new(MultiplierRetryStrategy::default()),
-            failure_transports: BTreeMap::new(),
-            default_failure_transport: None,
+            default_failure: None,
+            transports: BTreeMap::new(),
             without_retry: BTreeSet::new(),
-            dispatcher,
         }
     }
+}
 
-    /// Never retries nor parks messages received from `transport`: their
-    /// failure goes straight back to the caller. Used for the sync
-    /// transport, which handles messages while they are sent. A message
-    /// parked after failing on `transport` (when it was another kind of
-    /// transport) and retried from its failure transport is not retried
-    /// either, but parked again when it fails.
-    pub fn without_retry(mut self, transport: impl Into<String>) -> Self {
-        self.without_retry.insert(transport.into());
-        self
+impl fmt::Debug for FailurePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FailurePolicy")
+            .field("failure_transport", &self.default_failure)
+            .field(
+                "transports",
+                &self
+                    .transports
+                    .iter()
+                    .map(|(t, r)| (t, &r.failure_transport))
+                    .collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
     }
+}
 
-    /// The failure transports configured, without duplicates, sorted.
-    pub fn failure_transports(&self) -> Vec<&str> {
-        let mut all: Vec<&str> = self
-            .failure_transports
-            .values()
-            .chain(self.default_failure_transport.iter())
-            .map(String::as_str)
-            .collect();
-        all.sort_unstable();
-        all.dedup();
-        all
+impl FailurePolicy {
+    /// Every transport uses the default [`MultiplierRetryStrategy`] and no
+    /// failure transport: a message out of retries is rejected.
+    pub fn new() -> Self {
+        Self::default()
     }
 
     /// Uses `strategy` for messages received from `transport`.
-    pub fn strategy(
+    pub fn retry_strategy(
         mut self,
         transport: impl Into<String>,
-        strategy: Arc<dyn RetryStrategy>,
+        strategy: impl RetryStrategy,
     ) -> Self {
-        self.strategies.insert(transport.into(), strategy);
+        self.transports
+            .entry(transport.into())
+            .or_default()
+            .strategy = Some(Arc::new(strategy));
         self
     }
 
     /// Uses `strategy` for transports without their own.
-    pub fn default_strategy(mut self, strategy: Arc<dyn RetryStrategy>) -> Self {
-        self.default_strategy = strategy;
+    pub fn default_retry_strategy(mut self, strategy: impl RetryStrategy) -> Self {
+        self.default_strategy = Arc::new(strategy);
         self
     }
 
@@ -93,30 +105,57 @@ impl RetryConfig {
         transport: impl Into<String>,
         failure: impl Into<String>,
     ) -> Self {
-        self.failure_transports
-            .insert(transport.into(), failure.into());
+        self.transports
+            .entry(transport.into())
+            .or_default()
+            .failure_transport = Some(failure.into());
         self
     }
 
-    /// Parks messages from any other transport in `failure`.
+    /// Parks messages from transports without their own failure transport
+    /// in `failure`.
     pub fn failure_transport(mut self, failure: impl Into<String>) -> Self {
-        self.default_failure_transport = Some(failure.into());
+        self.default_failure = Some(failure.into());
         self
+    }
+
+    /// Never retries nor parks messages received from `transport`: their
+    /// failure goes straight back to the caller. The messenger sets it for
+    /// the sync transport, which handles messages while they are sent. A
+    /// message parked after failing on `transport` (when it was another
+    /// kind of transport) and retried from its failure transport is not
+    /// retried either, but parked again when it fails.
+    pub(crate) fn without_retry(mut self, transport: impl Into<String>) -> Self {
+        self.without_retry.insert(transport.into());
+        self
+    }
+
+    /// The failure transports configured, without duplicates, sorted.
+    pub fn failure_transports(&self) -> Vec<&str> {
+        let mut all: Vec<&str> = self
+            .transports
+            .values()
+            .filter_map(|r| r.failure_transport.as_deref())
+            .chain(self.default_failure.as_deref())
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        all
     }
 
     fn strategy_for(&self, transport: &str) -> &dyn RetryStrategy {
-        self.strategies
+        self.transports
             .get(transport)
-            .map(|s| &**s)
+            .and_then(|r| r.strategy.as_deref())
             .unwrap_or(&*self.default_strategy)
     }
 
     /// The failure transport for messages received from `transport`.
     pub fn failure_for(&self, transport: &str) -> Option<&str> {
-        self.failure_transports
+        self.transports
             .get(transport)
-            .or(self.default_failure_transport.as_ref())
-            .map(String::as_str)
+            .and_then(|r| r.failure_transport.as_deref())
+            .or(self.default_failure.as_deref())
     }
 
     /// What to do with `envelope`, received from `transport`, whose
@@ -158,14 +197,9 @@ impl RetryConfig {
     pub(crate) fn skips(&self, transport: &str) -> bool {
         !self.without_retry.is_empty() && self.without_retry.contains(transport)
     }
-
-    /// Where retries and parked messages are sent.
-    pub(crate) fn dispatcher(&self) -> &dyn SenderDispatcher {
-        &*self.dispatcher
-    }
 }
 
-/// What [`RetryConfig::decide`] says to do with a failed message.
+/// What [`FailurePolicy::decide`] says to do with a failed message.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Decision<'a> {
     /// Send it back to its transport as retry number `attempt`, due after

@@ -15,6 +15,17 @@ pub trait RetryStrategy: Send + Sync + 'static {
     fn delay(&self, envelope: &Envelope, attempt: u32) -> Duration;
 }
 
+/// A shared strategy is a strategy.
+impl<T: RetryStrategy + ?Sized> RetryStrategy for std::sync::Arc<T> {
+    fn is_retryable(&self, envelope: &Envelope, errors: &[HandlerError], attempt: u32) -> bool {
+        (**self).is_retryable(envelope, errors, attempt)
+    }
+
+    fn delay(&self, envelope: &Envelope, attempt: u32) -> Duration {
+        (**self).delay(envelope, attempt)
+    }
+}
+
 /// Retries up to `max_retries` times, waiting `delay × multiplier^(n-1)`
 /// (capped at `max_delay`, randomised by ± `jitter`) before retry `n`.
 #[derive(Debug, Clone, PartialEq)]

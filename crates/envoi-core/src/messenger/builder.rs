@@ -14,7 +14,7 @@ use serde::Serialize;
 use super::{BuildError, Messenger, MessengerInner};
 use crate::envelope::message::{Command, Event, Message, MessageKind, Query};
 use crate::envelope::stamp::Stamp;
-use crate::failure::{RetryConfig, RetryStrategy};
+use crate::failure::{FailurePolicy, RetryStrategy};
 use crate::middleware::stage::StagePipeline;
 use crate::middleware::Middleware;
 use crate::pipeline::bus::MessageBus;
@@ -86,8 +86,7 @@ pub struct MessengerBuilder {
     factories: TransportFactories,
     serializer: SerializerBuilder,
     sender_dispatcher: Option<Arc<dyn SenderDispatcher>>,
-    retry_strategies: Vec<(Option<String>, Arc<dyn RetryStrategy>)>,
-    failure_transports: Vec<(Option<String>, String)>,
+    failure_policy: FailurePolicy,
 }
 
 enum TransportSpec {
@@ -111,8 +110,7 @@ impl Default for MessengerBuilder {
             factories: TransportFactories::default(),
             serializer: SerializerBuilder::default(),
             sender_dispatcher: None,
-            retry_strategies: Vec::new(),
-            failure_transports: Vec::new(),
+            failure_policy: FailurePolicy::new(),
         }
     }
 }
@@ -338,37 +336,49 @@ impl MessengerBuilder {
         self
     }
 
-    /// Uses `strategy` for messages received from `transport`.
+    /// Uses `policy` for what happens to messages whose handlers fail
+    /// (retry strategies and failure transports), replacing what the
+    /// methods below set so far.
+    pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
+        self.failure_policy = policy;
+        self
+    }
+
+    /// Uses `strategy` for messages received from `transport`; see
+    /// [`FailurePolicy::retry_strategy`].
     pub fn retry_strategy(
         mut self,
         transport: impl Into<String>,
         strategy: impl RetryStrategy,
     ) -> Self {
-        self.retry_strategies
-            .push((Some(transport.into()), Arc::new(strategy)));
+        self.failure_policy = self.failure_policy.retry_strategy(transport, strategy);
         self
     }
 
-    /// Uses `strategy` for transports without their own.
+    /// Uses `strategy` for transports without their own; see
+    /// [`FailurePolicy::default_retry_strategy`].
     pub fn default_retry_strategy(mut self, strategy: impl RetryStrategy) -> Self {
-        self.retry_strategies.push((None, Arc::new(strategy)));
+        self.failure_policy = self.failure_policy.default_retry_strategy(strategy);
         self
     }
 
-    /// Parks messages that are out of retries in `transport`.
+    /// Parks messages that are out of retries in `transport`; see
+    /// [`FailurePolicy::failure_transport`].
     pub fn failure_transport(mut self, transport: impl Into<String>) -> Self {
-        self.failure_transports.push((None, transport.into()));
+        self.failure_policy = self.failure_policy.failure_transport(transport);
         self
     }
 
-    /// Parks messages from `transport` that are out of retries in `failure`.
+    /// Parks messages from `transport` that are out of retries in
+    /// `failure`; see [`FailurePolicy::failure_transport_for`].
     pub fn failure_transport_for(
         mut self,
         transport: impl Into<String>,
         failure: impl Into<String>,
     ) -> Self {
-        self.failure_transports
-            .push((Some(transport.into()), failure.into()));
+        self.failure_policy = self
+            .failure_policy
+            .failure_transport_for(transport, failure);
         self
     }
 
@@ -389,33 +399,28 @@ impl MessengerBuilder {
             factories: _,
             serializer,
             sender_dispatcher,
-            retry_strategies,
-            failure_transports,
+            failure_policy,
         } = self;
         if let Some(e) = errors.into_iter().next() {
             return Err(e);
         }
         let serializer = serializer.build()?;
         let (transports, senders) = assemble_senders(transports, senders, &serializer)?;
-        check_failure_transports(&failure_transports, &transports)?;
+        check_failure_transports(&failure_policy, &transports)?;
         let dispatcher: Arc<dyn SenderDispatcher> = match sender_dispatcher {
             Some(d) => d,
             None => {
-                check_destinations(&route_checks, &failure_transports, &senders)?;
+                check_destinations(&route_checks, &failure_policy, &senders)?;
                 Arc::new(senders)
             }
         };
         let has_transports =
             !dispatcher.transports().is_empty() || !routes.is_empty() || !transports.is_empty();
-        let retry_config = has_transports.then(|| {
-            Arc::new(failure_policy(
-                &dispatcher,
-                &transports,
-                retry_strategies,
-                failure_transports,
-            ))
-        });
-        let retry = Retry::new(retry_config.clone());
+        let policy = has_transports.then(|| Arc::new(without_retry(failure_policy, &transports)));
+        let retry = match &policy {
+            Some(policy) => Retry::shared(policy.clone(), dispatcher.clone()),
+            None => Retry::disabled(),
+        };
         let send = if routes.is_empty() {
             None
         } else {
@@ -441,7 +446,7 @@ impl MessengerBuilder {
                 dispatcher,
                 transports,
                 serializer,
-                retry: retry_config,
+                retry: policy,
             }),
         };
         bind_transports(&messenger);
@@ -489,16 +494,18 @@ fn assemble_senders(
 /// Refuses a failure transport that handles messages when they are sent
 /// (`sync://`), which would handle a parked message again at once.
 fn check_failure_transports(
-    failure_transports: &[(Option<String>, String)],
+    policy: &FailurePolicy,
     transports: &Transports,
 ) -> Result<(), BuildError> {
-    for (_, failure) in failure_transports {
+    for failure in policy.failure_transports() {
         if transports
             .get(failure)
             .and_then(|t| t.as_local_sender())
             .is_some_and(|l| l.handles_on_send())
         {
-            return Err(BuildError::FailureTransportHandlesOnSend(failure.clone()));
+            return Err(BuildError::FailureTransportHandlesOnSend(
+                failure.to_string(),
+            ));
         }
     }
     Ok(())
@@ -509,7 +516,7 @@ fn check_failure_transports(
 /// other [`SenderDispatcher`] was given).
 fn check_destinations(
     route_checks: &[(&'static str, String)],
-    failure_transports: &[(Option<String>, String)],
+    policy: &FailurePolicy,
     senders: &Senders,
 ) -> Result<(), BuildError> {
     for (message, transport) in route_checks {
@@ -520,45 +527,26 @@ fn check_destinations(
             });
         }
     }
-    for (_, failure) in failure_transports {
+    for failure in policy.failure_transports() {
         if !senders.contains(failure) {
-            return Err(BuildError::UnknownFailureTransport(failure.clone()));
+            return Err(BuildError::UnknownFailureTransport(failure.to_string()));
         }
     }
     Ok(())
 }
 
-/// The failure policy: no retry for the transports that handle messages
-/// when they are sent, then the retry strategies and the failure
-/// transports, in the order they were configured.
-fn failure_policy(
-    dispatcher: &Arc<dyn SenderDispatcher>,
-    transports: &Transports,
-    retry_strategies: Vec<(Option<String>, Arc<dyn RetryStrategy>)>,
-    failure_transports: Vec<(Option<String>, String)>,
-) -> RetryConfig {
-    let mut cfg = RetryConfig::new(dispatcher.clone());
+/// `policy`, with the transports that handle messages while they are
+/// sent (the sync transport) left out of retrying and parking.
+fn without_retry(mut policy: FailurePolicy, transports: &Transports) -> FailurePolicy {
     for (name, transport) in transports {
         if transport
             .as_local_sender()
             .is_some_and(|l| l.handles_on_send())
         {
-            cfg = cfg.without_retry(name.clone());
+            policy = policy.without_retry(name.clone());
         }
     }
-    for (transport, strategy) in retry_strategies {
-        cfg = match transport {
-            Some(t) => cfg.strategy(t, strategy),
-            None => cfg.default_strategy(strategy),
-        };
-    }
-    for (transport, failure) in failure_transports {
-        cfg = match transport {
-            Some(t) => cfg.failure_transport_for(t, failure),
-            None => cfg.failure_transport(failure),
-        };
-    }
-    cfg
+    policy
 }
 
 /// Each bus with its own name and user middleware around the shared

@@ -39,7 +39,7 @@ use std::sync::{Arc, Weak};
 use crate::envelope::stamp::BusNameStamp;
 use crate::envelope::Envelope;
 use crate::error::{BusError, TransportError};
-use crate::failure::RetryConfig;
+use crate::failure::FailurePolicy;
 use crate::pipeline::bus::MessageBus;
 use crate::transport::serializer::Serializer;
 use crate::transport::{Inbox, SenderDispatcher, Transport};
@@ -66,7 +66,7 @@ struct MessengerInner {
     dispatcher: Arc<dyn SenderDispatcher>,
     transports: BTreeMap<String, Arc<dyn Transport>>,
     serializer: Serializer,
-    retry: Option<Arc<RetryConfig>>,
+    retry: Option<Arc<FailurePolicy>>,
 }
 
 /// A handle to a [`Messenger`] that does not keep it alive; transports that
@@ -153,8 +153,9 @@ impl Messenger {
         &self.inner.serializer
     }
 
-    /// The retry configuration, when the messenger has transports.
-    pub fn retry_config(&self) -> Option<&RetryConfig> {
+    /// The failure policy (retry strategies and failure transports),
+    /// when the messenger has transports.
+    pub fn failure_policy(&self) -> Option<&FailurePolicy> {
         self.inner.retry.as_deref()
     }
 

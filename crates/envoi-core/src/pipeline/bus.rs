@@ -327,7 +327,7 @@ impl MessageBus {
                     Some(s) if !s.routes().is_empty() => step.name().into(),
                     _ => format!("{} (no routes)", step.name()).into(),
                 }),
-                Step::Retry => steps.push(match self.inner.retry.config() {
+                Step::Retry => steps.push(match self.inner.retry.policy() {
                     Some(_) => step.name().into(),
                     None => format!("{} (not configured)", step.name()).into(),
                 }),
@@ -579,7 +579,7 @@ impl BusInner {
         }
         // 6. Retry, 7. HandleMessage. Retrying is awaited inline: every
         // caller boxes this future already.
-        if self.retry.config().is_some() && envelope.has::<ReceivedStamp>() {
+        if self.retry.policy().is_some() && envelope.has::<ReceivedStamp>() {
             return self
                 .retry
                 .process(envelope, |e| self.handle.process(e))
@@ -662,7 +662,7 @@ mod tests {
             Vec::new(),
             StagePipeline::new(),
             None,
-            Retry::new(None),
+            Retry::disabled(),
             HandleMessage::new(crate::pipeline::handler::Handlers::new()),
         )
     }

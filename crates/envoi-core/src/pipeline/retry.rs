@@ -45,12 +45,13 @@ use crate::envelope::stamp::{
 use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result, StepResult};
 use crate::failure::park::{error_details, park};
-use crate::failure::policy::{Decision, RetryConfig};
+use crate::failure::policy::{Decision, FailurePolicy};
 use crate::middleware::{Middleware, Next};
+use crate::transport::SenderDispatcher;
 use crate::BoxFuture;
 
 /// Retries or parks `envelope`, received from `transport`, whose handlers
-/// failed with `errors`, as `config` decides.
+/// failed with `errors`, as `config`'s policy decides.
 async fn on_failure(
     config: &RetryConfig,
     transport: &str,
@@ -102,21 +103,69 @@ async fn on_failure(
     })
 }
 
-/// The retry step. Without a [`RetryConfig`] it only calls `next`.
-#[derive(Clone, Debug, Default)]
+/// What the retry step works with: the failure policy, and where it sends
+/// retries and parked messages.
+#[derive(Clone)]
+pub(crate) struct RetryConfig {
+    policy: Arc<FailurePolicy>,
+    dispatcher: Arc<dyn SenderDispatcher>,
+}
+
+impl RetryConfig {
+    fn decide(
+        &self,
+        transport: &str,
+        envelope: &Envelope,
+        errors: &[HandlerError],
+    ) -> Decision<'_> {
+        self.policy.decide(transport, envelope, errors)
+    }
+
+    fn dispatcher(&self) -> &dyn SenderDispatcher {
+        &*self.dispatcher
+    }
+}
+
+/// The retry step: retries or parks a received message whose handlers
+/// failed, as its [`FailurePolicy`] says, sending through a
+/// [`SenderDispatcher`]. Disabled, it only calls `next`.
+#[derive(Clone, Default)]
 pub struct Retry {
-    config: Option<Arc<RetryConfig>>,
+    config: Option<RetryConfig>,
+}
+
+impl std::fmt::Debug for Retry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Retry")
+            .field("policy", &self.policy())
+            .finish()
+    }
 }
 
 impl Retry {
-    /// The step with `config`.
-    pub fn new(config: Option<Arc<RetryConfig>>) -> Self {
-        Self { config }
+    /// The step with `policy`, sending retries and parked messages through
+    /// `dispatcher`.
+    pub fn new(policy: FailurePolicy, dispatcher: Arc<dyn SenderDispatcher>) -> Self {
+        Self::shared(Arc::new(policy), dispatcher)
     }
 
-    /// The configuration, if any.
-    pub fn config(&self) -> Option<&RetryConfig> {
-        self.config.as_deref()
+    pub(crate) fn shared(
+        policy: Arc<FailurePolicy>,
+        dispatcher: Arc<dyn SenderDispatcher>,
+    ) -> Self {
+        Self {
+            config: Some(RetryConfig { policy, dispatcher }),
+        }
+    }
+
+    /// The step that only calls `next`: nothing is retried or parked.
+    pub fn disabled() -> Self {
+        Self::default()
+    }
+
+    /// The failure policy, unless the step is disabled.
+    pub fn policy(&self) -> Option<&FailurePolicy> {
+        self.config.as_ref().map(|c| &*c.policy)
     }
 
     #[inline]
@@ -130,7 +179,7 @@ impl Retry {
             return next(envelope).await;
         };
         let transport = received.transport.clone();
-        if config.skips(&transport) && !from_failure_transport(&envelope, &transport) {
+        if config.policy.skips(&transport) && !from_failure_transport(&envelope, &transport) {
             return next(envelope).await;
         }
         match next(envelope).await {
@@ -185,14 +234,14 @@ mod tests {
     use std::time::Duration;
 
     fn retry(senders: &RecordingSenders, max: u32) -> Retry {
-        let cfg = RetryConfig::new(Arc::new(senders.clone()))
-            .default_strategy(Arc::new(MultiplierRetryStrategy {
+        let policy = FailurePolicy::new()
+            .default_retry_strategy(MultiplierRetryStrategy {
                 max_retries: max,
                 jitter: 0.0,
                 ..Default::default()
-            }))
+            })
             .failure_transport("failed");
-        Retry::new(Some(Arc::new(cfg)))
+        Retry::new(policy, Arc::new(senders.clone()))
     }
 
     #[tokio::test]
