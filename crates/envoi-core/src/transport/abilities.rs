@@ -50,12 +50,20 @@ pub trait WakeUp: Send + Sync {
 
 /// Empties or removes what a transport stores: what tests and an
 /// operator's `purge` use.
+///
+/// Where several transports share their storage (the queues of one SQL
+/// table, the consumer groups of one stream), each acts on its own part:
+/// `purge` removes this transport's messages, and `delete` removes the
+/// shared storage only once no other transport has anything left in it. A
+/// broker cannot take back what another connection holds unsettled: such
+/// messages are not purged.
 pub trait Teardown: Send + Sync {
-    /// Deletes every message the transport holds (waiting, delayed and
-    /// leased); returns how many it deleted.
+    /// Deletes the messages the transport holds (waiting, delayed, and
+    /// leased to this handle); returns how many it deleted.
     fn purge(&self) -> BoxFuture<'_, Result<u64, TransportError>>;
 
     /// Deletes what [`Setup::setup`] created (the table, queue or stream),
-    /// with every message in it. Idempotent.
+    /// with every message in it (see above for storage others share).
+    /// Idempotent.
     fn delete(&self) -> BoxFuture<'_, Result<(), TransportError>>;
 }
