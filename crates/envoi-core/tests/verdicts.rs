@@ -227,6 +227,7 @@ async fn received_a_message_retried_is_sent_back_and_its_handlers_that_succeeded
             panic!("user: {user}: {:?}", verdict.fate)
         };
         assert_eq!(*attempt, 1);
+        let envelope = envelope.as_ref().expect("the retry as sent");
         assert_eq!(envelope.last::<RedeliveryStamp>().unwrap().retry_count, 1);
         assert_eq!(
             stored(&s.queue).await,
@@ -273,6 +274,7 @@ async fn received_a_message_parked_goes_to_the_failure_transport_and_its_consequ
         };
         assert_eq!(failure_transport, "failed");
         assert!(reason.contains("judged wrong"), "{reason}");
+        let envelope = envelope.as_ref().expect("the parked copy as sent");
         assert!(envelope.has::<SentToFailureTransportStamp>());
         assert_eq!((stored(&s.queue).await, stored(&s.failed).await), (0, 1));
         assert_eq!(s.consequences.load(Ordering::SeqCst), 1, "user: {user}");

@@ -486,10 +486,9 @@ impl BusInner {
     /// and the frame's record of the retry step says what became of the
     /// message.
     async fn receive(self: &Arc<Self>, envelope: Envelope) -> Verdict {
-        let received = envelope.clone();
         if self.disposed.load(Ordering::Relaxed) {
             let error = Box::new(BusError::Disposed(self.name.to_string()));
-            return Verdict::of(Err(error), None, Vec::new(), &received);
+            return Verdict::of(Err(error), None, Vec::new());
         }
         // 1. AddBusNameStamp, 3. FailedMessageProcessing
         let envelope = FailedMessageProcessing::apply(self.add_bus_name.apply(envelope));
@@ -512,7 +511,7 @@ impl BusInner {
         } else {
             Box::pin(dispatch_after_current_bus::settle(result, frame, true)).await
         };
-        Verdict::of(result, retry, failed, &received)
+        Verdict::of(result, retry, failed)
     }
 
     /// The user middleware chain and the position of its first middleware

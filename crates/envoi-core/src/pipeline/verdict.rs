@@ -31,8 +31,9 @@ pub enum Fate {
     Handled(Envelope),
     /// A handler failed and the retry step sent it back to its transport.
     Retried {
-        /// The retry as sent.
-        envelope: Envelope,
+        /// The retry as sent, when the pipeline handed it back (a
+        /// middleware may turn it into an error that carries none).
+        envelope: Option<Envelope>,
         /// Which retry it is (1 for the first).
         attempt: u32,
         /// How long it waits before it is handed out again.
@@ -41,8 +42,9 @@ pub enum Fate {
     /// A handler failed for good and the retry step parked it.
     Parked {
         /// The message as the pipeline returned it (the parked copy as
-        /// sent, with the stamps of its handlers that succeeded).
-        envelope: Envelope,
+        /// sent, with the stamps of its handlers that succeeded), when it
+        /// did.
+        envelope: Option<Envelope>,
         /// The failure transport it went to.
         failure_transport: String,
         /// Why: the handlers' failure.
@@ -64,32 +66,22 @@ impl Verdict {
         result: StepResult,
         retry: Option<RetryRecord>,
         failed_deferred: Vec<FailedDispatch>,
-        received: &Envelope,
     ) -> Self {
         let fate = match (retry, result) {
             (Some(RetryRecord::Retried { attempt, delay }), result) => Fate::Retried {
                 envelope: match result {
-                    Ok(envelope) => envelope,
-                    Err(error) => error
-                        .envelope()
-                        .cloned()
-                        .unwrap_or_else(|| received.clone()),
+                    Ok(envelope) => Some(envelope),
+                    Err(error) => error.envelope().cloned(),
                 },
                 attempt,
                 delay,
             },
             (Some(RetryRecord::Parked { failure }), result) => {
                 let (envelope, reason) = match result {
-                    Err(error) => (
-                        error
-                            .envelope()
-                            .cloned()
-                            .unwrap_or_else(|| received.clone()),
-                        error.to_string(),
-                    ),
+                    Err(error) => (error.envelope().cloned(), error.to_string()),
                     // A middleware took the failure for a success: the
                     // message is parked all the same.
-                    Ok(envelope) => (envelope, "its handlers failed for good".to_string()),
+                    Ok(envelope) => (Some(envelope), "its handlers failed for good".to_string()),
                 };
                 Fate::Parked {
                     envelope,

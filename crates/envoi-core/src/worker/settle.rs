@@ -92,6 +92,7 @@ impl Ctx {
                     self.park_deferred(receiver, &id, envelope, failed_deferred, true)
                         .await;
                 }
+                let after = after.unwrap_or_else(|| envelope.clone());
                 (self.retried(receiver, &id, after, attempt, duration), None)
             }
             Fate::Parked {
@@ -103,7 +104,8 @@ impl Ctx {
                     self.park_deferred(receiver, &id, envelope, failed_deferred, true)
                         .await;
                 }
-                self.parked_by_retry(receiver, &id, parked, failure_transport, reason)
+                let message = envelope.message_name();
+                self.parked_by_retry(receiver, &id, message, parked, failure_transport, reason)
             }
             Fate::Failed(error) => self.failed(receiver, &id, envelope, error).await,
         };
@@ -121,7 +123,8 @@ impl Ctx {
         &self,
         receiver: usize,
         id: &MessageId,
-        parked: Envelope,
+        message: &'static str,
+        parked: Option<Envelope>,
         failure_transport: String,
         reason: String,
     ) -> (Action, Option<String>) {
@@ -129,21 +132,18 @@ impl Ctx {
         bump(&self.counters.failed);
         self.parked(receiver, true);
         let again = (failure_transport == **transport)
-            .then(|| {
-                parked
-                    .last::<TransportMessageIdStamp>()
-                    .map(|s| s.id.clone())
-            })
-            .flatten();
+            .then(|| parked.as_ref()?.last::<TransportMessageIdStamp>())
+            .flatten()
+            .map(|s| s.id.clone());
         self.events.emit(|| WorkerEvent::Failed {
             transport: transport.clone(),
             id: id.text().into_owned(),
-            message: Cow::Borrowed(parked.message_name()),
+            message: Cow::Borrowed(message),
             kind: Cow::Borrowed("handler"),
             error: reason,
             parked_in: Some(failure_transport),
             released: false,
-            envelope: Some(parked),
+            envelope: parked,
         });
         (Action::Ack, again)
     }
