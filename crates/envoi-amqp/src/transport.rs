@@ -209,21 +209,7 @@ impl Transport for AmqpTransport {
         self.shared.config.lease.map(|_| self as &dyn Keepalive)
     }
 
-    fn as_setup(&self) -> Option<&dyn Setup> {
-        Some(self)
-    }
-
-    fn as_message_count(&self) -> Option<&dyn MessageCount> {
-        Some(self)
-    }
-
-    fn as_teardown(&self) -> Option<&dyn Teardown> {
-        Some(self)
-    }
-
-    fn as_wake_up(&self) -> Option<&dyn WakeUp> {
-        Some(self)
-    }
+    envoi_core::abilities!(setup, message_count, teardown, wake_up);
 }
 
 /// `get` takes up to `max` of the messages the consumer prefetched (starting

@@ -8,10 +8,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
 use async_nats::{ConnectOptions, Subject};
 use envoi_core::transport::support::{Backoff, ReadAhead};
-use envoi_core::transport::{
-    mask_dsn, Browse, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
-    WakeUp,
-};
+use envoi_core::transport::{mask_dsn, RawMessage, Transport};
 use envoi_core::{BoxError, BoxFuture, TransportError};
 
 use crate::config::{Names, NatsConfig};
@@ -129,16 +126,16 @@ async fn settle_acks(client: &async_nats::Client, reply: Option<Subject>) -> boo
 
 /// A transport on a NATS JetStream stream.
 ///
-/// Its [`Setup`] creates a work-queue stream capturing the configured
+/// Its [`Setup`](envoi_core::transport::Setup) creates a work-queue stream capturing the configured
 /// subject and a durable pull consumer on it (both idempotently).
 /// [`send`](Transport::send) publishes and waits for JetStream's
-/// acknowledgement; its [`Receiver::get`] fetches a batch from the
+/// acknowledgement; its [`Receiver::get`](envoi_core::transport::Receiver::get) fetches a batch from the
 /// consumer, waiting up to the configured `wait` when none is available.
 /// Every handle created for the same name shares the durable consumer, so
 /// handles (and processes) compete for messages.
 ///
-/// Abilities: [`Receiver`], [`Keepalive`] (`+WPI`), [`Setup`],
-/// [`MessageCount`], [`Browse`], [`Teardown`] and [`WakeUp`].
+/// Abilities: [`Receiver`](envoi_core::transport::Receiver), [`Keepalive`](envoi_core::transport::Keepalive) (`+WPI`), [`Setup`](envoi_core::transport::Setup),
+/// [`MessageCount`](envoi_core::transport::MessageCount), [`Browse`](envoi_core::transport::Browse), [`Teardown`](envoi_core::transport::Teardown) and [`WakeUp`](envoi_core::transport::WakeUp).
 ///
 /// A `get` of at least 100 messages that comes back full starts the pull
 /// request for the next batch at once, so the batch arrives while the
@@ -175,7 +172,7 @@ pub struct NatsTransport {
 impl NatsTransport {
     /// Connects the transport called `name` as `dsn` describes (see
     /// [`NatsConfig`] for the options). Nothing is created on the server
-    /// until [`Setup::setup`] (or the first use, when `auto_setup` is on).
+    /// until [`Setup::setup`](envoi_core::transport::Setup::setup) (or the first use, when `auto_setup` is on).
     ///
     /// # Errors
     ///
@@ -326,33 +323,15 @@ impl Transport for NatsTransport {
         Box::pin(self.publish_batch(messages))
     }
 
-    fn as_receiver(&self) -> Option<&dyn Receiver> {
-        Some(self)
-    }
-
-    fn as_keepalive(&self) -> Option<&dyn Keepalive> {
-        Some(self)
-    }
-
-    fn as_setup(&self) -> Option<&dyn Setup> {
-        Some(self)
-    }
-
-    fn as_message_count(&self) -> Option<&dyn MessageCount> {
-        Some(self)
-    }
-
-    fn as_browse(&self) -> Option<&dyn Browse> {
-        Some(self)
-    }
-
-    fn as_teardown(&self) -> Option<&dyn Teardown> {
-        Some(self)
-    }
-
-    fn as_wake_up(&self) -> Option<&dyn WakeUp> {
-        Some(self)
-    }
+    envoi_core::abilities!(
+        receiver,
+        keepalive,
+        setup,
+        message_count,
+        browse,
+        teardown,
+        wake_up
+    );
 }
 
 #[cfg(test)]

@@ -32,33 +32,15 @@ impl Transport for PostgresTransport {
         Box::pin(self.inner.send_batch(messages))
     }
 
-    fn as_receiver(&self) -> Option<&dyn Receiver> {
-        Some(self)
-    }
-
-    fn as_keepalive(&self) -> Option<&dyn Keepalive> {
-        Some(self)
-    }
-
-    fn as_setup(&self) -> Option<&dyn Setup> {
-        Some(self)
-    }
-
-    fn as_message_count(&self) -> Option<&dyn MessageCount> {
-        Some(self)
-    }
-
-    fn as_browse(&self) -> Option<&dyn Browse> {
-        Some(self)
-    }
-
-    fn as_teardown(&self) -> Option<&dyn Teardown> {
-        Some(self)
-    }
-
-    fn as_wake_up(&self) -> Option<&dyn WakeUp> {
-        Some(self)
-    }
+    envoi_core::abilities!(
+        receiver,
+        keepalive,
+        setup,
+        message_count,
+        browse,
+        teardown,
+        wake_up
+    );
 }
 
 impl Receiver for PostgresTransport {

@@ -12,10 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use envoi_core::transport::support::ReadAhead;
-use envoi_core::transport::{
-    mask_dsn, Browse, Delivery, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown,
-    Transport, WakeUp,
-};
+use envoi_core::transport::{mask_dsn, Delivery, RawMessage, Setup, Transport, WakeUp};
 use envoi_core::{BoxFuture, TransportError};
 use redis::Client;
 use uuid::Uuid;
@@ -42,7 +39,7 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// * `send` is `XADD`; a delayed send stores the message in a sorted set
 ///   scored with its due time, and an atomic script moves due messages into
 ///   the stream (several workers never move one twice).
-/// * [`Receiver::get`] reclaims entries other consumers left pending longer
+/// * [`Receiver::get`](envoi_core::transport::Receiver::get) reclaims entries other consumers left pending longer
 ///   than the lease (`XAUTOCLAIM`; they come marked
 ///   [`redelivered`](Delivery::redelivered)), moves due delayed messages,
 ///   then reads new entries with `XREADGROUP ... BLOCK` on a connection of
@@ -56,9 +53,9 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 ///   not pile up. `reject` acknowledges the entry and deletes it at once
 ///   (`XDEL`) unless another group still needs it. `release` re-adds the
 ///   entry at the end of the stream and acknowledges the old one
-///   atomically; [`Keepalive::keepalive`] resets the entry's idle time with
+///   atomically; [`Keepalive::keepalive`](envoi_core::transport::Keepalive::keepalive) resets the entry's idle time with
 ///   `XCLAIM ... JUSTID` to its own consumer.
-/// * [`Setup`], [`MessageCount`], [`Browse`], [`Teardown`] and [`WakeUp`]
+/// * [`Setup`], [`MessageCount`](envoi_core::transport::MessageCount), [`Browse`](envoi_core::transport::Browse), [`Teardown`](envoi_core::transport::Teardown) and [`WakeUp`]
 ///   are there too (see the crate docs for how each maps onto Redis).
 ///
 /// Every handle is a consumer of its own (the configured prefix plus a
@@ -253,33 +250,15 @@ impl Transport for RedisTransport {
         Box::pin(self.send_many(messages))
     }
 
-    fn as_receiver(&self) -> Option<&dyn Receiver> {
-        Some(self)
-    }
-
-    fn as_keepalive(&self) -> Option<&dyn Keepalive> {
-        Some(self)
-    }
-
-    fn as_setup(&self) -> Option<&dyn Setup> {
-        Some(self)
-    }
-
-    fn as_message_count(&self) -> Option<&dyn MessageCount> {
-        Some(self)
-    }
-
-    fn as_browse(&self) -> Option<&dyn Browse> {
-        Some(self)
-    }
-
-    fn as_teardown(&self) -> Option<&dyn Teardown> {
-        Some(self)
-    }
-
-    fn as_wake_up(&self) -> Option<&dyn WakeUp> {
-        Some(self)
-    }
+    envoi_core::abilities!(
+        receiver,
+        keepalive,
+        setup,
+        message_count,
+        browse,
+        teardown,
+        wake_up
+    );
 }
 
 impl Setup for RedisTransport {
@@ -340,6 +319,7 @@ impl fmt::Debug for RedisTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use envoi_core::transport::Receiver;
 
     #[tokio::test]
     async fn with_config_refuses_settings_changed_in_code_as_from_dsn_would() {

@@ -4,9 +4,7 @@
 use std::time::Duration;
 
 use envoi_core::transport::support::encode_json_headers;
-use envoi_core::transport::{
-    Browse, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport, WakeUp,
-};
+use envoi_core::transport::{RawMessage, Transport};
 use envoi_core::{BoxFuture, TransportError};
 
 use crate::op::{NewRow, Op};
@@ -76,31 +74,13 @@ impl Transport for SqliteTransport {
         })
     }
 
-    fn as_receiver(&self) -> Option<&dyn Receiver> {
-        Some(self)
-    }
-
-    fn as_keepalive(&self) -> Option<&dyn Keepalive> {
-        Some(self)
-    }
-
-    fn as_setup(&self) -> Option<&dyn Setup> {
-        Some(self)
-    }
-
-    fn as_message_count(&self) -> Option<&dyn MessageCount> {
-        Some(self)
-    }
-
-    fn as_browse(&self) -> Option<&dyn Browse> {
-        Some(self)
-    }
-
-    fn as_teardown(&self) -> Option<&dyn Teardown> {
-        Some(self)
-    }
-
-    fn as_wake_up(&self) -> Option<&dyn WakeUp> {
-        Some(self)
-    }
+    envoi_core::abilities!(
+        receiver,
+        keepalive,
+        setup,
+        message_count,
+        browse,
+        teardown,
+        wake_up
+    );
 }

@@ -139,6 +139,103 @@ pub trait Transport: Send + Sync + 'static {
     }
 }
 
+/// Writes the `as_*` methods of [`Transport`] for abilities a transport
+/// has by implementing their traits itself: each returns `Some(self)`.
+/// Used inside `impl Transport for …`, naming the abilities: `receiver`,
+/// `keepalive`, `setup`, `message_count`, `browse`, `teardown`, `wake_up`,
+/// `local_sender`, `local_receiver`.
+///
+/// ```
+/// use envoi_core::transport::{Delivery, DeliveryId, RawMessage, Receiver, Transport};
+/// use envoi_core::{BoxFuture, TransportError};
+/// use std::time::Duration;
+///
+/// /// Takes nothing, hands out nothing.
+/// struct Void;
+///
+/// impl Transport for Void {
+///     fn send(&self, _: RawMessage, _: Option<Duration>) -> BoxFuture<'_, Result<String, TransportError>> {
+///         Box::pin(async { Err(TransportError::Closed) })
+///     }
+///     envoi_core::abilities!(receiver);
+/// }
+///
+/// impl Receiver for Void {
+///     fn get(&self, _: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
+///         Box::pin(async { Ok(Vec::new()) })
+///     }
+///     fn ack<'a>(&'a self, _: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+///         Box::pin(async { Ok(()) })
+///     }
+///     fn reject<'a>(&'a self, _: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+///         Box::pin(async { Ok(()) })
+///     }
+///     fn release<'a>(&'a self, _: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
+///         Box::pin(async { Ok(()) })
+///     }
+/// }
+///
+/// assert!(Void.as_receiver().is_some());
+/// assert!(Void.as_setup().is_none());
+/// ```
+#[macro_export]
+macro_rules! abilities {
+    ($($ability:ident),* $(,)?) => {
+        $( $crate::__ability!($ability); )*
+    };
+}
+
+/// One method of [`abilities!`](crate::abilities).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __ability {
+    (receiver) => {
+        fn as_receiver(&self) -> Option<&dyn $crate::transport::Receiver> {
+            Some(self)
+        }
+    };
+    (keepalive) => {
+        fn as_keepalive(&self) -> Option<&dyn $crate::transport::Keepalive> {
+            Some(self)
+        }
+    };
+    (setup) => {
+        fn as_setup(&self) -> Option<&dyn $crate::transport::Setup> {
+            Some(self)
+        }
+    };
+    (message_count) => {
+        fn as_message_count(&self) -> Option<&dyn $crate::transport::MessageCount> {
+            Some(self)
+        }
+    };
+    (browse) => {
+        fn as_browse(&self) -> Option<&dyn $crate::transport::Browse> {
+            Some(self)
+        }
+    };
+    (teardown) => {
+        fn as_teardown(&self) -> Option<&dyn $crate::transport::Teardown> {
+            Some(self)
+        }
+    };
+    (wake_up) => {
+        fn as_wake_up(&self) -> Option<&dyn $crate::transport::WakeUp> {
+            Some(self)
+        }
+    };
+    (local_sender) => {
+        fn as_local_sender(&self) -> Option<&dyn $crate::transport::LocalSender> {
+            Some(self)
+        }
+    };
+    (local_receiver) => {
+        fn as_local_receiver(&self) -> Option<&dyn $crate::transport::LocalReceiver> {
+            Some(self)
+        }
+    };
+}
+
 /// The receiving side of a transport: messages handed out, leased to the
 /// caller, then settled by their [`DeliveryId`].
 pub trait Receiver: Send + Sync {

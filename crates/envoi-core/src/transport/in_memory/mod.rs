@@ -344,29 +344,14 @@ impl Transport for InMemoryTransport {
         Box::pin(async move { Ok(ids) })
     }
 
-    fn as_receiver(&self) -> Option<&dyn Receiver> {
-        Some(self)
-    }
-
-    fn as_keepalive(&self) -> Option<&dyn Keepalive> {
-        Some(self)
-    }
-
-    fn as_message_count(&self) -> Option<&dyn MessageCount> {
-        Some(self)
-    }
-
-    fn as_browse(&self) -> Option<&dyn Browse> {
-        Some(self)
-    }
-
-    fn as_wake_up(&self) -> Option<&dyn WakeUp> {
-        Some(self)
-    }
-
-    fn as_teardown(&self) -> Option<&dyn Teardown> {
-        Some(self)
-    }
+    crate::abilities!(
+        receiver,
+        keepalive,
+        message_count,
+        browse,
+        wake_up,
+        teardown
+    );
 
     fn as_local_sender(&self) -> Option<&dyn LocalSender> {
         (!self.config.serialize).then_some(self as &dyn LocalSender)
