@@ -394,9 +394,7 @@ impl fmt::Debug for MessageBus {
 // box, by a caller) whole, so keeping the rare states out keeps them small.
 impl BusInner {
     async fn dispatch(self: &Arc<Self>, envelope: Envelope) -> StepResult {
-        if self.disposed.load(Ordering::Relaxed) {
-            return Err(Box::new(BusError::Disposed(self.name.to_string())));
-        }
+        self.live()?;
         // 1. AddBusNameStamp
         let envelope = self.add_bus_name.apply(envelope);
         if envelope.has::<DispatchAfterCurrentBusStamp>() {
@@ -427,18 +425,9 @@ impl BusInner {
                     ),
                     Err(error) => return Err(single_failed(envelope, handler, error)),
                 };
-                // What the handler deferred goes out of scope before the
-                // await below, so the future keeps no slot for it and the
-                // common, empty case is neither stored nor dropped.
-                let frame = {
-                    let deferred = take_deferred(scope_id);
-                    if deferred.is_empty() {
-                        return Ok(out);
-                    }
-                    Frame {
-                        deferred,
-                        retry: None,
-                    }
+                // Nothing deferred, the common case: no frame is made.
+                let Some(frame) = deferred_frame(scope_id) else {
+                    return Ok(out);
                 };
                 return Box::pin(settle_plain(Ok(out), frame, false)).await;
             }
@@ -486,8 +475,7 @@ impl BusInner {
     /// and the frame's record of the retry step says what became of the
     /// message.
     async fn receive(self: &Arc<Self>, envelope: Envelope) -> Verdict {
-        if self.disposed.load(Ordering::Relaxed) {
-            let error = Box::new(BusError::Disposed(self.name.to_string()));
+        if let Err(error) = self.live() {
             return Verdict::of(Err(error), None, Vec::new());
         }
         // 1. AddBusNameStamp, 3. FailedMessageProcessing
@@ -517,6 +505,14 @@ impl BusInner {
     /// The user middleware chain and the position of its first middleware
     /// that takes part in dispatching `envelope`; `None` if none does.
     #[inline(never)]
+    /// Refuses a dispatch once the bus is disposed.
+    fn live(&self) -> std::result::Result<(), Box<BusError>> {
+        if self.disposed.load(Ordering::Relaxed) {
+            return Err(Box::new(BusError::Disposed(self.name.to_string())));
+        }
+        Ok(())
+    }
+
     fn user_chain(&self, envelope: &Envelope) -> Option<(Arc<Chain>, usize)> {
         let chain = self.user.load_full();
         let start = chain.run.iter().position(|m| m.takes_part(envelope))?;
@@ -616,6 +612,20 @@ enum Finish {
 /// is settled, and deferred dispatches that failed become the dispatch's
 /// error.
 #[inline]
+/// What the handler run in `scope_id` deferred, as a frame to settle; `None`
+/// when it deferred nothing. The list is gone before the caller awaits
+/// anything, so its future keeps no slot for it.
+fn deferred_frame(scope_id: u64) -> Option<Frame> {
+    let deferred = take_deferred(scope_id);
+    if deferred.is_empty() {
+        return None;
+    }
+    Some(Frame {
+        deferred,
+        retry: None,
+    })
+}
+
 fn finish(result: StepResult, frame: Frame, received: bool) -> Finish {
     if frame.deferred.is_empty() {
         return Finish::Ready(result);
