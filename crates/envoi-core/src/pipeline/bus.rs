@@ -506,6 +506,7 @@ impl BusInner {
     /// that takes part in dispatching `envelope`; `None` if none does.
     #[inline(never)]
     /// Refuses a dispatch once the bus is disposed.
+    #[inline]
     fn live(&self) -> std::result::Result<(), Box<BusError>> {
         if self.disposed.load(Ordering::Relaxed) {
             return Err(Box::new(BusError::Disposed(self.name.to_string())));

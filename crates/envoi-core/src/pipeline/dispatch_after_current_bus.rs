@@ -229,12 +229,14 @@ pub(crate) fn scope<F: Future + Unpin>(handler: F) -> Scoped<F> {
 struct InScope(u64);
 
 impl InScope {
+    #[inline]
     fn enter(id: u64) -> Self {
         Self(SCOPE.with(|c| c.replace(id)))
     }
 }
 
 impl Drop for InScope {
+    #[inline]
     fn drop(&mut self) {
         SCOPE.with(|c| c.set(self.0));
     }
