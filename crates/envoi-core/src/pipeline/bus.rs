@@ -502,9 +502,6 @@ impl BusInner {
         Verdict::of(result, retry, failed)
     }
 
-    /// The user middleware chain and the position of its first middleware
-    /// that takes part in dispatching `envelope`; `None` if none does.
-    #[inline(never)]
     /// Refuses a dispatch once the bus is disposed.
     #[inline]
     fn live(&self) -> std::result::Result<(), Box<BusError>> {
@@ -514,6 +511,9 @@ impl BusInner {
         Ok(())
     }
 
+    /// The user middleware chain and the position of its first middleware
+    /// that takes part in dispatching `envelope`; `None` if none does.
+    #[inline(never)]
     fn user_chain(&self, envelope: &Envelope) -> Option<(Arc<Chain>, usize)> {
         let chain = self.user.load_full();
         let start = chain.run.iter().position(|m| m.takes_part(envelope))?;
