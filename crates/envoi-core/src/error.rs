@@ -341,6 +341,16 @@ pub enum TransportError {
     /// The message could not be encoded for, or decoded from, the transport.
     #[error(transparent)]
     Serialization(#[from] SerializationError),
+    /// The backend (database, broker) could not be reached: it refused
+    /// the connection, or gave no answer within the connect timeout.
+    #[error("cannot connect to `{dsn}`: {source}")]
+    Unreachable {
+        /// The DSN, with any password masked.
+        dsn: String,
+        /// Why: the driver's error, or the timeout that ran out.
+        #[source]
+        source: BoxError,
+    },
     /// The backend (database, broker) failed.
     #[error("{context}: {source}")]
     Backend {
