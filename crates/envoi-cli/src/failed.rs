@@ -8,6 +8,7 @@ use envoi_core::transport::{Browse, Delivery, DeliveryId, MessageCount, Receiver
 use envoi_core::worker::{handle_one, Outcome as WorkerOutcome, Settlement, WorkerEvent};
 use envoi_core::Messenger;
 
+use crate::detail::{write_detail, Limits};
 use crate::inspect::{inspect, Inspected};
 use crate::table::{truncate, Table};
 use crate::{unknown_transport, CliError, Console, Format};
@@ -47,6 +48,12 @@ pub struct ShowArgs {
     /// Short for `--format json`.
     #[arg(long, conflicts_with = "format")]
     pub json: bool,
+    /// Show one message whole: as text, long sections (over 50 headers or
+    /// stamps, values over 300 characters, bodies over 200 lines) are
+    /// otherwise cut, with a note of what was left out. JSON is always
+    /// whole.
+    #[arg(long)]
+    pub full: bool,
 }
 
 /// Arguments of `failed retry`.
@@ -229,7 +236,14 @@ async fn show(
                     .map_err(std::io::Error::from)?;
                 writeln!(out)?;
             }
-            Format::Text => write_detail(out, name, &info)?,
+            Format::Text => {
+                let limits = if args.full {
+                    Limits::FULL
+                } else {
+                    Limits::SHORT
+                };
+                write_detail(out, name, &info, limits)?;
+            }
         }
         return Ok(());
     }
@@ -281,55 +295,6 @@ async fn show(
         out,
         "Show one with `failed show <id>`, retry with `failed retry <id>`."
     )?;
-    Ok(())
-}
-
-fn write_detail(out: &mut dyn Write, transport: &str, info: &Inspected) -> std::io::Result<()> {
-    let field =
-        |out: &mut dyn Write, label: &str, value: &str| writeln!(out, "{label:<12} {value}");
-    field(out, "Id", &info.id)?;
-    let message = match &info.kind {
-        Some(kind) => format!("{} ({kind})", info.message),
-        None => info.message.clone(),
-    };
-    field(out, "Message", &message)?;
-    let origin = match &info.original_transport {
-        Some(o) => format!("{transport} (failed in {o})"),
-        None => transport.to_string(),
-    };
-    field(out, "Transport", &origin)?;
-    field(out, "Failed at", &info.failed_at_text())?;
-    field(out, "Retries", &info.retries.to_string())?;
-    match &info.error {
-        Some(e) => {
-            field(out, "Error", &e.message)?;
-            field(out, "Error kind", &e.kind)?;
-            if !e.chain.is_empty() {
-                writeln!(out, "Caused by")?;
-                for (i, cause) in e.chain.iter().enumerate() {
-                    writeln!(out, "  {}. {cause}", i + 1)?;
-                }
-            }
-        }
-        None => field(out, "Error", "(no error details)")?,
-    }
-    if !info.stamps.is_empty() {
-        writeln!(out, "Stamps")?;
-        for (name, value) in &info.stamps {
-            writeln!(out, "  {name}: {value}")?;
-        }
-    }
-    if !info.headers.is_empty() {
-        writeln!(out, "Headers")?;
-        for (key, value) in &info.headers {
-            writeln!(out, "  {key}: {value}")?;
-        }
-    }
-    let body = serde_json::to_string_pretty(&info.body).unwrap_or_default();
-    writeln!(out, "Body")?;
-    for line in body.lines() {
-        writeln!(out, "  {line}")?;
-    }
     Ok(())
 }
 

@@ -132,6 +132,7 @@
 #![forbid(unsafe_code)]
 
 mod consume;
+mod detail;
 mod failed;
 mod inspect;
 mod parse;
