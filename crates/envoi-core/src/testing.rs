@@ -263,6 +263,72 @@ impl<T: Transport + ?Sized> Abilities for T {
     }
 }
 
+/// Awaits `future` for at most `limit` of real time, whatever the tokio
+/// clock does (paused or not); past it, prints that the test timed out
+/// waiting for `what` and ends the process with a failure, so a test that
+/// would hang fails and says what it was waiting for.
+///
+/// The limit is real time on purpose: under a paused clock a hung worker
+/// either spins virtual time forever or parks the runtime for good, and a
+/// tokio timeout catches neither reliably.
+///
+/// ```
+/// use envoi_core::testing::within;
+/// use std::time::Duration;
+///
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let answer = within(Duration::from_secs(60), "the answer", async { 42 }).await;
+/// assert_eq!(answer, 42);
+/// # });
+/// ```
+pub async fn within<F: std::future::Future>(
+    limit: std::time::Duration,
+    what: &str,
+    future: F,
+) -> F::Output {
+    let _watchdog = Watchdog::start(limit, what);
+    future.await
+}
+
+/// [`within`] as a method: `worker.run().within(limit, "the worker to drain").await`.
+pub trait Within: std::future::Future + Sized {
+    /// See [`within`].
+    fn within(
+        self,
+        limit: std::time::Duration,
+        what: &str,
+    ) -> impl std::future::Future<Output = Self::Output> {
+        within(limit, what, self)
+    }
+}
+
+impl<F: std::future::Future> Within for F {}
+
+/// A thread that ends the process unless dropped within its limit.
+#[derive(Debug)]
+struct Watchdog {
+    /// Dropped with the watchdog, which lets its thread go.
+    _cancel: std::sync::mpsc::Sender<()>,
+}
+
+impl Watchdog {
+    fn start(limit: std::time::Duration, what: &str) -> Watchdog {
+        let (cancel, cancelled) = std::sync::mpsc::channel::<()>();
+        let what = what.to_string();
+        let test = std::thread::current()
+            .name()
+            .unwrap_or("a test")
+            .to_string();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = cancelled.recv_timeout(limit) {
+                eprintln!("{test}: timed out after {limit:?} waiting for {what}");
+                std::process::exit(101);
+            }
+        });
+        Watchdog { _cancel: cancel }
+    }
+}
+
 #[cfg(test)]
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Ping;

@@ -1,6 +1,12 @@
 //! Sending through transports and receiving with a worker: routing, the
 //! sender and receiver pipelines, DSNs, the sync transport and retries.
 
+use envoi_core::testing::Within;
+
+/// The longest a test waits for a worker to stop before it fails (real
+/// time, whatever the tokio clock does).
+const WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 use envoi_core::testing::Abilities;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -70,6 +76,7 @@ async fn drain(messenger: &Messenger, transports: &[&str]) -> envoi_core::worker
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await
 }
 
@@ -329,6 +336,7 @@ async fn a_parked_message_whose_origin_became_a_sync_transport_is_parked_again_w
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     // Tried once (a retry cannot be sent to a transport that handles on
     // send), then back in the failure transport, not dropped.
@@ -531,6 +539,7 @@ async fn consume_for_half_a_second(
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await
 }
 
@@ -603,6 +612,7 @@ async fn a_transient_failure_succeeds_on_retry() {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(*log.lock().unwrap(), ["retried", "retried", "handled"]);
     assert_eq!(calls.load(Ordering::SeqCst), 3);
@@ -712,6 +722,7 @@ async fn a_message_retried_from_the_failure_transport_gets_a_fresh_budget_and_re
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.stats.retried, 1);
     assert_eq!(failed.counter().message_count().await.unwrap(), 0);
@@ -854,6 +865,7 @@ async fn a_retry_that_cannot_be_sent_releases_the_message_for_redelivery() {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit);
     assert_eq!(*log.lock().unwrap(), [("transport".to_string(), true)]);

@@ -1,6 +1,12 @@
 //! The further built-in middleware on a real bus: validation, logging,
 //! correlation/causation ids, deduplication and the circuit breaker.
 
+use envoi_core::testing::Within;
+
+/// The longest a test waits for a worker to stop before it fails (real
+/// time, whatever the tokio clock does).
+const WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 use envoi_core::testing::Abilities;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -87,7 +93,10 @@ fn draining(messenger: &Messenger, transport: &str) -> Worker {
 }
 
 async fn drain(messenger: &Messenger, transport: &str) {
-    draining(messenger, transport).run().await;
+    draining(messenger, transport)
+        .run()
+        .within(WAIT, "the worker to stop")
+        .await;
 }
 
 // ----- validation -----
@@ -377,7 +386,7 @@ async fn a_store_that_cannot_forget_a_failed_message_leaves_the_handler_failure_
     m.dispatcher().dispatch(charge("pay-1", 5)).await.unwrap();
     let worker = draining(&m, "async");
     let mut events = worker.subscribe();
-    worker.run().await;
+    worker.run().within(WAIT, "the worker to stop").await;
     let mut failures = Vec::new();
     while let Ok(event) = events.try_recv() {
         if let WorkerEvent::Failed {

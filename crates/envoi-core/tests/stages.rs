@@ -2,6 +2,12 @@
 //! word, `Stop` semantics per stage, and which stages run on the sender and
 //! on the receiver side of a transport.
 
+use envoi_core::testing::Within;
+
+/// The longest a test waits for a worker to stop before it fails (real
+/// time, whatever the tokio clock does).
+const WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 use envoi_core::testing::Abilities;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -307,6 +313,7 @@ async fn drain(messenger: &Messenger, transport: &str) -> envoi_core::worker::Wo
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await
 }
 

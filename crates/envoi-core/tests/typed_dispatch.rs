@@ -1,6 +1,12 @@
 //! Effect-style typed dispatchers with the default span, `metrics()`,
 //! `deadline(d)` and custom middleware, through a real bus.
 
+use envoi_core::testing::Within;
+
+/// The longest a test waits for a worker to stop before it fails (real
+/// time, whatever the tokio clock does).
+const WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::fmt;
@@ -622,7 +628,7 @@ impl DispatchMiddleware for AuditLog {
         next: DispatchNext<'a>,
     ) -> BoxFuture<'a, envoi_core::Result<Envelope>> {
         Box::pin(async move {
-            let out = next.run().await;
+            let out = next.run().within(WAIT, "the worker to stop").await;
             if out.is_ok() {
                 self.0
                      .0
@@ -668,7 +674,7 @@ impl DispatchMiddleware for Layer2 {
     ) -> BoxFuture<'a, envoi_core::Result<Envelope>> {
         Box::pin(async move {
             self.1.lock().unwrap().push(format!("{} in", self.0));
-            let out = next.run().await;
+            let out = next.run().within(WAIT, "the worker to stop").await;
             self.1.lock().unwrap().push(format!("{} out", self.0));
             out
         })

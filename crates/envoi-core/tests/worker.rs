@@ -1,6 +1,12 @@
 //! The worker: undecodable messages, limits, graceful stop, events,
 //! priorities, concurrency, rate limits, leases and panics.
 
+use envoi_core::testing::Within;
+
+/// The longest a test waits for a worker to stop before it fails (real
+/// time, whatever the tokio clock does).
+const WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 use envoi_core::testing::Abilities;
 use envoi_core::transport::DeliveryId;
 use std::collections::BTreeMap;
@@ -59,7 +65,7 @@ async fn run_while_leases_hold(
     );
     tokio::time::sleep(then).await;
     stop.stop();
-    run.await.unwrap()
+    run.within(WAIT, "the worker to stop").await.unwrap()
 }
 
 /// An in-memory queue whose messages stay leased for `lease`.
@@ -137,6 +143,7 @@ async fn drain(worker: envoi_core::worker::WorkerBuilder) -> WorkerReport {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await
 }
 
@@ -269,6 +276,7 @@ async fn the_message_limit_stops_the_worker_and_leaves_the_rest() {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit);
     assert_eq!(seen.get(), [0, 1, 2]);
@@ -295,6 +303,7 @@ async fn the_message_limit_counts_failed_messages_too() {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit);
     assert_eq!((report.stats.failed, report.stats.handled), (2, 1));
@@ -319,6 +328,7 @@ async fn durations_too_long_for_a_clock_mean_no_limit_rather_than_a_panic() {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit);
     assert_eq!(seen.get(), [0]);
@@ -336,7 +346,7 @@ async fn durations_too_long_for_a_clock_mean_no_limit_rather_than_a_panic() {
     let run = tokio::spawn(worker.run());
     tokio::time::sleep(Duration::from_millis(50)).await;
     stop.stop();
-    let report = run.await.unwrap();
+    let report = run.within(WAIT, "the worker to stop").await.unwrap();
     assert_eq!(report.reason, StopReason::Stopped);
     assert_eq!(seen.get(), [0, 1]);
     assert_eq!(
@@ -357,6 +367,7 @@ async fn the_time_limit_stops_an_idle_worker() {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::TimeLimit);
     let took = start.elapsed();
@@ -387,6 +398,7 @@ async fn the_failure_limit_stops_the_worker() {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::FailureLimit);
     assert_eq!(report.stats.failed, 2);
@@ -404,6 +416,7 @@ async fn the_memory_limit_stops_the_worker() {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::MemoryLimit);
 }
@@ -434,7 +447,7 @@ async fn a_graceful_stop_lets_handlers_finish_and_releases_the_rest() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     stop.stop();
-    let report = running.await.unwrap();
+    let report = running.within(WAIT, "the worker to stop").await.unwrap();
     assert_eq!(report.reason, StopReason::Stopped);
     let first = seen.get();
     assert_eq!(first.len() as u64, report.stats.handled);
@@ -493,7 +506,7 @@ async fn two_hour_long_handlers_running(
 async fn handlers_still_running_after_the_grace_period_are_released_not_lost() {
     let (queue, stop, running) = two_hour_long_handlers_running(Duration::from_millis(20)).await;
     stop.stop();
-    let report = running.await.unwrap();
+    let report = running.within(WAIT, "the worker to stop").await.unwrap();
     assert_eq!(report.stats.handled, 0);
     assert_eq!(report.stats.released, 3);
     assert_eq!(
@@ -565,7 +578,7 @@ async fn events_tell_the_whole_story() {
         .build()
         .unwrap();
     let mut rx = worker.subscribe();
-    let report = worker.run().await;
+    let report = worker.run().within(WAIT, "the worker to stop").await;
     let mut names = Vec::new();
     let mut per_job: BTreeMap<u32, Vec<&'static str>> = BTreeMap::new();
     while let Ok(e) = rx.try_recv() {
@@ -680,6 +693,7 @@ async fn a_lower_receiver_is_read_while_a_higher_one_is_held_back_by_its_rate_li
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit);
     assert_eq!(seen.get(), [0, 100, 101, 102]);
@@ -838,7 +852,7 @@ async fn a_message_held_half_an_interval_is_extended_at_the_next_keepalive_tick(
     assert!(taken.is_empty(), "the lease ran out at 1.6 s");
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.stop();
-    let report = run.await.unwrap();
+    let report = run.within(WAIT, "the worker to stop").await.unwrap();
     assert_eq!(seen.get(), [0]);
     assert_eq!(report.stats.handled, 1);
 }
@@ -1793,6 +1807,7 @@ async fn run_counting_releases(
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     let released = released.lock().unwrap().clone();
     (report, released)
@@ -1902,6 +1917,7 @@ async fn a_message_that_cannot_be_parked_is_kept_and_retried_with_a_growing_paus
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::TimeLimit);
     // Tried again after pauses of 100, 200 and 400 ms (the next, of 800
@@ -1957,6 +1973,7 @@ async fn keepalive_goes_on_while_quick_messages_keep_the_worker_busy() {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(slow_runs.load(Ordering::SeqCst), 1, "{:?}", report.stats);
     assert_eq!(report.stats.handled, 4000);
@@ -2024,6 +2041,7 @@ async fn a_message_the_retry_step_cannot_park_is_handled_again_only_after_a_paus
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::TimeLimit);
     // The retry step's park fails and the message is released: handled
@@ -2171,7 +2189,7 @@ async fn a_message_handled_during_a_long_poll_is_acknowledged_before_the_poll_en
         "not acknowledged"
     );
     stop.stop();
-    let report = run.await.unwrap();
+    let report = run.within(WAIT, "the worker to stop").await.unwrap();
     assert_eq!(seen.get(), [0]);
     assert_eq!(report.stats.handled, 1);
 }
@@ -2213,7 +2231,7 @@ async fn a_stop_during_a_long_poll_lets_the_handlers_in_flight_finish() {
     let run = tokio::spawn(worker.run());
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.stop();
-    let report = run.await.unwrap();
+    let report = run.within(WAIT, "the worker to stop").await.unwrap();
     assert_eq!(report.reason, StopReason::Stopped);
     assert_eq!(steps.load(Ordering::SeqCst), 30);
     assert_eq!((report.stats.handled, report.stats.released), (1, 0));
@@ -2236,6 +2254,7 @@ async fn the_time_limit_and_a_stop_do_not_wait_for_a_long_poll() {
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::TimeLimit);
     assert!(
@@ -2254,7 +2273,7 @@ async fn the_time_limit_and_a_stop_do_not_wait_for_a_long_poll() {
     let run = tokio::spawn(worker.run());
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.stop();
-    let report = run.await.unwrap();
+    let report = run.within(WAIT, "the worker to stop").await.unwrap();
     assert_eq!(report.reason, StopReason::Stopped);
     assert!(
         start.elapsed() < Duration::from_secs(2),
@@ -2354,7 +2373,7 @@ async fn during_the_grace_period_what_is_given_back_or_finished_is_settled_at_on
     for d in &taken {
         queue.receiver().release(&d.id).await.unwrap();
     }
-    let report = run.await.unwrap();
+    let report = run.within(WAIT, "the worker to stop").await.unwrap();
     assert_eq!((report.stats.handled, report.stats.released), (2, 2));
     assert_eq!(queue.counter().message_count().await.unwrap(), 2);
 }
@@ -2430,7 +2449,7 @@ async fn leases_are_extended_while_fetching_pauses_after_a_failed_park() {
         assert_eq!(jobs, 0, "the handler's lease ran out by {second} s");
     }
     stop.stop();
-    let report = run.await.unwrap();
+    let report = run.within(WAIT, "the worker to stop").await.unwrap();
     assert_eq!(seen.get(), [0]);
     assert_eq!(report.stats.handled, 1);
 }
@@ -2470,7 +2489,7 @@ async fn a_rate_limit_counts_a_long_poll_s_messages_when_they_arrive() {
     send_jobs(&messenger, 0..4).await;
     tokio::time::sleep(Duration::from_secs(25)).await;
     stop.stop();
-    run.await.unwrap();
+    run.within(WAIT, "the worker to stop").await.unwrap();
     let times = times.lock().unwrap().clone();
     assert_eq!(times.len(), 4, "{times:?}");
     assert!(
@@ -2649,6 +2668,7 @@ async fn a_message_its_failure_transport_cannot_take_pauses_only_its_own_receive
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit);
     assert_eq!(uploads.load(Ordering::SeqCst), 1, "tried once, then paused");
@@ -2845,6 +2865,7 @@ async fn a_message_parked_unsent_to_a_transport_that_is_gone_is_parked_again_wit
         .build()
         .unwrap()
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit, "{report:?}");
     assert_eq!(

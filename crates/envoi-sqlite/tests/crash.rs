@@ -20,6 +20,12 @@
 
 #![cfg(unix)]
 
+use envoi_core::testing::Within;
+
+/// The longest a test waits for a worker to stop before it fails (real
+/// time, whatever the tokio clock does).
+const WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::io::Write;
@@ -308,7 +314,12 @@ async fn kill_test_worker() {
     if pause == u64::MAX {
         worker = worker.stop_when_empty();
     }
-    let report = worker.build().expect("worker").run().await;
+    let report = worker
+        .build()
+        .expect("worker")
+        .run()
+        .within(WAIT, "the worker to stop")
+        .await;
     println!("worker report: {report:?}");
     assert_eq!(report.reason, StopReason::Empty);
 }
@@ -467,6 +478,7 @@ async fn term_test_worker() {
         .build()
         .expect("worker")
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     println!("worker report: {report:?}");
     assert_eq!(report.reason, StopReason::Stopped);

@@ -4,6 +4,12 @@
 //! be read of it and the reason, and a worker parks it in the failure
 //! transport instead of the row coming back on every claim.
 
+use envoi_core::testing::Within;
+
+/// The longest a test waits for a worker to stop before it fails (real
+/// time, whatever the tokio clock does).
+const WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -266,6 +272,7 @@ async fn a_worker_parks_each_malformed_row_once_with_the_reason_and_acks_it() {
         .build()
         .expect("worker")
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
 
     assert_eq!(report.reason, StopReason::Empty, "the queue never emptied");

@@ -2,6 +2,12 @@
 //! it by DSN are stored, consumed, retried through delays and parked in a
 //! failure transport in the same database.
 
+use envoi_core::testing::Within;
+
+/// The longest a test waits for a worker to stop before it fails (real
+/// time, whatever the tokio clock does).
+const WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -100,6 +106,7 @@ async fn commands_sent_to_sqlite_are_handled_retried_and_parked_by_a_worker() {
         .build()
         .expect("worker")
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::Empty);
     // Every order but 7 handled once; 0, 50, …, 250 retried once; 7 retried
@@ -178,6 +185,7 @@ async fn a_deduplicated_message_whose_worker_died_is_handled_when_its_lease_runs
         .build()
         .expect("worker")
         .run()
+        .within(WAIT, "the worker to stop")
         .await;
     assert_eq!(report.reason, StopReason::MessageLimit, "{report:?}");
     assert_eq!(

@@ -62,6 +62,10 @@ async fn the_builder_reports_the_transport_whose_dsn_is_bad() {
 #[cfg(feature = "sqlite")]
 mod sqlite {
     use super::*;
+    use envoi::testing::Within;
+
+    /// The longest a test waits for a worker to stop before it fails.
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(120);
     use envoi::worker::Worker;
     use envoi::Message;
     use serde::{Deserialize, Serialize};
@@ -114,6 +118,7 @@ mod sqlite {
             .build()
             .unwrap()
             .run()
+            .within(WAIT, "the worker to stop")
             .await;
         assert_eq!(report.stats.handled, 3);
         assert_eq!(seen.load(Ordering::Relaxed), 6);
