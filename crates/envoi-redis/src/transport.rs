@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use crate::config::RedisConfig;
 use crate::keys::{client_name, Keys};
-use crate::link::{redis_code, Link};
+use crate::link::{redis_code, Link, Target};
 
 mod browse;
 mod chores;
@@ -106,7 +106,10 @@ impl RedisTransport {
     ///
     /// Connects lazily: the first command opens the connections (and opens
     /// them again whenever they are lost), so this fails only for a DSN
-    /// that is not valid.
+    /// that is not valid. Opening a connection takes at most
+    /// `connect_timeout` (5 s by default); a command that cannot get one
+    /// fails with [`TransportError::Unreachable`] naming the server's URL,
+    /// its password masked.
     pub async fn connect(name: &str, dsn: &str) -> Result<Self, TransportError> {
         Self::with_config(name, RedisConfig::from_dsn(dsn)?).await
     }
@@ -144,12 +147,20 @@ impl RedisTransport {
             shared: Arc::new(Link::new(
                 client.clone(),
                 client_name.clone(),
-                RESPONSE_TIMEOUT,
+                Target {
+                    url: config.url.clone(),
+                    connect_timeout: config.connect_timeout,
+                    response_timeout: RESPONSE_TIMEOUT,
+                },
             )),
             blocking: Arc::new(Link::new(
                 client,
                 format!("{client_name}:block"),
-                config.block + RESPONSE_TIMEOUT,
+                Target {
+                    url: config.url.clone(),
+                    connect_timeout: config.connect_timeout,
+                    response_timeout: config.block + RESPONSE_TIMEOUT,
+                },
             )),
             keys: Arc::new(keys),
             read_lock: tokio::sync::Mutex::new(()),
@@ -325,8 +336,9 @@ mod tests {
     async fn with_config_refuses_settings_changed_in_code_as_from_dsn_would() {
         let base = RedisConfig::from_dsn("redis://127.0.0.1:1").unwrap();
         type Change = (&'static str, fn(&mut RedisConfig));
-        let changes: [Change; 5] = [
+        let changes: [Change; 6] = [
             ("lease", |o| o.lease = Duration::ZERO),
+            ("connect_timeout", |o| o.connect_timeout = Duration::ZERO),
             ("lease", |o| o.lease = Duration::from_secs(400 * 86_400)),
             ("block", |o| o.block = Duration::from_secs(3600)),
             ("trim", |o| o.trim = Some(0)),

@@ -789,6 +789,54 @@ async fn wait_for_messages_returns_at_once_after_a_blocking_get() {
     t.delete().await.unwrap();
 }
 
+/// Sends to `dsn` and expects [`TransportError::Unreachable`] within a few
+/// seconds, naming the server with its password masked.
+async fn expect_unreachable(dsn: &str, server: &str) {
+    let t = RedisTransport::connect("unreachable", dsn)
+        .await
+        .expect("creating connects nothing");
+    let started = Instant::now();
+    let sent = tokio::time::timeout(Duration::from_secs(20), t.send(text("lost"), None))
+        .await
+        .expect("the send hung instead of failing within the connect timeout");
+    let waited = started.elapsed();
+    let error = sent.expect_err("a send to a server that cannot be reached succeeded");
+    let text = error.to_string();
+    match &error {
+        TransportError::Unreachable { dsn, .. } => assert_eq!(dsn, server, "{text}"),
+        other => panic!("expected Unreachable, got {other:?}"),
+    }
+    assert!(!text.contains("s3cret"), "the password leaked: {text}");
+    assert!(text.contains(server), "{text}");
+    assert!(
+        waited < Duration::from_secs(6),
+        "failed only after {waited:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_port_is_unreachable_within_the_connect_timeout() {
+    // Nothing listens on port 1: no server is needed.
+    expect_unreachable(
+        "redis://u:s3cret@127.0.0.1:1?connect_timeout=1s",
+        "redis://u:***@127.0.0.1:1",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_is_unreachable_within_the_connect_timeout() {
+    // The kernel accepts the connection; nothing ever answers on it.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    expect_unreachable(
+        &format!("redis://u:s3cret@127.0.0.1:{port}?connect_timeout=1s"),
+        &format!("redis://u:***@127.0.0.1:{port}"),
+    )
+    .await;
+    drop(silent);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_for_messages_sleeps_after_a_failed_get() {
     // Nothing listens on port 1: every get fails at once.
