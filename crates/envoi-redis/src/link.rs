@@ -49,6 +49,8 @@ pub(crate) struct Link {
 struct Slot {
     generation: u64,
     connection: Option<MultiplexedConnection>,
+    /// The server's `CLIENT ID` of `connection`, when it told it.
+    client_id: Option<i64>,
     /// Set by [`Link::close`]: every command fails with
     /// [`TransportError::Closed`] from then on.
     closed: bool,
@@ -121,6 +123,13 @@ impl Link {
         slot.connection = None;
     }
 
+    /// The server's `CLIENT ID` of the current connection, if there is one
+    /// and the server told it.
+    pub(crate) fn client_id(&self) -> Option<i64> {
+        let slot = self.slot();
+        slot.connection.as_ref().and(slot.client_id)
+    }
+
     fn current(&self) -> Result<Option<(u64, MultiplexedConnection)>, NoConnection> {
         let slot = self.slot();
         if slot.closed {
@@ -143,12 +152,12 @@ impl Link {
         self.too_soon()
             .map_err(|e| NoConnection::Failed(unreachable(&self.url, e.into())))?;
         match connect_within(&self.url, self.connect_timeout, self.open()).await {
-            Ok(connection) => {
+            Ok((connection, client_id)) => {
                 let mut reconnect = self.reconnect();
                 reconnect.backoff.reset();
                 reconnect.not_before = None;
                 drop(reconnect);
-                self.install(connection)
+                self.install(connection, client_id)
             }
             Err(e) => {
                 let why = match &e {
@@ -179,8 +188,9 @@ impl Link {
         }
     }
 
-    /// A new connection, named.
-    async fn open(&self) -> RedisResult<MultiplexedConnection> {
+    /// A new connection, named, with its `CLIENT ID` (`None` when the
+    /// server refuses to tell it, as an ACL may).
+    async fn open(&self) -> RedisResult<(MultiplexedConnection, Option<i64>)> {
         let mut connection = self
             .client
             .get_multiplexed_async_connection_with_config(&self.config)
@@ -190,7 +200,16 @@ impl Link {
             .arg(&self.name)
             .exec_async(&mut connection)
             .await?;
-        Ok(connection)
+        let client_id = match redis::cmd("CLIENT")
+            .arg("ID")
+            .query_async::<i64>(&mut connection)
+            .await
+        {
+            Ok(id) => Some(id),
+            Err(e) if is_connection_failure(&e) => return Err(e),
+            Err(_) => None,
+        };
+        Ok((connection, client_id))
     }
 
     /// Makes `connection` the current one, unless the link was closed
@@ -198,6 +217,7 @@ impl Link {
     fn install(
         &self,
         connection: MultiplexedConnection,
+        client_id: Option<i64>,
     ) -> Result<(u64, MultiplexedConnection), NoConnection> {
         let mut slot = self.slot();
         if slot.closed {
@@ -205,6 +225,7 @@ impl Link {
         }
         slot.generation += 1;
         slot.connection = Some(connection.clone());
+        slot.client_id = client_id;
         if slot.generation > 1 {
             tracing::debug!(client = %self.name, "reconnected to redis");
         }

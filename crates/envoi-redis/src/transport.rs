@@ -51,9 +51,11 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// * `ack` is `XACK`; every second, `get` trims the entries every group has
 ///   acknowledged from the head of the stream (`XTRIM MINID`), so they do
 ///   not pile up. `reject` acknowledges the entry and deletes it at once
-///   (`XDEL`) unless another group still needs it. `release` re-adds the
-///   entry at the end of the stream and acknowledges the old one
-///   atomically; [`Keepalive::keepalive`](envoi_core::transport::Keepalive::keepalive) resets the entry's idle time with
+///   (`XDEL`) unless another group still needs it. `release` gives the
+///   entry back to the group: it stays pending, moved to the group's
+///   release consumer, and the next `get` of a handle in the group claims
+///   it (marked redelivered); the stream, and so every other group on it,
+///   is untouched. [`Keepalive::keepalive`](envoi_core::transport::Keepalive::keepalive) resets the entry's idle time with
 ///   `XCLAIM ... JUSTID` to its own consumer.
 /// * [`Setup`], [`MessageCount`](envoi_core::transport::MessageCount), [`Browse`](envoi_core::transport::Browse), [`Teardown`](envoi_core::transport::Teardown) and [`WakeUp`]
 ///   are there too (see the crate docs for how each maps onto Redis).
