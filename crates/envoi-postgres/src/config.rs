@@ -31,6 +31,7 @@
 //! | `max_connections` | `10` | size of the connection pool (the listener has one connection of its own) |
 //! | `acquire_timeout` | `10s` | longest wait for a pooled connection |
 //! | `max_body` | `1000000000` | largest body `send` accepts, in bytes |
+//! | `auto_setup` | `true` | create the table and its index when a statement finds the table missing (the first use on a new database, or after `delete`), as `setup` does; `false` leaves that to `setup` (`setup-transports`) and a statement on a missing table fails, saying so |
 //!
 //! The options are read by [`DsnQuery`], as on every transport: durations
 //! are what [`envoi_core::transport::parse_duration`] reads (`250ms`, `2s`,
@@ -116,6 +117,10 @@ pub struct PostgresConfig {
     pub acquire_timeout: Duration,
     /// The largest body `send` accepts, in bytes.
     pub max_body: usize,
+    /// Whether a statement that finds the table missing creates it (with
+    /// its index, as [`Setup`](envoi_core::transport::Setup) does) and runs
+    /// again.
+    pub auto_setup: bool,
 }
 
 impl Default for PostgresConfig {
@@ -131,6 +136,7 @@ impl Default for PostgresConfig {
             max_connections: 10,
             acquire_timeout: Duration::from_secs(10),
             max_body: 1_000_000_000,
+            auto_setup: true,
         }
     }
 }
@@ -153,6 +159,7 @@ impl fmt::Debug for PostgresConfig {
             .field("max_connections", &self.max_connections)
             .field("acquire_timeout", &self.acquire_timeout)
             .field("max_body", &self.max_body)
+            .field("auto_setup", &self.auto_setup)
             .finish()
     }
 }
@@ -246,6 +253,9 @@ impl PostgresConfig {
         }
         if let Some(max) = query.number("max_body")? {
             self.max_body = max;
+        }
+        if let Some(auto_setup) = query.bool("auto_setup")? {
+            self.auto_setup = auto_setup;
         }
         Ok(())
     }
@@ -375,6 +385,7 @@ mod tests {
         assert_eq!(config.connect.get_username(), "postgres");
         assert_eq!(config.connect.get_database(), Some("test"));
         assert_eq!(config.connect.get_application_name(), Some("envoi"));
+        assert!(config.auto_setup);
     }
 
     #[test]
@@ -382,6 +393,7 @@ mod tests {
         let config = PostgresConfig::from_dsn(
             "postgresql://u:p%40ss@db:6543/app?table=jobs_2&lease=1500ms&batch=50&poll=2s&wait=0\
              &listen=false&max_connections=3&max_body=1024&acquire_timeout=1m\
+             &auto_setup=false\
              &application_name=billing&sslmode=disable",
         )
         .unwrap();
@@ -394,6 +406,7 @@ mod tests {
         assert_eq!(config.max_connections, 3);
         assert_eq!(config.max_body, 1024);
         assert_eq!(config.acquire_timeout, Duration::from_secs(60));
+        assert!(!config.auto_setup);
         assert_eq!(config.connect.get_application_name(), Some("billing"));
         assert_eq!(config.connect.get_port(), 6543);
         assert_eq!(config.connect.get_database(), Some("app"));
@@ -449,6 +462,7 @@ mod tests {
         assert!(reason("postgres://h/db?batch=0").contains("`batch`"));
         assert!(reason("postgres://h/db?lease=later").contains("`lease`"));
         assert!(reason("postgres://h/db?listen=maybe").contains("`listen`"));
+        assert!(reason("postgres://h/db?auto_setup=maybe").contains("`auto_setup`"));
         assert!(reason("postgres://h/db?poll=1ms").contains("`poll`"));
         assert!(reason("postgres://h/db?wait=2h").contains("`wait`"));
         assert!(reason("postgres://h/db?sslmode=sometimes").contains("driver"));

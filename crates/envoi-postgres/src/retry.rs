@@ -1,6 +1,7 @@
 //! Errors and retries: a statement whose connection was lost runs again on
-//! another one; every other failure becomes a [`TransportError`] naming the
-//! transport and its table.
+//! another one, and with `auto_setup` one that finds the table missing
+//! runs again once the table is created; every other failure becomes a
+//! [`TransportError`] naming the transport and its table.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -14,6 +15,15 @@ use crate::transport::Inner;
 /// pooled connection (a pool the server killed holds several dead ones);
 /// the ones after wait, longer each time.
 const IMMEDIATE_RETRIES: u32 = 2;
+
+/// Whether `error` says the table does not exist (`42P01`, undefined
+/// table): the statement did nothing, and runs again once it is created.
+pub(crate) fn is_missing_table(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|e| e.code())
+        .is_some_and(|code| code == "42P01")
+}
 
 /// Whether `error` means the connection is gone (so a retry on another
 /// connection may succeed), as opposed to a problem with the statement.
@@ -58,7 +68,8 @@ impl Inner {
     }
 
     /// Runs `op`, again on another connection when it failed because its
-    /// connection was lost.
+    /// connection was lost, and (with `auto_setup`) again once the table is
+    /// created when it found none.
     pub(crate) async fn retrying<T, F, Fut>(&self, what: &str, op: F) -> Result<T, TransportError>
     where
         F: FnMut() -> Fut,
@@ -99,8 +110,9 @@ impl Inner {
         }
     }
 
-    /// [`retrying`](Self::retrying), keeping the last error as it is: at
-    /// most `max_retries` retries, none started after `acquire_timeout`.
+    /// [`retrying`](Self::retrying), keeping the last error as it is: at most `max_retries` retries on a
+    /// lost connection, none started after `acquire_timeout`, and with
+    /// `auto_setup` one more run after creating a missing table.
     pub(crate) async fn retrying_raw<T, F, Fut>(&self, mut op: F) -> Result<T, sqlx::Error>
     where
         F: FnMut() -> Fut,
@@ -108,23 +120,40 @@ impl Inner {
     {
         let started = Instant::now();
         let mut attempt = 0u32;
+        let mut created = false;
         let mut pause = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
         loop {
-            match op().await {
+            let error = match op().await {
                 Ok(value) => return Ok(value),
-                Err(error)
-                    if is_connection_error(&error)
-                        && attempt < self.max_retries
-                        && started.elapsed() < self.config.acquire_timeout =>
-                {
-                    attempt += 1;
-                    tracing::debug!(%error, attempt, transport = %self.name, "postgres: connection lost, retrying");
-                    if attempt > IMMEDIATE_RETRIES {
-                        pause.wait().await;
+                Err(error) => error,
+            };
+            let error = if self.config.auto_setup && !created && is_missing_table(&error) {
+                created = true;
+                tracing::debug!(transport = %self.name, table = %self.config.table, "postgres: no table yet, creating it");
+                match self.create_table().await {
+                    Ok(()) => continue,
+                    // Lost on the way: the statement runs again, finds no
+                    // table again and creates it again.
+                    Err(error) => {
+                        created = false;
+                        error
                     }
                 }
-                Err(error) => return Err(error),
+            } else {
+                error
+            };
+            if is_connection_error(&error)
+                && attempt < self.max_retries
+                && started.elapsed() < self.config.acquire_timeout
+            {
+                attempt += 1;
+                tracing::debug!(%error, attempt, transport = %self.name, "postgres: connection lost, retrying");
+                if attempt > IMMEDIATE_RETRIES {
+                    pause.wait().await;
+                }
+                continue;
             }
+            return Err(error);
         }
     }
 }

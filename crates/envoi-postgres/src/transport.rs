@@ -27,7 +27,8 @@ use crate::writer::Writer;
 /// It has every ability of a durable queue: a
 /// [`Receiver`](envoi_core::transport::Receiver),
 /// [`Keepalive`](envoi_core::transport::Keepalive),
-/// [`Setup`](envoi_core::transport::Setup) (the table and its index),
+/// [`Setup`](envoi_core::transport::Setup) (the table and its index, also
+/// created on first use with `auto_setup`),
 /// [`MessageCount`](envoi_core::transport::MessageCount),
 /// [`Browse`](envoi_core::transport::Browse),
 /// [`Teardown`](envoi_core::transport::Teardown) and

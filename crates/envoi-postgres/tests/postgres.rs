@@ -962,25 +962,178 @@ async fn rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop
     }
 }
 
+/// Drops `table` (if it is there) when dropped, so a test that fails
+/// leaves no table behind.
+struct DropTable {
+    url: String,
+    table: String,
+}
+
+impl Drop for DropTable {
+    fn drop(&mut self) {
+        let (url, table) = (self.url.clone(), self.table.clone());
+        // A runtime of its own: the test's may be shutting down.
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime to drop the test table");
+            runtime.block_on(async {
+                let admin = admin(&url).await;
+                sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+                    .execute(&admin)
+                    .await
+                    .map(drop)
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop the test table `{}`", self.table);
+        }
+    }
+}
+
+/// Whether `table` exists.
+async fn table_exists(admin: &sqlx::PgPool, table: &str) -> bool {
+    let (exists,): (bool,) = sqlx::query_as("SELECT to_regclass($1) IS NOT NULL")
+        .bind(table)
+        .fetch_one(admin)
+        .await
+        .unwrap();
+    exists
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_transport_not_set_up_says_to_set_it_up() {
-    let Some(url) = url("a_transport_not_set_up_says_to_set_it_up") else {
+async fn without_auto_setup_a_transport_not_set_up_says_to_set_it_up() {
+    let Some(url) = url("without_auto_setup_a_transport_not_set_up_says_to_set_it_up") else {
         return;
     };
     let table = unique("never_set_up");
-    let t = PostgresTransport::connect("jobs", &dsn(&url, &format!("table={table}")))
-        .await
-        .unwrap();
+    let _drop = DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    let t = PostgresTransport::connect(
+        "jobs",
+        &dsn(&url, &format!("table={table}&auto_setup=false")),
+    )
+    .await
+    .unwrap();
     let err = t
         .send(text("too early"), None)
         .await
         .expect_err("no table yet");
-    let text = err.to_string();
+    let text = format!(
+        "{err}: {}",
+        std::error::Error::source(&err)
+            .map(ToString::to_string)
+            .unwrap_or_default()
+    );
     assert!(text.contains(&table), "the error names the table: {text}");
+    assert!(text.contains("does not exist"), "{text}");
     assert!(
         text.contains("set the transport up first"),
         "the error says what to do: {text}"
     );
+    assert!(
+        !table_exists(&admin(&url).await, &table).await,
+        "auto_setup=false created the table"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_setup_creates_the_table_on_first_use() {
+    let Some(url) = url("auto_setup_creates_the_table_on_first_use") else {
+        return;
+    };
+    let table = unique("envoi_auto");
+    let _drop = DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    let options = format!("table={table}&lease=2s&wait=200ms&poll=200ms");
+    let t = PostgresTransport::connect("jobs", &dsn(&url, &options))
+        .await
+        .unwrap();
+    t.send(text("first"), None)
+        .await
+        .unwrap_or_else(|e| panic!("the first send, with no setup, failed: {e}"));
+    let admin = admin(&url).await;
+    assert!(table_exists(&admin, &table).await);
+    let (indexes,): (i64,) = sqlx::query_as("SELECT count(*) FROM pg_indexes WHERE indexname = $1")
+        .bind(format!("{table}_queue_available_idx"))
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(indexes, 1, "the claim index was not created");
+    let got = receive(&t, 1, Duration::from_secs(10)).await;
+    assert_eq!(body(&got[0]), "first");
+    t.ack(&got[0].id).await.unwrap();
+
+    // A consumer that comes first creates the table too.
+    let other = unique("envoi_auto_get");
+    let _drop_other = DropTable {
+        url: url.clone(),
+        table: other.clone(),
+    };
+    let c = PostgresTransport::connect("jobs", &dsn(&url, &format!("table={other}&wait=0")))
+        .await
+        .unwrap();
+    assert!(c.get(1).await.unwrap().is_empty());
+    assert!(table_exists(&admin, &other).await);
+    t.close().await.unwrap();
+    c.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_starting_at_once_on_a_new_table_all_send() {
+    const PROCESSES: usize = 8;
+    let Some(url) = url("processes_starting_at_once_on_a_new_table_all_send") else {
+        return;
+    };
+    let table = unique("envoi_race");
+    let _drop = DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    let options = format!("table={table}&max_connections=2&listen=false");
+    let mut transports = Vec::new();
+    for i in 0..PROCESSES {
+        // A pool each: as many sessions as separate processes would have.
+        let t = PostgresTransport::connect(&format!("q{i}"), &dsn(&url, &options))
+            .await
+            .unwrap();
+        transports.push(Arc::new(t));
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(PROCESSES));
+    let sends: Vec<_> = transports
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let (t, start) = (Arc::clone(t), Arc::clone(&start));
+            tokio::spawn(async move {
+                start.wait().await;
+                t.send(text(&format!("m{i}")), None).await
+            })
+        })
+        .collect();
+    for (i, send) in sends.into_iter().enumerate() {
+        let sent = tokio::time::timeout(Duration::from_secs(30), send)
+            .await
+            .unwrap_or_else(|_| panic!("the first send of process {i} did not finish"))
+            .expect("a send task panicked");
+        sent.unwrap_or_else(|e| panic!("the first send of process {i} failed: {e}"));
+    }
+    let admin = admin(&url).await;
+    let (rows,): (i64,) =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+    assert_eq!(rows, PROCESSES as i64);
+    for t in &transports {
+        t.close().await.unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
