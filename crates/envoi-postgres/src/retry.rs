@@ -1,13 +1,16 @@
-//! Errors and retries: a statement whose connection was lost runs again on
-//! another one, and with `auto_setup` one that finds the table missing
-//! runs again once the table is created; every other failure becomes a
-//! [`TransportError`] naming the transport and its table.
+//! Errors and retries: the first operation makes sure the server answers
+//! (within `connect_timeout`); a statement whose connection was lost runs
+//! again on another one, and with `auto_setup` one that finds the table
+//! missing runs again once the table is created; every other failure
+//! becomes a [`TransportError`] naming the transport and its table.
 
 use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::support::Backoff;
+use envoi_core::transport::support::{connect_within, Backoff};
 use envoi_core::TransportError;
+use sqlx::Connection;
 
 use crate::transport::Inner;
 
@@ -67,14 +70,62 @@ impl Inner {
         }
     }
 
-    /// Runs `op`, again on another connection when it failed because its
-    /// connection was lost, and (with `auto_setup`) again once the table is
-    /// created when it found none.
+    /// Makes sure the server answers, the first time the transport is
+    /// used: within `connect_timeout`, a connection opened from
+    /// `config.connect` (when the pool is the transport's own, since its
+    /// pool would retry a refused connection silently until
+    /// `acquire_timeout`), or one taken from the pool. A server that
+    /// refuses, fails the attempt or gives no answer in time gives
+    /// [`TransportError::Unreachable`] naming the masked DSN; the next
+    /// operation tries again.
+    pub(crate) async fn reach(&self) -> Result<(), TransportError> {
+        if self.reached.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if self.pool.is_closed() {
+            return Err(TransportError::Closed);
+        }
+        let timeout = self.config.connect_timeout;
+        let reached = if self.own_pool {
+            let connect = async {
+                let connection = sqlx::PgConnection::connect_with(&self.config.connect).await?;
+                // Only the answer mattered; a failed goodbye changes nothing.
+                let _ = connection.close().await;
+                Ok::<_, sqlx::Error>(())
+            };
+            connect_within(&self.dsn, timeout, connect).await
+        } else {
+            connect_within(&self.dsn, timeout, self.pool.acquire())
+                .await
+                .map(drop)
+        };
+        match reached {
+            Ok(()) => {
+                self.reached.store(true, Ordering::Release);
+                Ok(())
+            }
+            Err(TransportError::Unreachable { source, .. })
+                if matches!(
+                    source.downcast_ref::<sqlx::Error>(),
+                    Some(sqlx::Error::PoolClosed)
+                ) =>
+            {
+                Err(TransportError::Closed)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Runs `op` once the server answered ([`reach`](Self::reach)), again
+    /// on another connection when it failed because its connection was
+    /// lost, and (with `auto_setup`) again once the table is created when
+    /// it found none.
     pub(crate) async fn retrying<T, F, Fut>(&self, what: &str, op: F) -> Result<T, TransportError>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, sqlx::Error>>,
     {
+        self.reach().await?;
         match self.retrying_raw(op).await {
             Ok(value) => Ok(value),
             Err(sqlx::Error::PoolTimedOut) => Err(self.pool_timed_out(what).await),
@@ -87,9 +138,8 @@ impl Inner {
     /// a timeout: one direct attempt tells the cause.
     #[cold]
     async fn pool_timed_out(&self, what: &str) -> TransportError {
-        use sqlx::Connection;
         let attempt = tokio::time::timeout(
-            Duration::from_secs(5),
+            self.config.connect_timeout,
             sqlx::PgConnection::connect_with(&self.config.connect),
         )
         .await;
@@ -110,7 +160,8 @@ impl Inner {
         }
     }
 
-    /// [`retrying`](Self::retrying), keeping the last error as it is: at most `max_retries` retries on a
+    /// [`retrying`](Self::retrying) without waiting for the server first,
+    /// keeping the last error as it is: at most `max_retries` retries on a
     /// lost connection, none started after `acquire_timeout`, and with
     /// `auto_setup` one more run after creating a missing table.
     pub(crate) async fn retrying_raw<T, F, Fut>(&self, mut op: F) -> Result<T, sqlx::Error>

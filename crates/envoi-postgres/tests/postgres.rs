@@ -596,24 +596,77 @@ async fn a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the
         .unwrap();
 }
 
-#[tokio::test]
-async fn a_server_that_refuses_connections_is_named_as_the_cause_not_a_pool_timeout() {
-    // Nothing listens on port 1: no server is needed.
-    let t = PostgresTransport::connect(
-        "refused",
-        "postgres://postgres@127.0.0.1:1/test?acquire_timeout=300ms&listen=false",
-    )
-    .await
-    .unwrap();
-    let error = t.setup().await.unwrap_err();
+/// Runs `op` on a transport of `dsn`, expecting
+/// [`TransportError::Unreachable`] within a few seconds naming `masked`;
+/// returns the error's text with its cause.
+async fn expect_unreachable<F>(dsn: &str, masked: &str, op: F) -> String
+where
+    F: AsyncFnOnce(&PostgresTransport) -> Result<(), TransportError>,
+{
+    let t = PostgresTransport::connect("unreachable", dsn)
+        .await
+        .expect("creating connects nothing");
+    let started = Instant::now();
+    let result = tokio::time::timeout(Duration::from_secs(20), op(&t))
+        .await
+        .expect("the operation hung instead of failing within the connect timeout");
+    let waited = started.elapsed();
+    let error = result.expect_err("an unreachable server was used");
     let text = format!(
         "{error}: {}",
         std::error::Error::source(&error)
             .map(ToString::to_string)
             .unwrap_or_default()
     );
-    assert!(text.contains("no connection within 300ms"), "{text}");
+    match &error {
+        TransportError::Unreachable { dsn, .. } => assert_eq!(dsn, masked, "{text}"),
+        other => panic!("expected Unreachable, got {other:?}"),
+    }
+    assert!(!text.contains("s3cret"), "the password leaked: {text}");
+    assert!(
+        waited < Duration::from_secs(6),
+        "failed only after {waited:?}"
+    );
+    text
+}
+
+#[tokio::test]
+async fn a_server_that_refuses_connections_is_named_as_the_cause_not_a_pool_timeout() {
+    // Nothing listens on port 1: no server is needed.
+    let text = expect_unreachable(
+        "postgres://postgres:s3cret@127.0.0.1:1/test?acquire_timeout=300ms&listen=false",
+        "postgres://postgres:***@127.0.0.1:1/test?acquire_timeout=300ms&listen=false",
+        async |t| t.setup().await,
+    )
+    .await;
     assert!(text.to_lowercase().contains("refused"), "{text}");
+}
+
+#[tokio::test]
+async fn a_closed_port_is_unreachable_within_the_connect_timeout() {
+    // The default acquire timeout (10 s) is longer: the first connection
+    // is bounded by `connect_timeout`.
+    expect_unreachable(
+        "postgres://u:s3cret@127.0.0.1:1/test?connect_timeout=1s",
+        "postgres://u:***@127.0.0.1:1/test?connect_timeout=1s",
+        async |t| t.send(text("lost"), None).await.map(drop),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_server_that_never_answers_is_unreachable_within_the_connect_timeout() {
+    // The kernel accepts the connection; nothing ever answers on it.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let text = expect_unreachable(
+        &format!("postgres://u:s3cret@127.0.0.1:{port}/test?connect_timeout=1s&sslmode=disable"),
+        &format!("postgres://u:***@127.0.0.1:{port}/test?connect_timeout=1s&sslmode=disable"),
+        async |t| t.get(1).await.map(drop),
+    )
+    .await;
+    assert!(text.contains("no answer within 1s"), "{text}");
+    drop(silent);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
