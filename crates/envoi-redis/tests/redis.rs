@@ -36,7 +36,9 @@ async fn receive(t: &dyn Receiver, n: usize, within: Duration) -> Vec<Delivery> 
             "received {} of {n} within {within:?}",
             out.len()
         );
-        out.extend(t.get(n - out.len()).await.expect("get failed"));
+        let left = deadline.saturating_duration_since(Instant::now());
+        let got = common::within(left, &format!("{n} deliveries"), t.get(n - out.len())).await;
+        out.extend(got.expect("get failed"));
     }
     out
 }
@@ -210,7 +212,13 @@ async fn delayed_messages_are_moved_exactly_once_by_competing_workers() {
         }));
     }
     for task in tasks {
-        task.await.expect("a worker panicked");
+        common::within(
+            Duration::from_secs(30),
+            "a consumer of delayed messages",
+            task,
+        )
+        .await
+        .expect("a worker panicked");
     }
     let seen = seen.lock().unwrap().clone();
     let mut bodies: Vec<String> = seen.iter().map(|(b, _)| b.clone()).collect();
