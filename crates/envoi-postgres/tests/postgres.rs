@@ -178,7 +178,9 @@ async fn one_listener_connection_serves_every_consumer() {
     );
     let (total, listening) = connections(&admin, &app).await;
     for c in consumers {
-        c.await.unwrap();
+        common::within(Duration::from_secs(30), "a consumer", c)
+            .await
+            .unwrap();
     }
     assert_eq!(
         listening, 1,
@@ -385,9 +387,11 @@ async fn keepalive_moves_the_lease_forward_and_fails_for_a_gone_message() {
     let held = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
     assert_eq!(held.id, id);
     let admin = admin(&url).await;
-    let lease_left = || async {
+    // When the lease ends, in milliseconds since the epoch (the server's
+    // clock).
+    let leased_until = || async {
         let (ms,): (f64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT (extract(epoch FROM leased_until - now()) * 1000)::float8 \
+            "SELECT (extract(epoch FROM leased_until) * 1000)::float8 \
              FROM {TABLE} WHERE id = $1"
         )))
         .bind(id.as_str().parse::<i64>().unwrap())
@@ -396,13 +400,15 @@ async fn keepalive_moves_the_lease_forward_and_fails_for_a_gone_message() {
         .unwrap();
         ms
     };
+    let before = leased_until().await;
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let before = lease_left().await;
     t.keepalive(&id).await.unwrap();
-    let after = lease_left().await;
+    let after = leased_until().await;
+    // The claim set it to a lease after its time; the keepalive, at least
+    // 800 ms later, to a lease after its own.
     assert!(
-        after > before + 500.0,
-        "keepalive did not extend the lease ({before} ms left before, {after} ms after)"
+        after >= before + 790.0,
+        "keepalive did not extend the lease (it ended at {before} ms, now at {after} ms)"
     );
     t.ack(&id).await.unwrap();
     assert!(matches!(
@@ -422,7 +428,8 @@ async fn expired_lease_redelivers_and_counts_the_delivery() {
     let Some(url) = url("expired_lease_redelivers_and_counts_the_delivery") else {
         return;
     };
-    let t = open(&unique("expired"), &url, &options("lease=300ms")).await;
+    // A lease far longer than the get that checks it is not handed out.
+    let t = open(&unique("expired"), &url, &options("lease=3s")).await;
     let id = DeliveryId::from(t.send(text("again"), None).await.unwrap());
     let first = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
     assert!(
@@ -803,7 +810,11 @@ async fn concurrent_consumers_on_separate_handles_share_the_work_without_duplica
     }
     let mut all = Vec::new();
     for task in tasks {
-        all.extend(task.await.unwrap());
+        all.extend(
+            common::within(Duration::from_secs(30), "a consumer", task)
+                .await
+                .unwrap(),
+        );
     }
     let unique_bodies: BTreeSet<_> = all.iter().cloned().collect();
     assert_eq!(
