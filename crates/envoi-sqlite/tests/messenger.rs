@@ -92,15 +92,16 @@ async fn commands_sent_to_sqlite_are_handled_retried_and_parked_by_a_worker() {
         u64::from(ORDERS)
     );
 
-    let report = Worker::builder(&messenger)
+    let worker = Worker::builder(&messenger)
         .receiver("orders")
         .concurrency(4)
         .stop_when_empty()
         .idle_sleep(Duration::from_millis(20))
         .build()
-        .expect("worker")
-        .run()
-        .await;
+        .expect("worker");
+    let report = tokio::time::timeout(Duration::from_secs(60), worker.run())
+        .await
+        .expect("timed out after 60 s waiting for the worker to empty the queue");
     assert_eq!(report.reason, StopReason::Empty);
     // Every order but 7 handled once; 0, 50, …, 250 retried once; 7 retried
     // twice, then parked.
