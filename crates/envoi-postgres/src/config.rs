@@ -31,6 +31,8 @@
 //! | `max_connections` | `10` | size of the connection pool (the listener has one connection of its own) |
 //! | `acquire_timeout` | `10s` | longest wait for a pooled connection |
 //! | `max_body` | `1000000000` | largest body `send` accepts, in bytes |
+//! | `auto_setup` | `true` | create the table and its index when a statement finds the table missing (the first use on a new database, or after `delete`), as `setup` does; `false` leaves that to `setup` (`setup-transports`) and a statement on a missing table fails, saying so |
+//! | `connect_timeout` | `5s` | longest wait for the server when the transport first uses it (opening a connection, for a pool of its own); a server that refuses or gives no answer within it makes the operation fail with [`TransportError::Unreachable`] naming the masked DSN |
 //!
 //! The options are read by [`DsnQuery`], as on every transport: durations
 //! are what [`envoi_core::transport::parse_duration`] reads (`250ms`, `2s`,
@@ -50,7 +52,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use envoi_core::transport::mask_dsn;
-use envoi_core::transport::support::DsnQuery;
+use envoi_core::transport::support::{DsnQuery, DEFAULT_CONNECT_TIMEOUT};
 use envoi_core::TransportError;
 use sqlx::postgres::PgConnectOptions;
 
@@ -116,6 +118,16 @@ pub struct PostgresConfig {
     pub acquire_timeout: Duration,
     /// The largest body `send` accepts, in bytes.
     pub max_body: usize,
+    /// Whether a statement that finds the table missing creates it (with
+    /// its index, as [`Setup`](envoi_core::transport::Setup) does) and runs
+    /// again.
+    pub auto_setup: bool,
+    /// The longest wait for the server when the transport first uses it;
+    /// then [`TransportError::Unreachable`].
+    pub connect_timeout: Duration,
+    /// The DSN this configuration was read from, password masked, for
+    /// errors.
+    masked_dsn: Option<String>,
 }
 
 impl Default for PostgresConfig {
@@ -131,6 +143,9 @@ impl Default for PostgresConfig {
             max_connections: 10,
             acquire_timeout: Duration::from_secs(10),
             max_body: 1_000_000_000,
+            auto_setup: true,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            masked_dsn: None,
         }
     }
 }
@@ -153,6 +168,8 @@ impl fmt::Debug for PostgresConfig {
             .field("max_connections", &self.max_connections)
             .field("acquire_timeout", &self.acquire_timeout)
             .field("max_body", &self.max_body)
+            .field("auto_setup", &self.auto_setup)
+            .field("connect_timeout", &self.connect_timeout)
             .finish()
     }
 }
@@ -214,8 +231,25 @@ impl PostgresConfig {
             connect = connect.application_name(DEFAULT_APPLICATION_NAME);
         }
         config.connect = connect;
+        config.masked_dsn = Some(mask_dsn(dsn));
         config.validate().map_err(|e| invalid(e.to_string()))?;
         Ok(config)
+    }
+
+    /// The DSN errors name: the one this configuration was read from, or
+    /// one made of the connect options (without the password); masked.
+    pub(crate) fn dsn_for_errors(&self) -> String {
+        if let Some(dsn) = &self.masked_dsn {
+            return dsn.clone();
+        }
+        let c = &self.connect;
+        let database = c.get_database().unwrap_or_default();
+        format!(
+            "postgres://{}@{}:{}/{database}",
+            c.get_username(),
+            c.get_host(),
+            c.get_port()
+        )
     }
 
     /// Takes envoi's own options out of `query`.
@@ -247,13 +281,17 @@ impl PostgresConfig {
         if let Some(max) = query.number("max_body")? {
             self.max_body = max;
         }
+        if let Some(auto_setup) = query.bool("auto_setup")? {
+            self.auto_setup = auto_setup;
+        }
+        self.connect_timeout = query.connect_timeout()?;
         Ok(())
     }
 
     /// Checks the values: a valid table name, a lease of at least one
     /// millisecond, a batch of 1–10000, a wait of at most 1 h, a poll
     /// interval of 10 ms–1 h,
-    /// 1–1000 connections.
+    /// 1–1000 connections, a connect timeout longer than zero.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_table(&self.table)?;
         let check = |ok: bool, option: &'static str, expected: &'static str| {
@@ -290,6 +328,11 @@ impl PostgresConfig {
             self.acquire_timeout >= Duration::from_millis(1),
             "acquire_timeout",
             "at least 1ms",
+        )?;
+        check(
+            !self.connect_timeout.is_zero(),
+            "connect_timeout",
+            "longer than zero",
         )?;
         check(self.max_body >= 1, "max_body", "at least 1")
     }
@@ -375,6 +418,8 @@ mod tests {
         assert_eq!(config.connect.get_username(), "postgres");
         assert_eq!(config.connect.get_database(), Some("test"));
         assert_eq!(config.connect.get_application_name(), Some("envoi"));
+        assert!(config.auto_setup);
+        assert_eq!(config.connect_timeout, DEFAULT_CONNECT_TIMEOUT);
     }
 
     #[test]
@@ -382,6 +427,7 @@ mod tests {
         let config = PostgresConfig::from_dsn(
             "postgresql://u:p%40ss@db:6543/app?table=jobs_2&lease=1500ms&batch=50&poll=2s&wait=0\
              &listen=false&max_connections=3&max_body=1024&acquire_timeout=1m\
+             &auto_setup=false&connect_timeout=1500ms\
              &application_name=billing&sslmode=disable",
         )
         .unwrap();
@@ -394,6 +440,8 @@ mod tests {
         assert_eq!(config.max_connections, 3);
         assert_eq!(config.max_body, 1024);
         assert_eq!(config.acquire_timeout, Duration::from_secs(60));
+        assert!(!config.auto_setup);
+        assert_eq!(config.connect_timeout, Duration::from_millis(1500));
         assert_eq!(config.connect.get_application_name(), Some("billing"));
         assert_eq!(config.connect.get_port(), 6543);
         assert_eq!(config.connect.get_database(), Some("app"));
@@ -449,6 +497,8 @@ mod tests {
         assert!(reason("postgres://h/db?batch=0").contains("`batch`"));
         assert!(reason("postgres://h/db?lease=later").contains("`lease`"));
         assert!(reason("postgres://h/db?listen=maybe").contains("`listen`"));
+        assert!(reason("postgres://h/db?auto_setup=maybe").contains("`auto_setup`"));
+        assert!(reason("postgres://h/db?connect_timeout=0s").contains("`connect_timeout`"));
         assert!(reason("postgres://h/db?poll=1ms").contains("`poll`"));
         assert!(reason("postgres://h/db?wait=2h").contains("`wait`"));
         assert!(reason("postgres://h/db?sslmode=sometimes").contains("driver"));
@@ -491,6 +541,25 @@ mod tests {
     fn other_schemes_and_non_urls_are_rejected() {
         assert!(reason("mysql://h/db").contains("scheme"));
         assert!(reason("not a dsn").contains("not a URL"));
+    }
+
+    #[test]
+    fn errors_name_the_dsn_masked_or_one_made_of_the_connect_options() {
+        let config = PostgresConfig::from_dsn("postgres://u:hunter2@h:6000/db?lease=1s").unwrap();
+        assert_eq!(
+            config.dsn_for_errors(),
+            "postgres://u:***@h:6000/db?lease=1s"
+        );
+        let built = PostgresConfig {
+            connect: PgConnectOptions::new()
+                .host("db")
+                .port(5433)
+                .username("app")
+                .password("hunter2")
+                .database("shop"),
+            ..PostgresConfig::default()
+        };
+        assert_eq!(built.dsn_for_errors(), "postgres://app@db:5433/shop");
     }
 
     #[test]

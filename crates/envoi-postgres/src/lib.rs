@@ -36,7 +36,10 @@
 //!
 //! ## Table
 //!
-//! `setup` creates (idempotently, safe to run from several processes at once):
+//! `setup` creates (idempotently, safe to run from several processes at
+//! once), and with `auto_setup` (the default; `auto_setup=false` turns it
+//! off) so does the first statement that finds the table missing, before
+//! it runs again:
 //!
 //! ```sql
 //! CREATE TABLE IF NOT EXISTS envoi_messages (

@@ -71,6 +71,8 @@ impl Inner {
     ) -> Result<String, TransportError> {
         self.check_size(&message)?;
         let headers = self.encode_headers(&message.headers)?;
+        // The writer's statements do not wait for the server first.
+        self.reach().await?;
         let (reply, stored) = oneshot::channel();
         let pending = PendingSend {
             body: message.body,

@@ -1,5 +1,6 @@
 //! What the transport stores its messages in: creating the table and its
-//! index, emptying its queue, and removing them.
+//! index (by `setup`, or with `auto_setup` when a statement finds it
+//! missing), emptying its queue, and removing them.
 
 use envoi_core::TransportError;
 use sqlx::{AssertSqlSafe, PgConnection};
@@ -10,18 +11,26 @@ impl Inner {
     /// Creates the table and its claim index, if missing. Concurrent setups
     /// (`CREATE … IF NOT EXISTS` races with itself) wait for each other.
     pub(crate) async fn setup(&self) -> Result<(), TransportError> {
-        self.retrying("creating the table", || async {
-            let mut tx = self.pool.begin().await?;
-            self.lock_setup(&mut tx).await?;
-            sqlx::query(AssertSqlSafe(self.sql.create_table.clone()))
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query(AssertSqlSafe(self.sql.create_index.clone()))
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await
-        })
-        .await
+        self.retrying("creating the table", || self.create_table())
+            .await
+    }
+
+    /// [`setup`](Self::setup) once, without retrying: in one transaction
+    /// holding the setup lock, so that processes creating the table at the
+    /// same moment (`CREATE TABLE IF NOT EXISTS` alone can fail on a unique
+    /// violation in `pg_type` then) take turns, and the later ones find it
+    /// made. Also run by a statement that finds no table, with
+    /// `auto_setup`.
+    pub(crate) async fn create_table(&self) -> Result<(), sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        self.lock_setup(&mut tx).await?;
+        sqlx::query(AssertSqlSafe(self.sql.create_table.clone()))
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(AssertSqlSafe(self.sql.create_index.clone()))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await
     }
 
     /// Takes the advisory lock, held until the transaction ends, that

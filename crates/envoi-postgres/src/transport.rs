@@ -2,7 +2,7 @@
 //! its handles share.
 
 use std::fmt;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, OnceLock};
 
 use envoi_core::transport::support::ReadAhead;
@@ -27,7 +27,8 @@ use crate::writer::Writer;
 /// It has every ability of a durable queue: a
 /// [`Receiver`](envoi_core::transport::Receiver),
 /// [`Keepalive`](envoi_core::transport::Keepalive),
-/// [`Setup`](envoi_core::transport::Setup) (the table and its index),
+/// [`Setup`](envoi_core::transport::Setup) (the table and its index, also
+/// created on first use with `auto_setup`),
 /// [`MessageCount`](envoi_core::transport::MessageCount),
 /// [`Browse`](envoi_core::transport::Browse),
 /// [`Teardown`](envoi_core::transport::Teardown) and
@@ -132,6 +133,14 @@ pub(crate) struct Inner {
     pub(crate) claimed_generation: AtomicU64,
     pub(crate) lease_secs: f64,
     pub(crate) max_retries: u32,
+    /// The DSN errors name, password masked.
+    pub(crate) dsn: String,
+    /// Whether `pool` was made from `config.connect` (so a connection
+    /// opened from it reaches the same server).
+    pub(crate) own_pool: bool,
+    /// Whether the server answered once: until then, each operation first
+    /// makes sure it does, within `connect_timeout`.
+    pub(crate) reached: AtomicBool,
 }
 
 /// Aborts a background task when the transport is dropped.
@@ -156,7 +165,10 @@ impl PostgresTransport {
     /// The transport called `name` described by `dsn` (see
     /// [`PostgresConfig::from_dsn`]). Connects lazily: nothing is opened
     /// before the first operation, so a server that is down is reported by
-    /// that operation. Must be called within a Tokio runtime.
+    /// that operation, within `connect_timeout` (5 s by default), as
+    /// [`TransportError::Unreachable`]. With `auto_setup` (the default) the
+    /// first operation that finds the table missing creates it. Must be
+    /// called within a Tokio runtime.
     pub async fn connect(name: &str, dsn: &str) -> Result<Self, TransportError> {
         Self::with_config(name, PostgresConfig::from_dsn(dsn)?).await
     }
@@ -173,17 +185,29 @@ impl PostgresTransport {
             // round trip per operation.
             .test_before_acquire(false)
             .connect_lazy_with(config.connect.clone());
-        Self::with_pool(name, pool, config).await
+        Self::build(name, pool, config, true)
     }
 
     /// The transport called `name` on an existing `pool` (shared with the
     /// application, for instance). `config.connect` is used only by the
-    /// listener connection, which is never taken from `pool`. Must be called
-    /// within a Tokio runtime.
+    /// listener connection, which is never taken from `pool`. The first
+    /// operation waits up to `config.connect_timeout` for a connection of
+    /// `pool`. Must be called within a Tokio runtime.
     pub async fn with_pool(
         name: &str,
         pool: PgPool,
         config: PostgresConfig,
+    ) -> Result<Self, TransportError> {
+        Self::build(name, pool, config, false)
+    }
+
+    /// The transport called `name` on `pool`, which was made from
+    /// `config.connect` when `own_pool`.
+    fn build(
+        name: &str,
+        pool: PgPool,
+        config: PostgresConfig,
+        own_pool: bool,
     ) -> Result<Self, TransportError> {
         require_runtime()?;
         let invalid = |e: ConfigError| TransportError::backend("invalid postgres transport", e);
@@ -202,6 +226,7 @@ impl PostgresTransport {
                 .connect_lazy_with(config.connect.clone())
         });
         let max_retries = pool.options().get_max_connections().saturating_add(2);
+        let dsn = config.dsn_for_errors();
         Ok(Self {
             inner: Arc::new(Inner {
                 sql: Statements::new(&config.table),
@@ -218,6 +243,9 @@ impl PostgresTransport {
                 writer: OnceLock::new(),
                 claimed_generation: AtomicU64::new(0),
                 max_retries,
+                dsn,
+                own_pool,
+                reached: AtomicBool::new(false),
             }),
         })
     }

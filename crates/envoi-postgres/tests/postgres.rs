@@ -178,7 +178,9 @@ async fn one_listener_connection_serves_every_consumer() {
     );
     let (total, listening) = connections(&admin, &app).await;
     for c in consumers {
-        c.await.unwrap();
+        common::within(Duration::from_secs(30), "a consumer", c)
+            .await
+            .unwrap();
     }
     assert_eq!(
         listening, 1,
@@ -385,9 +387,11 @@ async fn keepalive_moves_the_lease_forward_and_fails_for_a_gone_message() {
     let held = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
     assert_eq!(held.id, id);
     let admin = admin(&url).await;
-    let lease_left = || async {
+    // When the lease ends, in milliseconds since the epoch (the server's
+    // clock).
+    let leased_until = || async {
         let (ms,): (f64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT (extract(epoch FROM leased_until - now()) * 1000)::float8 \
+            "SELECT (extract(epoch FROM leased_until) * 1000)::float8 \
              FROM {TABLE} WHERE id = $1"
         )))
         .bind(id.as_str().parse::<i64>().unwrap())
@@ -396,13 +400,15 @@ async fn keepalive_moves_the_lease_forward_and_fails_for_a_gone_message() {
         .unwrap();
         ms
     };
+    let before = leased_until().await;
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let before = lease_left().await;
     t.keepalive(&id).await.unwrap();
-    let after = lease_left().await;
+    let after = leased_until().await;
+    // The claim set it to a lease after its time; the keepalive, at least
+    // 800 ms later, to a lease after its own.
     assert!(
-        after > before + 500.0,
-        "keepalive did not extend the lease ({before} ms left before, {after} ms after)"
+        after >= before + 790.0,
+        "keepalive did not extend the lease (it ended at {before} ms, now at {after} ms)"
     );
     t.ack(&id).await.unwrap();
     assert!(matches!(
@@ -422,7 +428,8 @@ async fn expired_lease_redelivers_and_counts_the_delivery() {
     let Some(url) = url("expired_lease_redelivers_and_counts_the_delivery") else {
         return;
     };
-    let t = open(&unique("expired"), &url, &options("lease=300ms")).await;
+    // A lease far longer than the get that checks it is not handed out.
+    let t = open(&unique("expired"), &url, &options("lease=3s")).await;
     let id = DeliveryId::from(t.send(text("again"), None).await.unwrap());
     let first = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
     assert!(
@@ -596,24 +603,77 @@ async fn a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the
         .unwrap();
 }
 
-#[tokio::test]
-async fn a_server_that_refuses_connections_is_named_as_the_cause_not_a_pool_timeout() {
-    // Nothing listens on port 1: no server is needed.
-    let t = PostgresTransport::connect(
-        "refused",
-        "postgres://postgres@127.0.0.1:1/test?acquire_timeout=300ms&listen=false",
-    )
-    .await
-    .unwrap();
-    let error = t.setup().await.unwrap_err();
+/// Runs `op` on a transport of `dsn`, expecting
+/// [`TransportError::Unreachable`] within a few seconds naming `masked`;
+/// returns the error's text with its cause.
+async fn expect_unreachable<F>(dsn: &str, masked: &str, op: F) -> String
+where
+    F: AsyncFnOnce(&PostgresTransport) -> Result<(), TransportError>,
+{
+    let t = PostgresTransport::connect("unreachable", dsn)
+        .await
+        .expect("creating connects nothing");
+    let started = Instant::now();
+    let result = tokio::time::timeout(Duration::from_secs(20), op(&t))
+        .await
+        .expect("the operation hung instead of failing within the connect timeout");
+    let waited = started.elapsed();
+    let error = result.expect_err("an unreachable server was used");
     let text = format!(
         "{error}: {}",
         std::error::Error::source(&error)
             .map(ToString::to_string)
             .unwrap_or_default()
     );
-    assert!(text.contains("no connection within 300ms"), "{text}");
+    match &error {
+        TransportError::Unreachable { dsn, .. } => assert_eq!(dsn, masked, "{text}"),
+        other => panic!("expected Unreachable, got {other:?}"),
+    }
+    assert!(!text.contains("s3cret"), "the password leaked: {text}");
+    assert!(
+        waited < Duration::from_secs(6),
+        "failed only after {waited:?}"
+    );
+    text
+}
+
+#[tokio::test]
+async fn a_server_that_refuses_connections_is_named_as_the_cause_not_a_pool_timeout() {
+    // Nothing listens on port 1: no server is needed.
+    let text = expect_unreachable(
+        "postgres://postgres:s3cret@127.0.0.1:1/test?acquire_timeout=300ms&listen=false",
+        "postgres://postgres:***@127.0.0.1:1/test?acquire_timeout=300ms&listen=false",
+        async |t| t.setup().await,
+    )
+    .await;
     assert!(text.to_lowercase().contains("refused"), "{text}");
+}
+
+#[tokio::test]
+async fn a_closed_port_is_unreachable_within_the_connect_timeout() {
+    // The default acquire timeout (10 s) is longer: the first connection
+    // is bounded by `connect_timeout`.
+    expect_unreachable(
+        "postgres://u:s3cret@127.0.0.1:1/test?connect_timeout=1s",
+        "postgres://u:***@127.0.0.1:1/test?connect_timeout=1s",
+        async |t| t.send(text("lost"), None).await.map(drop),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_server_that_never_answers_is_unreachable_within_the_connect_timeout() {
+    // The kernel accepts the connection; nothing ever answers on it.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let text = expect_unreachable(
+        &format!("postgres://u:s3cret@127.0.0.1:{port}/test?connect_timeout=1s&sslmode=disable"),
+        &format!("postgres://u:***@127.0.0.1:{port}/test?connect_timeout=1s&sslmode=disable"),
+        async |t| t.get(1).await.map(drop),
+    )
+    .await;
+    assert!(text.contains("no answer within 1s"), "{text}");
+    drop(silent);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -750,7 +810,11 @@ async fn concurrent_consumers_on_separate_handles_share_the_work_without_duplica
     }
     let mut all = Vec::new();
     for task in tasks {
-        all.extend(task.await.unwrap());
+        all.extend(
+            common::within(Duration::from_secs(30), "a consumer", task)
+                .await
+                .unwrap(),
+        );
     }
     let unique_bodies: BTreeSet<_> = all.iter().cloned().collect();
     assert_eq!(
@@ -962,25 +1026,178 @@ async fn rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop
     }
 }
 
+/// Drops `table` (if it is there) when dropped, so a test that fails
+/// leaves no table behind.
+struct DropTable {
+    url: String,
+    table: String,
+}
+
+impl Drop for DropTable {
+    fn drop(&mut self) {
+        let (url, table) = (self.url.clone(), self.table.clone());
+        // A runtime of its own: the test's may be shutting down.
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime to drop the test table");
+            runtime.block_on(async {
+                let admin = admin(&url).await;
+                sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+                    .execute(&admin)
+                    .await
+                    .map(drop)
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop the test table `{}`", self.table);
+        }
+    }
+}
+
+/// Whether `table` exists.
+async fn table_exists(admin: &sqlx::PgPool, table: &str) -> bool {
+    let (exists,): (bool,) = sqlx::query_as("SELECT to_regclass($1) IS NOT NULL")
+        .bind(table)
+        .fetch_one(admin)
+        .await
+        .unwrap();
+    exists
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_transport_not_set_up_says_to_set_it_up() {
-    let Some(url) = url("a_transport_not_set_up_says_to_set_it_up") else {
+async fn without_auto_setup_a_transport_not_set_up_says_to_set_it_up() {
+    let Some(url) = url("without_auto_setup_a_transport_not_set_up_says_to_set_it_up") else {
         return;
     };
     let table = unique("never_set_up");
-    let t = PostgresTransport::connect("jobs", &dsn(&url, &format!("table={table}")))
-        .await
-        .unwrap();
+    let _drop = DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    let t = PostgresTransport::connect(
+        "jobs",
+        &dsn(&url, &format!("table={table}&auto_setup=false")),
+    )
+    .await
+    .unwrap();
     let err = t
         .send(text("too early"), None)
         .await
         .expect_err("no table yet");
-    let text = err.to_string();
+    let text = format!(
+        "{err}: {}",
+        std::error::Error::source(&err)
+            .map(ToString::to_string)
+            .unwrap_or_default()
+    );
     assert!(text.contains(&table), "the error names the table: {text}");
+    assert!(text.contains("does not exist"), "{text}");
     assert!(
         text.contains("set the transport up first"),
         "the error says what to do: {text}"
     );
+    assert!(
+        !table_exists(&admin(&url).await, &table).await,
+        "auto_setup=false created the table"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_setup_creates_the_table_on_first_use() {
+    let Some(url) = url("auto_setup_creates_the_table_on_first_use") else {
+        return;
+    };
+    let table = unique("envoi_auto");
+    let _drop = DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    let options = format!("table={table}&lease=2s&wait=200ms&poll=200ms");
+    let t = PostgresTransport::connect("jobs", &dsn(&url, &options))
+        .await
+        .unwrap();
+    t.send(text("first"), None)
+        .await
+        .unwrap_or_else(|e| panic!("the first send, with no setup, failed: {e}"));
+    let admin = admin(&url).await;
+    assert!(table_exists(&admin, &table).await);
+    let (indexes,): (i64,) = sqlx::query_as("SELECT count(*) FROM pg_indexes WHERE indexname = $1")
+        .bind(format!("{table}_queue_available_idx"))
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(indexes, 1, "the claim index was not created");
+    let got = receive(&t, 1, Duration::from_secs(10)).await;
+    assert_eq!(body(&got[0]), "first");
+    t.ack(&got[0].id).await.unwrap();
+
+    // A consumer that comes first creates the table too.
+    let other = unique("envoi_auto_get");
+    let _drop_other = DropTable {
+        url: url.clone(),
+        table: other.clone(),
+    };
+    let c = PostgresTransport::connect("jobs", &dsn(&url, &format!("table={other}&wait=0")))
+        .await
+        .unwrap();
+    assert!(c.get(1).await.unwrap().is_empty());
+    assert!(table_exists(&admin, &other).await);
+    t.close().await.unwrap();
+    c.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_starting_at_once_on_a_new_table_all_send() {
+    const PROCESSES: usize = 8;
+    let Some(url) = url("processes_starting_at_once_on_a_new_table_all_send") else {
+        return;
+    };
+    let table = unique("envoi_race");
+    let _drop = DropTable {
+        url: url.clone(),
+        table: table.clone(),
+    };
+    let options = format!("table={table}&max_connections=2&listen=false");
+    let mut transports = Vec::new();
+    for i in 0..PROCESSES {
+        // A pool each: as many sessions as separate processes would have.
+        let t = PostgresTransport::connect(&format!("q{i}"), &dsn(&url, &options))
+            .await
+            .unwrap();
+        transports.push(Arc::new(t));
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(PROCESSES));
+    let sends: Vec<_> = transports
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let (t, start) = (Arc::clone(t), Arc::clone(&start));
+            tokio::spawn(async move {
+                start.wait().await;
+                t.send(text(&format!("m{i}")), None).await
+            })
+        })
+        .collect();
+    for (i, send) in sends.into_iter().enumerate() {
+        let sent = tokio::time::timeout(Duration::from_secs(30), send)
+            .await
+            .unwrap_or_else(|_| panic!("the first send of process {i} did not finish"))
+            .expect("a send task panicked");
+        sent.unwrap_or_else(|e| panic!("the first send of process {i} failed: {e}"));
+    }
+    let admin = admin(&url).await;
+    let (rows,): (i64,) =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+    assert_eq!(rows, PROCESSES as i64);
+    for t in &transports {
+        t.close().await.unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,6 +5,7 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -14,6 +15,9 @@ use envoi_postgres::sqlx;
 
 const MESSAGES: usize = 2000;
 const KILLS: usize = 5;
+/// Kill rounds the last message waits for, so that they surely happen
+/// while messages are being sent.
+const KILLS_WHILE_SENDING: usize = 2;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -52,17 +56,31 @@ async fn every_message_is_handled_when_the_server_kills_the_connections_mid_run(
     // Handled messages: body -> ids it was handed out under, acked.
     let handled: Arc<Mutex<BTreeMap<usize, BTreeSet<String>>>> = Arc::default();
     let errors: Arc<Mutex<Vec<String>>> = Arc::default();
+    let kill_rounds = Arc::new(AtomicUsize::new(0));
 
     let producing = {
         let (sent, errors) = (Arc::clone(&sent), Arc::clone(&errors));
+        let kill_rounds = Arc::clone(&kill_rounds);
         tokio::spawn(async move {
             let mut next = 0;
             while next < MESSAGES {
-                // Alternate single sends and batches of 25.
+                if next + 1 == MESSAGES {
+                    // The last one waits for the kills that must find
+                    // sending under way (the assertion below says so if
+                    // they never come).
+                    let waiting = Instant::now();
+                    while kill_rounds.load(Ordering::SeqCst) < KILLS_WHILE_SENDING
+                        && waiting.elapsed() < Duration::from_secs(30)
+                    {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+                // Alternate single sends and batches of 25; the last
+                // message alone.
                 let size = if next.is_multiple_of(50) {
                     1
                 } else {
-                    25.min(MESSAGES - next)
+                    25.min(MESSAGES - 1 - next).max(1)
                 };
                 let batch: Vec<(RawMessage, Option<std::time::Duration>)> = (next..next + size)
                     .map(|i| (text(&i.to_string()), None))
@@ -150,10 +168,15 @@ async fn every_message_is_handled_when_the_server_kills_the_connections_mid_run(
         if lock(&sent).len() < MESSAGES {
             mid_run += 1;
         }
+        kill_rounds.fetch_add(1, Ordering::SeqCst);
     }
-    producing.await.expect("the producer panicked");
+    common::within(Duration::from_secs(60), "the producer", producing)
+        .await
+        .expect("the producer panicked");
     for c in consumers {
-        c.await.expect("a consumer panicked");
+        common::within(Duration::from_secs(60), "a consumer", c)
+            .await
+            .expect("a consumer panicked");
     }
 
     let sent = lock(&sent).clone();

@@ -6,6 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use envoi_core::worker::{StopReason, Worker};
 use envoi_core::{Command, Message, Messenger};
@@ -67,13 +68,17 @@ async fn the_worker_handles_every_message_sent_through_a_postgres_dsn() {
     }
     assert_eq!(count.message_count().await.unwrap(), u64::from(N));
 
-    let report = Worker::builder(&messenger)
+    let worker = Worker::builder(&messenger)
         .receiver(name.clone())
         .stop_when_empty()
         .build()
-        .expect("worker")
-        .run()
-        .await;
+        .expect("worker");
+    let report = common::within(
+        Duration::from_secs(60),
+        "the worker to empty the queue",
+        worker.run(),
+    )
+    .await;
     assert_eq!(report.reason, StopReason::Empty);
     assert_eq!(report.stats.handled, u64::from(N));
     let seen = seen.lock().unwrap().clone();

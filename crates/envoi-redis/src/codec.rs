@@ -371,6 +371,27 @@ pub(crate) fn decode_autoclaim(value: Value) -> Result<(String, Entries), String
     Ok((cursor, out))
 }
 
+/// Decodes the reply of the script claiming entries given back:
+/// `[[entries as XCLAIM gives them], [ids handed out before]]`.
+pub(crate) fn decode_released(value: Value) -> Result<(Entries, Vec<String>), String> {
+    let Value::Array(mut parts) = value else {
+        return Err(unexpected("claiming released messages", &value));
+    };
+    if parts.len() != 2 {
+        return Err(unexpected(
+            "claiming released messages",
+            &Value::Array(parts),
+        ));
+    }
+    let again = match parts.swap_remove(1) {
+        Value::Array(ids) => ids.into_iter().filter_map(string).collect(),
+        Value::Nil => Vec::new(),
+        other => return Err(unexpected("claiming released messages", &other)),
+    };
+    let entries = decode_entries(parts.swap_remove(0), "XCLAIM")?;
+    Ok((entries, again))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

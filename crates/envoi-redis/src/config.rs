@@ -4,7 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use envoi_core::transport::mask_dsn;
-use envoi_core::transport::support::DsnQuery;
+use envoi_core::transport::support::{DsnQuery, DEFAULT_CONNECT_TIMEOUT};
 use envoi_core::TransportError;
 
 /// The configuration a [`RedisTransport`](crate::RedisTransport) runs with.
@@ -13,6 +13,16 @@ use envoi_core::TransportError;
 /// public so code can adjust them afterwards (and
 /// [`RedisTransport::with_config`](crate::RedisTransport::with_config)
 /// checks them again).
+///
+/// | option | default | meaning |
+/// |---|---|---|
+/// | `stream` | `envoi:<transport name>` | the stream key; the delay set is `<stream>:delayed`, delayed payloads `<stream>:delayed:<id>` |
+/// | `group` | `envoi` | the consumer group every handle joins |
+/// | `consumer` | `consumer` | prefix of the consumer name; each handle appends a random suffix |
+/// | `lease` | `30s` | how long a handed-out message may stay unacknowledged before another consumer claims it (1 ms – 365 days) |
+/// | `block` | `200ms` | how long `get` waits in `XREADGROUP ... BLOCK` when nothing is available (1 ms – 60 s) |
+/// | `trim` | none | cap the stream at about this many entries (`XADD ... MAXLEN ~ n`) |
+/// | `connect_timeout` | `5s` | how long opening a connection (and naming it) may take before the operation fails with [`TransportError::Unreachable`] |
 ///
 /// ```
 /// use std::time::Duration;
@@ -55,6 +65,11 @@ pub struct RedisConfig {
     /// handled them, so leave it unset unless losing the oldest messages is
     /// acceptable. Default: none (acknowledged entries are trimmed anyway).
     pub trim: Option<usize>,
+    /// How long opening a connection may take (the TCP connection, then
+    /// naming it); an operation that cannot get one within it fails with
+    /// [`TransportError::Unreachable`]. Default: 5 s
+    /// ([`DEFAULT_CONNECT_TIMEOUT`]).
+    pub connect_timeout: Duration,
 }
 
 /// Default lease.
@@ -82,13 +97,15 @@ impl RedisConfig {
             lease: DEFAULT_LEASE,
             block: DEFAULT_BLOCK,
             trim: None,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
         }
     }
 
     /// Parses `redis://[user:password@]host[:port][/db][?option=value&...]`.
     ///
     /// Options: `stream`, `group`, `consumer` (names), `lease` (at most 365
-    /// days) and `block` (at most 60 s), durations such as `1500ms`, `2s`,
+    /// days), `block` (at most 60 s) and `connect_timeout` (longer than
+    /// zero), durations such as `1500ms`, `2s`,
     /// `1.5s`, `5m` or `1h30m` (a bare number is seconds; see
     /// [`envoi_core::transport::parse_duration`]), and `trim` (an entry count
     /// from 1 to `i64::MAX`). The options follow the rules of
@@ -113,6 +130,7 @@ impl RedisConfig {
             config.block = block;
         }
         config.trim = query.number::<usize>("trim")?;
+        config.connect_timeout = query.connect_timeout()?;
         query.finish()?;
         config
             .validate()
@@ -125,7 +143,8 @@ impl RedisConfig {
 
     /// Checks what [`from_dsn`](Self::from_dsn) checks, for a configuration
     /// changed or built in code: names not empty, `lease`, `block` and
-    /// `trim` in the ranges Redis can take.
+    /// `trim` in the ranges Redis can take, a `connect_timeout` longer than
+    /// zero.
     pub(crate) fn validate(&self) -> Result<(), String> {
         for (option, value) in [
             ("stream", self.stream.as_deref()),
@@ -147,6 +166,9 @@ impl RedisConfig {
                 "`block` must be between 1ms and 60s, not {:?}",
                 self.block
             ));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err("`connect_timeout` must be longer than zero".to_string());
         }
         if let Some(trim) = self.trim.filter(|n| *n == 0 || *n > MAX_TRIM) {
             return Err(format!(
@@ -202,6 +224,7 @@ impl fmt::Debug for RedisConfig {
             .field("lease", &self.lease)
             .field("block", &self.block)
             .field("trim", &self.trim)
+            .field("connect_timeout", &self.connect_timeout)
             .finish()
     }
 }
@@ -234,13 +257,14 @@ mod tests {
         assert_eq!(o.lease, Duration::from_secs(30));
         assert_eq!(o.block, Duration::from_millis(200));
         assert_eq!(o.trim, None);
+        assert_eq!(o.connect_timeout, DEFAULT_CONNECT_TIMEOUT);
         assert_eq!(o.url, "redis://127.0.0.1:6379");
     }
 
     #[test]
     fn every_option_is_read_and_stripped_from_the_connection_url() {
         let o = RedisConfig::from_dsn(
-            "redis://user:pw@localhost:6380/3?stream=s1&group=g1&consumer=c1&lease=1500ms&block=50ms&trim=10",
+            "redis://user:pw@localhost:6380/3?stream=s1&group=g1&consumer=c1&lease=1500ms&block=50ms&trim=10&connect_timeout=750ms",
         )
         .unwrap();
         assert_eq!(o.url, "redis://user:pw@localhost:6380/3");
@@ -251,6 +275,7 @@ mod tests {
         assert_eq!(o.lease, Duration::from_millis(1500));
         assert_eq!(o.block, Duration::from_millis(50));
         assert_eq!(o.trim, Some(10));
+        assert_eq!(o.connect_timeout, Duration::from_millis(750));
     }
 
     #[test]
@@ -287,12 +312,14 @@ mod tests {
             why.contains("`block` must be between 1ms and 60s, not 120s"),
             "{why}"
         );
+        let (_, why) = reason(RedisConfig::from_dsn("redis://h?connect_timeout=0s"));
+        assert!(why.contains("`connect_timeout`"), "{why}");
         let (_, why) = reason(RedisConfig::from_dsn("redis://h?trim=0"));
         assert!(why.contains("`trim` must be an entry count"), "{why}");
         let (_, why) = reason(RedisConfig::from_dsn("redis://h?strem=s"));
         assert!(
             why.contains(
-                "unknown option `strem` (known: stream, group, consumer, lease, block, trim)"
+                "unknown option `strem` (known: stream, group, consumer, lease, block, trim, connect_timeout)"
             ),
             "{why}"
         );

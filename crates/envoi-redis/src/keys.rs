@@ -9,6 +9,12 @@ use redis::Cmd;
 use crate::codec;
 use crate::scripts;
 
+/// The consumer that holds the entries given back to the group (released,
+/// or read ahead and not handed out) until a `get` claims them. Every
+/// handle's own consumer name ends in `-` and 16 hex digits, so none is
+/// this one.
+pub(crate) const RELEASE_CONSUMER: &str = "envoi:released";
+
 /// The keys and names one handle works with.
 #[derive(Debug)]
 pub(crate) struct Keys {

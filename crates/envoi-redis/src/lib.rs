@@ -31,10 +31,10 @@
 //! | `setup` | `XGROUP CREATE <stream> <group> 0 MKSTREAM` (an existing group is fine) |
 //! | `send` | `XADD <stream> [MAXLEN ~ n] * body <bytes> headers <netstrings>` |
 //! | `send` with a delay | script: `HSET <stream>:delayed:<id>` + `ZADD <stream>:delayed <due ms> <id>` |
-//! | `get` | `XAUTOCLAIM` (expired leases; those entries come marked `redelivered`), script moving due delayed messages, `XREADGROUP ... BLOCK` on a dedicated connection |
+//! | `get` | `XAUTOCLAIM` (expired leases; those entries come marked `redelivered`), script moving due delayed messages, script claiming released entries, `XREADGROUP ... BLOCK` on a dedicated connection |
 //! | `ack` | `XACK`; a `get` at most once a second trims what every group acknowledged (`XTRIM MINID`) |
 //! | `reject` | script: `XACK`, then `XDEL` unless another group still needs the entry |
-//! | `release` | script: `XADD` a copy at the end, `XACK` the old entry |
+//! | `release` | script: `XCLAIM ... JUSTID` to the group's release consumer (the entry stays pending; the stream, and every other group, is untouched); the next `get` claims it, marked `redelivered` |
 //! | `keepalive` ([`Keepalive`](envoi_core::transport::Keepalive)) | script: `XCLAIM <id> JUSTID` to the same consumer (resets the idle time) |
 //! | `message_count` ([`MessageCount`](envoi_core::transport::MessageCount)) | script: pending + `lag` of the group, + `ZCARD` of the delay set |
 //! | `list` / `find` ([`Browse`](envoi_core::transport::Browse)) | script: pending entries, then those not yet delivered; then the delay set |

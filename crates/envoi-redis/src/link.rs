@@ -4,7 +4,7 @@ use std::future::Future;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::support::Backoff;
+use envoi_core::transport::support::{connect_within, unreachable, Backoff};
 use envoi_core::TransportError;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, ErrorKind, RedisError, RedisResult};
@@ -21,7 +21,10 @@ const RECONNECT_MAX: Duration = Duration::from_secs(1);
 /// fresh connection when the first attempt failed that way, so a connection
 /// killed between two calls costs nothing but a reconnect.
 ///
-/// While the server is out of reach, attempts to connect are spaced by a
+/// Opening a connection (and naming it) takes at most the connect timeout;
+/// an attempt that fails or runs out of it makes the command fail with
+/// [`TransportError::Unreachable`] naming the server's masked URL. While the
+/// server is out of reach, attempts to connect are spaced by a
 /// [`Backoff`] (50 ms, doubling up to 1 s): a command that comes before the
 /// next attempt is due fails at once with the last attempt's error, so
 /// callers retrying in a loop do not each open a connection.
@@ -29,6 +32,10 @@ pub(crate) struct Link {
     client: Client,
     config: AsyncConnectionConfig,
     name: String,
+    /// The server's URL, for errors (masked when shown).
+    url: String,
+    /// The longest an attempt to connect may take.
+    connect_timeout: Duration,
     /// The current connection: every command takes a clone of it, under a
     /// lock held only for that.
     slot: Mutex<Slot>,
@@ -42,6 +49,8 @@ pub(crate) struct Link {
 struct Slot {
     generation: u64,
     connection: Option<MultiplexedConnection>,
+    /// The server's `CLIENT ID` of `connection`, when it told it.
+    client_id: Option<i64>,
     /// Set by [`Link::close`]: every command fails with
     /// [`TransportError::Closed`] from then on.
     closed: bool,
@@ -57,18 +66,31 @@ struct Reconnect {
 /// Why [`Link::connection`] gave no connection.
 enum NoConnection {
     Closed,
-    Failed(RedisError),
+    /// [`TransportError::Unreachable`].
+    Failed(TransportError),
+}
+
+/// How a [`Link`] reaches its server.
+pub(crate) struct Target {
+    /// The server's URL, as the `redis` crate opens it.
+    pub(crate) url: String,
+    /// The longest an attempt to connect may take.
+    pub(crate) connect_timeout: Duration,
+    /// The longest a command may wait for its reply.
+    pub(crate) response_timeout: Duration,
 }
 
 impl Link {
-    pub(crate) fn new(client: Client, name: String, response_timeout: Duration) -> Self {
+    pub(crate) fn new(client: Client, name: String, target: Target) -> Self {
         let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_response_timeout(Some(response_timeout));
+            .set_connection_timeout(Some(target.connect_timeout))
+            .set_response_timeout(Some(target.response_timeout));
         Self {
             client,
             config,
             name,
+            url: target.url,
+            connect_timeout: target.connect_timeout,
             slot: Mutex::new(Slot::default()),
             connecting: tokio::sync::Mutex::new(()),
             reconnect: Mutex::new(Reconnect {
@@ -101,6 +123,13 @@ impl Link {
         slot.connection = None;
     }
 
+    /// The server's `CLIENT ID` of the current connection, if there is one
+    /// and the server told it.
+    pub(crate) fn client_id(&self) -> Option<i64> {
+        let slot = self.slot();
+        slot.connection.as_ref().and(slot.client_id)
+    }
+
     fn current(&self) -> Result<Option<(u64, MultiplexedConnection)>, NoConnection> {
         let slot = self.slot();
         if slot.closed {
@@ -120,19 +149,24 @@ impl Link {
         if let Some(current) = self.current()? {
             return Ok(current);
         }
-        self.too_soon().map_err(NoConnection::Failed)?;
-        match self.open().await {
-            Ok(connection) => {
+        self.too_soon()
+            .map_err(|e| NoConnection::Failed(unreachable(&self.url, e.into())))?;
+        match connect_within(&self.url, self.connect_timeout, self.open()).await {
+            Ok((connection, client_id)) => {
                 let mut reconnect = self.reconnect();
                 reconnect.backoff.reset();
                 reconnect.not_before = None;
                 drop(reconnect);
-                self.install(connection)
+                self.install(connection, client_id)
             }
             Err(e) => {
+                let why = match &e {
+                    TransportError::Unreachable { source, .. } => source.to_string(),
+                    other => other.to_string(),
+                };
                 let mut reconnect = self.reconnect();
                 let wait = reconnect.backoff.next_wait();
-                reconnect.not_before = Some((Instant::now() + wait, e.to_string()));
+                reconnect.not_before = Some((Instant::now() + wait, why));
                 Err(NoConnection::Failed(e))
             }
         }
@@ -154,8 +188,9 @@ impl Link {
         }
     }
 
-    /// A new connection, named.
-    async fn open(&self) -> RedisResult<MultiplexedConnection> {
+    /// A new connection, named, with its `CLIENT ID` (`None` when the
+    /// server refuses to tell it, as an ACL may).
+    async fn open(&self) -> RedisResult<(MultiplexedConnection, Option<i64>)> {
         let mut connection = self
             .client
             .get_multiplexed_async_connection_with_config(&self.config)
@@ -165,7 +200,16 @@ impl Link {
             .arg(&self.name)
             .exec_async(&mut connection)
             .await?;
-        Ok(connection)
+        let client_id = match redis::cmd("CLIENT")
+            .arg("ID")
+            .query_async::<i64>(&mut connection)
+            .await
+        {
+            Ok(id) => Some(id),
+            Err(e) if is_connection_failure(&e) => return Err(e),
+            Err(_) => None,
+        };
+        Ok((connection, client_id))
     }
 
     /// Makes `connection` the current one, unless the link was closed
@@ -173,6 +217,7 @@ impl Link {
     fn install(
         &self,
         connection: MultiplexedConnection,
+        client_id: Option<i64>,
     ) -> Result<(u64, MultiplexedConnection), NoConnection> {
         let mut slot = self.slot();
         if slot.closed {
@@ -180,6 +225,7 @@ impl Link {
         }
         slot.generation += 1;
         slot.connection = Some(connection.clone());
+        slot.client_id = client_id;
         if slot.generation > 1 {
             tracing::debug!(client = %self.name, "reconnected to redis");
         }
@@ -195,8 +241,9 @@ impl Link {
 
     /// Runs `op` on the connection; when `op` fails at the connection level,
     /// drops the connection and tries once more on a new one. Errors become
-    /// [`TransportError::Backend`] with `context`, or
-    /// [`TransportError::Closed`] once the link is closed.
+    /// [`TransportError::Backend`] with `context`,
+    /// [`TransportError::Unreachable`] when no connection could be opened,
+    /// or [`TransportError::Closed`] once the link is closed.
     pub(crate) async fn run<T, F, Fut>(&self, context: &str, op: F) -> Result<T, TransportError>
     where
         F: Fn(MultiplexedConnection) -> Fut,
@@ -209,7 +256,7 @@ impl Link {
                 Err(NoConnection::Closed) => return Err(TransportError::Closed),
                 // Trying again at once would only be refused: the next
                 // attempt waits for the back-off.
-                Err(NoConnection::Failed(e)) => return Err(backend(context, e)),
+                Err(NoConnection::Failed(e)) => return Err(e),
             };
             match op(connection).await {
                 Ok(value) => return Ok(value),
@@ -249,10 +296,19 @@ pub(crate) fn redis_code(e: &TransportError) -> Option<&str> {
 mod tests {
     use super::*;
 
+    fn link_to(url: &str, connect_timeout: Duration) -> Link {
+        let client = Client::open(url).unwrap();
+        let target = Target {
+            url: url.to_string(),
+            connect_timeout,
+            response_timeout: Duration::from_secs(1),
+        };
+        Link::new(client, "test".to_string(), target)
+    }
+
     fn unreachable() -> Link {
         // Nothing listens on port 1: every attempt to connect fails at once.
-        let client = Client::open("redis://127.0.0.1:1").unwrap();
-        Link::new(client, "test".to_string(), Duration::from_secs(1))
+        link_to("redis://127.0.0.1:1", Duration::from_secs(1))
     }
 
     async fn ping(link: &Link) -> Result<(), TransportError> {
@@ -276,6 +332,38 @@ mod tests {
         let err = ping(&link).await.unwrap_err().to_string();
         assert!(!err.contains("not reconnecting yet"), "{err}");
         assert!(link.reconnect().backoff.peek() > first);
+    }
+
+    #[tokio::test]
+    async fn a_server_that_never_answers_fails_within_the_connect_timeout() {
+        // Accepted by the kernel, never answered: the handshake hangs.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = silent.local_addr().unwrap().port();
+        let link = link_to(
+            &format!("redis://u:hunter2@127.0.0.1:{port}"),
+            Duration::from_millis(300),
+        );
+        let started = Instant::now();
+        let error = tokio::time::timeout(Duration::from_secs(10), ping(&link))
+            .await
+            .expect("connecting hung past its timeout")
+            .unwrap_err();
+        let waited = started.elapsed();
+        assert!(
+            matches!(error, TransportError::Unreachable { .. }),
+            "{error:?}"
+        );
+        let text = error.to_string();
+        assert!(
+            text.contains(&format!("redis://u:***@127.0.0.1:{port}")),
+            "{text}"
+        );
+        assert!(!text.contains("hunter2"), "{text}");
+        // The lower bound shows the attempt waited for the timeout rather
+        // than failing for another reason; the upper one is wide.
+        assert!(waited >= Duration::from_millis(250), "{waited:?}");
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        drop(silent);
     }
 
     #[tokio::test]

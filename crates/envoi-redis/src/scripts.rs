@@ -78,32 +78,63 @@ return {#due, wait}
     )
 });
 
-/// Gives pending entries back: re-adds each one's fields at the end of the
-/// stream and acknowledges the old entry, atomically (the old entry is then
-/// trimmed with the other acknowledged ones). Returns how many were re-added;
-/// an id that is not pending (already settled) is skipped.
+/// Gives entries pending for this consumer back to the group, without
+/// touching the stream: each one stays pending, moved (`XCLAIM ... JUSTID`)
+/// to the group's release consumer, where [`CLAIM_RELEASED`] takes it for
+/// the next `get` of any handle in the group. Other groups on the stream
+/// see nothing of it. The entry's delivery count says whether it was handed
+/// out: kept for a message released after a delivery, one less for an
+/// entry read ahead and never handed out, so that [`CLAIM_RELEASED`] marks
+/// only the first as redelivered. An id not pending for this consumer
+/// (settled, claimed by another consumer, released already) is skipped.
+/// Returns how many were given back.
 ///
-/// KEYS: stream. ARGV: group, trim (`''` for none), id, ...
+/// KEYS: stream. ARGV: group, release consumer, this consumer, `1` when the
+/// entries were handed out (`0` when read ahead only), id, ...
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local readded = 0
-for i = 3, #ARGV do
+local released = 0
+for i = 5, #ARGV do
   local id = ARGV[i]
-  if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) > 0 then
-    local entry = redis.call('XRANGE', KEYS[1], id, id)
-    redis.call('XACK', KEYS[1], ARGV[1], id)
-    if #entry > 0 then
-      if ARGV[2] ~= '' then
-        redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(entry[1][2]))
-      else
-        redis.call('XADD', KEYS[1], '*', unpack(entry[1][2]))
-      end
-      readded = readded + 1
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  if #p > 0 and p[1][2] == ARGV[3] then
+    local count = tonumber(p[1][4])
+    if ARGV[4] == '0' and count > 0 then
+      count = count - 1
     end
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'RETRYCOUNT', count, 'JUSTID')
+    released = released + 1
   end
 end
-return readded
+return released
+",
+    )
+});
+
+/// Takes up to ARGV[4] entries given back by [`RELEASE`] (pending for the
+/// release consumer), oldest first, for this consumer (`XCLAIM`, which
+/// counts a delivery). Returns `{entries, ids}`: the entries as `XCLAIM`
+/// gives them, and the ids of those handed out before (to be marked as
+/// redelivered).
+///
+/// KEYS: stream. ARGV: group, release consumer, this consumer, count
+/// (at most 1000).
+pub(crate) static CLAIM_RELEASED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[4]), ARGV[2])
+if #pending == 0 then
+  return {{}, {}}
+end
+local ids, again = {}, {}
+for i, p in ipairs(pending) do
+  ids[i] = p[1]
+  if tonumber(p[4]) > 0 then
+    again[#again + 1] = p[1]
+  end
+end
+return {redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids)), again}
 ",
     )
 });

@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use crate::config::RedisConfig;
 use crate::keys::{client_name, Keys};
-use crate::link::{redis_code, Link};
+use crate::link::{redis_code, Link, Target};
 
 mod browse;
 mod chores;
@@ -51,9 +51,11 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// * `ack` is `XACK`; every second, `get` trims the entries every group has
 ///   acknowledged from the head of the stream (`XTRIM MINID`), so they do
 ///   not pile up. `reject` acknowledges the entry and deletes it at once
-///   (`XDEL`) unless another group still needs it. `release` re-adds the
-///   entry at the end of the stream and acknowledges the old one
-///   atomically; [`Keepalive::keepalive`](envoi_core::transport::Keepalive::keepalive) resets the entry's idle time with
+///   (`XDEL`) unless another group still needs it. `release` gives the
+///   entry back to the group: it stays pending, moved to the group's
+///   release consumer, and the next `get` of a handle in the group claims
+///   it (marked redelivered); the stream, and so every other group on it,
+///   is untouched. [`Keepalive::keepalive`](envoi_core::transport::Keepalive::keepalive) resets the entry's idle time with
 ///   `XCLAIM ... JUSTID` to its own consumer.
 /// * [`Setup`], [`MessageCount`](envoi_core::transport::MessageCount), [`Browse`](envoi_core::transport::Browse), [`Teardown`](envoi_core::transport::Teardown) and [`WakeUp`]
 ///   are there too (see the crate docs for how each maps onto Redis).
@@ -106,7 +108,10 @@ impl RedisTransport {
     ///
     /// Connects lazily: the first command opens the connections (and opens
     /// them again whenever they are lost), so this fails only for a DSN
-    /// that is not valid.
+    /// that is not valid. Opening a connection takes at most
+    /// `connect_timeout` (5 s by default); a command that cannot get one
+    /// fails with [`TransportError::Unreachable`] naming the server's URL,
+    /// its password masked.
     pub async fn connect(name: &str, dsn: &str) -> Result<Self, TransportError> {
         Self::with_config(name, RedisConfig::from_dsn(dsn)?).await
     }
@@ -144,12 +149,20 @@ impl RedisTransport {
             shared: Arc::new(Link::new(
                 client.clone(),
                 client_name.clone(),
-                RESPONSE_TIMEOUT,
+                Target {
+                    url: config.url.clone(),
+                    connect_timeout: config.connect_timeout,
+                    response_timeout: RESPONSE_TIMEOUT,
+                },
             )),
             blocking: Arc::new(Link::new(
                 client,
                 format!("{client_name}:block"),
-                config.block + RESPONSE_TIMEOUT,
+                Target {
+                    url: config.url.clone(),
+                    connect_timeout: config.connect_timeout,
+                    response_timeout: config.block + RESPONSE_TIMEOUT,
+                },
             )),
             keys: Arc::new(keys),
             read_lock: tokio::sync::Mutex::new(()),
@@ -325,8 +338,9 @@ mod tests {
     async fn with_config_refuses_settings_changed_in_code_as_from_dsn_would() {
         let base = RedisConfig::from_dsn("redis://127.0.0.1:1").unwrap();
         type Change = (&'static str, fn(&mut RedisConfig));
-        let changes: [Change; 5] = [
+        let changes: [Change; 6] = [
             ("lease", |o| o.lease = Duration::ZERO),
+            ("connect_timeout", |o| o.connect_timeout = Duration::ZERO),
             ("lease", |o| o.lease = Duration::from_secs(400 * 86_400)),
             ("block", |o| o.block = Duration::from_secs(3600)),
             ("trim", |o| o.trim = Some(0)),

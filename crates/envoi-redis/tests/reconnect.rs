@@ -171,10 +171,16 @@ async fn run_under_fire(
         })
         .collect();
 
-    produce.await.expect("the producer panicked");
-    disruptor.await.expect("the disruptor panicked");
+    common::within(Duration::from_secs(40), "the producer", produce)
+        .await
+        .expect("the producer panicked");
+    common::within(Duration::from_secs(40), "the disruptor", disruptor)
+        .await
+        .expect("the disruptor panicked");
     for task in consume {
-        task.await.expect("a consumer panicked");
+        common::within(Duration::from_secs(40), "a consumer", task)
+            .await
+            .expect("a consumer panicked");
     }
 
     let handled = handled.lock().unwrap().clone();

@@ -36,7 +36,9 @@ async fn receive(t: &dyn Receiver, n: usize, within: Duration) -> Vec<Delivery> 
             "received {} of {n} within {within:?}",
             out.len()
         );
-        out.extend(t.get(n - out.len()).await.expect("get failed"));
+        let left = deadline.saturating_duration_since(Instant::now());
+        let got = common::within(left, &format!("{n} deliveries"), t.get(n - out.len())).await;
+        out.extend(got.expect("get failed"));
     }
     out
 }
@@ -210,7 +212,13 @@ async fn delayed_messages_are_moved_exactly_once_by_competing_workers() {
         }));
     }
     for task in tasks {
-        task.await.expect("a worker panicked");
+        common::within(
+            Duration::from_secs(30),
+            "a consumer of delayed messages",
+            task,
+        )
+        .await
+        .expect("a worker panicked");
     }
     let seen = seen.lock().unwrap().clone();
     let mut bodies: Vec<String> = seen.iter().map(|(b, _)| b.clone()).collect();
@@ -283,8 +291,8 @@ async fn list_and_find_show_delayed_messages_by_the_id_send_returned() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn release_readds_the_entry_and_settles_the_old_one_atomically() {
-    let Some(url) = common::url("release_readds_the_entry_and_settles_the_old_one_atomically")
+async fn release_keeps_the_entry_pending_and_hands_it_out_again_marked() {
+    let Some(url) = common::url("release_keeps_the_entry_pending_and_hands_it_out_again_marked")
     else {
         return;
     };
@@ -299,30 +307,41 @@ async fn release_readds_the_entry_and_settles_the_old_one_atomically() {
     };
     t.send(sent.clone(), None).await.unwrap();
     let first = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
+    assert!(!first.redelivered);
     t.release(&first.id).await.unwrap();
+    assert!(
+        matches!(t.release(&first.id).await, Err(TransportError::NotFound(_))),
+        "releasing twice must fail as the first release gave it back"
+    );
     assert_eq!(
         t.message_count().await.unwrap(),
         1,
-        "release must replace, not add"
+        "release must give back, not add"
     );
     assert_eq!(
         pending(&mut c, &t).await,
-        0,
-        "the released entry is still pending"
+        1,
+        "the released entry left the group's pending list"
     );
+    assert_eq!(xlen(&mut c, t.stream()).await, 1, "release added an entry");
     assert!(
-        t.find(&first.id).await.unwrap().is_none(),
-        "the old entry is still findable"
+        t.find(&first.id).await.unwrap().is_some(),
+        "the released entry is not findable"
     );
     t.trim_acknowledged().await.unwrap();
     assert_eq!(
         xlen(&mut c, t.stream()).await,
         1,
-        "the old entry was not trimmed"
+        "the released entry was trimmed"
     );
     let second = receive(&t, 1, Duration::from_secs(5)).await.remove(0);
-    assert_ne!(second.id, first.id);
+    assert_eq!(second.id, first.id, "the same entry comes back");
     assert_eq!(second.raw, sent);
+    assert!(second.redelivered, "a released message comes back marked");
+    let (owner, _) = pending_entry(&mut c, &t, second.id.as_str())
+        .await
+        .expect("pending again");
+    assert_eq!(owner, t.consumer_name());
     t.ack(&second.id).await.unwrap();
     assert!(
         matches!(
@@ -335,6 +354,90 @@ async fn release_readds_the_entry_and_settles_the_old_one_atomically() {
     t.trim_acknowledged().await.unwrap();
     assert_eq!(xlen(&mut c, t.stream()).await, 0);
     t.delete().await.unwrap();
+}
+
+/// Another consumer group on the same stream (an audit log, say) sees each
+/// entry sent once: envoi's releases are its own group's business.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_gives_the_message_back_to_envois_group_only() {
+    let Some(url) = common::url("a_release_gives_the_message_back_to_envois_group_only") else {
+        return;
+    };
+    let name = common::unique("release_groups");
+    let envoi = common::transport(&url, &name, "lease=30s").await;
+    envoi.setup().await.unwrap();
+    let mut c = common::raw(&url).await;
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(envoi.stream())
+        .arg("audit")
+        .arg("0")
+        .query_async(&mut c)
+        .await
+        .expect("XGROUP CREATE audit");
+    let mut sent = Vec::new();
+    for i in 0..3 {
+        sent.push(envoi.send(text(&format!("m{i}")), None).await.unwrap());
+    }
+    let held = receive(&envoi, 2, Duration::from_secs(10)).await;
+    envoi.release(&held[0].id).await.unwrap();
+    envoi.release(&held[1].id).await.unwrap();
+    let mut again = receive(&envoi, 3, Duration::from_secs(10)).await;
+    again.sort_by_key(body);
+    let bodies: Vec<String> = again.iter().map(body).collect();
+    assert_eq!(bodies, ["m0", "m1", "m2"], "envoi's group lost a message");
+    for d in &again {
+        let released = held.iter().any(|h| h.id == d.id);
+        assert_eq!(d.redelivered, released, "`{}`", body(d));
+    }
+    for d in &again {
+        envoi.ack(&d.id).await.unwrap();
+    }
+
+    // What the other group reads: exactly the entries sent, once each.
+    let read: Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("audit")
+        .arg("auditor")
+        .arg("COUNT")
+        .arg(100)
+        .arg("STREAMS")
+        .arg(envoi.stream())
+        .arg(">")
+        .query_async(&mut c)
+        .await
+        .expect("XREADGROUP audit");
+    let ids = entry_ids(read);
+    assert_eq!(ids, sent, "the other group saw released copies");
+    envoi.delete().await.unwrap();
+}
+
+/// The ids of the entries of an `XREADGROUP` reply on one stream.
+fn entry_ids(reply: Value) -> Vec<String> {
+    let Value::Array(streams) = reply else {
+        return Vec::new();
+    };
+    let mut ids = Vec::new();
+    for stream in streams {
+        let Value::Array(mut kv) = stream else {
+            panic!("unexpected XREADGROUP reply {stream:?}");
+        };
+        let Some(Value::Array(entries)) = kv.pop() else {
+            panic!("unexpected XREADGROUP reply");
+        };
+        for entry in entries {
+            match entry {
+                Value::Array(parts) => match parts.first() {
+                    Some(Value::BulkString(id)) => {
+                        ids.push(String::from_utf8_lossy(id).into_owned())
+                    }
+                    other => panic!("entry without an id: {other:?}"),
+                },
+                other => panic!("unexpected entry {other:?}"),
+            }
+        }
+    }
+    ids
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -787,6 +890,54 @@ async fn wait_for_messages_returns_at_once_after_a_blocking_get() {
         started.elapsed()
     );
     t.delete().await.unwrap();
+}
+
+/// Sends to `dsn` and expects [`TransportError::Unreachable`] within a few
+/// seconds, naming the server with its password masked.
+async fn expect_unreachable(dsn: &str, server: &str) {
+    let t = RedisTransport::connect("unreachable", dsn)
+        .await
+        .expect("creating connects nothing");
+    let started = Instant::now();
+    let sent = tokio::time::timeout(Duration::from_secs(20), t.send(text("lost"), None))
+        .await
+        .expect("the send hung instead of failing within the connect timeout");
+    let waited = started.elapsed();
+    let error = sent.expect_err("a send to a server that cannot be reached succeeded");
+    let text = error.to_string();
+    match &error {
+        TransportError::Unreachable { dsn, .. } => assert_eq!(dsn, server, "{text}"),
+        other => panic!("expected Unreachable, got {other:?}"),
+    }
+    assert!(!text.contains("s3cret"), "the password leaked: {text}");
+    assert!(text.contains(server), "{text}");
+    assert!(
+        waited < Duration::from_secs(6),
+        "failed only after {waited:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_port_is_unreachable_within_the_connect_timeout() {
+    // Nothing listens on port 1: no server is needed.
+    expect_unreachable(
+        "redis://u:s3cret@127.0.0.1:1?connect_timeout=1s",
+        "redis://u:***@127.0.0.1:1",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_is_unreachable_within_the_connect_timeout() {
+    // The kernel accepts the connection; nothing ever answers on it.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    expect_unreachable(
+        &format!("redis://u:s3cret@127.0.0.1:{port}?connect_timeout=1s"),
+        &format!("redis://u:***@127.0.0.1:{port}"),
+    )
+    .await;
+    drop(silent);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,6 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use envoi_core::transport::{Browse, Teardown, Transport};
 use envoi_core::worker::{StopReason, Worker};
@@ -97,13 +98,17 @@ async fn the_worker_handles_every_message_sent_through_a_redis_dsn() {
     }
     assert_eq!(count(&*transport).await, u64::from(N));
 
-    let report = Worker::builder(&messenger)
+    let worker = Worker::builder(&messenger)
         .receiver("orders")
         .stop_when_empty()
         .build()
-        .expect("worker")
-        .run()
-        .await;
+        .expect("worker");
+    let report = common::within(
+        Duration::from_secs(60),
+        "the worker to empty the queue",
+        worker.run(),
+    )
+    .await;
     assert_eq!(report.reason, StopReason::Empty);
     assert_eq!(report.stats.handled, u64::from(N));
     let seen = seen.lock().unwrap().clone();
@@ -157,13 +162,17 @@ async fn an_entry_with_its_type_field_given_twice_is_parked_with_the_reason() {
         .await
         .expect("dispatch sends to redis");
 
-    let report = Worker::builder(&messenger)
+    let worker = Worker::builder(&messenger)
         .receiver("orders")
         .stop_when_empty()
         .build()
-        .expect("worker")
-        .run()
-        .await;
+        .expect("worker");
+    let report = common::within(
+        Duration::from_secs(60),
+        "the worker to empty the queue",
+        worker.run(),
+    )
+    .await;
     assert_eq!(report.reason, StopReason::Empty);
     assert_eq!((report.stats.handled, report.stats.failed), (1, 1));
     assert_eq!(

@@ -40,7 +40,9 @@ async fn bodies_within(t: &SqliteTransport, n: usize, within: Duration) -> Vec<S
     let deadline = Instant::now() + within;
     let mut out = Vec::new();
     while out.len() < n && Instant::now() < deadline {
-        for d in t.get(n - out.len()).await.expect("get") {
+        let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);
+        let got = common::within(left, "a get", t.get(n - out.len())).await;
+        for d in got.expect("get") {
             t.ack(&d.id).await.expect("ack");
             out.push(String::from_utf8(d.raw.body).expect("utf-8"));
         }
@@ -76,18 +78,21 @@ async fn a_batch_that_fails_half_way_stores_none_of_its_messages() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_expires_for_another_pool_on_the_same_file_unless_kept_alive() {
     let path = db_path("lease");
-    let a = open(&path, "lease=1s&batch=1&poll=20ms").await;
-    let b = open(&path, "lease=1s&batch=1&poll=20ms").await;
+    const LEASE: Duration = Duration::from_secs(2);
+    let a = open(&path, "lease=2s&batch=1&poll=20ms").await;
+    let b = open(&path, "lease=2s&batch=1&poll=20ms").await;
     a.send(text("held"), None).await.expect("send");
     let held = a.get(1).await.expect("get").remove(0);
 
-    // Kept alive for three leases: the other pool never gets it.
-    let until = Instant::now() + Duration::from_secs(3);
+    // Kept alive every 200 ms for two leases: the other pool never gets it.
+    let until = Instant::now() + 2 * LEASE;
+    let mut kept_at = Instant::now();
     while Instant::now() < until {
         assert!(
             b.get(10).await.expect("get").is_empty(),
             "stolen while kept alive"
         );
+        kept_at = Instant::now();
         a.keepalive(&held.id).await.expect("keepalive");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -97,15 +102,17 @@ async fn lease_expires_for_another_pool_on_the_same_file_unless_kept_alive() {
     while again.is_empty() && silent_at.elapsed() < Duration::from_secs(15) {
         again = b.get(1).await.expect("get");
     }
+    let back_after = kept_at.elapsed();
     assert_eq!(
         again.len(),
         1,
         "the message never came back after its lease"
     );
+    // The last keepalive leased it for a lease from when it ran, after
+    // `kept_at` (the margin covers the clock counting whole milliseconds).
     assert!(
-        silent_at.elapsed() >= Duration::from_millis(700),
-        "came back after {:?}, before the 1 s lease ran out",
-        silent_at.elapsed()
+        back_after + Duration::from_millis(5) >= LEASE,
+        "came back {back_after:?} after the last keepalive, before its {LEASE:?} lease ran out"
     );
     assert_eq!(
         again[0].id, held.id,
@@ -117,31 +124,37 @@ async fn lease_expires_for_another_pool_on_the_same_file_unless_kept_alive() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_keeps_waiting_messages_and_redelivers_leased_ones_after_the_lease() {
+    // Far longer than the few statements that must run within it.
+    const LEASE: Duration = Duration::from_secs(5);
     let path = db_path("restart");
-    let a = open(&path, "lease=2s&batch=1").await;
+    let a = open(&path, "lease=5s&batch=1").await;
     for i in 0..10 {
         a.send(text(&format!("m{i}")), None).await.expect("send");
     }
+    let taken_at = Instant::now();
     let taken = a.get(3).await.expect("get");
     assert_eq!(taken.len(), 3);
     a.close().await.expect("close");
     drop(a);
 
-    let b = open(&path, "lease=2s&batch=1&poll=20ms").await;
-    let restarted = Instant::now();
-    let waiting = bodies_within(&b, 7, Duration::from_secs(1)).await;
+    let b = open(&path, "lease=5s&batch=1&poll=20ms").await;
+    let waiting = bodies_within(&b, 7, Duration::from_secs(10)).await;
+    let expected: Vec<String> = (3..10).map(|i| format!("m{i}")).collect();
     assert_eq!(
-        waiting.len(),
-        7,
-        "waiting messages after a restart: {waiting:?}"
+        waiting, expected,
+        "waiting messages after a restart (the leased ones not among them)"
     );
     assert!(
         b.get(10).await.expect("get").is_empty(),
         "leased messages were handed out before their lease expired"
     );
     let leased = bodies_within(&b, 3, Duration::from_secs(20)).await;
+    let back_after = taken_at.elapsed();
     assert_eq!(leased, ["m0", "m1", "m2"]);
-    assert!(restarted.elapsed() >= Duration::from_millis(1000));
+    assert!(
+        back_after + Duration::from_millis(5) >= LEASE,
+        "leased messages came back {back_after:?} after they were taken, before their {LEASE:?} lease ran out"
+    );
     assert_eq!(b.message_count().await.expect("count"), 0);
 }
 
@@ -240,7 +253,9 @@ async fn a_send_wakes_a_consumer_waiting_on_another_handle() {
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     producer.send(text("wake up"), None).await.expect("send");
-    let (got, waited) = waiting.await.expect("consumer task");
+    let (got, waited) = common::within(Duration::from_secs(30), "the waiting consumer", waiting)
+        .await
+        .expect("consumer task");
     assert_eq!(got.len(), 1, "the consumer woke without the message");
     assert!(
         waited < Duration::from_secs(10),
@@ -452,7 +467,9 @@ async fn wait_for_messages_returns_when_a_message_is_sent_and_times_out_otherwis
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
     producer.send(text("late"), None).await.expect("send");
-    let waited = waiter.await.expect("waiter");
+    let waited = common::within(Duration::from_secs(30), "the waiting consumer", waiter)
+        .await
+        .expect("waiter");
     assert!(
         waited < Duration::from_secs(10),
         "the wait was not woken by the send ({waited:?})"

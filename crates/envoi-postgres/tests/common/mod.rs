@@ -80,12 +80,9 @@ pub async fn receive(transport: &dyn Receiver, n: usize, timeout: Duration) -> V
             "received {} of {n} messages within {timeout:?}",
             out.len()
         );
-        out.extend(
-            transport
-                .get(n - out.len())
-                .await
-                .unwrap_or_else(|e| panic!("get failed: {e}")),
-        );
+        let left = deadline.saturating_duration_since(Instant::now());
+        let got = within(left, &format!("{n} messages"), transport.get(n - out.len())).await;
+        out.extend(got.unwrap_or_else(|e| panic!("get failed: {e}")));
     }
     out
 }
@@ -113,4 +110,16 @@ pub async fn wait_for_listener(admin: &PgPool, app: &str, timeout: Duration) -> 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     false
+}
+
+/// Waits for `future` at most `limit`; past it, fails naming `what` it
+/// waited for, rather than hang the test run.
+pub async fn within<T>(
+    limit: std::time::Duration,
+    what: &str,
+    future: impl std::future::Future<Output = T>,
+) -> T {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {limit:?} waiting for {what}"))
 }

@@ -1,6 +1,7 @@
 //! The periodic chores of `get`: moving due delayed messages into the
-//! stream, trimming acknowledged entries and pruning idle consumers, and
-//! when each is next due.
+//! stream, looking for entries given back to the group, trimming
+//! acknowledged entries and pruning idle consumers, and when each is next
+//! due.
 
 use std::time::{Duration, Instant};
 
@@ -12,6 +13,10 @@ use crate::scripts;
 
 /// Due delayed messages are looked for at least this often while consuming.
 const DELAY_POLL: Duration = Duration::from_millis(250);
+/// Entries given back to the group by other handles are looked for at
+/// least this often while consuming (at once after this handle gave one
+/// back).
+pub(super) const RELEASE_POLL: Duration = Duration::from_millis(250);
 /// At most this many delayed messages move per script run.
 const MOVE_LIMIT: usize = 1000;
 /// How often acknowledged entries are trimmed from the head of the stream.
@@ -28,6 +33,8 @@ pub(super) struct Chores {
     pub(super) next_reclaim: Instant,
     /// Where the next `XAUTOCLAIM` scan of the pending list starts.
     pub(super) claim_cursor: String,
+    /// When to look next for entries given back to the group.
+    pub(super) next_release_check: Instant,
     next_delay_check: Instant,
     next_trim: Instant,
     /// The earliest due time of a delayed message this handle knows of.
@@ -41,6 +48,7 @@ impl Chores {
         Self {
             next_reclaim: now,
             claim_cursor: "0-0".to_string(),
+            next_release_check: now,
             next_delay_check: now,
             next_trim: now,
             known_due: None,
@@ -52,6 +60,17 @@ impl Chores {
     pub(super) fn expect_due(&mut self, due: Instant) {
         self.next_delay_check = self.next_delay_check.min(due);
         self.known_due = Some(self.known_due.map_or(due, |known| known.min(due)));
+    }
+
+    /// This handle gave an entry back at `at`: its next `get` looks for it.
+    pub(super) fn released_at(&mut self, at: Instant) {
+        self.next_release_check = self.next_release_check.min(at);
+    }
+
+    /// Whether it is time to look for entries given back to the group; if
+    /// so, the next look is [`RELEASE_POLL`] later.
+    pub(super) fn release_check_due(&mut self, now: Instant) -> bool {
+        Self::take_due(&mut self.next_release_check, now, RELEASE_POLL)
     }
 
     /// How long a read may block: `block`, but not past the moment a known

@@ -1,6 +1,8 @@
-//! Taking over entries whose lease ran out: `XAUTOCLAIM` of what other
-//! consumers (or this one) left pending longer than the lease.
+//! Taking over entries: `XAUTOCLAIM` of what other consumers (or this
+//! one) left pending longer than the lease, and the entries given back to
+//! the group (released, or read ahead and not handed out).
 
+use std::collections::HashSet;
 use std::time::Instant;
 
 use envoi_core::transport::Delivery;
@@ -9,7 +11,12 @@ use redis::Value;
 
 use super::RedisTransport;
 use crate::codec::{self, Entries};
-use crate::keys::millis;
+use crate::keys::{millis, RELEASE_CONSUMER};
+use crate::scripts;
+
+/// The most entries given back that one `get` claims (a script's `unpack`
+/// takes a few thousand values at most).
+const CLAIM_RELEASED_MAX: usize = 1000;
 
 impl RedisTransport {
     /// When a scan of the pending list is due (every quarter lease, kept
@@ -96,6 +103,66 @@ impl RedisTransport {
             .map(Delivery::mark_redelivered)
             .collect();
         Ok((next, deliveries))
+    }
+
+    /// When it is time to look for them (every
+    /// [`RELEASE_POLL`](super::chores::RELEASE_POLL), and at once after this
+    /// handle gave one back), claims up to `max` entries given back to the
+    /// group, oldest first. Returns them, or `None` when there were none;
+    /// those handed out before are marked as redelivered.
+    pub(super) async fn claim_released_if_due(
+        &self,
+        now: Instant,
+        max: usize,
+    ) -> Result<Option<Vec<Delivery>>, TransportError> {
+        if !self.chores().release_check_due(now) {
+            return Ok(None);
+        }
+        let claimed = match self.claim_released(max).await {
+            Ok(claimed) => claimed,
+            Err(e) => {
+                self.chores().released_at(now);
+                return Err(e);
+            }
+        };
+        if claimed.len() >= max.min(CLAIM_RELEASED_MAX) {
+            // There may be more: look again on the next `get`.
+            self.chores().released_at(now);
+        }
+        Ok((!claimed.is_empty()).then_some(claimed))
+    }
+
+    /// Claims up to `max` entries given back to the group.
+    async fn claim_released(&self, max: usize) -> Result<Vec<Delivery>, TransportError> {
+        let mut invocation = scripts::CLAIM_RELEASED.prepare_invoke();
+        invocation
+            .key(&self.keys.stream)
+            .arg(&self.keys.group)
+            .arg(RELEASE_CONSUMER)
+            .arg(&self.keys.consumer)
+            .arg(max.min(CLAIM_RELEASED_MAX));
+        let reply: Value = self
+            .shared
+            .run("claiming released messages", |mut c| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut c).await }
+            })
+            .await?;
+        let (entries, again) = codec::decode_released(reply)
+            .map_err(|e| TransportError::backend("claiming released messages", e))?;
+        self.drop_deleted(&entries).await?;
+        let again: HashSet<String> = again.into_iter().collect();
+        Ok(entries
+            .deliveries
+            .into_iter()
+            .map(|d| {
+                if again.contains(d.id.as_str()) {
+                    d.mark_redelivered()
+                } else {
+                    d
+                }
+            })
+            .collect())
     }
 
     /// Entries deleted while pending carry nothing to deliver; settle them so

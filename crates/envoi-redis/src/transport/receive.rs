@@ -36,7 +36,9 @@ impl RedisTransport {
     }
 
     /// Entries whose lease ran out first, then (after the chores that are
-    /// due) entries read ahead, then new entries read now.
+    /// due) entries given back to the group, entries read ahead, then new
+    /// entries read now, and after a read that found none (or was woken by
+    /// a release of this handle) entries given back meanwhile.
     async fn get_once(&self, max: usize) -> Result<Vec<Delivery>, TransportError> {
         self.ensure_ready().await?;
         let now = Instant::now();
@@ -45,6 +47,9 @@ impl RedisTransport {
         }
         self.maybe_trim(now).await;
         self.maybe_move_due(now).await?;
+        if let Some(released) = self.claim_released_if_due(now, max).await? {
+            return Ok(released);
+        }
 
         // Entries read ahead more than half a lease ago (`stale`) are not
         // handed out with so little of their lease left, nor given back:
@@ -59,6 +64,11 @@ impl RedisTransport {
         // Do not sleep through the moment a known delayed message is due.
         let block = self.chores().block_for(self.config.block);
         let got = self.read_new(max, block).await?;
+        if got.is_empty() {
+            if let Some(released) = self.claim_released_if_due(Instant::now(), max).await? {
+                return Ok(released);
+            }
+        }
         self.read_ahead(max, got.len());
         Ok(got)
     }
@@ -143,9 +153,11 @@ impl Receiver for RedisTransport {
         Box::pin(self.reject_one(id.as_str()))
     }
 
-    /// Re-adds the entry at the end of the stream and acknowledges the old
-    /// one, atomically. Fails with [`TransportError::NotFound`] when it is
-    /// not pending.
+    /// Gives the entry back to the group: it stays pending (for the group's
+    /// release consumer, not for this handle) and the next `get` of a
+    /// handle in the group takes it, marked as redelivered; the stream, and
+    /// so every other group on it, is left alone. Fails with
+    /// [`TransportError::NotFound`] when it is not pending for this handle.
     fn release<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(self.release_one(id.as_str()))
     }

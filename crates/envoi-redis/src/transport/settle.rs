@@ -1,13 +1,16 @@
 //! Settling entries handed out: acknowledging (`XACK`), rejecting (`XACK`
-//! and `XDEL`), giving back (re-added at the end of the stream) and
-//! keeping alive (`XCLAIM ... JUSTID`).
+//! and `XDEL`), giving back to the group (kept pending, for the release
+//! consumer, until a `get` claims it) and keeping alive (`XCLAIM ...
+//! JUSTID`).
+
+use std::time::Instant;
 
 use envoi_core::transport::{Delivery, DeliveryId, Keepalive};
 use envoi_core::{BoxFuture, TransportError};
 
 use super::RedisTransport;
 use crate::codec;
-use crate::keys::Keys;
+use crate::keys::{Keys, RELEASE_CONSUMER};
 use crate::link::Link;
 use crate::scripts;
 
@@ -55,15 +58,49 @@ impl RedisTransport {
         Ok(())
     }
 
-    /// Gives `id` back: fails with [`TransportError::NotFound`] when it is
-    /// not pending (settled already, or never handed out).
+    /// Gives `id` back to the group: fails with
+    /// [`TransportError::NotFound`] when it is not pending for this handle
+    /// (settled already, released already, claimed by another consumer
+    /// since, or never handed out). This handle's next `get` takes it
+    /// (waking the `get` blocked now, if any); another handle's within its
+    /// next `get`s.
     pub(super) async fn release_one(&self, id: &str) -> Result<(), TransportError> {
         if !codec::is_stream_id(id) {
             return Err(TransportError::NotFound(id.to_string()));
         }
-        match release(&self.shared, &self.keys, &[id]).await? {
+        match release(&self.shared, &self.keys, &[id], Given::HandedOut).await? {
             0 => Err(TransportError::NotFound(id.to_string())),
-            _ => Ok(()),
+            _ => {
+                self.chores().released_at(Instant::now());
+                self.wake_blocked_read().await;
+                Ok(())
+            }
+        }
+    }
+
+    /// Ends the blocking read this handle has on the server, if any
+    /// (`CLIENT UNBLOCK`), so that its `get` looks for what was just given
+    /// back rather than wait for a new entry. A failure only means the read
+    /// waits out its `block`.
+    async fn wake_blocked_read(&self) {
+        if self.read_lock.try_lock().is_ok() {
+            return;
+        }
+        let Some(client_id) = self.blocking.client_id() else {
+            return;
+        };
+        let unblocked = self
+            .shared
+            .run("CLIENT UNBLOCK", |mut c| async move {
+                redis::cmd("CLIENT")
+                    .arg("UNBLOCK")
+                    .arg(client_id)
+                    .query_async::<i64>(&mut c)
+                    .await
+            })
+            .await;
+        if let Err(e) = unblocked {
+            tracing::debug!(stream = %self.keys.stream, error = %e, "could not wake the blocked read");
         }
     }
 
@@ -105,6 +142,15 @@ impl Keepalive for RedisTransport {
     }
 }
 
+/// What entries given back were: whether their consumer had them.
+#[derive(Debug, Clone, Copy)]
+enum Given {
+    /// Handed out by `get`: they come back marked as redelivered.
+    HandedOut,
+    /// Read ahead and never handed out: they come back unmarked.
+    ReadAhead,
+}
+
 /// Gives back the entries of `deliveries` (read ahead and never handed out),
 /// through `link`; returns how many were still pending.
 pub(super) async fn release_entries(
@@ -120,13 +166,18 @@ pub(super) async fn release_entries(
     let mut given_back = 0;
     // A few hundred ids per script run, so that none runs long.
     for chunk in ids.chunks(200) {
-        given_back += release(link, keys, chunk).await?;
+        given_back += release(link, keys, chunk, Given::ReadAhead).await?;
     }
     Ok(given_back)
 }
 
-/// Runs the release script on `ids`; returns how many were re-added.
-async fn release(link: &Link, keys: &Keys, ids: &[&str]) -> Result<u64, TransportError> {
+/// Runs the release script on `ids`; returns how many were given back.
+async fn release(
+    link: &Link,
+    keys: &Keys,
+    ids: &[&str],
+    given: Given,
+) -> Result<u64, TransportError> {
     if ids.is_empty() {
         return Ok(0);
     }
@@ -134,13 +185,18 @@ async fn release(link: &Link, keys: &Keys, ids: &[&str]) -> Result<u64, Transpor
     invocation
         .key(&keys.stream)
         .arg(&keys.group)
-        .arg(&keys.trim)
+        .arg(RELEASE_CONSUMER)
+        .arg(&keys.consumer)
+        .arg(match given {
+            Given::HandedOut => "1",
+            Given::ReadAhead => "0",
+        })
         .arg(ids);
-    let readded: i64 = link
+    let released: i64 = link
         .run("releasing messages", |mut c| {
             let invocation = &invocation;
             async move { invocation.invoke_async(&mut c).await }
         })
         .await?;
-    Ok(u64::try_from(readded).unwrap_or(0))
+    Ok(u64::try_from(released).unwrap_or(0))
 }

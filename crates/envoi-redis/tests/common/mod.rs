@@ -96,3 +96,15 @@ fn collect_garbage(url: &str) {
         }
     });
 }
+
+/// Waits for `future` at most `limit`; past it, fails naming `what` it
+/// waited for, rather than hang the test run.
+pub async fn within<T>(
+    limit: std::time::Duration,
+    what: &str,
+    future: impl std::future::Future<Output = T>,
+) -> T {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {limit:?} waiting for {what}"))
+}
