@@ -1,6 +1,6 @@
 //! Helpers shared by the integration tests.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::time::{Duration, Instant};
 
@@ -112,14 +112,6 @@ pub async fn wait_for_listener(admin: &PgPool, app: &str, timeout: Duration) -> 
     false
 }
 
-/// Waits for `future` at most `limit`; past it, fails naming `what` it
-/// waited for, rather than hang the test run.
-pub async fn within<T>(
-    limit: std::time::Duration,
-    what: &str,
-    future: impl std::future::Future<Output = T>,
-) -> T {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out after {limit:?} waiting for {what}"))
-}
+/// Waits for `future` at most `limit` (real time); past it, fails naming
+/// `what` it waited for, rather than hang the test run.
+pub use envoi_core::testing::within;

@@ -2,7 +2,7 @@
 //! names, a raw connection for inspecting what the transport stored, and
 //! removal of what earlier runs left behind.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::sync::Once;
 
@@ -97,14 +97,6 @@ fn collect_garbage(url: &str) {
     });
 }
 
-/// Waits for `future` at most `limit`; past it, fails naming `what` it
-/// waited for, rather than hang the test run.
-pub async fn within<T>(
-    limit: std::time::Duration,
-    what: &str,
-    future: impl std::future::Future<Output = T>,
-) -> T {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out after {limit:?} waiting for {what}"))
-}
+/// Waits for `future` at most `limit` (real time); past it, fails naming
+/// `what` it waited for, rather than hang the test run.
+pub use envoi_core::testing::within;

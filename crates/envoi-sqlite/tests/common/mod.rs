@@ -21,15 +21,7 @@ pub(crate) async fn raw_pool(path: &Path) -> sqlx::SqlitePool {
         .expect("raw pool")
 }
 
-/// Waits for `future` at most `limit`; past it, fails naming `what` it
-/// waited for, rather than hang the test run.
-#[allow(dead_code)]
-pub(crate) async fn within<T>(
-    limit: std::time::Duration,
-    what: &str,
-    future: impl std::future::Future<Output = T>,
-) -> T {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out after {limit:?} waiting for {what}"))
-}
+/// Waits for `future` at most `limit` (real time); past it, fails naming
+/// `what` it waited for, rather than hang the test run.
+#[allow(unused_imports)]
+pub(crate) use envoi_core::testing::within;
