@@ -1,11 +1,15 @@
 //! The shared conformance suite on classic queues, run against the RabbitMQ at
 //! `ENVOI_AMQP_URL`.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use envoi_amqp::AmqpTransport;
 use envoi_core::transport::Transport;
+
+use common::Within;
 
 const LEASE: Duration = Duration::from_secs(2);
 
@@ -19,8 +23,8 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
     // themselves a minute after its last use.
     let dsn = format!("{url}{separator}queue_type=classic&lease=2s&expires=60s");
     let transport = AmqpTransport::connect(&name, &dsn)
-        .await
-        .unwrap_or_else(|e| panic!("connecting `{name}` failed: {e}"));
+        .expect_within(format!("connecting `{name}`"))
+        .await;
     Some(Arc::new(transport))
 }
 
