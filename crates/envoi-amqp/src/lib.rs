@@ -93,6 +93,10 @@
 //!
 //! ## Reconnection
 //!
+//! [`AmqpTransport::connect`] reaches the broker within `connect_timeout`
+//! (5 s by default) or fails with [`TransportError::Unreachable`], naming
+//! the DSN with its password masked.
+//!
 //! When the connection or one of its channels breaks, the next operation
 //! reconnects (with back-off, for up to `reconnect_timeout`), declares the
 //! topology again and, on the next `get`, consumes again. Unconfirmed
@@ -101,6 +105,7 @@
 //! [`AmqpError::StaleDelivery`].
 //!
 //! [`Transport`]: envoi_core::transport::Transport
+//! [`TransportError::Unreachable`]: envoi_core::TransportError::Unreachable
 //! [`Receiver`]: envoi_core::transport::Receiver
 //! [`Setup`]: envoi_core::transport::Setup
 //! [`MessageCount`]: envoi_core::transport::MessageCount

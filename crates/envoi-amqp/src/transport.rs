@@ -81,9 +81,13 @@ impl AmqpTransport {
     /// `name`. With `auto_setup` (the default) the topology is declared at
     /// once.
     ///
-    /// Fails with [`TransportError::InvalidDsn`] for a bad DSN and
-    /// [`TransportError::Backend`] when the broker cannot be reached (after
-    /// retrying for `reconnect_timeout`) or refuses the topology.
+    /// Fails with [`TransportError::InvalidDsn`] for a bad DSN,
+    /// [`TransportError::Unreachable`] (naming the DSN with its password
+    /// masked) when the broker cannot be reached within `connect_timeout`
+    /// (5 s by default; refused connections are tried again until then),
+    /// and [`TransportError::Backend`] when the broker refuses the topology.
+    /// Once connected, a lost connection is re-established for up to
+    /// `reconnect_timeout` by the operation that finds it lost.
     pub async fn connect(name: &str, dsn: &str) -> Result<Self, TransportError> {
         Self::with_config(name, AmqpConfig::from_dsn(dsn)?).await
     }
@@ -107,7 +111,7 @@ impl AmqpTransport {
         }
         let exchange = config.exchange.clone().unwrap_or_else(|| queue.clone());
         let shared = Arc::new(Shared::new(name, config, Names::new(queue, exchange)));
-        shared.link().await?;
+        shared.connect_first().await?;
         tokio::spawn(housekeeping(Arc::downgrade(&shared)));
         Ok(Self { shared })
     }
@@ -299,11 +303,12 @@ mod tests {
         // The check comes before connecting: nothing listens on port 1.
         let base = AmqpConfig::from_dsn("amqp://127.0.0.1:1/%2f?auto_setup=false").unwrap();
         type Change = (&'static str, fn(&mut AmqpConfig));
-        let changes: [Change; 5] = [
+        let changes: [Change; 6] = [
             ("prefetch", |c| c.prefetch = 0),
             ("lease", |c| c.lease = Some(Duration::MAX)),
             ("consumer_idle", |c| c.consumer_idle = Duration::ZERO),
             ("expires", |c| c.expires = Some(Duration::ZERO)),
+            ("connect_timeout", |c| c.connect_timeout = Duration::ZERO),
             ("queue", |c| c.queue = Some("amq.mine".into())),
         ];
         for (option, change) in changes {
