@@ -22,7 +22,7 @@ pub(crate) const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// How long a closing handle waits after its last settlement before it
 /// closes the connection; see [`Shared::shutdown`].
-const SETTLE_GRACE: Duration = Duration::from_millis(200);
+pub(crate) const SETTLE_GRACE: Duration = Duration::from_millis(200);
 
 /// One connection and its channels.
 pub(crate) struct Link {

@@ -1,6 +1,9 @@
 //! [`AmqpTransport`]: the [`Transport`] implementation on RabbitMQ, and the
 //! abilities it has: [`Receiver`], [`Keepalive`] (with a lease),
-//! [`Setup`], [`MessageCount`], [`Teardown`] and [`WakeUp`].
+//! [`Setup`], [`MessageCount`], [`Teardown`] and [`WakeUp`]; [`Browse`] is
+//! in the `browse` module.
+//!
+//! [`Browse`]: envoi_core::transport::Browse
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -33,10 +36,11 @@ use crate::topology::Names;
 /// # Abilities
 ///
 /// Besides sending, it is a [`Receiver`], and has [`Setup`] (declares the
-/// topology), [`MessageCount`], [`Teardown`] (purges or deletes the queues)
-/// and [`WakeUp`]. It has [`Keepalive`] when it leases what it hands out
-/// (`lease` is not `off`). It cannot [`Browse`](envoi_core::transport::Browse):
-/// AMQP cannot read a queue without taking messages out of it.
+/// topology), [`MessageCount`], [`Browse`](envoi_core::transport::Browse)
+/// (lists and finds messages by browsing the queue and putting every
+/// message back in its place; see the [crate docs](crate#browsing)),
+/// [`Teardown`] (purges or deletes the queues) and [`WakeUp`]. It has
+/// [`Keepalive`] when it leases what it hands out (`lease` is not `off`).
 ///
 /// # Delivery ids
 ///
@@ -46,7 +50,9 @@ use crate::topology::Names;
 /// handle reconnects; settling it afterwards fails with
 /// [`AmqpError::StaleDelivery`](crate::AmqpError::StaleDelivery) (the broker
 /// has already put the message back). The id [`send`](Transport::send)
-/// returns is the AMQP `message-id` property (a UUIDv7), not a delivery id.
+/// returns is the AMQP `message-id` property (a UUIDv7), not a delivery id:
+/// it is the id a listing shows, and `ack` and `reject` take it too (they
+/// then find the message; see the [crate docs](crate#browsing)).
 ///
 /// # Leases
 ///
@@ -137,6 +143,11 @@ impl AmqpTransport {
         &self.shared.config
     }
 
+    /// What the handle holds, shared with its background tasks.
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
     /// Closes the connection: stops the consumer and the background task,
     /// and every message handed out or prefetched and not settled goes back
     /// to the queue. Later calls fail with [`TransportError::Closed`];
@@ -213,14 +224,16 @@ impl Transport for AmqpTransport {
         self.shared.config.lease.map(|_| self as &dyn Keepalive)
     }
 
-    envoi_core::abilities!(setup, message_count, teardown, wake_up);
+    envoi_core::abilities!(setup, message_count, browse, teardown, wake_up);
 }
 
 /// `get` takes up to `max` of the messages the consumer prefetched (starting
 /// it if none runs), waiting up to 200 ms for a first one. `ack` is
 /// `basic.ack`, `reject` is `basic.reject` without requeue (dead-lettered to
 /// `<queue>.dead` on a quorum queue, discarded on a classic one), `release`
-/// is `basic.nack` with requeue.
+/// is `basic.nack` with requeue. `ack` and `reject` also take the id a
+/// listing shows a stored message with, and settle that message (see the
+/// [crate docs](crate#browsing)).
 impl Receiver for AmqpTransport {
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         Box::pin(self.shared.get(max))

@@ -542,8 +542,8 @@ async fn the_abilities_are_those_rabbitmq_has() {
     assert!(leased.as_wake_up().is_some());
     assert!(leased.as_keepalive().is_some(), "a lease to extend");
     assert!(
-        leased.as_browse().is_none(),
-        "AMQP cannot read a queue without taking messages out of it"
+        leased.as_browse().is_some(),
+        "the failure commands list and find the messages of a RabbitMQ queue"
     );
     assert!(leased.as_local_sender().is_none() && leased.as_local_receiver().is_none());
     let unleased = AmqpTransport::connect(&name, &dsn(&url, "lease=off"))

@@ -32,7 +32,8 @@ envoi_transport_tests::conformance!(
     make,
     // Durable queues, one consumer served in order, delays through TTL
     // queues, leases kept by the transport, redeliveries flagged by the
-    // broker; RabbitMQ cannot list a queue, so the browsing case is skipped.
+    // broker; listing and finding run too (the transport browses the
+    // queue and puts every message back in its place).
     envoi_transport_tests::Options {
         lease: LEASE,
         persistent: true,
