@@ -16,7 +16,8 @@
 //! | `delivery_limit` | `100` | quorum only: `x-delivery-limit`; a message returned more often is moved to `<queue>.dead` |
 //! | `lease` | `5m` | how long a handed-out message may stay unsettled before it is given back; `0` or `off` disables the timer |
 //! | `consumer_idle` | `5s`, at most half the lease | the consumer is cancelled (and its prefetched messages given back) when `get` was not called for this long |
-//! | `reconnect_timeout` | `30s` | how long an operation keeps reconnecting before it fails |
+//! | `connect_timeout` | `5s` | how long [`AmqpTransport::connect`](crate::AmqpTransport::connect) tries to reach the broker before it fails with [`TransportError::Unreachable`] |
+//! | `reconnect_timeout` | `30s` | how long an operation keeps reconnecting, after a connection was lost, before it fails |
 //! | `auto_setup` | `true` | declare the exchange, queues and binding on (re)connect (a boolean) |
 //! | `expires` | none | `x-expires` on the queues: they are deleted after being unused this long (temporary queues, tests) |
 //! | `connection_name` | `envoi-<transport>` | the connection name shown by the management tools |
@@ -34,7 +35,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use envoi_core::transport::support::DsnQuery;
+use envoi_core::transport::support::{DsnQuery, DEFAULT_CONNECT_TIMEOUT};
 use envoi_core::transport::{dsn_has_scheme, mask_dsn};
 use envoi_core::TransportError;
 use lapin::uri::AMQPUri;
@@ -94,6 +95,9 @@ pub struct AmqpConfig {
     pub consumer_idle: Duration,
     /// How long an operation keeps reconnecting before failing.
     pub reconnect_timeout: Duration,
+    /// How long the first connection may take, attempts after a refusal
+    /// included.
+    pub connect_timeout: Duration,
     /// Declare the topology on every (re)connect.
     pub auto_setup: bool,
     /// `x-expires` of the queues, if any.
@@ -117,6 +121,7 @@ impl fmt::Debug for AmqpConfig {
             .field("lease", &self.lease)
             .field("consumer_idle", &self.consumer_idle)
             .field("reconnect_timeout", &self.reconnect_timeout)
+            .field("connect_timeout", &self.connect_timeout)
             .field("auto_setup", &self.auto_setup)
             .field("expires", &self.expires)
             .field("connection_name", &self.connection_name)
@@ -232,6 +237,7 @@ impl AmqpConfig {
             lease: Some(Duration::from_secs(300)),
             consumer_idle: Duration::from_secs(5),
             reconnect_timeout: Duration::from_secs(30),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             auto_setup: true,
             expires: None,
             connection_name: None,
@@ -282,6 +288,12 @@ impl AmqpConfig {
         if let Some(d) = duration(q, "reconnect_timeout", "a duration", |_| true)? {
             self.reconnect_timeout = d;
         }
+        self.connect_timeout = q.connect_timeout()?;
+        if self.connect_timeout.as_secs_f64() >= MAX_DURATION_SECS {
+            return Err(q.invalid(format!(
+                "option `connect_timeout` must be under {MAX_DURATION_SECS} seconds"
+            )));
+        }
         if let Some(auto_setup) = q.bool("auto_setup")? {
             self.auto_setup = auto_setup;
         }
@@ -302,9 +314,9 @@ impl AmqpConfig {
 
     /// Checks what [`from_dsn`](Self::from_dsn) checks of the public fields,
     /// for a configuration changed in code: names, a positive `prefetch`,
-    /// `delivery_limit` and `consumer_idle`, a `lease` and
-    /// `reconnect_timeout` under 10⁹ seconds (a longer one would overflow
-    /// a clock), and `expires` under 49 days.
+    /// `delivery_limit`, `consumer_idle` and `connect_timeout`, a `lease`,
+    /// `reconnect_timeout` and `connect_timeout` under 10⁹ seconds (a
+    /// longer one would overflow a clock), and `expires` under 49 days.
     pub(crate) fn validate(&self) -> Result<(), String> {
         for (key, name) in [("exchange", &self.exchange), ("queue", &self.queue)] {
             if let Some(name) = name {
@@ -323,9 +335,13 @@ impl AmqpConfig {
         if self.consumer_idle.is_zero() {
             return Err("option `consumer_idle` must be a positive duration, not 0".into());
         }
+        if self.connect_timeout.is_zero() {
+            return Err("option `connect_timeout` must be a positive duration, not 0".into());
+        }
         for (key, value) in [
             ("lease", self.lease),
             ("reconnect_timeout", Some(self.reconnect_timeout)),
+            ("connect_timeout", Some(self.connect_timeout)),
         ] {
             if value.is_some_and(|d| d.as_secs_f64() >= MAX_DURATION_SECS) {
                 return Err(format!(
@@ -409,6 +425,7 @@ mod tests {
         assert_eq!(c.delivery_limit, 100);
         assert_eq!(c.lease, Some(Duration::from_secs(300)));
         assert_eq!(c.consumer_idle, Duration::from_secs(5));
+        assert_eq!(c.connect_timeout, DEFAULT_CONNECT_TIMEOUT);
         assert!(c.auto_setup);
         assert_eq!(c.expires, None);
         assert_eq!(c.uri().vhost, "/");
@@ -419,7 +436,7 @@ mod tests {
         let c = AmqpConfig::from_dsn(
             "amqps://u:p@h:5671/v?exchange=ex&queue=q%2Ea&queue_type=classic&prefetch=7\
              &delivery_limit=9&lease=1500ms&consumer_idle=200ms&reconnect_timeout=3\
-             &auto_setup=false&expires=1m&connection_name=n+1&heartbeat=10",
+             &auto_setup=false&expires=1m&connection_name=n+1&heartbeat=10&connect_timeout=750ms",
         )
         .unwrap();
         assert_eq!(c.exchange.as_deref(), Some("ex"));
@@ -430,6 +447,7 @@ mod tests {
         assert_eq!(c.lease, Some(Duration::from_millis(1500)));
         assert_eq!(c.consumer_idle, Duration::from_millis(200));
         assert_eq!(c.reconnect_timeout, Duration::from_secs(3));
+        assert_eq!(c.connect_timeout, Duration::from_millis(750));
         assert!(!c.auto_setup);
         assert_eq!(c.expires, Some(Duration::from_secs(60)));
         assert_eq!(c.connection_name.as_deref(), Some("n 1"));
@@ -455,6 +473,11 @@ mod tests {
         assert!(reason("amqp://u:s3cret@h/%2f?prefetch=70000").contains("prefetch"));
         assert!(reason("amqp://u:s3cret@h/%2f?queue_type=stream").contains("queue_type"));
         assert!(reason("amqp://u:s3cret@h/%2f?lease=soon").contains("lease"));
+        assert!(reason("amqp://u:s3cret@h/%2f?connect_timeout=0s").contains("connect_timeout"));
+        assert!(reason("amqp://u:s3cret@h/%2f?connect_timeout=soon").contains("connect_timeout"));
+        assert!(
+            reason("amqp://u:s3cret@h/%2f?connect_timeout=2000000000").contains("connect_timeout")
+        );
         assert!(reason("amqp://u:s3cret@h/%2f?colour=blue").contains("unknown option `colour`"));
         assert!(reason("amqp://u:s3cret@h/%2f?queue=").contains("queue"));
         assert!(reason("amqp://u:s3cret@h/%2f?queue=amq.x").contains("reserved"));

@@ -12,7 +12,7 @@ use envoi_core::TransportError;
 use futures_util::StreamExt;
 use lapin::options::BasicConsumeOptions;
 use lapin::types::{FieldTable, ShortString};
-use lapin::Consumer;
+use lapin::{BasicProperties, Consumer};
 use tokio::task::JoinHandle;
 
 use crate::headers;
@@ -38,8 +38,8 @@ pub(crate) struct ConsumeState {
     pub(crate) consumer: Option<Consumer>,
     /// Delivered by the broker, not yet handed out (unsettled on the channel).
     pub(crate) buffer: VecDeque<lapin::message::Delivery>,
-    /// Handed out, unsettled: delivery tag → lease deadline.
-    pub(crate) leased: BTreeMap<u64, Instant>,
+    /// Handed out, unsettled: delivery tag → its lease.
+    pub(crate) leased: BTreeMap<u64, Lease>,
     /// Taken out of `buffer` or `leased`, their settlement being sent.
     pub(crate) settling: BTreeSet<u64>,
     /// Every delivery tag up to this one has been taken from a consumer.
@@ -140,6 +140,25 @@ impl ConsumeState {
         tags
     }
 
+    /// Hands out the buffered deliveries `tags` to the caller (which
+    /// settles them at once), leased until `lease_end` like any other.
+    pub(crate) fn lease_buffered(&mut self, tags: &[u64], lease_end: Instant) {
+        let mut kept = VecDeque::with_capacity(self.buffer.len());
+        for d in self.buffer.drain(..) {
+            if tags.contains(&d.delivery_tag) {
+                let lease = Lease {
+                    deadline: lease_end,
+                    properties: d.properties,
+                    body: d.data,
+                };
+                self.leased.insert(d.delivery_tag, lease);
+            } else {
+                kept.push_back(d);
+            }
+        }
+        self.buffer = kept;
+    }
+
     /// Starts over for the new link `epoch`: everything of the previous
     /// one is void (the broker put its unsettled deliveries back).
     pub(crate) fn reset(&mut self, epoch: u64) {
@@ -177,11 +196,17 @@ impl ConsumeState {
             let Some(d) = self.buffer.pop_front() else {
                 break;
             };
-            self.leased.insert(d.delivery_tag, lease_end);
+            let headers = headers::decode(d.properties.headers().as_ref());
+            let lease = Lease {
+                deadline: lease_end,
+                properties: d.properties,
+                body: d.data.clone(),
+            };
+            self.leased.insert(d.delivery_tag, lease);
             out.push(Delivery {
                 id: DeliveryId::from(delivery_id(epoch, d.delivery_tag)),
                 raw: RawMessage {
-                    headers: headers::decode(d.properties.headers().as_ref()),
+                    headers,
                     body: d.data,
                 },
                 // Handed out before and not acknowledged (a consumer's
@@ -190,6 +215,30 @@ impl ConsumeState {
             });
         }
         out
+    }
+}
+
+/// A message handed out and not settled yet.
+pub(crate) struct Lease {
+    /// When it is given back unless settled or kept alive.
+    pub(crate) deadline: Instant,
+    /// Its properties (message id, headers) and a copy of its body: a
+    /// listing shows the messages the handle holds, which the broker no
+    /// longer hands to anyone.
+    pub(crate) properties: BasicProperties,
+    pub(crate) body: Vec<u8>,
+}
+
+impl Lease {
+    /// A lease until `deadline` of a message with no properties and no
+    /// body (for tests of the bookkeeping).
+    #[cfg(test)]
+    pub(crate) fn until(deadline: Instant) -> Self {
+        Self {
+            deadline,
+            properties: BasicProperties::default(),
+            body: Vec::new(),
+        }
     }
 }
 
@@ -365,7 +414,7 @@ mod tests {
         assert_eq!(state.seen_upto, 5);
         assert!(state.seen_ahead.is_empty());
         assert_eq!(state.floor(), 6);
-        state.leased.insert(4, Instant::now());
+        state.leased.insert(4, Lease::until(Instant::now()));
         assert_eq!(state.floor(), 4);
         state.settling.insert(2);
         assert_eq!(state.floor(), 2);
@@ -383,8 +432,8 @@ mod tests {
         for tag in [1, 2, 3] {
             state.seen(tag);
         }
-        state.leased.insert(2, Instant::now());
-        state.leased.insert(3, Instant::now());
+        state.leased.insert(2, Lease::until(Instant::now()));
+        state.leased.insert(3, Lease::until(Instant::now()));
         let mut tags = state.take_held();
         tags.sort_unstable();
         assert_eq!(tags, [2, 3]);

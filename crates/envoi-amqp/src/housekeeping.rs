@@ -31,7 +31,7 @@ impl Shared {
             let expired: Vec<u64> = state
                 .leased
                 .iter()
-                .filter(|(_, deadline)| **deadline <= now)
+                .filter(|(_, lease)| lease.deadline <= now)
                 .map(|(tag, _)| *tag)
                 .collect();
             for tag in &expired {

@@ -24,10 +24,9 @@
 //! ```
 //!
 //! [`AmqpTransport`] is a [`Transport`] with the abilities RabbitMQ has:
-//! [`Receiver`], [`Setup`], [`MessageCount`], [`Teardown`], [`WakeUp`], and
-//! [`Keepalive`] when it leases what it hands out (`lease` is not `off`).
-//! It has no [`Browse`]: AMQP cannot read a queue without taking messages
-//! out of it, so `as_browse` is `None`.
+//! [`Receiver`], [`Setup`], [`MessageCount`], [`Browse`] (see
+//! [Browsing](#browsing)), [`Teardown`], [`WakeUp`], and [`Keepalive`] when
+//! it leases what it hands out (`lease` is not `off`).
 //!
 //! ## Topology
 //!
@@ -64,7 +63,9 @@
 //!   [`Delivery::redelivered`] set.
 //! * **Settling**: `ack` → `basic.ack`, `reject` → `basic.reject(requeue=false)`
 //!   (dead-lettered to `<queue>.dead` on quorum queues, discarded on classic
-//!   ones), `release` → `basic.nack(requeue=true)`, by delivery tag.
+//!   ones), `release` → `basic.nack(requeue=true)`, by delivery tag. `ack`
+//!   and `reject` also take the id a listing shows (see
+//!   [Browsing](#browsing)): what `failed retry` and `failed remove` do.
 //! * **Leases**: see [`AmqpTransport`]. `keepalive` restarts a lease.
 //!   RabbitMQ's own `consumer_timeout` (30 minutes by default) still closes
 //!   the channel of a consumer that holds a message longer than that.
@@ -75,6 +76,67 @@
 //!   how many; `delete` deletes the queue, its dead-letter queue, the delay
 //!   queues this handle used and the exchange. [`AmqpTransport::close`]
 //!   closes the connection, giving back what the handle held.
+//!
+//! ## Browsing
+//!
+//! AMQP cannot read a queue without taking messages out of it, so
+//! [`Browse`] *browses* it: it consumes messages on a channel of its own,
+//! never acknowledges them, and closes the channel, and the broker puts
+//! them back. `list(limit)` shows first what this handle holds (prefetched
+//! or handed out, oldest delivery first), then the queue's messages in
+//! their order, each by its AMQP `message-id` (the id `send` returned; a
+//! message without one is shown as `digest-` and a hash of its content).
+//! `find(id)` browses until it meets that id. `ack(id)` and `reject(id)`
+//! with such an id settle that one message: through the delivery when this
+//! handle holds it, otherwise by browsing to it and settling it on the
+//! browse's channel; an id no message has gives
+//! [`TransportError::NotFound`](envoi_core::TransportError::NotFound).
+//!
+//! What browsing guarantees, checked against RabbitMQ 3.10:
+//!
+//! * **Nothing is lost.** A browsed message is acknowledged only when it is
+//!   the one being removed, or once a confirmed copy of it is in the queue
+//!   (below); anything else (an error, a dropped call, a lost connection)
+//!   closes the channel and the broker puts it back.
+//! * **Nothing moves.** A classic queue puts every message back in its
+//!   place. A quorum queue puts back what one consumer held, in delivery
+//!   order, ahead of the messages never delivered but behind those put back
+//!   earlier and not taken since (and puts back what `basic.get` took in
+//!   the text order of its internal tags: 1, 10, 11, 2, …, which is why the
+//!   transport consumes instead). So on a quorum queue a browse takes every
+//!   ready message, whatever it looks for, and the whole queue goes back in
+//!   order. After closing its channel, a browse waits (up to 2 s) until the
+//!   broker counts the messages as ready again, so that the next one does
+//!   not start while the head of the queue is on its way back; browses of
+//!   one handle run one at a time.
+//! * **No dead-lettering.** Before RabbitMQ 4.3 a quorum queue counts each
+//!   message put back as a delivery and dead-letters one put back more than
+//!   `delivery_limit` times. A browse that holds a message at the limit
+//!   publishes confirmed copies of everything it holds, in order, before
+//!   acknowledging the originals: they stay listed, with their ids, behind
+//!   whatever was published meanwhile. This resets their delivery counts.
+//!
+//! What it costs, and its limits:
+//!
+//! * A browse of a quorum queue takes every ready message (at most 65,535,
+//!   the largest prefetch count) and holds them in memory for the pass, so
+//!   `list`, `find` and removing by id cost one pass over the queue each; `failed retry` of *n* messages makes *n*
+//!   passes. On a classic queue `list(limit)` takes `limit` messages and a
+//!   search stops at the message it looks for. Each browse also waits for
+//!   the put-back, typically a few milliseconds.
+//! * While a browse holds them, the messages are invisible to consumers,
+//!   which may meanwhile receive later messages first.
+//! * A browsed message carries AMQP's `redelivered` flag from then on, so
+//!   a consumer receives it with [`Delivery::redelivered`] set; on a quorum
+//!   queue (before RabbitMQ 4.3) the browse counts toward its delivery
+//!   count.
+//! * Messages other handles hold unsettled, or on their way to a consumer,
+//!   are not shown; nor are delayed messages (they wait in delay queues).
+//! * On a quorum queue with more than 65,535 ready messages, or while other
+//!   clients give back messages or browse at the same time, the broker may
+//!   put messages back out of order.
+//! * Keeping what it holds listable costs the handle a copy of the body of
+//!   every message it hands out, until it is settled.
 //!
 //! ## Performance notes
 //!
@@ -93,6 +155,10 @@
 //!
 //! ## Reconnection
 //!
+//! [`AmqpTransport::connect`] reaches the broker within `connect_timeout`
+//! (5 s by default) or fails with [`TransportError::Unreachable`], naming
+//! the DSN with its password masked.
+//!
 //! When the connection or one of its channels breaks, the next operation
 //! reconnects (with back-off, for up to `reconnect_timeout`), declares the
 //! topology again and, on the next `get`, consumes again. Unconfirmed
@@ -101,6 +167,7 @@
 //! [`AmqpError::StaleDelivery`].
 //!
 //! [`Transport`]: envoi_core::transport::Transport
+//! [`TransportError::Unreachable`]: envoi_core::TransportError::Unreachable
 //! [`Receiver`]: envoi_core::transport::Receiver
 //! [`Setup`]: envoi_core::transport::Setup
 //! [`MessageCount`]: envoi_core::transport::MessageCount
@@ -108,6 +175,7 @@
 //! [`WakeUp`]: envoi_core::transport::WakeUp
 //! [`Keepalive`]: envoi_core::transport::Keepalive
 //! [`Browse`]: envoi_core::transport::Browse
+//! [`TransportError::NotFound`]: envoi_core::TransportError::NotFound
 //! [`Delivery::redelivered`]: envoi_core::transport::Delivery::redelivered
 //! [`wait_for_messages`]: envoi_core::transport::WakeUp::wait_for_messages
 
@@ -118,6 +186,7 @@ pub mod error;
 mod factory;
 mod headers;
 
+mod browse;
 mod consume;
 mod housekeeping;
 mod inventory;

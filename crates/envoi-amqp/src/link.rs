@@ -1,12 +1,12 @@
-//! The connection of a handle and its two channels ([`Link`]): opening it,
-//! replacing it when it breaks (with back-off, for up to
-//! `reconnect_timeout`), and closing it.
+//! The connection of a handle and its two channels ([`Link`]): opening it
+//! (for up to `connect_timeout`), replacing it when it breaks (with
+//! back-off, for up to `reconnect_timeout`), and closing it.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
-use envoi_core::transport::support::Backoff;
+use envoi_core::transport::support::{unreachable, Backoff};
 use envoi_core::TransportError;
 use lapin::options::{BasicCancelOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::LongString;
@@ -22,7 +22,7 @@ pub(crate) const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// How long a closing handle waits after its last settlement before it
 /// closes the connection; see [`Shared::shutdown`].
-const SETTLE_GRACE: Duration = Duration::from_millis(200);
+pub(crate) const SETTLE_GRACE: Duration = Duration::from_millis(200);
 
 /// One connection and its channels.
 pub(crate) struct Link {
@@ -60,6 +60,16 @@ impl Link {
             .await
             .map_err(|e| backend("opening a channel", e))
     }
+}
+
+/// Which connection of a handle is being opened.
+#[derive(Clone, Copy)]
+enum Opening {
+    /// The first: bounded by `connect_timeout`; a broker out of reach is
+    /// [`TransportError::Unreachable`].
+    First,
+    /// One replacing a lost connection: bounded by `reconnect_timeout`.
+    Again,
 }
 
 /// Whether an error is worth a reconnection (the connection or a channel
@@ -126,6 +136,17 @@ impl Shared {
         Box::pin(self.relink()).await
     }
 
+    /// Opens the first connection of the handle, trying again after a
+    /// refusal for up to `connect_timeout`. A broker that cannot be reached
+    /// in that time gives [`TransportError::Unreachable`] naming the masked
+    /// DSN; a broker that refuses the topology gives
+    /// [`TransportError::Backend`].
+    pub(crate) async fn connect_first(&self) -> Result<Arc<Link>, TransportError> {
+        let _guard = self.reconnect.lock().await;
+        self.open_until(self.config.connect_timeout, Opening::First)
+            .await
+    }
+
     /// The slow path of [`Shared::link`]: replaces a lost connection.
     async fn relink(&self) -> Result<Arc<Link>, TransportError> {
         let _guard = self.reconnect.lock().await;
@@ -139,10 +160,23 @@ impl Shared {
             tracing::warn!(transport = %self.name, "AMQP connection lost; reconnecting");
             close_in_background(old);
         }
-        let deadline = Instant::now() + self.config.reconnect_timeout;
+        self.open_until(self.config.reconnect_timeout, Opening::Again)
+            .await
+    }
+
+    /// Opens a link and makes it current, trying again with back-off for
+    /// up to `within`. The caller holds the `reconnect` lock.
+    async fn open_until(
+        &self,
+        within: Duration,
+        opening: Opening,
+    ) -> Result<Arc<Link>, TransportError> {
+        let deadline = Instant::now()
+            .checked_add(within)
+            .unwrap_or_else(|| Instant::now() + MAX_BACKOFF);
         let mut backoff = Backoff::new(FIRST_BACKOFF, MAX_BACKOFF);
         loop {
-            match self.open_link(deadline).await {
+            match self.open_link(deadline, opening).await {
                 Ok(link) => {
                     let link = Arc::new(link);
                     self.install(Arc::clone(&link));
@@ -161,12 +195,16 @@ impl Shared {
 
     /// Opens a connection and its channels, and declares the topology
     /// when it should be. The error says whether another attempt may work.
-    async fn open_link(&self, deadline: Instant) -> Result<Link, (TransportError, bool)> {
+    async fn open_link(
+        &self,
+        deadline: Instant,
+        opening: Opening,
+    ) -> Result<Link, (TransportError, bool)> {
         let fail = |context: &str, e: lapin::Error| {
             let retry = retryable(&e);
             (backend(context, e), retry)
         };
-        let connection = self.connect(deadline).await?;
+        let connection = self.connect(deadline, opening).await?;
         let publisher = connection
             .create_channel()
             .await
@@ -199,8 +237,14 @@ impl Shared {
     }
 
     /// Opens the connection, giving up at `deadline` (or 100 ms from now,
-    /// whichever is later).
-    async fn connect(&self, deadline: Instant) -> Result<Connection, (TransportError, bool)> {
+    /// whichever is later). The first connection of a handle fails with
+    /// [`TransportError::Unreachable`], a later one with
+    /// [`TransportError::Backend`].
+    async fn connect(
+        &self,
+        deadline: Instant,
+        opening: Opening,
+    ) -> Result<Connection, (TransportError, bool)> {
         let connection_name = self
             .config
             .connection_name
@@ -211,7 +255,13 @@ impl Shared {
         let budget = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(100));
-        let context = || format!("connecting to {}", self.config.masked_dsn());
+        let failed = |source: envoi_core::BoxError| match opening {
+            Opening::First => unreachable(self.config.masked_dsn(), source),
+            Opening::Again => backend(
+                format!("connecting to {}", self.config.masked_dsn()),
+                source,
+            ),
+        };
         match tokio::time::timeout(
             budget,
             Connection::connect_uri(self.config.uri().clone(), properties),
@@ -221,9 +271,9 @@ impl Shared {
             Ok(Ok(connection)) => Ok(connection),
             Ok(Err(e)) => {
                 let retry = retryable(&e);
-                Err((backend(context(), e), retry))
+                Err((failed(e.into()), retry))
             }
-            Err(_) => Err((backend(context(), AmqpError::ConnectTimeout(budget)), true)),
+            Err(_) => Err((failed(AmqpError::ConnectTimeout(budget).into()), true)),
         }
     }
 

@@ -1,6 +1,7 @@
 //! Settling deliveries by their ids (`<epoch>:<delivery tag>`): `ack`
 //! (several at once with `multiple` where that touches nobody else's),
-//! `reject`, `release`, and `keepalive`, which restarts a lease.
+//! `reject`, `release`, and `keepalive`, which restarts a lease. `ack` and
+//! `reject` of an id a listing showed go to the `browse` module.
 
 use std::time::Instant;
 
@@ -50,7 +51,14 @@ impl Settle {
         }
     }
 
-    fn verb(self) -> &'static str {
+    /// Whether settling this way removes the message from the queue (an
+    /// id a listing showed can be settled so).
+    fn removes(self) -> bool {
+        matches!(self, Settle::Ack | Settle::Reject)
+    }
+
+    /// What settling this way is called, for error messages.
+    pub(crate) fn verb(self) -> &'static str {
         match self {
             Settle::Ack => "acknowledging",
             Settle::Reject => "rejecting",
@@ -72,7 +80,7 @@ pub(crate) fn delivery_id(epoch: u64, tag: u64) -> String {
 }
 
 /// The epoch and delivery tag of a delivery id.
-fn parse_id(id: &str) -> Option<(u64, u64)> {
+pub(crate) fn parse_id(id: &str) -> Option<(u64, u64)> {
     let (epoch, tag) = id.split_once(':')?;
     Some((epoch.parse().ok()?, tag.parse().ok()?))
 }
@@ -140,6 +148,9 @@ impl Shared {
         if ids.is_empty() {
             return Ok(());
         }
+        if how.removes() && ids.iter().any(|id| parse_id(id.as_str()).is_none()) {
+            return Box::pin(self.settle_with_listed(ids, how)).await;
+        }
         let Some(link) = self.current().filter(|l| l.healthy()) else {
             return Err(self.settle_without_link(ids));
         };
@@ -168,6 +179,27 @@ impl Shared {
             ));
         }
         refused.map_or(Ok(()), Err)
+    }
+
+    /// Settles `ids`, some of which are ids a listing showed (message ids)
+    /// rather than delivery ids: the delivery ids as usual, the others by
+    /// finding the messages (see [`Shared::settle_listed`]). Every id that
+    /// can be is settled; the first error is returned.
+    async fn settle_with_listed(
+        &self,
+        ids: &[DeliveryId],
+        how: Settle,
+    ) -> Result<(), TransportError> {
+        let (delivered, listed): (Vec<&DeliveryId>, Vec<&DeliveryId>) =
+            ids.iter().partition(|id| parse_id(id.as_str()).is_some());
+        let delivered: Vec<DeliveryId> = delivered.into_iter().cloned().collect();
+        let first = if delivered.is_empty() {
+            Ok(())
+        } else {
+            Box::pin(self.settle(&delivered, how)).await
+        };
+        let second = self.settle_listed(&listed, how).await;
+        first.and(second)
     }
 
     /// Why `ids` cannot be settled while no connection is open: the
@@ -200,9 +232,9 @@ impl Shared {
             });
         }
         match state.leased.get_mut(&tag) {
-            Some(deadline) => {
+            Some(held) => {
                 if let Some(lease) = self.config.lease {
-                    *deadline = Instant::now() + lease;
+                    held.deadline = Instant::now() + lease;
                 }
                 Ok(())
             }

@@ -48,6 +48,8 @@ pub(crate) struct Shared {
     pub(crate) closed: AtomicBool,
     /// When this handle last acknowledged, rejected or released a message.
     pub(crate) last_settle: Mutex<Option<Instant>>,
+    /// Held while the queue is browsed: one browse at a time.
+    pub(crate) browsing: tokio::sync::Mutex<()>,
 }
 
 impl Shared {
@@ -70,6 +72,7 @@ impl Shared {
             setup_done: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             last_settle: Mutex::new(None),
+            browsing: tokio::sync::Mutex::new(()),
         }
     }
 }

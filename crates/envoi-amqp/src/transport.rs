@@ -1,6 +1,9 @@
 //! [`AmqpTransport`]: the [`Transport`] implementation on RabbitMQ, and the
 //! abilities it has: [`Receiver`], [`Keepalive`] (with a lease),
-//! [`Setup`], [`MessageCount`], [`Teardown`] and [`WakeUp`].
+//! [`Setup`], [`MessageCount`], [`Teardown`] and [`WakeUp`]; [`Browse`] is
+//! in the `browse` module.
+//!
+//! [`Browse`]: envoi_core::transport::Browse
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -33,10 +36,11 @@ use crate::topology::Names;
 /// # Abilities
 ///
 /// Besides sending, it is a [`Receiver`], and has [`Setup`] (declares the
-/// topology), [`MessageCount`], [`Teardown`] (purges or deletes the queues)
-/// and [`WakeUp`]. It has [`Keepalive`] when it leases what it hands out
-/// (`lease` is not `off`). It cannot [`Browse`](envoi_core::transport::Browse):
-/// AMQP cannot read a queue without taking messages out of it.
+/// topology), [`MessageCount`], [`Browse`](envoi_core::transport::Browse)
+/// (lists and finds messages by browsing the queue and putting every
+/// message back in its place; see the [crate docs](crate#browsing)),
+/// [`Teardown`] (purges or deletes the queues) and [`WakeUp`]. It has
+/// [`Keepalive`] when it leases what it hands out (`lease` is not `off`).
 ///
 /// # Delivery ids
 ///
@@ -46,7 +50,9 @@ use crate::topology::Names;
 /// handle reconnects; settling it afterwards fails with
 /// [`AmqpError::StaleDelivery`](crate::AmqpError::StaleDelivery) (the broker
 /// has already put the message back). The id [`send`](Transport::send)
-/// returns is the AMQP `message-id` property (a UUIDv7), not a delivery id.
+/// returns is the AMQP `message-id` property (a UUIDv7), not a delivery id:
+/// it is the id a listing shows, and `ack` and `reject` take it too (they
+/// then find the message; see the [crate docs](crate#browsing)).
 ///
 /// # Leases
 ///
@@ -81,9 +87,13 @@ impl AmqpTransport {
     /// `name`. With `auto_setup` (the default) the topology is declared at
     /// once.
     ///
-    /// Fails with [`TransportError::InvalidDsn`] for a bad DSN and
-    /// [`TransportError::Backend`] when the broker cannot be reached (after
-    /// retrying for `reconnect_timeout`) or refuses the topology.
+    /// Fails with [`TransportError::InvalidDsn`] for a bad DSN,
+    /// [`TransportError::Unreachable`] (naming the DSN with its password
+    /// masked) when the broker cannot be reached within `connect_timeout`
+    /// (5 s by default; refused connections are tried again until then),
+    /// and [`TransportError::Backend`] when the broker refuses the topology.
+    /// Once connected, a lost connection is re-established for up to
+    /// `reconnect_timeout` by the operation that finds it lost.
     pub async fn connect(name: &str, dsn: &str) -> Result<Self, TransportError> {
         Self::with_config(name, AmqpConfig::from_dsn(dsn)?).await
     }
@@ -107,7 +117,7 @@ impl AmqpTransport {
         }
         let exchange = config.exchange.clone().unwrap_or_else(|| queue.clone());
         let shared = Arc::new(Shared::new(name, config, Names::new(queue, exchange)));
-        shared.link().await?;
+        shared.connect_first().await?;
         tokio::spawn(housekeeping(Arc::downgrade(&shared)));
         Ok(Self { shared })
     }
@@ -131,6 +141,11 @@ impl AmqpTransport {
     /// The configuration in use.
     pub fn config(&self) -> &AmqpConfig {
         &self.shared.config
+    }
+
+    /// What the handle holds, shared with its background tasks.
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// Closes the connection: stops the consumer and the background task,
@@ -209,14 +224,16 @@ impl Transport for AmqpTransport {
         self.shared.config.lease.map(|_| self as &dyn Keepalive)
     }
 
-    envoi_core::abilities!(setup, message_count, teardown, wake_up);
+    envoi_core::abilities!(setup, message_count, browse, teardown, wake_up);
 }
 
 /// `get` takes up to `max` of the messages the consumer prefetched (starting
 /// it if none runs), waiting up to 200 ms for a first one. `ack` is
 /// `basic.ack`, `reject` is `basic.reject` without requeue (dead-lettered to
 /// `<queue>.dead` on a quorum queue, discarded on a classic one), `release`
-/// is `basic.nack` with requeue.
+/// is `basic.nack` with requeue. `ack` and `reject` also take the id a
+/// listing shows a stored message with, and settle that message (see the
+/// [crate docs](crate#browsing)).
 impl Receiver for AmqpTransport {
     fn get(&self, max: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         Box::pin(self.shared.get(max))
@@ -299,11 +316,12 @@ mod tests {
         // The check comes before connecting: nothing listens on port 1.
         let base = AmqpConfig::from_dsn("amqp://127.0.0.1:1/%2f?auto_setup=false").unwrap();
         type Change = (&'static str, fn(&mut AmqpConfig));
-        let changes: [Change; 5] = [
+        let changes: [Change; 6] = [
             ("prefetch", |c| c.prefetch = 0),
             ("lease", |c| c.lease = Some(Duration::MAX)),
             ("consumer_idle", |c| c.consumer_idle = Duration::ZERO),
             ("expires", |c| c.expires = Some(Duration::ZERO)),
+            ("connect_timeout", |c| c.connect_timeout = Duration::ZERO),
             ("queue", |c| c.queue = Some("amq.mine".into())),
         ];
         for (option, change) in changes {

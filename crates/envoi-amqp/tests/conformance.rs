@@ -1,11 +1,15 @@
 //! The shared conformance suite, run against the RabbitMQ at
 //! `ENVOI_AMQP_URL`.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use envoi_amqp::AmqpTransport;
 use envoi_core::transport::Transport;
+
+use common::Within;
 
 const LEASE: Duration = Duration::from_secs(2);
 
@@ -19,8 +23,8 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
     // themselves a minute after its last use.
     let dsn = format!("{url}{separator}lease=2s&expires=60s");
     let transport = AmqpTransport::connect(&name, &dsn)
-        .await
-        .unwrap_or_else(|e| panic!("connecting `{name}` failed: {e}"));
+        .expect_within(format!("connecting `{name}`"))
+        .await;
     Some(Arc::new(transport))
 }
 
@@ -28,7 +32,8 @@ envoi_transport_tests::conformance!(
     make,
     // Durable queues, one consumer served in order, delays through TTL
     // queues, leases kept by the transport, redeliveries flagged by the
-    // broker; RabbitMQ cannot list a queue, so the browsing case is skipped.
+    // broker; listing and finding run too (the transport browses the
+    // queue and puts every message back in its place).
     envoi_transport_tests::Options {
         lease: LEASE,
         persistent: true,

@@ -15,7 +15,7 @@ use envoi_core::transport::{MessageCount, RawMessage, Receiver, Teardown, Transp
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-use common::{unique, url};
+use common::{unique, url, Within};
 
 /// `common::dsn` with a 20 s reconnect timeout.
 fn with_options(url: &str, options: &str) -> String {
@@ -65,14 +65,14 @@ where
                     for (raw, delay) in batch {
                         producer
                             .send(raw, delay)
-                            .await
-                            .unwrap_or_else(|e| panic!("send failed through the outage: {e}"));
+                            .expect_within("a send through the outage")
+                            .await;
                     }
                 } else {
                     let ids = producer
                         .send_batch(batch)
-                        .await
-                        .unwrap_or_else(|e| panic!("send_batch failed through the outage: {e}"));
+                        .expect_within("a send_batch through the outage")
+                        .await;
                     assert_eq!(ids.len(), BATCH);
                 }
                 progress.sent.fetch_add(BATCH, Ordering::SeqCst);
@@ -92,10 +92,10 @@ where
         let done = Arc::clone(&done);
         tokio::spawn(async move {
             while !done.load(Ordering::SeqCst) {
-                let got = match consumer.get(100).await {
-                    Ok(got) => got,
-                    Err(e) => panic!("get failed through the outage: {e}"),
-                };
+                let got = consumer
+                    .get(100)
+                    .expect_within("a get through the outage")
+                    .await;
                 let mut ids = Vec::with_capacity(got.len());
                 for d in got {
                     let n: usize = std::str::from_utf8(&d.raw.body)
@@ -109,7 +109,12 @@ where
                 }
                 // Acks of deliveries from a connection that was lost fail:
                 // the broker hands those messages out again.
-                if consumer.ack_batch(&ids).await.is_err() {
+                if consumer
+                    .ack_batch(&ids)
+                    .within("an ack_batch through the outage")
+                    .await
+                    .is_err()
+                {
                     progress.settle_errors.fetch_add(1, Ordering::SeqCst);
                 }
             }
@@ -122,7 +127,7 @@ where
         assert!(Instant::now() < deadline, "the run did not start");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    outage().await;
+    outage().within("the outage").await;
     outage_over.store(true, Ordering::SeqCst);
     let sent_after_outage = progress.sent.load(Ordering::SeqCst);
     assert!(
@@ -142,8 +147,8 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     done.store(true, Ordering::SeqCst);
-    let producer = sending.await.expect("the producer panicked");
-    let consumer = consuming.await.expect("the consumer panicked");
+    let producer = sending.expect_within("the producer").await;
+    let consumer = consuming.expect_within("the consumer").await;
     assert!(
         producer.reconnections() >= 1,
         "the producer never reconnected"
@@ -162,7 +167,10 @@ where
     // Nothing is left over: everything sent was acked exactly once in the end.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let left = consumer.message_count().await.expect("message_count");
+        let left = consumer
+            .message_count()
+            .expect_within("message_count")
+            .await;
         if left == 0 {
             break;
         }
@@ -173,13 +181,14 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     drop(producer);
-    consumer.delete().await.expect("delete");
+    consumer.delete().expect_within("delete").await;
 }
 
 async fn rabbitmqctl(args: &[&str]) -> Option<String> {
     let output = tokio::process::Command::new("rabbitmqctl")
         .args(args)
         .output()
+        .within(format!("rabbitmqctl {args:?}"))
         .await
         .ok()?;
     assert!(
@@ -226,14 +235,14 @@ async fn connections_closed_by_the_server_mid_run_lose_no_message() {
         &name,
         &with_options(&url, &format!("connection_name={name}-producer")),
     )
-    .await
-    .expect("connect producer");
+    .expect_within("connect producer")
+    .await;
     let consumer = AmqpTransport::connect(
         &name,
         &with_options(&url, &format!("connection_name={name}-consumer")),
     )
-    .await
-    .expect("connect consumer");
+    .expect_within("connect consumer")
+    .await;
     // Listed beforehand: `rabbitmqctl` takes seconds to start.
     let pids = connections_named(&name).await;
     assert_eq!(
@@ -255,7 +264,9 @@ struct Proxy {
 
 impl Proxy {
     async fn start(upstream: String) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .expect_within("bind proxy")
+            .await;
         let port = listener.local_addr().expect("proxy address").port();
         let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let refusing = Arc::new(AtomicBool::new(false));
@@ -340,11 +351,11 @@ async fn connections_cut_by_a_proxy_mid_run_lose_no_message() {
     let (_, proxied) = redirect(&url, proxy.port);
     let name = unique("amqp_proxy_cut");
     let producer = AmqpTransport::connect(&name, &with_options(&proxied, ""))
-        .await
-        .expect("connect producer");
+        .expect_within("connect producer")
+        .await;
     let consumer = AmqpTransport::connect(&name, &with_options(&proxied, ""))
-        .await
-        .expect("connect consumer");
+        .expect_within("connect consumer")
+        .await;
     run_through_outage(producer, consumer, || async {
         let cut = proxy.cut(Duration::from_millis(1500)).await;
         assert!(cut >= 2, "the proxy cut {cut} live connections");

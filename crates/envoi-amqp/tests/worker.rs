@@ -14,7 +14,7 @@ use envoi_core::worker::{StopReason, Worker};
 use envoi_core::{Command, Message, Messenger};
 use serde::{Deserialize, Serialize};
 
-use common::{dsn, unique, url};
+use common::{dsn, unique, url, Within};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct ShipOrder {
@@ -51,15 +51,15 @@ async fn the_worker_handles_every_message_sent_through_an_amqp_dsn() {
         .transport_dsn("orders", dsn(&url, &format!("queue={queue}&lease=5s")))
         .route::<ShipOrder>("orders")
         .build_async()
-        .await
-        .expect("the messenger builds from an amqp DSN");
+        .expect_within("the messenger builds from an amqp DSN")
+        .await;
     let transport = Arc::clone(messenger.transport("orders").expect("registered"));
     transport
         .as_setup()
         .expect("a RabbitMQ transport declares its queues")
         .setup()
-        .await
-        .expect("setup");
+        .expect_within("setup")
+        .await;
     let count = transport
         .as_message_count()
         .expect("a RabbitMQ transport counts its messages");
@@ -68,10 +68,13 @@ async fn the_worker_handles_every_message_sent_through_an_amqp_dsn() {
         messenger
             .dispatcher()
             .dispatch(ShipOrder { id })
-            .await
-            .expect("dispatch sends to RabbitMQ");
+            .expect_within("dispatch sends to RabbitMQ")
+            .await;
     }
-    assert_eq!(count.message_count().await.unwrap(), u64::from(N));
+    assert_eq!(
+        count.message_count().expect_within("message_count").await,
+        u64::from(N)
+    );
 
     let report = Worker::builder(&messenger)
         .receiver("orders")
@@ -79,6 +82,7 @@ async fn the_worker_handles_every_message_sent_through_an_amqp_dsn() {
         .build()
         .expect("worker")
         .run()
+        .within("the worker to empty the queue")
         .await;
     assert_eq!(report.reason, StopReason::Empty);
     assert_eq!(report.stats.handled, u64::from(N));
@@ -86,14 +90,17 @@ async fn the_worker_handles_every_message_sent_through_an_amqp_dsn() {
     let distinct: BTreeSet<u32> = seen.iter().copied().collect();
     assert_eq!(seen.len(), N as usize, "some orders were handled twice");
     assert_eq!(distinct, (0..N).collect(), "some orders were never handled");
-    assert_eq!(count.message_count().await.unwrap(), 0);
+    assert_eq!(
+        count.message_count().expect_within("message_count").await,
+        0
+    );
     drop(messenger);
     AmqpTransport::connect(&queue, &dsn(&url, ""))
+        .expect_within("connect")
         .await
-        .expect("connect")
         .delete()
-        .await
-        .expect("delete");
+        .expect_within("delete")
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -105,15 +112,18 @@ async fn wait_for_messages_wakes_when_a_message_arrives_and_times_out_otherwise(
     let name = unique("amqp_wait");
     let waiter = Arc::new(
         AmqpTransport::connect(&name, &dsn(&url, ""))
-            .await
-            .expect("connect waiter"),
+            .expect_within("connect waiter")
+            .await,
     );
     let sender = AmqpTransport::connect(&name, &dsn(&url, ""))
-        .await
-        .expect("connect sender");
+        .expect_within("connect sender")
+        .await;
 
     let started = Instant::now();
-    waiter.wait_for_messages(Duration::from_millis(300)).await;
+    waiter
+        .wait_for_messages(Duration::from_millis(300))
+        .within("a wait of 300 ms")
+        .await;
     let waited = started.elapsed();
     assert!(
         waited >= Duration::from_millis(250) && waited < Duration::from_secs(5),
@@ -133,14 +143,14 @@ async fn wait_for_messages_wakes_when_a_message_arrives_and_times_out_otherwise(
         body: b"wake up".to_vec(),
         ..RawMessage::default()
     };
-    sender.send(raw, None).await.expect("send");
-    let waited = waiting.await.expect("the waiter panicked");
+    sender.send(raw, None).expect_within("send").await;
+    let waited = waiting.expect_within("the waiter").await;
     assert!(
         waited < Duration::from_secs(10),
         "the waiter slept {waited:?} with a message available"
     );
-    let got = waiter.get(1).await.expect("get");
+    let got = waiter.get(1).expect_within("get").await;
     assert_eq!(got.len(), 1, "the message was not there after the wake-up");
-    waiter.ack(&got[0].id).await.expect("ack");
-    sender.delete().await.expect("delete");
+    waiter.ack(&got[0].id).expect_within("ack").await;
+    sender.delete().expect_within("delete").await;
 }

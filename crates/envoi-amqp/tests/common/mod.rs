@@ -1,10 +1,53 @@
 //! Helpers shared by the tests that talk to a real RabbitMQ broker.
+//!
+//! Every wait on the broker is bounded: [`Within::within`] and
+//! [`Within::expect_within`] fail the test, naming what it waited for, when
+//! the broker gives no answer within [`BROKER_WAIT`].
 
 #![allow(dead_code, unreachable_pub)]
 
+use std::fmt::Display;
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use envoi_core::transport::{Delivery, Receiver};
+
+/// The longest a test waits for one answer of the broker. Generous: the
+/// machine running the tests may be slow and shared.
+pub const BROKER_WAIT: Duration = Duration::from_secs(30);
+
+/// Bounds a wait on the broker to [`BROKER_WAIT`].
+pub trait Within: Future + Sized {
+    /// The output of the future, or a test failure saying it waited for
+    /// `what` in vain.
+    fn within(self, what: impl Display) -> impl Future<Output = Self::Output> {
+        let what = what.to_string();
+        async move {
+            match tokio::time::timeout(BROKER_WAIT, self).await {
+                Ok(output) => output,
+                Err(_) => panic!("no answer within {BROKER_WAIT:?} while waiting for {what}"),
+            }
+        }
+    }
+
+    /// Like [`within`](Self::within), for a fallible future: the success,
+    /// or a test failure naming `what` and the error.
+    fn expect_within<T, E>(self, what: impl Display) -> impl Future<Output = T>
+    where
+        Self: Future<Output = Result<T, E>>,
+        E: Display,
+    {
+        let what = what.to_string();
+        async move {
+            match self.within(&what).await {
+                Ok(value) => value,
+                Err(e) => panic!("{what} failed: {e}"),
+            }
+        }
+    }
+}
+
+impl<F: Future> Within for F {}
 
 /// The broker URL, or `None` after printing why `test` is skipped.
 pub fn url(test: &str) -> Option<String> {
@@ -39,7 +82,7 @@ pub async fn receive(t: &dyn Receiver, n: usize, within: Duration) -> Vec<Delive
             "received {} of {n} messages within {within:?}",
             out.len()
         );
-        out.extend(t.get(n - out.len()).await.expect("get failed"));
+        out.extend(t.get(n - out.len()).expect_within("a get").await);
     }
     out
 }
