@@ -16,18 +16,14 @@ use envoi_core::transport::{Delivery, Receiver};
 /// machine running the tests may be slow and shared.
 pub const BROKER_WAIT: Duration = Duration::from_secs(30);
 
-/// Bounds a wait on the broker to [`BROKER_WAIT`].
+/// Bounds a wait on the broker to [`BROKER_WAIT`] (with core's
+/// [`within`](envoi_core::testing::within)).
 pub trait Within: Future + Sized {
     /// The output of the future, or a test failure saying it waited for
     /// `what` in vain.
     fn within(self, what: impl Display) -> impl Future<Output = Self::Output> {
         let what = what.to_string();
-        async move {
-            match tokio::time::timeout(BROKER_WAIT, self).await {
-                Ok(output) => output,
-                Err(_) => panic!("no answer within {BROKER_WAIT:?} while waiting for {what}"),
-            }
-        }
+        async move { envoi_core::testing::within(BROKER_WAIT, &what, self).await }
     }
 
     /// Like [`within`](Self::within), for a fallible future: the success,
