@@ -106,8 +106,11 @@ pub const STATUS_DESCRIPTION_FIELD: &str = "otel.status_description";
 /// deliberately nothing else, because an attribute most exporters cannot
 /// represent is silently dropped, which is worse than not compiling.
 ///
-/// Conversions exist from `&str`, `String`, the integer types that fit an
-/// `i64`, `f32`, `f64` and `bool`.
+/// Conversions exist from `&str`, `String`, every integer type, `f32`,
+/// `f64` and `bool`. An integer is recorded as an `Int` when it fits an
+/// `i64` (the widest integer tracing and OpenTelemetry carry) and as its
+/// decimal `String` otherwise (a `u64` above `i64::MAX`, say), so no value
+/// is dropped or wrapped.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum SpanAttributeValue {
@@ -161,6 +164,21 @@ macro_rules! int_attribute {
     )*};
 }
 int_attribute!(i8, i16, i32, i64, u8, u16, u32);
+
+macro_rules! wide_int_attribute {
+    ($($t:ty),*) => {$(
+        impl From<$t> for SpanAttributeValue {
+            /// An `Int` when the value fits an `i64`, else its decimal text.
+            fn from(v: $t) -> Self {
+                match i64::try_from(v) {
+                    Ok(i) => SpanAttributeValue::Int(i),
+                    Err(_) => SpanAttributeValue::String(Cow::Owned(v.to_string())),
+                }
+            }
+        }
+    )*};
+}
+wide_int_attribute!(u64, usize, isize, u128, i128);
 
 impl From<f64> for SpanAttributeValue {
     fn from(v: f64) -> Self {
@@ -423,6 +441,36 @@ mod tests {
         assert_eq!(
             SpanAttributeValue::from(true),
             SpanAttributeValue::Bool(true)
+        );
+    }
+
+    #[test]
+    fn every_integer_width_converts_and_what_exceeds_i64_is_recorded_as_text() {
+        assert_eq!(SpanAttributeValue::from(7u64), SpanAttributeValue::Int(7));
+        assert_eq!(SpanAttributeValue::from(7usize), SpanAttributeValue::Int(7));
+        assert_eq!(
+            SpanAttributeValue::from(-7isize),
+            SpanAttributeValue::Int(-7)
+        );
+        assert_eq!(
+            SpanAttributeValue::from(-7i128),
+            SpanAttributeValue::Int(-7)
+        );
+        assert_eq!(
+            SpanAttributeValue::from(i64::MAX as u64),
+            SpanAttributeValue::Int(i64::MAX)
+        );
+        assert_eq!(
+            SpanAttributeValue::from(u64::MAX),
+            SpanAttributeValue::String("18446744073709551615".into())
+        );
+        assert_eq!(
+            SpanAttributeValue::from(u128::MAX),
+            SpanAttributeValue::String(u128::MAX.to_string().into())
+        );
+        assert_eq!(
+            SpanAttributeValue::from(i128::MIN),
+            SpanAttributeValue::String(i128::MIN.to_string().into())
         );
     }
 
