@@ -221,7 +221,16 @@ impl Rate {
 }
 
 fn processed(s: &WorkerStats) -> u64 {
-    s.handled + s.retried + s.failed
+    s.handled + s.stopped_by_filter + s.retried + s.failed
+}
+
+/// ", stopped by filter N" when a filter stopped any message, else nothing.
+fn stopped_note(s: &WorkerStats) -> String {
+    if s.stopped_by_filter == 0 {
+        String::new()
+    } else {
+        format!(", stopped by filter {}", s.stopped_by_filter)
+    }
 }
 
 /// The messages waiting in the transports that can count them (the others
@@ -405,8 +414,11 @@ impl Bar {
         }
         self.bar.set_position(done);
         self.bar.set_message(format!(
-            "{per_sec:.0} msg/s | handled {} | retried {} | failed {}",
-            stats.handled, stats.retried, stats.failed
+            "{per_sec:.0} msg/s | handled {}{} | retried {} | failed {}",
+            stats.handled,
+            stopped_note(stats).replace(", ", " | "),
+            stats.retried,
+            stats.failed
         ));
     }
 
@@ -458,8 +470,13 @@ fn summarize(console: &mut Console<'_>, report: &WorkerReport) -> Result<(), Cli
     };
     writeln!(
         console.out,
-        "Stopped ({}) after {secs:.1}s: handled {}, retried {}, failed {}, released {} ({avg:.0} msg/s).",
-        report.reason, s.handled, s.retried, s.failed, s.released
+        "Stopped ({}) after {secs:.1}s: handled {}{}, retried {}, failed {}, released {} ({avg:.0} msg/s).",
+        report.reason,
+        s.handled,
+        stopped_note(s),
+        s.retried,
+        s.failed,
+        s.released
     )?;
     Ok(())
 }
@@ -507,6 +524,16 @@ pub(crate) async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_summary_names_messages_a_filter_stopped_only_when_there_are_any() {
+        let mut s = WorkerStats::default();
+        assert_eq!(stopped_note(&s), "");
+        s.stopped_by_filter = 3;
+        s.handled = 2;
+        assert_eq!(stopped_note(&s), ", stopped by filter 3");
+        assert_eq!(processed(&s), 5, "stopped messages count as processed");
+    }
 
     #[test]
     fn the_rate_is_measured_over_the_recent_window() {

@@ -497,3 +497,48 @@ async fn stage_middleware_added_to_a_live_bus_runs_after_the_filters_added_at_bu
         messenger.bus().pipeline()
     );
 }
+
+#[tokio::test]
+async fn a_worker_counts_a_message_a_filter_stopped_apart_from_the_handled_ones() {
+    let log: Log = Arc::default();
+    let queue = Arc::new(envoi_core::transport::in_memory::InMemoryTransport::new());
+    let messenger = Messenger::builder()
+        .command_handler(invoice_handler(&log))
+        .transport("invoices", queue.clone())
+        .route::<Invoice>("invoices")
+        .stages(StagePipeline::new().use_(
+            PipelineStage::BeforeConsuming,
+            [as_filter(|e: &Envelope| {
+                if e.header("tenant").is_some() {
+                    FilterAction::Continue
+                } else {
+                    FilterAction::Stop
+                }
+            })],
+        ))
+        .build()
+        .unwrap();
+    let bus = messenger.bus();
+    bus.dispatch(Envelope::new(Invoice { amount: 1 }).with_header("tenant", "acme"))
+        .await
+        .unwrap();
+    bus.dispatch(Envelope::new(Invoice { amount: 2 }))
+        .await
+        .unwrap();
+    let report = envoi_core::worker::Worker::builder(&messenger)
+        .receiver("invoices")
+        .stop_when_empty()
+        .build()
+        .unwrap()
+        .run()
+        .within(WAIT, "the worker to stop")
+        .await;
+    assert_eq!(entries(&log), ["handler"], "only the tenant's invoice ran");
+    assert_eq!(report.stats.handled, 1, "{:?}", report.stats);
+    assert_eq!(report.stats.stopped_by_filter, 1, "{:?}", report.stats);
+    assert_eq!(
+        queue.counter().message_count().await.unwrap(),
+        0,
+        "both acknowledged"
+    );
+}

@@ -323,6 +323,30 @@ impl Stamp for ReceivedStamp {
     const SENDABLE: bool = false;
 }
 
+/// Added when a `before_consuming` filter stopped the message: its handlers
+/// did not run, and it was not a failure. A worker counts such a message
+/// as stopped by a filter, not as handled; it never crosses a transport.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct StoppedByFilterStamp {
+    /// The stage whose filter stopped it (`before_consuming`).
+    pub stage: Cow<'static, str>,
+}
+
+impl StoppedByFilterStamp {
+    /// A stamp naming `stage`.
+    pub fn new(stage: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            stage: stage.into(),
+        }
+    }
+}
+
+impl Stamp for StoppedByFilterStamp {
+    const NAME: &'static str = "StoppedByFilter";
+    const SENDABLE: bool = false;
+}
+
 /// Marks an envelope received from a transport that said it had handed the
 /// message out before and it was not acknowledged: a consumer took it and
 /// died, or gave it back, before it was handled (RabbitMQ's `redelivered`

@@ -50,7 +50,7 @@ use std::sync::Arc;
 
 use super::was_retried;
 use super::{BoxFuture, Middleware, Next};
-use crate::envelope::stamp::ReceivedStamp;
+use crate::envelope::stamp::{ReceivedStamp, StoppedByFilterStamp};
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
 
@@ -371,7 +371,8 @@ impl StagePipeline {
         let before = self.items(PipelineStage::BeforeConsuming);
         if !before.passes(&envelope) {
             // Processing of this envelope ends here, without an error.
-            return Ok(envelope);
+            let stage = PipelineStage::BeforeConsuming.as_str();
+            return Ok(envelope.with(StoppedByFilterStamp::new(stage)));
         }
         let input = envelope.clone();
         let out = StageNext {

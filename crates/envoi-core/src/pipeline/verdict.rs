@@ -27,7 +27,9 @@ pub struct Verdict {
 #[non_exhaustive]
 pub enum Fate {
     /// Its handlers ran and succeeded (or nothing had to: a filter stopped
-    /// it, say). The envelope as the pipeline returned it.
+    /// it, and its envelope then carries a
+    /// [`StoppedByFilterStamp`](crate::stamp::StoppedByFilterStamp)). The
+    /// envelope as the pipeline returned it.
     Handled(Envelope),
     /// A handler failed and the retry step sent it back to its transport.
     Retried {

@@ -21,6 +21,9 @@ pub struct WorkerStats {
     pub received: u64,
     /// Messages handled successfully.
     pub handled: u64,
+    /// Messages a `before_consuming` filter stopped: acknowledged, their
+    /// handlers not run, not counted as handled.
+    pub stopped_by_filter: u64,
     /// Messages whose handling failed and that were scheduled for a retry.
     pub retried: u64,
     /// Messages that failed: parked, rejected, or released after a
@@ -61,7 +64,10 @@ pub enum WorkerEvent {
         /// The message name.
         message: &'static str,
     },
-    /// A message was handled; its acknowledgement goes with the next batch
+    /// A message was handled (or a `before_consuming` filter stopped it:
+    /// its envelope then carries a
+    /// [`StoppedByFilterStamp`](crate::stamp::StoppedByFilterStamp)); its
+    /// acknowledgement goes with the next batch
     /// of them, and should that fail a
     /// [`TransportFailed`](crate::worker::WorkerEvent::TransportFailed) event for `ack`
     /// follows (the message may then be delivered again once its lease
@@ -157,6 +163,7 @@ where
 pub(super) struct Counters {
     pub(super) received: AtomicU64,
     pub(super) handled: AtomicU64,
+    pub(super) stopped_by_filter: AtomicU64,
     pub(super) retried: AtomicU64,
     pub(super) failed: AtomicU64,
     pub(super) released: AtomicU64,
@@ -167,6 +174,7 @@ impl Counters {
         WorkerStats {
             received: self.received.load(Ordering::Relaxed),
             handled: self.handled.load(Ordering::Relaxed),
+            stopped_by_filter: self.stopped_by_filter.load(Ordering::Relaxed),
             retried: self.retried.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
             released: self.released.load(Ordering::Relaxed),

@@ -11,7 +11,9 @@ use super::events::{bump, Counters, Events, WorkerEvent};
 use super::fetch::{Held, MessageId, Source};
 use super::in_flight::TaskInfo;
 use super::settle::{Action, Done};
-use crate::envelope::stamp::{BusNameStamp, ReceivedStamp, RedeliveredStamp, UnsentStamp};
+use crate::envelope::stamp::{
+    BusNameStamp, ReceivedStamp, RedeliveredStamp, StoppedByFilterStamp, UnsentStamp,
+};
 use crate::envelope::Envelope;
 use crate::messenger::Messenger;
 use crate::pipeline::bus::MessageBus;
@@ -161,7 +163,8 @@ impl Ctx {
             .await
     }
 
-    /// Counts and reports a message handled, and says to acknowledge it.
+    /// Counts and reports a message handled (or stopped by a filter, counted
+    /// apart), and says to acknowledge it.
     pub(super) fn handled(
         &self,
         receiver: usize,
@@ -169,7 +172,11 @@ impl Ctx {
         envelope: Envelope,
         duration: Duration,
     ) -> Action {
-        bump(&self.counters.handled);
+        if envelope.has::<StoppedByFilterStamp>() {
+            bump(&self.counters.stopped_by_filter);
+        } else {
+            bump(&self.counters.handled);
+        }
         self.events.emit(|| WorkerEvent::Handled {
             transport: self.receivers[receiver].name.clone(),
             id: id.text().into_owned(),
