@@ -10,7 +10,7 @@ use envoi_core::Messenger;
 
 use crate::detail::{write_detail, Limits};
 use crate::inspect::{inspect, Inspected};
-use crate::table::{truncate, Table};
+use crate::table::{flatten, truncate, Table};
 use crate::{unknown_transport, CliError, Console, Format};
 
 /// `failed show`, `failed retry` or `failed remove`.
@@ -397,9 +397,8 @@ const OUTCOME_WIDTH: usize = 100;
 struct Retried<'f> {
     /// The failure transport's name.
     name: &'f str,
-    table: Table,
-    /// Outcomes too long for the table, written in full after it.
-    long: Vec<(String, String)>,
+    /// Each message's id, type and outcome, in the order retried.
+    rows: Vec<[String; 3]>,
     handled: usize,
     /// Parked because they could not be sent: sent on, not handled.
     sent: usize,
@@ -416,8 +415,7 @@ impl<'f> Retried<'f> {
     fn new(name: &'f str) -> Self {
         Retried {
             name,
-            table: Table::new(&["ID", "MESSAGE", "OUTCOME"]),
-            long: Vec::new(),
+            rows: Vec::new(),
             handled: 0,
             sent: 0,
             rescheduled: 0,
@@ -460,20 +458,28 @@ impl<'f> Retried<'f> {
 
     /// Adds the row of `delivery`, whose outcome is `text`.
     fn row(&mut self, delivery: &Delivery, text: String) {
-        let id = delivery.id.to_string();
-        let shown = truncate(&text, OUTCOME_WIDTH);
-        if shown != text {
-            self.long.push((id.clone(), text));
-        }
-        self.table.row(vec![id, inspect(delivery).message, shown]);
+        self.rows
+            .push([delivery.id.to_string(), inspect(delivery).message, text]);
     }
 
-    /// The table, the outcomes too long for it, the summary and what to
-    /// run next.
+    /// Each outcome once: a table when every outcome fits its column, else
+    /// one line per message with its outcome in full; then the summary and
+    /// what to run next.
     fn write(&self, out: &mut dyn Write, retried: usize) -> std::io::Result<()> {
-        write!(out, "{}", self.table.render())?;
-        for (id, text) in &self.long {
-            writeln!(out, "{id}: {text}")?;
+        let fits = self
+            .rows
+            .iter()
+            .all(|[_, _, text]| flatten(text).chars().count() <= OUTCOME_WIDTH);
+        if fits {
+            let mut table = Table::new(&["ID", "MESSAGE", "OUTCOME"]);
+            for [id, message, text] in &self.rows {
+                table.row(vec![id.clone(), message.clone(), flatten(text)]);
+            }
+            write!(out, "{}", table.render())?;
+        } else {
+            for [id, message, text] in &self.rows {
+                writeln!(out, "{id} ({message}): {}", flatten(text))?;
+            }
         }
         let sent = if self.sent > 0 {
             format!(", {} sent on to its transport", self.sent)

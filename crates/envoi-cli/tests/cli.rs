@@ -720,6 +720,11 @@ async fn failed_retry_removes_what_is_handled_and_parks_again_what_fails_for_goo
         out.contains(&format!("failed again, back in `failed` as {}", now[0])),
         "{out}"
     );
+    assert_eq!(
+        out.matches("failed again, back in").count(),
+        1,
+        "each outcome is printed once: {out}"
+    );
     assert!(
         out.contains("` failed: card declined"),
         "the handler's own error: {out}"
@@ -776,7 +781,7 @@ async fn failed_retry_keeps_a_message_that_does_not_decode() {
 }
 
 #[tokio::test]
-async fn failed_retry_writes_an_outcome_too_long_for_its_table_in_full_below_it() {
+async fn failed_retry_writes_an_outcome_too_long_for_a_table_once_in_full_on_its_own_line() {
     let app = app().await;
     let name = "Refund".repeat(30);
     let mut raw = RawMessage::default();
@@ -785,9 +790,10 @@ async fn failed_retry_writes_an_outcome_too_long_for_its_table_in_full_below_it(
     let id = app.transport("failed").send(raw, None).await.unwrap();
     let (code, out, _) = app.cli(&["failed", "retry", &id]).await;
     assert_eq!(code, 1);
-    let full = format!("{id}: kept: does not decode: unknown message type `{name}`\n");
-    assert!(out.contains(&full), "{out}");
-    assert!(out.contains('…'), "the table cuts it: {out}");
+    let full = format!("{id} ({name}): kept: does not decode: unknown message type `{name}`\n");
+    assert!(out.starts_with(&full), "{out}");
+    assert_eq!(out.matches("kept: does not decode").count(), 1, "{out}");
+    assert!(!out.contains('…'), "nothing is cut: {out}");
 }
 
 #[tokio::test]
