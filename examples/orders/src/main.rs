@@ -74,6 +74,12 @@ async fn main() -> ExitCode {
             );
             return ExitCode::FAILURE;
         }
+        // Before the lock, which would leave a lock file beside what is
+        // not a database.
+        if let Err(e) = check_database(&database) {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
         let _lock = match lock_database(&database, Access::Shared) {
             Ok(lock) => lock,
             Err(e) => {

@@ -210,8 +210,14 @@ fn the_command_line_on_a_missing_or_unusable_database_is_one_error_line() {
     std::fs::write(&garbage, "not a database, just notes\n".repeat(200)).unwrap();
     let (code, out, err) = binary(&garbage, &["stats"]);
     assert_eq!((code, out.as_str()), (1, ""));
-    assert!(err.starts_with("error: transport `orders`:"), "{err}");
+    assert!(err.contains("is not an SQLite database"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
+    // No stray lock file beside what failed to open.
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["notes.db"], "{left:?}");
 }
 
 #[test]
