@@ -79,7 +79,9 @@ pub struct NatsConfig {
     pub wait: Duration,
     /// Where the stream keeps its messages.
     pub storage: Storage,
-    /// Wait for the server to confirm each acknowledgement.
+    /// Have the server confirm each acknowledgement with a request of its
+    /// own. Off, acks are confirmed all the same, one answer for a batch
+    /// (the consumer applies the acks of one connection in order).
     pub double_ack: bool,
     /// Give every publish a `Nats-Msg-Id`, so that a publish retried after
     /// its acknowledgement was lost is stored once (within the stream's

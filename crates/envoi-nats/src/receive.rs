@@ -294,24 +294,25 @@ impl Receiver for NatsTransport {
         })
     }
 
-    /// `+ACK` (with `double_ack`, confirmed by the server); an id this
-    /// handle did not hand out is deleted from the stream.
+    /// `+ACK`, returning once the server confirmed it; an id this handle
+    /// did not hand out is deleted from the stream.
     fn ack<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(self.remove(id))
     }
 
-    /// Every ack queued on the connection without waiting in between.
+    /// Every ack written out together, confirmed by one answer from the
+    /// server (each confirmed with `double_ack`).
     fn ack_batch<'a>(&'a self, ids: &'a [DeliveryId]) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(self.remove_all(ids))
     }
 
-    /// `+ACK`, as `ack`: on a work-queue stream the message is then gone
-    /// for good and never handed out again.
+    /// `+ACK`, confirmed, as `ack`: on a work-queue stream the message is
+    /// then gone for good and never handed out again.
     fn reject<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(self.remove(id))
     }
 
-    /// `-NAK` without delay: handed out again at once.
+    /// `-NAK` without delay, confirmed: handed out again at once.
     fn release<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(self.give_back_one(id))
     }

@@ -1,5 +1,6 @@
 //! Settling what was handed out: the leases a handle holds, and the acks,
-//! naks and in-progress acks sent on their JetStream ack subjects.
+//! naks and in-progress acks sent on their JetStream ack subjects (acks and
+//! naks confirmed by the server, see `confirm.rs`).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -10,6 +11,7 @@ use async_nats::Subject;
 use envoi_core::transport::{DeliveryId, Keepalive};
 use envoi_core::{BoxFuture, TransportError};
 
+use crate::confirm::Settlement;
 use crate::transport::{backend, lock};
 use crate::NatsTransport;
 
@@ -109,49 +111,11 @@ impl NatsTransport {
         lock(&self.inner.leases).remove(sequence)
     }
 
-    async fn send_ack(&self, reply: Subject, kind: AckKind) -> Result<(), TransportError> {
-        if self.inner.config.double_ack {
-            let response = self
-                .inner
-                .client
-                .request(reply, kind.into())
-                .await
-                .map_err(|e| backend("acknowledging (waiting for confirmation)", e))?;
-            if let Some(status) = response.status {
-                if !status.is_success() {
-                    return Err(backend(
-                        "acknowledging",
-                        format!("server answered {status}"),
-                    ));
-                }
-            }
-            Ok(())
-        } else {
-            if matches!(kind, AckKind::Ack) {
-                *lock(&self.inner.unconfirmed_ack) = Some(reply.clone());
-            }
-            self.inner
-                .client
-                .publish(reply, kind.into())
-                .await
-                .map_err(|e| backend("acknowledging", e))
-        }
-    }
-
-    /// Read-your-acks for `list`, `find` and `message_count`: plain acks are
-    /// processed by the server after they are sent, so the latest one is
-    /// sent again as a confirmed ack. The consumer handles acks from one
-    /// connection in order, so once that one is confirmed, every earlier ack
-    /// from this handle has been applied. Acking twice is harmless.
-    pub(crate) async fn ack_barrier(&self) {
-        let Some(reply) = lock(&self.inner.unconfirmed_ack).take() else {
-            return;
-        };
-        let confirmation = self.inner.client.request(reply, AckKind::Ack.into());
-        match tokio::time::timeout(Duration::from_secs(5), confirmation).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(error)) => tracing::debug!(%error, "ack barrier not confirmed"),
-            Err(_) => tracing::debug!("ack barrier timed out"),
+    /// The settlement of `lease`, to be confirmed while it lasts.
+    fn settlement(&self, lease: Lease) -> Settlement {
+        Settlement {
+            reply: lease.reply,
+            lease_ends: tokio::time::Instant::from_std(lease.touched + self.inner.config.lease),
         }
     }
 
@@ -176,32 +140,37 @@ impl NatsTransport {
     }
 
     /// `ack` and `reject`: `+ACK` on a work-queue stream removes the
-    /// message for good; a message this handle did not hand out is deleted
-    /// from the stream.
+    /// message for good, and returns once the server confirmed it; a
+    /// message this handle did not hand out is deleted from the stream.
     pub(crate) async fn remove(&self, id: &DeliveryId) -> Result<(), TransportError> {
         self.check_open()?;
         let sequence = sequence_of(id)?;
         match self.take_lease(sequence) {
-            Some(lease) => self.send_ack(lease.reply, AckKind::Ack).await,
+            Some(lease) => {
+                let settlement = self.settlement(lease);
+                self.confirm("acknowledging", AckKind::Ack, vec![settlement])
+                    .await
+            }
             None => self.delete_by_sequence(sequence).await,
         }
     }
 
-    /// Acknowledges every id: the acks are queued on the connection and
-    /// written together (confirmed concurrently with `double_ack`); ids not
-    /// handed out by this handle are deleted from the stream. Every id that
-    /// can be is settled; the first error is returned.
+    /// Acknowledges every id: the acks are written together and confirmed
+    /// by the server with one round trip (each confirmed, concurrently,
+    /// with `double_ack`); ids not handed out by this handle are deleted
+    /// from the stream. Every id that can be is settled; the first error
+    /// is returned.
     pub(crate) async fn remove_all(&self, ids: &[DeliveryId]) -> Result<(), TransportError> {
         self.check_open()?;
         let mut first_error = None;
-        let mut replies = Vec::with_capacity(ids.len());
+        let mut settlements = Vec::with_capacity(ids.len());
         let mut others = Vec::new();
         {
             let mut leases = lock(&self.inner.leases);
             for id in ids {
                 match sequence_of(id) {
                     Ok(sequence) => match leases.remove(sequence) {
-                        Some(lease) => replies.push(lease.reply),
+                        Some(lease) => settlements.push(lease),
                         None => others.push(sequence),
                     },
                     Err(e) => {
@@ -210,7 +179,16 @@ impl NatsTransport {
                 }
             }
         }
-        let acked = self.ack_all(replies).await;
+        let settlements = settlements
+            .into_iter()
+            .map(|lease| self.settlement(lease))
+            .collect::<Vec<_>>();
+        let acked = if settlements.is_empty() {
+            Ok(())
+        } else {
+            self.confirm("acknowledging", AckKind::Ack, settlements)
+                .await
+        };
         for sequence in others {
             if let Err(e) = self.delete_by_sequence(sequence).await {
                 first_error.get_or_insert(e);
@@ -222,42 +200,16 @@ impl NatsTransport {
         }
     }
 
-    async fn ack_all(&self, replies: Vec<Subject>) -> Result<(), TransportError> {
-        if self.inner.config.double_ack {
-            let confirmations = replies
-                .into_iter()
-                .map(|reply| self.send_ack(reply, AckKind::Ack));
-            let mut first_error = None;
-            for result in futures_util::future::join_all(confirmations).await {
-                if let Err(e) = result {
-                    first_error.get_or_insert(e);
-                }
-            }
-            return first_error.map_or(Ok(()), Err);
-        }
-        // Plain publishes, queued on the connection and written together.
-        // The last one is the barrier for `ack_barrier`.
-        if let Some(last) = replies.last() {
-            *lock(&self.inner.unconfirmed_ack) = Some(last.clone());
-        }
-        for reply in replies {
-            self.inner
-                .client
-                .publish(reply, AckKind::Ack.into())
-                .await
-                .map_err(|e| backend("acknowledging", e))?;
-        }
-        Ok(())
-    }
-
-    /// `-NAK` without delay: handed out again at once. Only for a message
-    /// this handle holds.
+    /// `-NAK` without delay: handed out again at once, once the server
+    /// confirmed it. Only for a message this handle holds.
     pub(crate) async fn give_back_one(&self, id: &DeliveryId) -> Result<(), TransportError> {
         self.check_open()?;
         let lease = self
             .take_lease(sequence_of(id)?)
             .ok_or_else(|| TransportError::NotFound(id.to_string()))?;
-        self.send_ack(lease.reply, AckKind::Nak(None)).await
+        let settlement = self.settlement(lease);
+        self.confirm("releasing", AckKind::Nak(None), vec![settlement])
+            .await
     }
 }
 
@@ -277,7 +229,29 @@ impl Keepalive for NatsTransport {
                 lease.touched = Instant::now();
                 lease.reply.clone()
             };
-            self.send_ack(reply, AckKind::Progress).await
+            if self.inner.config.double_ack {
+                let answer = self
+                    .inner
+                    .client
+                    .request(reply, AckKind::Progress.into())
+                    .await
+                    .map_err(|e| {
+                        backend("keeping a message alive (waiting for confirmation)", e)
+                    })?;
+                match answer.status {
+                    Some(status) if !status.is_success() => Err(backend(
+                        "keeping a message alive",
+                        format!("the server answered {status}"),
+                    )),
+                    _ => Ok(()),
+                }
+            } else {
+                self.inner
+                    .client
+                    .publish(reply, AckKind::Progress.into())
+                    .await
+                    .map_err(|e| backend("keeping a message alive", e))
+            }
         })
     }
 }

@@ -4,8 +4,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream;
 use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::{self, AckKind};
 use async_nats::{ConnectOptions, Subject};
 use envoi_core::transport::support::{Backoff, ReadAhead};
 use envoi_core::transport::{mask_dsn, RawMessage, Transport};
@@ -64,9 +64,6 @@ pub(crate) struct Inner {
     pub(crate) leases: Mutex<Leases>,
     /// Since when fetches have returned nothing (stall detection).
     pub(crate) idle_since: Mutex<Option<Instant>>,
-    /// The ack subject of the latest unconfirmed (plain publish) ack, for
-    /// `ack_barrier`.
-    pub(crate) unconfirmed_ack: Mutex<Option<Subject>>,
     /// Whether the latest `get` failed (then `wait_for_messages` waits).
     pub(crate) get_failed: AtomicBool,
     /// The pull request for the next `get`, started when a large `get` came
@@ -77,12 +74,12 @@ pub(crate) struct Inner {
 }
 
 impl Drop for Inner {
-    /// Acks are plain publishes queued on the connection, and a client
-    /// dropped with writes still queued loses them. The last handle going
-    /// away therefore keeps the connection open (on the current runtime)
-    /// until it has given back what it fetched ahead and the server has
-    /// confirmed its latest ack, or at least until everything queued is
-    /// written.
+    /// Acks and naks are confirmed by the server before they return, but
+    /// what was fetched ahead is given back with plain publishes, which a
+    /// client dropped with writes still queued loses. The last handle
+    /// going away therefore keeps the connection open (on the current
+    /// runtime) until it has given back what it fetched ahead and flushed
+    /// what is queued.
     fn drop(&mut self) {
         if self.closed.load(Ordering::SeqCst) {
             return;
@@ -91,36 +88,24 @@ impl Drop for Inner {
             return;
         };
         let client = self.client.clone();
-        let reply = lock(&self.unconfirmed_ack).take();
         let ahead = self.read_ahead.drain_later();
         runtime.spawn(async move {
             if let Some(ahead) = ahead {
                 give_back(&client, ahead.await).await;
             }
-            if !settle_acks(&client, reply).await {
-                tracing::debug!("queued acks may not have reached the server before closing");
+            if !flushed(&client).await {
+                tracing::debug!("queued writes may not have reached the server before closing");
             }
         });
     }
 }
 
-/// Confirms `reply`, the latest ack sent as a plain publish, or else
-/// flushes the connection: every ack sent before has then reached the
-/// server. Whether that happened within five seconds.
-async fn settle_acks(client: &async_nats::Client, reply: Option<Subject>) -> bool {
-    let settle = async {
-        match reply {
-            Some(reply) => client
-                .request(reply, AckKind::Ack.into())
-                .await
-                .map(drop)
-                .is_ok(),
-            None => client.flush().await.is_ok(),
-        }
-    };
+/// Flushes the connection: what was queued on it (plain publishes) is
+/// written out. Whether that happened within five seconds.
+async fn flushed(client: &async_nats::Client) -> bool {
     matches!(
-        tokio::time::timeout(Duration::from_secs(5), settle).await,
-        Ok(true)
+        tokio::time::timeout(Duration::from_secs(5), client.flush()).await,
+        Ok(Ok(()))
     )
 }
 
@@ -231,7 +216,6 @@ impl NatsTransport {
                 setting_up: tokio::sync::Mutex::new(()),
                 leases: Mutex::new(Leases::new()),
                 idle_since: Mutex::new(None),
-                unconfirmed_ack: Mutex::new(None),
                 get_failed: AtomicBool::new(false),
                 closed: AtomicBool::new(false),
             }),
@@ -266,8 +250,8 @@ impl NatsTransport {
 
     /// Closes the transport: gives back to JetStream what was fetched
     /// ahead of the next `get` (waiting for a pull request in flight),
-    /// confirms the latest acknowledgement, then drains and closes the
-    /// connection. Every handle on this transport fails with
+    /// flushes what is queued, then drains and closes the connection (acks
+    /// need nothing more: each was confirmed before it returned). Every handle on this transport fails with
     /// [`TransportError::Closed`] afterwards; a second call does nothing.
     /// Dropping the last handle does the same in the background.
     ///
@@ -281,9 +265,8 @@ impl NatsTransport {
         *lock(&self.inner.consumer) = None;
         let ahead = self.inner.read_ahead.drain().await;
         give_back(&self.inner.client, ahead).await;
-        let reply = lock(&self.inner.unconfirmed_ack).take();
-        if !settle_acks(&self.inner.client, reply).await {
-            tracing::debug!("queued acks may not have reached the server before closing");
+        if !flushed(&self.inner.client).await {
+            tracing::debug!("queued writes may not have reached the server before closing");
         }
         self.inner
             .client
