@@ -3,12 +3,29 @@
 //! A NATS JetStream transport for envoi.
 //!
 //! ```text
-//! nats://[user:password@]host:port?stream=..&subject=..&consumer=..&lease=..&batch=..&wait=..
+//! nats://[user:password@|token@]host:port?stream=..&subject=..&consumer=..&lease=..&batch=..&wait=..
 //! ```
 //!
 //! Each transport is a work-queue stream capturing one subject and a durable
 //! pull consumer on it; [`NatsConfig`] lists every DSN option. Handles created
 //! for the same name share the consumer and compete for messages.
+//!
+//! ## Connecting
+//!
+//! Credentials come from the DSN: a user and password as its user
+//! information (`nats://user:password@host`, percent-encoded), a token as
+//! user information without a password (`nats://TOKEN@host`, as NATS URLs
+//! give one) or as the `token` option, an NKey seed file
+//! (`nkey_seed_file=`) or a `.creds` file (`creds_file=`); at most one of
+//! them. `tls=true` requires TLS; `tls_ca_file`, `tls_cert_file` and
+//! `tls_key_file` name the authorities' certificates and the client's
+//! certificate and key (PEM). Passwords and tokens are masked wherever the
+//! DSN or configuration is shown. See [`NatsConfig`].
+//!
+//! Connecting takes at most `connect_timeout` (5 s by default): a server
+//! that refuses the connection or the credentials, or does not answer in
+//! time, is [`TransportError::Unreachable`](envoi_core::TransportError::Unreachable)
+//! naming the masked DSN.
 //!
 //! ## How each operation maps to JetStream
 //!
@@ -146,6 +163,7 @@
 
 #![forbid(unsafe_code)]
 
+mod auth;
 mod browse;
 pub mod config;
 mod confirm;

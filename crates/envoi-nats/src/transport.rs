@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::{ConnectOptions, Subject};
-use envoi_core::transport::support::{Backoff, ReadAhead};
-use envoi_core::transport::{mask_dsn, RawMessage, Transport};
+use envoi_core::transport::support::{connect_within, Backoff, ReadAhead};
+use envoi_core::transport::{RawMessage, Transport};
 use envoi_core::{BoxError, BoxFuture, TransportError};
 
+use crate::auth::{mask, masked_server, with_credentials};
 use crate::config::{Names, NatsConfig};
 use crate::fetch::give_back;
 use crate::settle::Leases;
@@ -162,10 +163,13 @@ impl NatsTransport {
     /// # Errors
     ///
     /// [`TransportError::InvalidDsn`] for a DSN [`NatsConfig::from_dsn`]
-    /// refuses; [`TransportError::Backend`] when the server cannot be
-    /// reached.
+    /// refuses, or naming a credentials or TLS file that cannot be read or
+    /// used; [`TransportError::Unreachable`], naming the DSN with its
+    /// password and token masked, when the server does not answer within
+    /// `connect_timeout`, refuses the connection or the credentials.
     pub async fn connect(name: &str, dsn: &str) -> Result<Self, TransportError> {
-        Self::with_config(name, NatsConfig::from_dsn(dsn)?).await
+        let config = NatsConfig::from_dsn(dsn)?;
+        Self::open(name, config, &mask(dsn)).await
     }
 
     /// Like [`connect`](Self::connect) with an already parsed
@@ -178,10 +182,18 @@ impl NatsTransport {
     /// or `max_ack_pending` that [`NatsConfig::from_dsn`] would refuse (the
     /// fields are public, so a configuration may have been changed in
     /// code), and for a transport name that derives a stream, subject or
-    /// consumer name JetStream does not accept.
-    pub async fn with_config(name: &str, mut config: NatsConfig) -> Result<Self, TransportError> {
+    /// consumer name JetStream does not accept. Errors name the server with
+    /// its credentials masked.
+    pub async fn with_config(name: &str, config: NatsConfig) -> Result<Self, TransportError> {
+        let shown = masked_server(&config);
+        Self::open(name, config, &shown).await
+    }
+
+    /// Connects the transport called `name` as `config` says; errors name
+    /// the server as `shown` (masked).
+    async fn open(name: &str, mut config: NatsConfig, shown: &str) -> Result<Self, TransportError> {
         let invalid = |reason: String| TransportError::InvalidDsn {
-            dsn: mask_dsn(&config.server),
+            dsn: shown.to_string(),
             reason,
         };
         config.validate().map_err(invalid)?;
@@ -191,15 +203,18 @@ impl NatsTransport {
         config.consumer = Some(names.consumer.clone());
         let options = ConnectOptions::new()
             .name("envoi")
-            .require_tls(config.tls)
+            .connection_timeout(config.connect_timeout)
             .reconnect_delay_callback(reconnect_delay)
             .event_callback(|event| async move {
                 tracing::debug!(%event, "nats connection event");
             });
-        let client = options
-            .connect(config.server.as_str())
-            .await
-            .map_err(|e| backend(format!("connecting to {}", mask_dsn(&config.server)), e))?;
+        let options = with_credentials(&config, options).await.map_err(invalid)?;
+        let client = connect_within(
+            shown,
+            config.connect_timeout,
+            options.connect(config.server.as_str()),
+        )
+        .await?;
         let js = jetstream::new(client.clone());
         let max_payload = AtomicUsize::new(client.server_info().max_payload);
         Ok(Self {
