@@ -30,6 +30,8 @@ pub fn binary(test: &str) -> Option<PathBuf> {
 /// A running `nats-server`, killed on drop.
 pub struct Server {
     child: Child,
+    binary: PathBuf,
+    args: Vec<String>,
     port: u16,
     log: PathBuf,
     /// The JetStream store and the log, removed on drop.
@@ -44,33 +46,71 @@ impl Server {
         let dir = tempfile::tempdir().expect("a directory for the server");
         let log = dir.path().join("nats-server.log");
         let port = free_port();
-        let child = Command::new(binary)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir.path().join("jetstream"))
-            .arg("-l")
-            .arg(&log)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nats-server");
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let child = spawn(binary, port, dir.path(), &log, &args);
         let mut server = Server {
             child,
+            binary: binary.to_path_buf(),
+            args,
             port,
             log,
             dir,
         };
-        server.wait_until_ready();
+        server.wait_until_ready(1);
         server
     }
 
-    /// Waits for "Server is ready" in the log.
-    fn wait_until_ready(&mut self) {
+    /// Stops the server with SIGTERM (it shuts down cleanly, saving
+    /// JetStream's state), waiting up to 20 s for it to exit.
+    pub fn stop(&mut self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM nats-server: {status}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self
+            .child
+            .try_wait()
+            .expect("nats-server's status")
+            .is_none()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "nats-server did not stop within 20 s of SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Starts the stopped server again on the same port with the same
+    /// store; returns once it is ready.
+    pub fn start_again(&mut self) {
+        let started = self.readiness();
+        self.child = spawn(
+            &self.binary,
+            self.port,
+            self.dir.path(),
+            &self.log,
+            &self.args,
+        );
+        self.wait_until_ready(started + 1);
+    }
+
+    /// How many times the log says the server was ready.
+    fn readiness(&self) -> usize {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .matches("Server is ready")
+            .count()
+    }
+
+    /// Waits until the log says the server was ready `times` times.
+    fn wait_until_ready(&mut self, times: usize) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-            if log.contains("Server is ready") {
+            if log.matches("Server is ready").count() >= times {
                 return;
             }
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -106,6 +146,21 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Starts `binary` on `port`, its JetStream store and log in `dir`.
+fn spawn(binary: &Path, port: u16, dir: &Path, log: &Path, args: &[String]) -> Child {
+    Command::new(binary)
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(dir.join("jetstream"))
+        .arg("-l")
+        .arg(log)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start nats-server")
 }
 
 /// A port nothing listens on right now.
