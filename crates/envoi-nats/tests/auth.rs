@@ -1,7 +1,8 @@
 //! Credentials and TLS from the DSN, against a `nats-server` each test
 //! starts on a free port (with JetStream) and kills at its end: a user and
-//! password, a token, an NKey seed file, a `.creds` file, and TLS with a
-//! private authority and a client certificate. Wrong credentials fail with
+//! password, a token, an NKey seed file, a `.creds` file (a server in
+//! operator mode, with JWTs the test makes), and TLS with a private
+//! authority and a client certificate. Wrong credentials fail with
 //! an error that names the DSN without its secret.
 
 mod common;
@@ -341,4 +342,118 @@ async fn tls_with_a_private_authority_and_a_client_certificate() {
         other => panic!("expected InvalidDsn, got {:?}", other.err()),
     }
     drop(server);
+}
+
+/// Base64 without padding, URL-safe alphabet: how JWTs encode.
+fn base64url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
+        }
+    }
+    out
+}
+
+/// A NATS JWT for `subject`, signed by `issuer`, with `nats` as its NATS
+/// claims.
+fn jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, nats: serde_json::Value) -> String {
+    let header = base64url(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let claims = serde_json::json!({
+        "jti": unique_name("jti").replace('-', ""),
+        "iat": 1_700_000_000u64,
+        "iss": issuer.public_key(),
+        "name": name,
+        "sub": subject,
+        "nats": nats,
+    });
+    let body = base64url(claims.to_string().as_bytes());
+    let signed = format!("{header}.{body}");
+    let signature = issuer.sign(signed.as_bytes()).expect("sign");
+    format!("{signed}.{}", base64url(&signature))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_creds_file_authenticates_against_a_server_in_operator_mode() {
+    let test = "a_creds_file_authenticates_against_a_server_in_operator_mode";
+    let Some(binary) = binary(test) else {
+        return;
+    };
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let system = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    let operator_jwt = jwt(
+        &operator,
+        &operator.public_key(),
+        "envoi-operator",
+        serde_json::json!({"type": "operator", "version": 2}),
+    );
+    let account_claims = |jetstream: bool| {
+        let storage = if jetstream { -1 } else { 0 };
+        serde_json::json!({
+            "limits": {
+                "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+                "wildcards": true, "conn": -1, "leaf": -1,
+                "mem_storage": storage, "disk_storage": storage, "streams": storage,
+                "consumer": storage,
+            },
+            "default_permissions": {"pub": {}, "sub": {}},
+            "type": "account",
+            "version": 2,
+        })
+    };
+    let account_jwt = jwt(
+        &operator,
+        &account.public_key(),
+        "envoi",
+        account_claims(true),
+    );
+    let system_jwt = jwt(
+        &operator,
+        &system.public_key(),
+        "SYS",
+        account_claims(false),
+    );
+    let user_claims = serde_json::json!({
+        "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1,
+        "type": "user", "version": 2,
+    });
+    let user_jwt = jwt(&account, &user.public_key(), "envoi-user", user_claims);
+
+    let dir = tempfile::tempdir().expect("a directory");
+    let config = dir.path().join("operator.conf");
+    std::fs::write(
+        &config,
+        format!(
+            "operator: {operator_jwt}\nsystem_account: {system}\nresolver: MEMORY\n\
+             resolver_preload: {{\n  {account}: {account_jwt}\n  {system}: {system_jwt}\n}}\n",
+            system = system.public_key(),
+            account = account.public_key(),
+        ),
+    )
+    .expect("write the server configuration");
+    let server = Server::start(&binary, &["-c", config.to_str().expect("a UTF-8 path")]);
+
+    let seed = user.seed().expect("a seed");
+    let creds = dir.path().join("user.creds");
+    std::fs::write(
+        &creds,
+        format!(
+            "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+             ************************* IMPORTANT *************************\n\n\
+             -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+        ),
+    )
+    .expect("write the creds file");
+    round_trip(&format!("{}?creds_file={}", server.url(), creds.display())).await;
+
+    // Without credentials the server refuses the client.
+    let error = refused(&server.url(), &seed).await;
+    assert_refused(&error, &server.url());
 }
