@@ -74,6 +74,15 @@
 //! `message_count` therefore never show a message the same handle
 //! acknowledged.
 //!
+//! A server that restarts can lose track of deliveries and even of
+//! acknowledgements it confirmed just before it stopped, and deliver those
+//! messages again. A handle does not hand such a message out twice: one it
+//! holds (leased less than half a lease ago) takes the new delivery's ack
+//! subject, and one it acknowledged (in the last two leases or minute, the
+//! latest 100,000) is acknowledged again. Messages are told apart by
+//! stream sequence and storage time, so a stream deleted and made again
+//! (whose sequences start over) is not mistaken for the old one.
+//!
 //! See the crate's `README.md` for options, guarantees and how to run the
 //! tests.
 //!

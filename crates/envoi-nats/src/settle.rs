@@ -2,7 +2,7 @@
 //! naks and in-progress acks sent on their JetStream ack subjects (acks and
 //! naks confirmed by the server, see `confirm.rs`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::time::{Duration, Instant};
 
@@ -12,12 +12,21 @@ use envoi_core::transport::{DeliveryId, Keepalive};
 use envoi_core::{BoxFuture, TransportError};
 
 use crate::confirm::Settlement;
+use crate::fetch::DeliveryInfo;
 use crate::transport::{backend, lock};
 use crate::NatsTransport;
 
 /// Leases not touched for this long (and at least three lease periods) are
 /// forgotten; JetStream has handed those messages out again anyway.
 const LEASE_MEMORY: Duration = Duration::from_secs(300);
+
+/// Messages acknowledged this long ago (and at least two lease periods) are
+/// forgotten: a server that lost the acknowledgement (a restart) has
+/// delivered them again by then.
+const ACKED_MEMORY: Duration = Duration::from_secs(60);
+
+/// The most acknowledged messages remembered; the oldest go first.
+const ACKED_MAX: usize = 100_000;
 
 /// The stream sequence an id names; `None` for anything but a positive
 /// number.
@@ -37,6 +46,24 @@ pub(crate) struct Lease {
     pub(crate) reply: Subject,
     /// When it was handed out or last kept alive.
     pub(crate) touched: Instant,
+    /// When the message was stored (see [`DeliveryInfo`]).
+    pub(crate) stored: u64,
+}
+
+/// Whether a message fetched again is one this handle already has.
+pub(crate) enum Seen {
+    /// Never handed out by this handle, or handed out and given back, or
+    /// its lease ran out: hand it out.
+    New,
+    /// Handed out and held, its lease running for at least half of it
+    /// more: delivered again only because the server lost track of the
+    /// delivery (a restart). Not handed out again; the lease takes the new
+    /// ack subject.
+    Held,
+    /// Acknowledged by this handle and confirmed, yet delivered again: the
+    /// server lost the acknowledgement (a restart). Acknowledged again, not
+    /// handed out.
+    Acked,
 }
 
 /// Hashes stream sequences (numbers the server counts up) by a
@@ -62,11 +89,15 @@ impl Hasher for SequenceHasher {
 }
 
 /// The messages a handle has handed out and not settled, by stream
-/// sequence.
+/// sequence; and those it acknowledged lately, by stream sequence with
+/// their storage time.
 #[derive(Debug)]
 pub(crate) struct Leases {
     by_sequence: HashMap<u64, Lease, BuildHasherDefault<SequenceHasher>>,
     last_pruned: Instant,
+    acked: HashMap<u64, u64, BuildHasherDefault<SequenceHasher>>,
+    /// When each entry of `acked` was made, oldest first.
+    acked_at: VecDeque<(Instant, u64)>,
 }
 
 impl Leases {
@@ -74,6 +105,8 @@ impl Leases {
         Self {
             by_sequence: HashMap::default(),
             last_pruned: Instant::now(),
+            acked: HashMap::default(),
+            acked_at: VecDeque::new(),
         }
     }
 
@@ -81,8 +114,48 @@ impl Leases {
         self.by_sequence.len()
     }
 
+    /// Forgets every lease and every acknowledged message (the messages
+    /// are gone: purged, or the stream deleted).
     pub(crate) fn clear(&mut self) {
         self.by_sequence.clear();
+        self.acked.clear();
+        self.acked_at.clear();
+    }
+
+    /// Whether the message `info` describes, fetched again, is one this
+    /// handle holds (leased for `lease`, less than half of it ago) or
+    /// acknowledged; a held one takes `reply`, the new delivery's ack
+    /// subject, when the answer is [`Seen::Held`].
+    pub(crate) fn seen(&mut self, info: &DeliveryInfo, reply: &Subject, lease: Duration) -> Seen {
+        if let Some(held) = self.by_sequence.get_mut(&info.sequence) {
+            if held.stored == info.stored && held.touched.elapsed() < lease / 2 {
+                held.reply = reply.clone();
+                return Seen::Held;
+            }
+            return Seen::New;
+        }
+        if self.acked.get(&info.sequence) == Some(&info.stored) {
+            Seen::Acked
+        } else {
+            Seen::New
+        }
+    }
+
+    /// Remembers messages (sequence and storage time) whose acknowledgement
+    /// the server confirmed, for `keep`; forgets older ones.
+    fn remember_acked(&mut self, acked: impl IntoIterator<Item = (u64, u64)>, keep: Duration) {
+        let now = Instant::now();
+        for (sequence, stored) in acked {
+            self.acked.insert(sequence, stored);
+            self.acked_at.push_back((now, sequence));
+        }
+        while let Some(&(at, sequence)) = self.acked_at.front() {
+            if self.acked_at.len() <= ACKED_MAX && now.duration_since(at) < keep {
+                break;
+            }
+            self.acked_at.pop_front();
+            self.acked.remove(&sequence);
+        }
     }
 
     pub(crate) fn extend(&mut self, leased: impl IntoIterator<Item = (u64, Lease)>) {
@@ -109,6 +182,14 @@ impl NatsTransport {
 
     fn take_lease(&self, sequence: u64) -> Option<Lease> {
         lock(&self.inner.leases).remove(sequence)
+    }
+
+    /// Remembers messages whose acknowledgement the server confirmed (by
+    /// sequence and storage time), so that a delivery of one of them again
+    /// is acknowledged again instead of handed out.
+    fn remember_acked(&self, acked: impl IntoIterator<Item = (u64, u64)>) {
+        let keep = ACKED_MEMORY.max(self.inner.config.lease.saturating_mul(2));
+        lock(&self.inner.leases).remember_acked(acked, keep);
     }
 
     /// The settlement of `lease`, to be confirmed while it lasts.
@@ -147,9 +228,12 @@ impl NatsTransport {
         let sequence = sequence_of(id)?;
         match self.take_lease(sequence) {
             Some(lease) => {
+                let stored = lease.stored;
                 let settlement = self.settlement(lease);
                 self.confirm("acknowledging", AckKind::Ack, vec![settlement])
-                    .await
+                    .await?;
+                self.remember_acked([(sequence, stored)]);
+                Ok(())
             }
             None => self.delete_by_sequence(sequence).await,
         }
@@ -170,7 +254,7 @@ impl NatsTransport {
             for id in ids {
                 match sequence_of(id) {
                     Ok(sequence) => match leases.remove(sequence) {
-                        Some(lease) => settlements.push(lease),
+                        Some(lease) => settlements.push((sequence, lease)),
                         None => others.push(sequence),
                     },
                     Err(e) => {
@@ -179,15 +263,24 @@ impl NatsTransport {
                 }
             }
         }
+        let keys: Vec<(u64, u64)> = settlements
+            .iter()
+            .map(|(sequence, lease)| (*sequence, lease.stored))
+            .collect();
         let settlements = settlements
             .into_iter()
-            .map(|lease| self.settlement(lease))
+            .map(|(_, lease)| self.settlement(lease))
             .collect::<Vec<_>>();
         let acked = if settlements.is_empty() {
             Ok(())
         } else {
-            self.confirm("acknowledging", AckKind::Ack, settlements)
-                .await
+            let confirmed = self
+                .confirm("acknowledging", AckKind::Ack, settlements)
+                .await;
+            if confirmed.is_ok() {
+                self.remember_acked(keys);
+            }
+            confirmed
         };
         for sequence in others {
             if let Err(e) = self.delete_by_sequence(sequence).await {
@@ -258,7 +351,87 @@ impl Keepalive for NatsTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_id;
+    use super::*;
+
+    fn info(sequence: u64, stored: u64) -> DeliveryInfo {
+        DeliveryInfo {
+            sequence,
+            delivered: 2,
+            stored,
+        }
+    }
+
+    fn lease(reply: &str, touched: Instant, stored: u64) -> Lease {
+        Lease {
+            reply: Subject::from(reply),
+            touched,
+            stored,
+        }
+    }
+
+    #[test]
+    fn a_message_delivered_again_while_held_is_not_new_and_takes_the_new_ack_subject() {
+        let lease_period = Duration::from_secs(30);
+        let mut leases = Leases::new();
+        leases.extend([(7, lease("$JS.ACK.old", Instant::now(), 100))]);
+        let again = Subject::from("$JS.ACK.new");
+        assert!(matches!(
+            leases.seen(&info(7, 100), &again, lease_period),
+            Seen::Held
+        ));
+        assert_eq!(leases.remove(7).unwrap().reply, again);
+
+        // Another message with that sequence (the stream made again), or
+        // one whose lease is half gone: new.
+        leases.extend([(7, lease("$JS.ACK.old", Instant::now(), 100))]);
+        assert!(matches!(
+            leases.seen(&info(7, 200), &again, lease_period),
+            Seen::New
+        ));
+        let Some(long_ago) = Instant::now().checked_sub(Duration::from_secs(20)) else {
+            return;
+        };
+        leases.extend([(8, lease("$JS.ACK.old", long_ago, 100))]);
+        assert!(matches!(
+            leases.seen(&info(8, 100), &again, lease_period),
+            Seen::New
+        ));
+    }
+
+    #[test]
+    fn acknowledged_messages_are_remembered_for_a_while_and_a_bounded_number() {
+        let reply = Subject::from("$JS.ACK.x");
+        let lease_period = Duration::from_secs(30);
+        let mut leases = Leases::new();
+        leases.remember_acked([(1, 10), (2, 20)], Duration::from_secs(60));
+        assert!(matches!(
+            leases.seen(&info(1, 10), &reply, lease_period),
+            Seen::Acked
+        ));
+        assert!(matches!(
+            leases.seen(&info(2, 99), &reply, lease_period),
+            Seen::New
+        ));
+        assert!(matches!(
+            leases.seen(&info(3, 30), &reply, lease_period),
+            Seen::New
+        ));
+        // Kept for no time: forgotten at the next acknowledgement.
+        leases.remember_acked([(4, 40)], Duration::ZERO);
+        assert!(leases.acked.is_empty() && leases.acked_at.is_empty());
+
+        leases.remember_acked(
+            (0..ACKED_MAX as u64 + 5).map(|s| (s, s)),
+            Duration::from_secs(60),
+        );
+        assert_eq!(leases.acked.len(), ACKED_MAX);
+        assert!(matches!(
+            leases.seen(&info(4, 4), &reply, lease_period),
+            Seen::New
+        ));
+        leases.clear();
+        assert!(leases.acked.is_empty() && leases.acked_at.is_empty());
+    }
 
     #[test]
     fn ids_are_positive_stream_sequences() {

@@ -17,7 +17,7 @@ use std::time::Duration;
 use common::server::{binary, Server};
 use common::{unique_name, with_options};
 use envoi_core::transport::{MessageCount, RawMessage, Setup, Teardown, Transport};
-use envoi_core::worker::{StopReason, Worker};
+use envoi_core::worker::{StopReason, Worker, WorkerEvent};
 use envoi_core::{Command, Headers, Message, Messenger};
 use envoi_nats::NatsTransport;
 use serde::{Deserialize, Serialize};
@@ -123,7 +123,24 @@ async fn a_broker_restart_mid_run_leaves_no_duplicate_and_loses_nothing() {
             handled.load(Ordering::SeqCst)
         }
     });
+    // What failed with the transport, to tell why should a message come
+    // back.
+    let failures = Arc::new(Mutex::new(Vec::<String>::new()));
     let run = Worker::builder(&messenger)
+        .listener({
+            let failures = failures.clone();
+            move |event: &WorkerEvent| {
+                if let WorkerEvent::TransportFailed {
+                    operation, error, ..
+                } = event
+                {
+                    failures
+                        .lock()
+                        .unwrap()
+                        .push(format!("{operation}: {error}"));
+                }
+            }
+        })
         .receiver("jobs")
         .concurrency(8)
         .keepalive_interval(Some(Duration::from_secs(2)))
@@ -158,7 +175,11 @@ async fn a_broker_restart_mid_run_leaves_no_duplicate_and_loses_nothing() {
         duplicated.len(),
         lost.len()
     );
-    assert!(duplicated.is_empty(), "handled twice: {duplicated:?}");
+    assert!(
+        duplicated.is_empty(),
+        "handled twice: {duplicated:?}; transport failures: {:#?}",
+        failures.lock().unwrap()
+    );
     assert!(lost.is_empty(), "never handled: {lost:?}");
 
     let check = NatsTransport::connect(&name, &dsn).await.expect("connect");
