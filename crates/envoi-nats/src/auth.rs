@@ -236,6 +236,31 @@ mod tests {
     }
 
     #[test]
+    fn odd_dsns_are_masked_and_parsed_without_panicking() {
+        for dsn in [
+            "",
+            "://",
+            "nats://@",
+            "nats://:@h",
+            "nats://a@b@c?x=@#@",
+            "é://é@é?token=é#é",
+            "nats://u:p@h?token",
+            "?token=x",
+            "nats://h?&&=&token=&",
+            "nats://%@h",
+            "nats://u:%zz@h",
+            "nats://h:4222?token=%FF",
+        ] {
+            let masked = mask(dsn);
+            if let Err(e) = crate::NatsConfig::from_dsn(dsn) {
+                let shown = e.to_string();
+                assert!(!shown.contains("token=x"), "{dsn}: {shown}");
+            }
+            assert!(!masked.contains("token=x"), "{dsn}: {masked}");
+        }
+    }
+
+    #[test]
     fn a_seed_is_found_alone_or_in_its_decorated_block() {
         let seed = "SUAMLK2ZNL35WSMW37E7UD4VZ7ELPKW7DHC3BWBSD2GCZ7IUQQXZIORRBU";
         assert_eq!(nkey_seed(&format!("{seed}\n")), Some(seed));
