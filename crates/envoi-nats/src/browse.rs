@@ -20,12 +20,12 @@ fn stream_message_to_delivery(message: StreamMessage) -> Delivery {
 
 impl MessageCount for NatsTransport {
     /// The consumer's `num_pending + num_ack_pending`: waiting, leased and
-    /// delayed messages. This handle's latest ack is confirmed first.
+    /// delayed messages. Acks are confirmed before they return, so it never
+    /// counts a message this handle acknowledged.
     fn message_count(&self) -> BoxFuture<'_, Result<u64, TransportError>> {
         Box::pin(async move {
             self.check_open()?;
             self.ensure_setup().await?;
-            self.ack_barrier().await;
             let stream = self.open_stream().await?;
             let info = stream
                 .consumer_info(self.consumer())
@@ -37,13 +37,11 @@ impl MessageCount for NatsTransport {
 }
 
 impl Browse for NatsTransport {
-    /// `STREAM.MSG.GET` by subject from sequence 1, oldest first. This
-    /// handle's latest ack is confirmed first.
+    /// `STREAM.MSG.GET` by subject from sequence 1, oldest first.
     fn list(&self, limit: usize) -> BoxFuture<'_, Result<Vec<Delivery>, TransportError>> {
         Box::pin(async move {
             self.check_open()?;
             self.ensure_setup().await?;
-            self.ack_barrier().await;
             let stream = self.open_stream().await?;
             let mut out = Vec::new();
             let mut sequence = 1;
@@ -78,7 +76,6 @@ impl Browse for NatsTransport {
                 return Ok(None);
             };
             self.ensure_setup().await?;
-            self.ack_barrier().await;
             let stream = self.open_stream().await?;
             match stream.get_raw_message(sequence).await {
                 Ok(message) if message.subject.as_str() == self.subject() => {

@@ -1,11 +1,13 @@
-//! DSN parsing: `nats://[user:password@]host:port?stream=..&subject=..&..`.
+//! DSN parsing: `nats://[user:password@|token@]host:port?stream=..&subject=..&..`.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
-use envoi_core::transport::mask_dsn;
-use envoi_core::transport::support::DsnQuery;
+use envoi_core::transport::support::{DsnQuery, DEFAULT_CONNECT_TIMEOUT};
 use envoi_core::TransportError;
 use url::Url;
+
+use crate::auth::{mask, user_info};
 
 /// Where the messages of a JetStream stream live on the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,12 +36,58 @@ pub enum Storage {
 /// | `dedup`           | `dedup`             | `false`                     |
 /// | `max_ack_pending` | `max_ack_pending`   | `-1` (unlimited)            |
 /// | `auto_setup`      | `auto_setup`        | `true`                      |
+/// | `connect_timeout` | `connect_timeout`   | `5s`                        |
+/// | `token`           | `token`             | none                        |
+/// | `nkey_seed_file`  | `nkey_seed_file`    | none                        |
+/// | `creds_file`      | `creds_file`        | none                        |
 /// | `tls`             | `tls`               | `false`                     |
+/// | `tls_ca_file`     | `tls_ca_file`       | none (the system's roots)   |
+/// | `tls_cert_file`   | `tls_cert_file`     | none                        |
+/// | `tls_key_file`    | `tls_key_file`      | none                        |
 ///
 /// Options are read by [`DsnQuery`], as on every transport: an unknown
 /// option or one given twice is refused; booleans are `true`/`false`,
 /// `1`/`0`, `yes`/`no` or `on`/`off`; durations are `1500ms`, `2s`, `1m`,
 /// `1h30m` or plain (decimal) seconds.
+///
+/// # Credentials and TLS
+///
+/// One way to authenticate, at most:
+///
+/// * a user and password in the user information,
+///   `nats://user:password@host:port` (percent-encode `@`, `:`, `/`, `%`
+///   and spaces in them, such as `p%40ss` for `p@ss`);
+/// * a token, as NATS URLs give one: the user information without a
+///   password, `nats://TOKEN@host:port`, or the `token` option (`+` reads
+///   as a space there: write `%2B`);
+/// * `nkey_seed_file`: a file holding an NKey seed (`SU…`), alone or in the
+///   decorated block `nsc` and `nk` write;
+/// * `creds_file`: a `.creds` file (a user JWT and its NKey seed).
+///
+/// `tls=true` requires TLS (a server that requires it gets it anyway).
+/// `tls_ca_file` names the PEM certificates of the authorities the
+/// server's certificate is checked against (the system's roots by default);
+/// `tls_cert_file` and `tls_key_file`, given together, the client's PEM
+/// certificate and key, for a server that verifies clients. Files are read
+/// when the transport connects; one that cannot be read or used is a
+/// [`TransportError::InvalidDsn`] naming it.
+///
+/// Passwords and tokens never show: `Debug` masks them, and so does every
+/// error naming the DSN (`nats://u:***@host`, `nats://***@host`,
+/// `token=***`).
+///
+/// ```
+/// use envoi_nats::NatsConfig;
+///
+/// let config = NatsConfig::from_dsn("nats://app:s3cr%40t@127.0.0.1:4222").unwrap();
+/// assert_eq!(config.server, "nats://127.0.0.1:4222");
+/// assert_eq!(config.user.as_deref(), Some("app"));
+/// assert_eq!(config.password.as_deref(), Some("s3cr@t"));
+/// assert!(!format!("{config:?}").contains("s3cr"));
+///
+/// let config = NatsConfig::from_dsn("nats://t0k3n@127.0.0.1:4222").unwrap();
+/// assert_eq!(config.token.as_deref(), Some("t0k3n"));
+/// ```
 ///
 /// `stream`, `subject` and `consumer` are `None` unless the DSN names them:
 /// the transport then derives them from its name, `<name>` being the
@@ -60,8 +108,24 @@ pub enum Storage {
 #[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct NatsConfig {
-    /// The server URL without the query (`nats://user:password@host:port`).
+    /// The server URL without credentials or query (`nats://host:port`).
     pub server: String,
+    /// The user to authenticate as, with `password`: the DSN's user
+    /// information (`nats://user:password@host`), percent-decoded.
+    pub user: Option<String>,
+    /// The password of `user`, percent-decoded. `Debug` masks it.
+    pub password: Option<String>,
+    /// A token to authenticate with: the DSN's user information when it
+    /// has no password (`nats://TOKEN@host`), or the `token` option.
+    /// `Debug` masks it.
+    pub token: Option<String>,
+    /// A file holding the NKey seed to authenticate with.
+    pub nkey_seed_file: Option<PathBuf>,
+    /// A `.creds` file (a user JWT and its NKey seed) to authenticate with.
+    pub creds_file: Option<PathBuf>,
+    /// How long connecting may take before it fails with
+    /// [`TransportError::Unreachable`].
+    pub connect_timeout: Duration,
     /// The JetStream stream holding the messages; `None`: `envoi-<name>`.
     pub stream: Option<String>,
     /// The subject messages are published to (the stream captures it);
@@ -79,7 +143,9 @@ pub struct NatsConfig {
     pub wait: Duration,
     /// Where the stream keeps its messages.
     pub storage: Storage,
-    /// Wait for the server to confirm each acknowledgement.
+    /// Have the server confirm each acknowledgement with a request of its
+    /// own. Off, acks are confirmed all the same, one answer for a batch
+    /// (the consumer applies the acks of one connection in order).
     pub double_ack: bool,
     /// Give every publish a `Nats-Msg-Id`, so that a publish retried after
     /// its acknowledgement was lost is stored once (within the stream's
@@ -94,12 +160,26 @@ pub struct NatsConfig {
     pub auto_setup: bool,
     /// Require TLS.
     pub tls: bool,
+    /// The PEM certificates of the authorities the server's certificate is
+    /// checked against, instead of the system's roots.
+    pub tls_ca_file: Option<PathBuf>,
+    /// The client's PEM certificate, for a server that verifies clients
+    /// (with `tls_key_file`).
+    pub tls_cert_file: Option<PathBuf>,
+    /// The private key of `tls_cert_file`, in PEM.
+    pub tls_key_file: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for NatsConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NatsConfig")
-            .field("server", &mask_dsn(&self.server))
+            .field("server", &mask(&self.server))
+            .field("user", &self.user)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("token", &self.token.as_ref().map(|_| "***"))
+            .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("creds_file", &self.creds_file)
+            .field("connect_timeout", &self.connect_timeout)
             .field("stream", &self.stream)
             .field("subject", &self.subject)
             .field("consumer", &self.consumer)
@@ -112,6 +192,9 @@ impl std::fmt::Debug for NatsConfig {
             .field("max_ack_pending", &self.max_ack_pending)
             .field("auto_setup", &self.auto_setup)
             .field("tls", &self.tls)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
             .finish()
     }
 }
@@ -134,11 +217,24 @@ pub(crate) struct Names {
 
 impl NatsConfig {
     /// Parses `dsn`. Fails with [`TransportError::InvalidDsn`] (password
-    /// masked) when the DSN or one of its options is not understood, or an
-    /// option is given twice.
+    /// and token masked) when the DSN or one of its options is not
+    /// understood, an option is given twice, or the credentials contradict
+    /// each other.
     pub fn from_dsn(dsn: &str) -> Result<Self, TransportError> {
+        // `DsnQuery` masks passwords only: name the DSN with its token
+        // masked too.
+        Self::parse(dsn).map_err(|error| match error {
+            TransportError::InvalidDsn { reason, .. } => TransportError::InvalidDsn {
+                dsn: mask(dsn),
+                reason,
+            },
+            other => other,
+        })
+    }
+
+    fn parse(dsn: &str) -> Result<Self, TransportError> {
         let invalid = |reason: String| TransportError::InvalidDsn {
-            dsn: mask_dsn(dsn),
+            dsn: mask(dsn),
             reason,
         };
         let url = Url::parse(dsn).map_err(|e| invalid(e.to_string()))?;
@@ -157,8 +253,15 @@ impl NatsConfig {
                 url.path()
             )));
         }
+        let user_info = user_info(&url, dsn).map_err(invalid)?;
         let mut config = NatsConfig {
             server: server_url(&url),
+            user: user_info.user,
+            password: user_info.password,
+            token: user_info.token,
+            nkey_seed_file: None,
+            creds_file: None,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             stream: None,
             subject: None,
             consumer: None,
@@ -171,6 +274,9 @@ impl NatsConfig {
             max_ack_pending: -1,
             auto_setup: true,
             tls: false,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
         };
         let mut query = DsnQuery::parse(dsn)?;
         config.read_options(&mut query)?;
@@ -219,13 +325,41 @@ impl NatsConfig {
         if let Some(max) = query.number("max_ack_pending")? {
             self.max_ack_pending = max;
         }
+        self.connect_timeout = query.connect_timeout()?;
+        if let Some(token) = query.string("token") {
+            if self.token.is_some() {
+                return Err(query.invalid(
+                    "a token is given twice: as the user information and as `token`".into(),
+                ));
+            }
+            self.token = Some(token);
+        }
+        let files: [(&'static str, &mut Option<PathBuf>); 5] = [
+            ("nkey_seed_file", &mut self.nkey_seed_file),
+            ("creds_file", &mut self.creds_file),
+            ("tls_ca_file", &mut self.tls_ca_file),
+            ("tls_cert_file", &mut self.tls_cert_file),
+            ("tls_key_file", &mut self.tls_key_file),
+        ];
+        for (name, file) in files {
+            if let Some(path) = query.string(name) {
+                if path.is_empty() {
+                    return Err(query.invalid(format!("`{name}` names no file")));
+                }
+                *file = Some(PathBuf::from(path));
+            }
+        }
         Ok(())
     }
 
     /// Checks what [`from_dsn`](Self::from_dsn) checks, for a configuration
-    /// changed or built in code: the names given, the lease, wait, batch
-    /// and `max_ack_pending` ranges.
+    /// changed or built in code: the names given, the lease, wait, batch,
+    /// `max_ack_pending` and `connect_timeout` ranges, and the credentials.
     pub(crate) fn validate(&self) -> Result<(), String> {
+        self.validate_credentials()?;
+        if self.connect_timeout.is_zero() {
+            return Err("`connect_timeout` must be longer than zero".into());
+        }
         if let Some(stream) = &self.stream {
             name_option("stream", stream)?;
         }
@@ -264,6 +398,33 @@ impl NatsConfig {
         Ok(())
     }
 
+    /// At most one way to authenticate; a user with a password; a client
+    /// certificate with its key.
+    fn validate_credentials(&self) -> Result<(), String> {
+        if self.user.is_some() != self.password.is_some() {
+            return Err("a user needs a password (`nats://user:password@host`)".into());
+        }
+        let ways: Vec<&str> = [
+            (self.user.is_some(), "a user and password"),
+            (self.token.is_some(), "a token"),
+            (self.nkey_seed_file.is_some(), "`nkey_seed_file`"),
+            (self.creds_file.is_some(), "`creds_file`"),
+        ]
+        .into_iter()
+        .filter_map(|(given, way)| given.then_some(way))
+        .collect();
+        if ways.len() > 1 {
+            return Err(format!(
+                "give one way to authenticate, not {}",
+                ways.join(" and ")
+            ));
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err("`tls_cert_file` and `tls_key_file` go together".into());
+        }
+        Ok(())
+    }
+
     /// The names the transport called `name` uses, checked as the DSN's
     /// would be (a name derived from a transport name JetStream does not
     /// accept is refused too).
@@ -290,11 +451,14 @@ impl NatsConfig {
     }
 }
 
-/// `nats://user:password@host:port` without path or query.
+/// `nats://host:port`: `url` without credentials, path or query.
 fn server_url(url: &Url) -> String {
     let mut server = url.clone();
     server.set_query(None);
     server.set_fragment(None);
+    // Cannot fail: the URL has a host (checked before).
+    let _ = server.set_password(None);
+    let _ = server.set_username("");
     let mut s = server.to_string();
     if s.ends_with('/') {
         s.pop();
@@ -422,7 +586,9 @@ mod tests {
              &auto_setup=false&tls=1",
         )
         .unwrap();
-        assert_eq!(config.server, "nats://u:p@nats.local:4223");
+        assert_eq!(config.server, "nats://nats.local:4223");
+        assert_eq!(config.user.as_deref(), Some("u"));
+        assert_eq!(config.password.as_deref(), Some("p"));
         assert_eq!(config.stream.as_deref(), Some("S1"));
         assert_eq!(config.subject.as_deref(), Some("a.b.c"));
         assert_eq!(config.consumer.as_deref(), Some("C1"));
@@ -523,6 +689,105 @@ mod tests {
         // The same option, once percent-encoded.
         let (_, why) = reason("nats://127.0.0.1:4222?dedup=true&d%65dup=false");
         assert!(why.contains("option `dedup` is given twice"), "{why}");
+    }
+
+    #[test]
+    fn credentials_come_from_the_user_information_or_the_options() {
+        let config = NatsConfig::from_dsn("nats://app:p%40ss%3Aw%2Frd@h:4222").unwrap();
+        assert_eq!(config.server, "nats://h:4222");
+        assert_eq!(config.user.as_deref(), Some("app"));
+        assert_eq!(config.password.as_deref(), Some("p@ss:w/rd"));
+        assert_eq!(config.token, None);
+
+        let config = NatsConfig::from_dsn("nats://s3cr3t@h:4222").unwrap();
+        assert_eq!(config.server, "nats://h:4222");
+        assert_eq!(
+            (config.user.as_deref(), config.token.as_deref()),
+            (None, Some("s3cr3t"))
+        );
+        let config = NatsConfig::from_dsn("nats://h:4222?token=s3%2Bcr3t").unwrap();
+        assert_eq!(config.token.as_deref(), Some("s3+cr3t"));
+
+        let config = NatsConfig::from_dsn(
+            "nats://h:4222?nkey_seed_file=/etc/nats/user.nk&tls=true&tls_ca_file=/ca.pem\
+             &tls_cert_file=/c.pem&tls_key_file=/k.pem&connect_timeout=750ms",
+        )
+        .unwrap();
+        assert_eq!(
+            config.nkey_seed_file,
+            Some(PathBuf::from("/etc/nats/user.nk"))
+        );
+        assert!(config.tls);
+        assert_eq!(config.tls_ca_file, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(config.tls_cert_file, Some(PathBuf::from("/c.pem")));
+        assert_eq!(config.tls_key_file, Some(PathBuf::from("/k.pem")));
+        assert_eq!(config.connect_timeout, Duration::from_millis(750));
+        let config =
+            NatsConfig::from_dsn("nats://h:4222?creds_file=%2Fhome%2Fa%20b.creds").unwrap();
+        assert_eq!(config.creds_file, Some(PathBuf::from("/home/a b.creds")));
+
+        let config = NatsConfig::from_dsn("nats://h:4222").unwrap();
+        assert_eq!(config.connect_timeout, Duration::from_secs(5));
+        assert_eq!(
+            (config.user, config.password, config.token),
+            (None, None, None)
+        );
+        assert_eq!((config.nkey_seed_file, config.creds_file), (None, None));
+        assert_eq!(
+            (
+                config.tls_ca_file,
+                config.tls_cert_file,
+                config.tls_key_file
+            ),
+            (None, None, None)
+        );
+    }
+
+    #[test]
+    fn contradicting_credentials_are_refused() {
+        for (dsn, expected) in [
+            ("nats://t@h?token=u", "a token is given twice"),
+            (
+                "nats://u:p@h?token=t",
+                "not a user and password and a token",
+            ),
+            (
+                "nats://t@h?creds_file=/a.creds",
+                "not a token and `creds_file`",
+            ),
+            (
+                "nats://h?nkey_seed_file=/a.nk&creds_file=/a.creds",
+                "`nkey_seed_file` and `creds_file`",
+            ),
+            ("nats://h?tls_cert_file=/c.pem", "go together"),
+            ("nats://h?tls_key_file=/k.pem", "go together"),
+            ("nats://h?tls_ca_file=", "names no file"),
+            ("nats://h?connect_timeout=0s", "connect_timeout"),
+            ("nats://h?connect_timeout=soon", "connect_timeout"),
+        ] {
+            let (_, why) = reason(dsn);
+            assert!(why.contains(expected), "{dsn}: {why}");
+        }
+        let mut config = NatsConfig::from_dsn("nats://h").unwrap();
+        config.user = Some("u".into());
+        assert!(config.validate().unwrap_err().contains("needs a password"));
+    }
+
+    #[test]
+    fn passwords_and_tokens_never_show_in_debug_or_errors() {
+        for dsn in [
+            "nats://u:hunter2@h:4222?lease=1s",
+            "nats://hunter2@h:4222",
+            "nats://h:4222?token=hunter2",
+        ] {
+            let config = NatsConfig::from_dsn(dsn).unwrap();
+            let debug = format!("{config:?}");
+            assert!(!debug.contains("hunter2"), "{debug}");
+            assert!(debug.contains("***"), "{debug}");
+            let (shown, _) = reason(&format!("{dsn}&colour=red").replacen("4222&", "4222?", 1));
+            assert!(!shown.contains("hunter2"), "{shown}");
+            assert!(shown.contains("***"), "{shown}");
+        }
     }
 
     #[test]

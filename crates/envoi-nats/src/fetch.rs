@@ -27,15 +27,29 @@ pub(crate) enum FetchEnd {
     Failed(TransportError),
 }
 
-/// The stream sequence and delivery count in a JetStream ack subject:
-/// `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.
-/// <timestamp>.<pending>`, or the same with `<domain>.<account hash>` before
-/// the stream and possibly more tokens after `<pending>` (ADR-15). One pass
-/// over the bytes; only the two numbers `get` needs are parsed.
-pub(crate) fn ack_subject_sequences(reply: &str) -> Option<(u64, u64)> {
+/// What the ack subject of a delivery tells of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DeliveryInfo {
+    /// The stream sequence: the message's id.
+    pub(crate) sequence: u64,
+    /// How many times JetStream delivered it, this time included.
+    pub(crate) delivered: u64,
+    /// When the message was stored (nanoseconds since the epoch): with the
+    /// sequence, it tells one stored message from any other, even in a
+    /// stream deleted and made again, whose sequences start over.
+    pub(crate) stored: u64,
+}
+
+/// The stream sequence, delivery count and storage time in a JetStream ack
+/// subject: `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.
+/// <consumer seq>.<timestamp>.<pending>`, or the same with `<domain>.
+/// <account hash>` before the stream and possibly more tokens after
+/// `<pending>` (ADR-15). One pass over the bytes; only the three numbers
+/// `get` needs are parsed.
+pub(crate) fn delivery_info(reply: &str) -> Option<DeliveryInfo> {
     let tokens = reply.strip_prefix("$JS.ACK.")?;
-    // Where each of the first seven tokens starts, and how many there are.
-    let mut starts = [0; 7];
+    // Where each of the first nine tokens starts, and how many there are.
+    let mut starts = [0; 9];
     let mut count = 1;
     for (at, byte) in tokens.bytes().enumerate() {
         if byte == b'.' {
@@ -51,7 +65,11 @@ pub(crate) fn ack_subject_sequences(reply: &str) -> Option<(u64, u64)> {
         _ => return None,
     };
     let token = |i: usize| tokens.get(starts[i]..starts[i + 1] - 1)?.parse().ok();
-    Some((token(delivered + 1)?, token(delivered)?))
+    Some(DeliveryInfo {
+        sequence: token(delivered + 1)?,
+        delivered: token(delivered)?,
+        stored: token(delivered + 3)?,
+    })
 }
 
 /// Gives `messages` back to JetStream (`-NAK`), so they are delivered
@@ -151,23 +169,31 @@ pub(crate) async fn fetch_ahead(
 
 #[cfg(test)]
 mod tests {
-    use super::ack_subject_sequences;
+    use super::{delivery_info, DeliveryInfo};
+
+    fn info(sequence: u64, delivered: u64, stored: u64) -> Option<DeliveryInfo> {
+        Some(DeliveryInfo {
+            sequence,
+            delivered,
+            stored,
+        })
+    }
 
     #[test]
-    fn ack_subjects_of_both_formats_give_sequence_and_delivery_count() {
+    fn ack_subjects_of_both_formats_give_sequence_delivery_count_and_storage_time() {
         assert_eq!(
-            ack_subject_sequences("$JS.ACK.orders.workers.3.1042.1040.1700000000000000000.7"),
-            Some((1042, 3))
+            delivery_info("$JS.ACK.orders.workers.3.1042.1040.1700000000000000001.7"),
+            info(1042, 3, 1_700_000_000_000_000_001)
         );
         assert_eq!(
-            ack_subject_sequences("$JS.ACK._.ACCHASH.orders.workers.1.5.5.1700000000000000000.0"),
-            Some((5, 1))
+            delivery_info("$JS.ACK._.ACCHASH.orders.workers.1.5.5.1700000000000000002.0"),
+            info(5, 1, 1_700_000_000_000_000_002)
         );
         assert_eq!(
-            ack_subject_sequences(
-                "$JS.ACK.hub.ACCHASH.orders.workers.2.77.70.1700000000000000000.0.r4nd0m"
+            delivery_info(
+                "$JS.ACK.hub.ACCHASH.orders.workers.2.77.70.1700000000000000003.0.r4nd0m"
             ),
-            Some((77, 2))
+            info(77, 2, 1_700_000_000_000_000_003)
         );
         for bad in [
             "",
@@ -176,8 +202,9 @@ mod tests {
             "$JS.ACK.orders.workers.3.x.1040.1700000000000000000.7",
             "$JS.ACK.a.b.c.d.e.f.g.h",
             "$JS.ACK.orders.workers.-1.5.5.1700000000000000000.0",
+            "$JS.ACK.orders.workers.1.5.5.later.0",
         ] {
-            assert_eq!(ack_subject_sequences(bad), None, "{bad}");
+            assert_eq!(delivery_info(bad), None, "{bad}");
         }
     }
 }

@@ -3,12 +3,29 @@
 //! A NATS JetStream transport for envoi.
 //!
 //! ```text
-//! nats://[user:password@]host:port?stream=..&subject=..&consumer=..&lease=..&batch=..&wait=..
+//! nats://[user:password@|token@]host:port?stream=..&subject=..&consumer=..&lease=..&batch=..&wait=..
 //! ```
 //!
 //! Each transport is a work-queue stream capturing one subject and a durable
 //! pull consumer on it; [`NatsConfig`] lists every DSN option. Handles created
 //! for the same name share the consumer and compete for messages.
+//!
+//! ## Connecting
+//!
+//! Credentials come from the DSN: a user and password as its user
+//! information (`nats://user:password@host`, percent-encoded), a token as
+//! user information without a password (`nats://TOKEN@host`, as NATS URLs
+//! give one) or as the `token` option, an NKey seed file
+//! (`nkey_seed_file=`) or a `.creds` file (`creds_file=`); at most one of
+//! them. `tls=true` requires TLS; `tls_ca_file`, `tls_cert_file` and
+//! `tls_key_file` name the authorities' certificates and the client's
+//! certificate and key (PEM). Passwords and tokens are masked wherever the
+//! DSN or configuration is shown. See [`NatsConfig`].
+//!
+//! Connecting takes at most `connect_timeout` (5 s by default): a server
+//! that refuses the connection or the credentials, or does not answer in
+//! time, is [`TransportError::Unreachable`](envoi_core::TransportError::Unreachable)
+//! naming the masked DSN.
 //!
 //! ## How each operation maps to JetStream
 //!
@@ -20,9 +37,9 @@
 //! | `Setup::setup`                 | get-or-create stream, create-or-update durable pull consumer |
 //! | `send` / `send_batch`          | publish (`Nats-Msg-Id` with `dedup`), wait for the ack        |
 //! | `Receiver::get`                | one pull request (fetch) with an expiry of `wait`            |
-//! | `Receiver::ack`                | `+ACK` (with `double_ack`, confirmed by the server)          |
-//! | `Receiver::reject`             | `+ACK` (a work queue then drops the message for good)        |
-//! | `Receiver::release`            | `-NAK` with no delay: handed out again at once               |
+//! | `Receiver::ack`, `ack_batch`   | `+ACK`, confirmed by the server (one round trip a batch)     |
+//! | `Receiver::reject`             | `+ACK`, confirmed (a work queue drops the message for good)  |
+//! | `Receiver::release`            | `-NAK` with no delay, confirmed: handed out again at once    |
 //! | `Keepalive::keepalive`         | `+WPI` (in progress): the lease starts over                  |
 //! | lease                          | the consumer's `ack_wait`                                    |
 //! | `MessageCount::message_count`  | consumer info: `num_pending + num_ack_pending`               |
@@ -30,7 +47,7 @@
 //! | `Teardown::purge`              | stream purge of the transport's subject (returns the count)  |
 //! | `Teardown::delete`             | stream delete (its consumer and messages with it)            |
 //! | `WakeUp::wait_for_messages`    | returns at once: an empty `get` already waited on the server |
-//! | [`NatsTransport::close`]       | gives back what was fetched ahead, confirms acks, drains     |
+//! | [`NatsTransport::close`]       | gives back what was fetched ahead, flushes, drains           |
 //!
 //! A message JetStream delivered before (its delivery count is above one)
 //! is handed out with [`Delivery::redelivered`](envoi_core::transport::Delivery::redelivered)
@@ -38,9 +55,33 @@
 //!
 //! Ids are stream sequence numbers, the same for every delivery of a message.
 //! `ack` and `reject` of an id this handle did not hand out (one from `list`,
-//! say) delete that message from the stream. `list`, `find` and
-//! `message_count` first confirm this handle's latest ack, so they never
-//! show a message the same handle acknowledged.
+//! say) delete that message from the stream.
+//!
+//! ## Acknowledgements
+//!
+//! `ack`, `ack_batch`, `reject` and `release` return once the server has
+//! applied them: a worker whose graceful stop (SIGTERM) ends with its last
+//! acks, and whose process exits right after, leaves nothing to be handled
+//! again. The acks of a batch are written together, the last one as a
+//! request that the server answers once applied; as the consumer applies
+//! the acks of one connection in order, that answer confirms the batch, so
+//! a batch costs one round trip. Should the connection be lost meanwhile (a
+//! broker restart), or no answer come, the batch is sent again after the
+//! client reconnects, for as long as the lease of its messages lasts (past
+//! it, the message may be another consumer's); after that the call fails,
+//! and the messages come back. With `double_ack=true` every ack is a request
+//! of its own, confirmed concurrently within a batch. `list`, `find` and
+//! `message_count` therefore never show a message the same handle
+//! acknowledged.
+//!
+//! A server that restarts can lose track of deliveries and even of
+//! acknowledgements it confirmed just before it stopped, and deliver those
+//! messages again. A handle does not hand such a message out twice: one it
+//! holds (leased less than half a lease ago) takes the new delivery's ack
+//! subject, and one it acknowledged (in the last two leases or minute, the
+//! latest 100,000) is acknowledged again. Messages are told apart by
+//! stream sequence and storage time, so a stream deleted and made again
+//! (whose sequences start over) is not mistaken for the old one.
 //!
 //! See the crate's `README.md` for options, guarantees and how to run the
 //! tests.
@@ -67,8 +108,9 @@
 //! if it went missing). After five seconds (or four `wait`s) without a
 //! message, `get` asks the server about the consumer; if it reports pending
 //! messages that fetches do not return, or cannot be read, the binding is
-//! re-created. [`NatsTransport::close`] (or dropping the last handle) gives
-//! back what was fetched ahead and flushes and confirms the acks still
+//! re-created. Acks and naks lost with a connection are sent again after
+//! the reconnect (see above). [`NatsTransport::close`] (or dropping the
+//! last handle) gives back what was fetched ahead and flushes what is
 //! queued before the connection closes.
 //!
 //! ## What an acknowledged send survives
@@ -97,9 +139,11 @@
 //!   already waited on the server.
 //! * `dedup=true` costs publish throughput: the server looks up and keeps
 //!   every `Nats-Msg-Id`, and every message carries one.
-//! * Acks, naks and keepalives are plain publishes on the shared connection,
-//!   written out together; `ack_batch` queues them all without waiting. With
-//!   `double_ack=true` each is confirmed, concurrently within a batch.
+//! * Acks and naks are publishes on the shared connection, written out
+//!   together; `ack_batch` waits for one answer from the server, on the
+//!   last of them. With `double_ack=true` each ack is a request, answered
+//!   concurrently within a batch. Keepalives are plain publishes (requests
+//!   with `double_ack`).
 //!
 //! ```
 //! use std::time::Duration;
@@ -128,8 +172,10 @@
 
 #![forbid(unsafe_code)]
 
+mod auth;
 mod browse;
 pub mod config;
+mod confirm;
 pub mod factory;
 mod fetch;
 mod headers;

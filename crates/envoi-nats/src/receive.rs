@@ -12,10 +12,10 @@ use async_nats::jetstream::AckKind;
 use envoi_core::transport::{Delivery, DeliveryId, Receiver, WakeUp};
 use envoi_core::{BoxFuture, TransportError};
 
-use crate::fetch::{ack_subject_sequences, fetch_ahead, fetch_once, give_back, FetchEnd};
+use crate::fetch::{delivery_info, fetch_ahead, fetch_once, give_back, FetchEnd};
 use crate::headers;
 use crate::publish::{now_ms, sequence_id};
-use crate::settle::Lease;
+use crate::settle::{Lease, Seen};
 use crate::transport::{backend, lock};
 use crate::NatsTransport;
 
@@ -177,35 +177,77 @@ impl NatsTransport {
     }
 
     /// Sorts fetched messages: due ones are leased and returned, delayed
-    /// ones are given back to JetStream until they are due.
+    /// ones are given back to JetStream until they are due. A message this
+    /// handle holds or acknowledged, delivered again because the server
+    /// lost track of it (a restart), is not handed out a second time (see
+    /// [`Seen`]).
     async fn accept(&self, messages: Vec<async_nats::Message>, out: &mut Vec<Delivery>) {
+        let mut fetched = Vec::with_capacity(messages.len());
+        let mut acked_again = Vec::new();
+        {
+            let lease = self.inner.config.lease;
+            let mut leases = lock(&self.inner.leases);
+            for mut message in messages {
+                let Some(reply) = message.reply.take() else {
+                    tracing::warn!("message without a JetStream ack subject skipped");
+                    continue;
+                };
+                let Some(info) = delivery_info(&reply) else {
+                    tracing::warn!(%reply, "message without JetStream metadata skipped");
+                    continue;
+                };
+                match leases.seen(&info, &reply, lease) {
+                    Seen::New => fetched.push((message, reply, info)),
+                    Seen::Held => tracing::debug!(
+                        sequence = info.sequence,
+                        "delivered again while this handle holds it; not handed out twice"
+                    ),
+                    Seen::Acked => {
+                        tracing::debug!(
+                            sequence = info.sequence,
+                            "delivered again after this handle acknowledged it; acknowledged again"
+                        );
+                        acked_again.push(reply);
+                    }
+                }
+            }
+        }
+        for reply in acked_again {
+            if let Err(error) = self.inner.client.publish(reply, AckKind::Ack.into()).await {
+                // It comes back, and is acknowledged again then.
+                tracing::debug!(%error, "could not acknowledge a message delivered again");
+            }
+        }
         let now = now_ms();
         let touched = Instant::now();
-        let mut leased = Vec::with_capacity(messages.len());
-        out.reserve(messages.len());
-        for mut message in messages {
-            let Some(reply) = message.reply.take() else {
-                tracing::warn!("message without a JetStream ack subject skipped");
-                continue;
-            };
-            let Some((sequence, delivered)) = ack_subject_sequences(&reply) else {
-                tracing::warn!(%reply, "message without JetStream metadata skipped");
-                continue;
-            };
+        let mut leased = Vec::with_capacity(fetched.len());
+        out.reserve(fetched.len());
+        for (message, reply, info) in fetched {
             let (raw, due) = headers::decode_delivered(message.headers.as_ref(), &message.payload);
             if let Some(due) = due.filter(|due| *due > now) {
-                self.defer(reply, sequence, due - now).await;
+                self.defer(reply, info.sequence, due - now).await;
                 continue;
             }
-            tracing::trace!(sequence, delivered, "message handed out");
-            leased.push((sequence, Lease { reply, touched }));
-            let delivery = Delivery::new(sequence_id(sequence), raw);
+            tracing::trace!(
+                sequence = info.sequence,
+                delivered = info.delivered,
+                "message handed out"
+            );
+            leased.push((
+                info.sequence,
+                Lease {
+                    reply,
+                    touched,
+                    stored: info.stored,
+                },
+            ));
+            let delivery = Delivery::new(sequence_id(info.sequence), raw);
             // Delivered before and not acknowledged (its lease ran out, its
             // consumer gave it back): marked, so a deduplicating handler
             // takes over the key a dead consumer claimed. Not a delayed
             // message: deferring it until it is due counts as a delivery
             // too, so its count cannot tell.
-            out.push(if due.is_none() && delivered > 1 {
+            out.push(if due.is_none() && info.delivered > 1 {
                 delivery.mark_redelivered()
             } else {
                 delivery
@@ -294,24 +336,25 @@ impl Receiver for NatsTransport {
         })
     }
 
-    /// `+ACK` (with `double_ack`, confirmed by the server); an id this
-    /// handle did not hand out is deleted from the stream.
+    /// `+ACK`, returning once the server confirmed it; an id this handle
+    /// did not hand out is deleted from the stream.
     fn ack<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(self.remove(id))
     }
 
-    /// Every ack queued on the connection without waiting in between.
+    /// Every ack written out together, confirmed by one answer from the
+    /// server (each confirmed with `double_ack`).
     fn ack_batch<'a>(&'a self, ids: &'a [DeliveryId]) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(self.remove_all(ids))
     }
 
-    /// `+ACK`, as `ack`: on a work-queue stream the message is then gone
-    /// for good and never handed out again.
+    /// `+ACK`, confirmed, as `ack`: on a work-queue stream the message is
+    /// then gone for good and never handed out again.
     fn reject<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(self.remove(id))
     }
 
-    /// `-NAK` without delay: handed out again at once.
+    /// `-NAK` without delay, confirmed: handed out again at once.
     fn release<'a>(&'a self, id: &'a DeliveryId) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(self.give_back_one(id))
     }

@@ -4,13 +4,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream;
 use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::{self, AckKind};
 use async_nats::{ConnectOptions, Subject};
-use envoi_core::transport::support::{Backoff, ReadAhead};
-use envoi_core::transport::{mask_dsn, RawMessage, Transport};
+use envoi_core::transport::support::{connect_within, Backoff, ReadAhead};
+use envoi_core::transport::{RawMessage, Transport};
 use envoi_core::{BoxError, BoxFuture, TransportError};
 
+use crate::auth::{mask, masked_server, with_credentials};
 use crate::config::{Names, NatsConfig};
 use crate::fetch::give_back;
 use crate::settle::Leases;
@@ -64,9 +65,6 @@ pub(crate) struct Inner {
     pub(crate) leases: Mutex<Leases>,
     /// Since when fetches have returned nothing (stall detection).
     pub(crate) idle_since: Mutex<Option<Instant>>,
-    /// The ack subject of the latest unconfirmed (plain publish) ack, for
-    /// `ack_barrier`.
-    pub(crate) unconfirmed_ack: Mutex<Option<Subject>>,
     /// Whether the latest `get` failed (then `wait_for_messages` waits).
     pub(crate) get_failed: AtomicBool,
     /// The pull request for the next `get`, started when a large `get` came
@@ -77,12 +75,12 @@ pub(crate) struct Inner {
 }
 
 impl Drop for Inner {
-    /// Acks are plain publishes queued on the connection, and a client
-    /// dropped with writes still queued loses them. The last handle going
-    /// away therefore keeps the connection open (on the current runtime)
-    /// until it has given back what it fetched ahead and the server has
-    /// confirmed its latest ack, or at least until everything queued is
-    /// written.
+    /// Acks and naks are confirmed by the server before they return, but
+    /// what was fetched ahead is given back with plain publishes, which a
+    /// client dropped with writes still queued loses. The last handle
+    /// going away therefore keeps the connection open (on the current
+    /// runtime) until it has given back what it fetched ahead and flushed
+    /// what is queued.
     fn drop(&mut self) {
         if self.closed.load(Ordering::SeqCst) {
             return;
@@ -91,36 +89,24 @@ impl Drop for Inner {
             return;
         };
         let client = self.client.clone();
-        let reply = lock(&self.unconfirmed_ack).take();
         let ahead = self.read_ahead.drain_later();
         runtime.spawn(async move {
             if let Some(ahead) = ahead {
                 give_back(&client, ahead.await).await;
             }
-            if !settle_acks(&client, reply).await {
-                tracing::debug!("queued acks may not have reached the server before closing");
+            if !flushed(&client).await {
+                tracing::debug!("queued writes may not have reached the server before closing");
             }
         });
     }
 }
 
-/// Confirms `reply`, the latest ack sent as a plain publish, or else
-/// flushes the connection: every ack sent before has then reached the
-/// server. Whether that happened within five seconds.
-async fn settle_acks(client: &async_nats::Client, reply: Option<Subject>) -> bool {
-    let settle = async {
-        match reply {
-            Some(reply) => client
-                .request(reply, AckKind::Ack.into())
-                .await
-                .map(drop)
-                .is_ok(),
-            None => client.flush().await.is_ok(),
-        }
-    };
+/// Flushes the connection: what was queued on it (plain publishes) is
+/// written out. Whether that happened within five seconds.
+async fn flushed(client: &async_nats::Client) -> bool {
     matches!(
-        tokio::time::timeout(Duration::from_secs(5), settle).await,
-        Ok(true)
+        tokio::time::timeout(Duration::from_secs(5), client.flush()).await,
+        Ok(Ok(()))
     )
 }
 
@@ -177,10 +163,13 @@ impl NatsTransport {
     /// # Errors
     ///
     /// [`TransportError::InvalidDsn`] for a DSN [`NatsConfig::from_dsn`]
-    /// refuses; [`TransportError::Backend`] when the server cannot be
-    /// reached.
+    /// refuses, or naming a credentials or TLS file that cannot be read or
+    /// used; [`TransportError::Unreachable`], naming the DSN with its
+    /// password and token masked, when the server does not answer within
+    /// `connect_timeout`, refuses the connection or the credentials.
     pub async fn connect(name: &str, dsn: &str) -> Result<Self, TransportError> {
-        Self::with_config(name, NatsConfig::from_dsn(dsn)?).await
+        let config = NatsConfig::from_dsn(dsn)?;
+        Self::open(name, config, &mask(dsn)).await
     }
 
     /// Like [`connect`](Self::connect) with an already parsed
@@ -193,10 +182,18 @@ impl NatsTransport {
     /// or `max_ack_pending` that [`NatsConfig::from_dsn`] would refuse (the
     /// fields are public, so a configuration may have been changed in
     /// code), and for a transport name that derives a stream, subject or
-    /// consumer name JetStream does not accept.
-    pub async fn with_config(name: &str, mut config: NatsConfig) -> Result<Self, TransportError> {
+    /// consumer name JetStream does not accept. Errors name the server with
+    /// its credentials masked.
+    pub async fn with_config(name: &str, config: NatsConfig) -> Result<Self, TransportError> {
+        let shown = masked_server(&config);
+        Self::open(name, config, &shown).await
+    }
+
+    /// Connects the transport called `name` as `config` says; errors name
+    /// the server as `shown` (masked).
+    async fn open(name: &str, mut config: NatsConfig, shown: &str) -> Result<Self, TransportError> {
         let invalid = |reason: String| TransportError::InvalidDsn {
-            dsn: mask_dsn(&config.server),
+            dsn: shown.to_string(),
             reason,
         };
         config.validate().map_err(invalid)?;
@@ -206,15 +203,18 @@ impl NatsTransport {
         config.consumer = Some(names.consumer.clone());
         let options = ConnectOptions::new()
             .name("envoi")
-            .require_tls(config.tls)
+            .connection_timeout(config.connect_timeout)
             .reconnect_delay_callback(reconnect_delay)
             .event_callback(|event| async move {
                 tracing::debug!(%event, "nats connection event");
             });
-        let client = options
-            .connect(config.server.as_str())
-            .await
-            .map_err(|e| backend(format!("connecting to {}", mask_dsn(&config.server)), e))?;
+        let options = with_credentials(&config, options).await.map_err(invalid)?;
+        let client = connect_within(
+            shown,
+            config.connect_timeout,
+            options.connect(config.server.as_str()),
+        )
+        .await?;
         let js = jetstream::new(client.clone());
         let max_payload = AtomicUsize::new(client.server_info().max_payload);
         Ok(Self {
@@ -231,7 +231,6 @@ impl NatsTransport {
                 setting_up: tokio::sync::Mutex::new(()),
                 leases: Mutex::new(Leases::new()),
                 idle_since: Mutex::new(None),
-                unconfirmed_ack: Mutex::new(None),
                 get_failed: AtomicBool::new(false),
                 closed: AtomicBool::new(false),
             }),
@@ -266,8 +265,8 @@ impl NatsTransport {
 
     /// Closes the transport: gives back to JetStream what was fetched
     /// ahead of the next `get` (waiting for a pull request in flight),
-    /// confirms the latest acknowledgement, then drains and closes the
-    /// connection. Every handle on this transport fails with
+    /// flushes what is queued, then drains and closes the connection (acks
+    /// need nothing more: each was confirmed before it returned). Every handle on this transport fails with
     /// [`TransportError::Closed`] afterwards; a second call does nothing.
     /// Dropping the last handle does the same in the background.
     ///
@@ -281,9 +280,8 @@ impl NatsTransport {
         *lock(&self.inner.consumer) = None;
         let ahead = self.inner.read_ahead.drain().await;
         give_back(&self.inner.client, ahead).await;
-        let reply = lock(&self.inner.unconfirmed_ack).take();
-        if !settle_acks(&self.inner.client, reply).await {
-            tracing::debug!("queued acks may not have reached the server before closing");
+        if !flushed(&self.inner.client).await {
+            tracing::debug!("queued writes may not have reached the server before closing");
         }
         self.inner
             .client

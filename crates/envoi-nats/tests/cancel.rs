@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{nats_url, transport, unique_name};
+use common::{get_exactly, nats_url, transport, unique_name};
 use envoi_core::transport::{DeliveryId, Keepalive, RawMessage, Receiver, Teardown, Transport};
 
 fn message(body: &str) -> RawMessage {
@@ -29,29 +29,30 @@ async fn settling_runs_promptly_while_a_long_fetch_waits() {
     for i in 0..3 {
         t.send(message(&format!("m{i}")), None).await.unwrap();
     }
-    let held = common::get_n(&t, 3, Duration::from_secs(5)).await;
-    assert_eq!(held.len(), 3);
+    let held = get_exactly(&t, 3, Duration::from_secs(5)).await;
     let reader = {
         let t = t.clone();
         tokio::spawn(async move { t.get(1).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let started = Instant::now();
+    // Settling while the fetch waits (nothing can end it but the release
+    // below, or its 10 s wait): had settling waited for the fetch, the
+    // fetch would have ended first.
     t.keepalive(&held[0].id).await.unwrap();
     t.ack(&held[0].id).await.unwrap();
     t.ack_batch(&[held[2].id.clone()]).await.unwrap();
-    t.release(&held[1].id).await.unwrap();
     assert!(
-        started.elapsed() < Duration::from_secs(1),
-        "settling waited for the fetch: {:?}",
-        started.elapsed()
+        !reader.is_finished(),
+        "the fetch ended before settling did: settling waited for it"
     );
-    let got = tokio::time::timeout(Duration::from_secs(5), reader)
+    t.release(&held[1].id).await.unwrap();
+    // The release ends the fetch, long before its own 10 s wait would.
+    let got = tokio::time::timeout(Duration::from_secs(8), reader)
         .await
-        .expect("the pending fetch did not get the released message")
+        .expect("the pending fetch did not get the released message within 8 s")
         .unwrap()
         .unwrap();
-    assert_eq!(got.len(), 1);
+    assert_eq!(got.len(), 1, "the fetch ended without the released message");
     assert_eq!(got[0].id, held[1].id);
     t.ack(&got[0].id).await.unwrap();
     t.delete().await.unwrap();
@@ -62,7 +63,7 @@ async fn a_message_sent_after_a_dropped_fetch_goes_to_the_next_get() {
     let Some(url) = nats_url("a_message_sent_after_a_dropped_fetch_goes_to_the_next_get") else {
         return;
     };
-    let t = transport(&url, &unique_name("cancel-drop"), "lease=3s&wait=5s").await;
+    let t = transport(&url, &unique_name("cancel-drop"), "lease=30s&wait=5s").await;
     let get = {
         let t = t.clone();
         tokio::spawn(async move { t.get(1).await })
@@ -76,16 +77,19 @@ async fn a_message_sent_after_a_dropped_fetch_goes_to_the_next_get() {
     let mut got = Vec::new();
     while got.is_empty() {
         assert!(
-            sent_at.elapsed() < Duration::from_secs(15),
-            "never delivered"
+            sent_at.elapsed() < Duration::from_secs(20),
+            "the message sent after the drop was not delivered within 20 s \
+             (lost to the drop, it would come back after the 30 s lease)"
         );
         got = t.get(1).await.unwrap();
     }
     eprintln!("delivered after {:?}", sent_at.elapsed());
     assert_eq!(got[0].id.as_str(), id);
+    // Handed to the dropped pull request, JetStream would have counted a
+    // delivery, and handed it out again only after the 30 s lease.
     assert!(
-        sent_at.elapsed() < Duration::from_secs(2),
-        "went to the dropped pull request: {:?}",
+        !got[0].redelivered,
+        "went to the dropped pull request (delivered {:?} after it was sent)",
         sent_at.elapsed()
     );
     t.ack(&got[0].id).await.unwrap();
@@ -102,7 +106,7 @@ async fn a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_le
     let t = transport(
         &url,
         &unique_name("cancel-ahead"),
-        "lease=10s&wait=3s&batch=100",
+        "lease=30s&wait=3s&batch=100",
     )
     .await;
     let batch: Vec<_> = (0..100)
@@ -111,8 +115,7 @@ async fn a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_le
     t.send_batch(batch).await.unwrap();
     // A full batch of 100: the pull request for the next `get` goes out
     // and waits on the server, the stream being empty.
-    let first = common::get_n(&t, 100, Duration::from_secs(5)).await;
-    assert_eq!(first.len(), 100);
+    let first = get_exactly(&t, 100, Duration::from_secs(5)).await;
     let ids: Vec<DeliveryId> = first.iter().map(|d| d.id.clone()).collect();
     t.ack_batch(&ids).await.unwrap();
     // This `get` waits for that pull request, and is dropped meanwhile.
@@ -124,15 +127,18 @@ async fn a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_le
     while got.is_empty() {
         assert!(
             sent_at.elapsed() < Duration::from_secs(20),
-            "never delivered"
+            "the message sent after the drop was not delivered within 20 s \
+             (lost to the drop, it would come back after the 30 s lease)"
         );
         got = t.get(100).await.unwrap();
     }
     eprintln!("delivered after {:?}", sent_at.elapsed());
     assert_eq!(got[0].id.as_str(), id);
+    // Lost to the dropped `get`, JetStream would have counted a delivery,
+    // and handed it out again only after the 30 s lease.
     assert!(
-        sent_at.elapsed() < Duration::from_secs(5),
-        "waited for the lease: {:?}",
+        !got[0].redelivered,
+        "lost to the dropped get and redelivered ({:?} after it was sent)",
         sent_at.elapsed()
     );
     t.ack(&got[0].id).await.unwrap();

@@ -1,9 +1,11 @@
 //! The connection to the server is cut mid-run and restored: every message
-//! is still handled.
+//! is still handled, and acknowledgements lost with the connection are
+//! sent again.
 //!
 //! The server keeps running (other tests use it); instead the clients talk to
-//! it through a TCP proxy on 127.0.0.1 that this test runs, cuts (closing
-//! every proxied connection and refusing new ones) and restores.
+//! it through a TCP proxy on 127.0.0.1 that these tests run, cut (closing
+//! every proxied connection and refusing new ones), black-hole (keeping the
+//! connections but dropping what the clients send) and restore.
 
 mod common;
 
@@ -18,13 +20,16 @@ use envoi_core::transport::{
     DeliveryId, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
 };
 use envoi_nats::NatsTransport;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-/// A TCP proxy that can be cut and restored.
+/// A TCP proxy that can be cut, black-holed and restored.
 struct Proxy {
     addr: SocketAddr,
     up: Arc<AtomicBool>,
+    /// Whether what the clients send is passed on (or dropped).
+    forwarding: Arc<AtomicBool>,
     accepted: Arc<AtomicUsize>,
     links: Arc<Mutex<Vec<JoinHandle<()>>>>,
     acceptor: JoinHandle<()>,
@@ -35,24 +40,21 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy address");
         let up = Arc::new(AtomicBool::new(true));
+        let forwarding = Arc::new(AtomicBool::new(true));
         let accepted = Arc::new(AtomicUsize::new(0));
         let links: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let acceptor = tokio::spawn({
             let (up, accepted, links) = (up.clone(), accepted.clone(), links.clone());
+            let forwarding = forwarding.clone();
             async move {
-                while let Ok((mut inbound, _)) = listener.accept().await {
+                while let Ok((inbound, _)) = listener.accept().await {
                     if !up.load(Ordering::SeqCst) {
                         // Down: the connection is closed at once.
                         drop(inbound);
                         continue;
                     }
                     accepted.fetch_add(1, Ordering::SeqCst);
-                    let link = tokio::spawn(async move {
-                        if let Ok(mut outbound) = TcpStream::connect(upstream).await {
-                            let _ =
-                                tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                        }
-                    });
+                    let link = tokio::spawn(link(inbound, upstream, forwarding.clone()));
                     links.lock().unwrap().push(link);
                 }
             }
@@ -60,10 +62,32 @@ impl Proxy {
         Proxy {
             addr,
             up,
+            forwarding,
             accepted,
             links,
             acceptor,
         }
+    }
+
+    /// A proxy to the server at `url`, and the DSN through it with
+    /// `options`.
+    async fn to(url: &str, options: &str) -> (Proxy, String) {
+        let mut through_proxy = url::Url::parse(url).expect("ENVOI_NATS_URL is a URL");
+        let upstream = tokio::net::lookup_host((
+            through_proxy.host_str().expect("host").to_string(),
+            through_proxy.port().unwrap_or(4222),
+        ))
+        .await
+        .expect("resolve the server")
+        .next()
+        .expect("an address");
+        let proxy = Proxy::start(upstream).await;
+        through_proxy.set_host(Some("127.0.0.1")).expect("host");
+        through_proxy
+            .set_port(Some(proxy.addr.port()))
+            .expect("port");
+        let proxied = with_options(through_proxy.as_str(), options);
+        (proxy, proxied)
     }
 
     /// Closes every proxied connection and refuses new ones.
@@ -74,7 +98,13 @@ impl Proxy {
         }
     }
 
+    /// Keeps every connection open but drops what the clients send.
+    fn black_hole(&self) {
+        self.forwarding.store(false, Ordering::SeqCst);
+    }
+
     fn restore(&self) {
+        self.forwarding.store(true, Ordering::SeqCst);
         self.up.store(true, Ordering::SeqCst);
     }
 
@@ -89,6 +119,36 @@ impl Drop for Proxy {
         for link in self.links.lock().unwrap().drain(..) {
             link.abort();
         }
+    }
+}
+
+/// One proxied connection: the server's bytes go to the client; the
+/// client's go to the server while `forwarding`, and are dropped
+/// otherwise. Aborting the task closes both sockets.
+async fn link(inbound: TcpStream, upstream: SocketAddr, forwarding: Arc<AtomicBool>) {
+    let Ok(outbound) = TcpStream::connect(upstream).await else {
+        return;
+    };
+    let (mut client_reads, mut client_writes) = inbound.into_split();
+    let (mut server_reads, mut server_writes) = outbound.into_split();
+    let up = async {
+        let mut buffer = vec![0u8; 64 * 1024];
+        loop {
+            match client_reads.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) if forwarding.load(Ordering::SeqCst) => {
+                    if server_writes.write_all(&buffer[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                Ok(_) => {}
+            }
+        }
+    };
+    let down = tokio::io::copy(&mut server_reads, &mut client_writes);
+    tokio::select! {
+        () = up => {}
+        _ = down => {}
     }
 }
 
@@ -123,21 +183,7 @@ async fn every_message_is_handled_when_the_connection_is_cut_mid_run() {
         .expect("connect directly");
     direct.setup().await.expect("setup");
 
-    let mut through_proxy = url::Url::parse(&url).expect("ENVOI_NATS_URL is a URL");
-    let upstream = tokio::net::lookup_host((
-        through_proxy.host_str().expect("host").to_string(),
-        through_proxy.port().unwrap_or(4222),
-    ))
-    .await
-    .expect("resolve the server")
-    .next()
-    .expect("an address");
-    let proxy = Proxy::start(upstream).await;
-    through_proxy.set_host(Some("127.0.0.1")).expect("host");
-    through_proxy
-        .set_port(Some(proxy.addr.port()))
-        .expect("port");
-    let proxied = with_options(through_proxy.as_str(), options);
+    let (proxy, proxied) = Proxy::to(&url, options).await;
 
     let producer = NatsTransport::connect(&name, &proxied)
         .await
@@ -252,4 +298,70 @@ async fn every_message_is_handled_when_the_connection_is_cut_mid_run() {
     }
     assert_eq!(direct.message_count().await.expect("count"), 0);
     direct.delete().await.expect("delete stream");
+}
+
+/// Acknowledgements written to a connection that turns out dead (the
+/// server never got them) are sent again once the client has reconnected:
+/// `ack_batch` returns when the server has them, and the messages are gone
+/// long before their lease could bring them back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_lost_with_the_connection_are_sent_again_after_reconnecting() {
+    let Some(url) = nats_url("acks_lost_with_the_connection_are_sent_again_after_reconnecting")
+    else {
+        return;
+    };
+    for options in [
+        "lease=30s&wait=100ms",
+        "lease=30s&wait=100ms&double_ack=true",
+    ] {
+        let name = unique_name("lost-acks");
+        let direct = NatsTransport::connect(&name, &with_options(&url, options))
+            .await
+            .expect("connect directly");
+        direct.setup().await.expect("setup");
+        let batch = (0..5).map(|i| (message(i), None)).collect();
+        direct.send_batch(batch).await.expect("send");
+
+        let (proxy, proxied) = Proxy::to(&url, options).await;
+        let consumer = NatsTransport::connect(&name, &proxied)
+            .await
+            .expect("connect through the proxy");
+        let got = common::get_n(&consumer, 5, Duration::from_secs(10)).await;
+        assert_eq!(got.len(), 5, "{options}: fetched {} of 5", got.len());
+        let ids: Vec<DeliveryId> = got.into_iter().map(|d| d.id).collect();
+
+        // The acks go into the black hole; then the connection dies and
+        // the client reconnects.
+        proxy.black_hole();
+        let acking = tokio::spawn({
+            let consumer = consumer.clone();
+            async move { consumer.ack_batch(&ids).await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        proxy.cut();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        proxy.restore();
+        tokio::time::timeout(Duration::from_secs(20), acking)
+            .await
+            .unwrap_or_else(|_| panic!("{options}: ack_batch never returned after reconnecting"))
+            .expect("the acking task")
+            .unwrap_or_else(|e| panic!("{options}: ack_batch failed: {e}"));
+
+        // Well within the 30 s lease, the server has applied every ack.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut left = direct.message_count().await.expect("count");
+        while left > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            left = direct.message_count().await.expect("count");
+        }
+        assert_eq!(
+            left, 0,
+            "{options}: {left} acks were lost with the connection (their messages wait for the lease)"
+        );
+        assert!(
+            proxy.connections() > 1,
+            "{options}: the consumer never reconnected"
+        );
+        direct.delete().await.expect("delete the stream");
+    }
 }

@@ -5,7 +5,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::{get_n, nats_url, transport, unique_name};
+use common::{get_exactly, get_n, nats_url, transport, unique_name};
 use envoi_core::transport::{
     Browse, DeliveryId, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
     WakeUp,
@@ -36,8 +36,7 @@ async fn a_sent_message_arrives_intact_and_an_acked_one_never_returns() {
     raw.body.extend_from_slice(&[0, 159, 255]);
 
     let id = t.send(raw.clone(), None).await.unwrap();
-    let got = get_n(&t, 1, Duration::from_secs(5)).await;
-    assert_eq!(got.len(), 1);
+    let got = get_exactly(&t, 1, Duration::from_secs(5)).await;
     assert_eq!(got[0].id.as_str(), id);
     assert_eq!(got[0].raw, raw);
     assert_eq!(t.leased(), 1);
@@ -58,18 +57,27 @@ async fn an_unacknowledged_message_comes_back_after_the_lease() {
     };
     let t = transport(&url, &unique_name("lease"), "lease=1s&wait=200ms").await;
     let id = t.send(message("m"), None).await.unwrap();
-    let first = get_n(&t, 1, Duration::from_secs(5)).await;
-    assert_eq!(first.len(), 1);
-    let leased_at = Instant::now();
+    // The server hands the message out, and starts its lease, after this.
+    let asked_at = Instant::now();
+    let first = get_exactly(&t, 1, Duration::from_secs(5)).await;
+    assert_eq!(first[0].id.as_str(), id);
 
     // Leased: not handed out again before the lease ends.
     let during = t.get(10).await.unwrap();
-    assert!(during.is_empty() || leased_at.elapsed() >= Duration::from_millis(900));
+    assert!(
+        during.is_empty() || asked_at.elapsed() >= Duration::from_secs(1),
+        "handed out again {:?} after it was asked for, within its 1 s lease",
+        asked_at.elapsed()
+    );
 
     let second = get_n(&t, 1, Duration::from_secs(6)).await;
     assert_eq!(second.len(), 1, "message not redelivered after the lease");
     assert_eq!(second[0].id.as_str(), id);
-    assert!(leased_at.elapsed() >= Duration::from_millis(800));
+    assert!(
+        asked_at.elapsed() >= Duration::from_secs(1),
+        "redelivered {:?} after it was first asked for, within its 1 s lease",
+        asked_at.elapsed()
+    );
     t.ack(&second[0].id).await.unwrap();
     t.delete().await.unwrap();
 }
@@ -83,8 +91,7 @@ async fn a_message_not_acknowledged_within_its_lease_comes_back_marked_as_redeli
     };
     let t = transport(&url, &unique_name("redelivered"), "lease=1s&wait=200ms").await;
     t.send(message("m"), None).await.unwrap();
-    let first = get_n(&t, 1, Duration::from_secs(5)).await;
-    assert_eq!(first.len(), 1);
+    let first = get_exactly(&t, 1, Duration::from_secs(5)).await;
     assert!(!first[0].redelivered, "handed out the first time");
     assert_eq!(first[0].raw, message("m"));
 
@@ -108,12 +115,10 @@ async fn a_released_message_is_handed_out_again_before_its_lease_ends() {
     };
     let t = transport(&url, &unique_name("release"), "lease=20s&wait=200ms").await;
     t.send(message("m"), None).await.unwrap();
-    let first = get_n(&t, 1, Duration::from_secs(5)).await;
-    assert_eq!(first.len(), 1);
+    let first = get_exactly(&t, 1, Duration::from_secs(5)).await;
     let released_at = Instant::now();
     t.release(&first[0].id).await.unwrap();
-    let again = get_n(&t, 1, Duration::from_secs(5)).await;
-    assert_eq!(again.len(), 1);
+    let again = get_exactly(&t, 1, Duration::from_secs(5)).await;
     assert_eq!(again[0].id, first[0].id);
     // JetStream counts the delivery the consumer gave back: marked.
     assert!(!first[0].redelivered);
@@ -133,14 +138,15 @@ async fn keepalive_keeps_a_message_from_being_handed_out_again() {
         return;
     };
     let name = unique_name("keepalive");
-    let worker = transport(&url, &name, "lease=1s&wait=100ms").await;
-    let other = transport(&url, &name, "lease=1s&wait=100ms").await;
+    // A lease of 2 s kept alive every 300 ms or so (a keepalive, an empty
+    // fetch of 100 ms, a pause of 200 ms): the machine may be busy.
+    let worker = transport(&url, &name, "lease=2s&wait=100ms").await;
+    let other = transport(&url, &name, "lease=2s&wait=100ms").await;
     worker.send(message("m"), None).await.unwrap();
-    let got = get_n(&worker, 1, Duration::from_secs(5)).await;
-    assert_eq!(got.len(), 1);
+    let got = get_exactly(&worker, 1, Duration::from_secs(5)).await;
 
-    // Three lease periods, kept alive every 300 ms: nobody else gets it.
-    let until = Instant::now() + Duration::from_secs(3);
+    // Three lease periods, kept alive: nobody else gets it.
+    let until = Instant::now() + Duration::from_secs(6);
     while Instant::now() < until {
         worker.keepalive(&got[0].id).await.unwrap();
         let stolen = other.get(1).await.unwrap();
@@ -164,8 +170,7 @@ async fn a_delayed_message_is_not_handed_out_before_it_is_due() {
         .unwrap();
     let now = t.send(message("now"), None).await.unwrap();
 
-    let first = get_n(&t, 1, Duration::from_secs(3)).await;
-    assert_eq!(first.len(), 1);
+    let first = get_exactly(&t, 1, Duration::from_secs(3)).await;
     assert_eq!(
         first[0].id.as_str(),
         now,
@@ -262,8 +267,7 @@ async fn list_and_find_show_stored_messages_oldest_first_without_leasing() {
     assert_eq!(left.len(), 2);
 
     // Acked through a delivery: gone from the listing too.
-    let got = get_n(&t, 2, Duration::from_secs(5)).await;
-    assert_eq!(got.len(), 2);
+    let got = get_exactly(&t, 2, Duration::from_secs(5)).await;
     t.ack_batch(&[got[0].id.clone(), got[1].id.clone()])
         .await
         .unwrap();
@@ -323,8 +327,7 @@ async fn transport_names_isolate_messages() {
     a.send(message("for a"), None).await.unwrap();
     assert!(b.get(10).await.unwrap().is_empty());
     assert_eq!(b.message_count().await.unwrap(), 0);
-    let got = get_n(&a, 1, Duration::from_secs(5)).await;
-    assert_eq!(got.len(), 1);
+    let got = get_exactly(&a, 1, Duration::from_secs(5)).await;
     a.ack(&got[0].id).await.unwrap();
     a.delete().await.unwrap();
     b.delete().await.unwrap();
@@ -398,7 +401,7 @@ async fn only_dedup_gives_publishes_an_id_that_jetstream_deduplicates() {
         let stored = stream.get_raw_message(id.parse().unwrap()).await.unwrap();
         stored_ids.push(stored.headers.get("Nats-Msg-Id").cloned());
         // Whatever JetStream keeps, the delivery shows the sent headers only.
-        let got = get_n(t, 1, Duration::from_secs(5)).await;
+        let got = get_exactly(t, 1, Duration::from_secs(5)).await;
         assert_eq!(got[0].raw.headers, message("m").headers);
         t.ack(&got[0].id).await.unwrap();
     }
@@ -528,8 +531,7 @@ async fn double_ack_waits_for_the_server_and_removes_the_message() {
     t.send_batch(vec![(message("a"), None), (message("b"), None)])
         .await
         .unwrap();
-    let got = get_n(&t, 2, Duration::from_secs(5)).await;
-    assert_eq!(got.len(), 2);
+    let got = get_exactly(&t, 2, Duration::from_secs(5)).await;
     t.ack(&got[0].id).await.unwrap();
     t.ack_batch(&[got[1].id.clone()]).await.unwrap();
     // Confirmed acks: the count is already zero, no waiting needed.
@@ -639,8 +641,7 @@ async fn a_rejected_message_never_comes_back() {
     };
     let t = transport(&url, &unique_name("reject"), "lease=1s&wait=200ms").await;
     t.send(message("poison"), None).await.unwrap();
-    let got = get_n(&t, 1, Duration::from_secs(5)).await;
-    assert_eq!(got.len(), 1);
+    let got = get_exactly(&t, 1, Duration::from_secs(5)).await;
     t.reject(&got[0].id).await.unwrap();
     assert_eq!(t.leased(), 0);
     // Well past the 1 s lease.
@@ -693,8 +694,7 @@ async fn delete_is_idempotent_and_the_next_use_sets_up_again() {
 
     // With auto_setup, the next send makes the stream and consumer again.
     let id = t.send(message("new"), None).await.unwrap();
-    let got = get_n(&t, 1, Duration::from_secs(5)).await;
-    assert_eq!(got.len(), 1);
+    let got = get_exactly(&t, 1, Duration::from_secs(5)).await;
     assert_eq!(got[0].id.as_str(), id);
     assert_eq!(got[0].raw, message("new"));
     t.ack(&got[0].id).await.unwrap();

@@ -2,6 +2,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod server;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -51,6 +53,24 @@ pub async fn transport(url: &str, name: &str, options: &str) -> NatsTransport {
         .expect("connect");
     transport.setup().await.expect("setup");
     transport
+}
+
+/// Gets until `n` deliveries arrived; panics, saying what it waited for,
+/// when fewer came within `timeout`.
+pub async fn get_exactly(
+    transport: &NatsTransport,
+    n: usize,
+    timeout: std::time::Duration,
+) -> Vec<envoi_core::transport::Delivery> {
+    let got = get_n(transport, n, timeout).await;
+    assert_eq!(
+        got.len(),
+        n,
+        "waited {timeout:?} for {n} message(s) from stream `{}`; {} came",
+        transport.stream(),
+        got.len()
+    );
+    got
 }
 
 /// Gets until `n` deliveries arrived or `timeout` passed.
