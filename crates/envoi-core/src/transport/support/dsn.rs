@@ -90,12 +90,13 @@ fn seconds(secs: f64) -> Option<Duration> {
 
 /// Masks the password in a DSN (`scheme://user:secret@host` →
 /// `scheme://user:***@host`, and `?password=secret` → `?password=***`,
-/// the name in any case) for error messages and listings.
+/// likewise `token`, the name in any case) for error messages and listings.
 pub fn mask_dsn(dsn: &str) -> String {
     mask_query_password(mask_user_password(dsn))
 }
 
-/// Masks the value of every `password` option in the query of `dsn`.
+/// Masks the value of every `password` or `token` option in the query of
+/// `dsn`.
 fn mask_query_password(dsn: String) -> String {
     let Some(start) = dsn.find('?') else {
         return dsn;
@@ -105,7 +106,7 @@ fn mask_query_password(dsn: String) -> String {
     fn password_key(pair: &str) -> Option<&str> {
         pair.split_once('=')
             .map(|(key, _)| key)
-            .filter(|key| key.eq_ignore_ascii_case("password"))
+            .filter(|key| key.eq_ignore_ascii_case("password") || key.eq_ignore_ascii_case("token"))
     }
     if !query.split('&').any(|pair| password_key(pair).is_some()) {
         return dsn;
@@ -137,10 +138,12 @@ fn mask_user_password(dsn: &str) -> String {
     // The user information ends at the last `@` before the query: a
     // password may hold a `/` (or an `@`) that was not percent-encoded.
     let before_query = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
-    let authority = match before_query.rfind('@') {
-        Some(at) => &rest[..=at],
-        None => &rest[..rest.find('/').unwrap_or(rest.len())],
+    // No `@` before the query: no user information (an `@` in the query
+    // is an option's).
+    let Some(at) = before_query.rfind('@') else {
+        return dsn.to_string();
     };
+    let authority = &rest[..=at];
     // User information comes before any `/` of a path: in
     // `sqlite:///var/a:b@c.db` the `:` and `@` are the file's.
     let path = rest.find('/').unwrap_or(rest.len());
@@ -419,6 +422,10 @@ mod tests {
         assert_eq!(
             mask_dsn("redis://h?password=hunter2"),
             "redis://h?password=***"
+        );
+        assert_eq!(
+            mask_dsn("nats://h:4222?Token=s3cr3t&consumer=a@b"),
+            "nats://h:4222?Token=***&consumer=a@b"
         );
         // Other options, and an option merely ending in `password`, stay.
         assert_eq!(
