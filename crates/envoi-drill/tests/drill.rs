@@ -5,6 +5,10 @@
 //! last worker runs until the queue is empty. Every id must have been
 //! handled; duplicates are reported.
 //!
+//! Where the broker cannot close one client's connections (NATS), a
+//! broker of the drill's own is stopped and started again instead, three
+//! times during the run.
+//!
 //! Broker drills read their URL from `ENVOI_POSTGRES_URL`,
 //! `ENVOI_REDIS_URL`, `ENVOI_AMQP_URL` and `ENVOI_NATS_URL`; without it a
 //! drill prints that it was skipped and why. The SQLite drill always runs.
@@ -15,6 +19,11 @@ use std::time::{Duration, Instant};
 
 use envoi::{Messenger, MessengerBuilderExt};
 use envoi_drill::{Count, Job};
+
+/// The `nats-server` the NATS transport's own tests start and restart.
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../envoi-nats/tests/common/server.rs"]
+mod nats_server;
 
 /// Messages each drill produces.
 const PRODUCED: u64 = 12_000;
@@ -325,5 +334,21 @@ async fn nats_loses_nothing_when_its_worker_is_killed_again_and_again() {
     let separator = if url.contains('?') { '&' } else { '?' };
     let dsn = format!("{url}{separator}lease=2s");
     let count = drill("nats", &dsn, None).await;
+    assert_nothing_lost(&count);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_loses_nothing_when_its_broker_restarts_mid_run() {
+    let Some(binary) = nats_server::binary("the NATS broker-restart drill") else {
+        return;
+    };
+    let server = std::sync::Mutex::new(nats_server::Server::start(&binary, &[]));
+    let dsn = format!("{}?lease=2s", server.lock().unwrap().url());
+    let restart = || {
+        let mut server = server.lock().unwrap();
+        server.stop();
+        server.start_again();
+    };
+    let count = drill("nats_restarted", &dsn, Some(&restart)).await;
     assert_nothing_lost(&count);
 }
