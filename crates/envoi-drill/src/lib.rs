@@ -46,6 +46,27 @@ pub fn record(path: &Path, id: u64) -> std::io::Result<()> {
     file.write_all(format!("{id}\n").as_bytes())
 }
 
+/// `prefix` made unique to this run (the process id and the clock's
+/// nanoseconds), so that drills never share a queue, a stream or a table.
+/// Letters, digits and `_` only, as every transport takes in a name.
+pub fn unique_name(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default();
+    format!("{prefix}_{}_{nanos}", std::process::id())
+}
+
+/// The broker URL in the environment variable `variable`, or `None` after
+/// printing that the test is skipped for want of it.
+pub fn broker_url(variable: &str) -> Option<String> {
+    let url = std::env::var(variable).ok().filter(|u| !u.is_empty());
+    if url.is_none() {
+        println!("skipped: {variable} is not set, so there is no broker to test against");
+    }
+    url
+}
+
 /// What a drill found: how often each id was handled.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Count {

@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use envoi::{Messenger, MessengerBuilderExt};
-use envoi_drill::{Count, Job};
+use envoi_drill::{broker_url, unique_name, Count, Job};
 
 /// The `nats-server` the NATS transport's own tests start and restart.
 #[allow(dead_code, unreachable_pub)]
@@ -32,13 +32,8 @@ const ROUNDS: u32 = 6;
 /// The longest the last worker may take to empty the queue.
 const FINISH: Duration = Duration::from_secs(60);
 
-/// A run-unique transport name, so drills never share a queue.
 fn unique(transport: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!("drill_{transport}_{}_{nanos}", std::process::id())
+    unique_name(&format!("drill_{transport}"))
 }
 
 /// A pseudo-random wait of 1–3 s (no seed needed: the drill only wants
@@ -254,14 +249,6 @@ fn close_drill_connections() {
     }
 }
 
-fn url(variable: &str) -> Option<String> {
-    let url = std::env::var(variable).ok().filter(|u| !u.is_empty());
-    if url.is_none() {
-        println!("skipped: {variable} is not set, so there is no broker to drill");
-    }
-    url
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_loses_nothing_when_its_worker_is_killed_again_and_again() {
     let dir = tempfile::tempdir().unwrap();
@@ -272,7 +259,7 @@ async fn sqlite_loses_nothing_when_its_worker_is_killed_again_and_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_loses_nothing_when_its_worker_is_killed_and_its_connections_cut() {
-    let Some(url) = url("ENVOI_POSTGRES_URL") else {
+    let Some(url) = broker_url("ENVOI_POSTGRES_URL") else {
         return;
     };
     let name = unique("pg");
@@ -300,7 +287,7 @@ async fn postgres_loses_nothing_when_its_worker_is_killed_and_its_connections_cu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_loses_nothing_when_its_worker_is_killed_and_its_connections_cut() {
-    let Some(url) = url("ENVOI_REDIS_URL") else {
+    let Some(url) = broker_url("ENVOI_REDIS_URL") else {
         return;
     };
     let separator = if url.contains('?') { '&' } else { '?' };
@@ -317,7 +304,7 @@ async fn redis_loses_nothing_when_its_worker_is_killed_and_its_connections_cut()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_loses_nothing_when_its_worker_is_killed_and_its_connections_closed() {
-    let Some(url) = url("ENVOI_AMQP_URL") else {
+    let Some(url) = broker_url("ENVOI_AMQP_URL") else {
         return;
     };
     let separator = if url.contains('?') { '&' } else { '?' };
@@ -328,7 +315,7 @@ async fn rabbitmq_loses_nothing_when_its_worker_is_killed_and_its_connections_cl
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_loses_nothing_when_its_worker_is_killed_again_and_again() {
-    let Some(url) = url("ENVOI_NATS_URL") else {
+    let Some(url) = broker_url("ENVOI_NATS_URL") else {
         return;
     };
     let separator = if url.contains('?') { '&' } else { '?' };

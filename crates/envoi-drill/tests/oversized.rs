@@ -14,17 +14,13 @@ use envoi::stamp::ErrorDetailsStamp;
 use envoi::transport::RawMessage;
 use envoi::worker::Worker;
 use envoi::{Message, Messenger, MessengerBuilderExt};
-use envoi_drill::Job;
+use envoi_drill::{broker_url, unique_name, Job};
 
 /// The receiving side's limit in these tests.
 const LIMIT: usize = 64 * 1024;
 
 fn unique(tag: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!("big_{tag}_{}_{nanos}", std::process::id())
+    unique_name(&format!("big_{tag}"))
 }
 
 fn raw_job(id: u64, padding: usize) -> RawMessage {
@@ -112,14 +108,6 @@ async fn oversized_is_parked(queue_dsn: &str, failed_dsn: &str, tag: &str) {
     }
 }
 
-fn url(variable: &str) -> Option<String> {
-    let url = std::env::var(variable).ok().filter(|u| !u.is_empty());
-    if url.is_none() {
-        println!("skipped: {variable} is not set, so there is no broker to test");
-    }
-    url
-}
-
 fn with(url: &str, options: &str) -> String {
     let separator = if url.contains('?') { '&' } else { '?' };
     format!("{url}{separator}{options}")
@@ -134,7 +122,7 @@ async fn sqlite_parks_a_message_over_the_receive_limit() {
 
 #[tokio::test]
 async fn postgres_parks_a_message_over_the_receive_limit() {
-    let Some(url) = url("ENVOI_POSTGRES_URL") else {
+    let Some(url) = broker_url("ENVOI_POSTGRES_URL") else {
         return;
     };
     let queue = unique("pgq");
@@ -149,7 +137,7 @@ async fn postgres_parks_a_message_over_the_receive_limit() {
 
 #[tokio::test]
 async fn redis_parks_a_message_over_the_receive_limit() {
-    let Some(url) = url("ENVOI_REDIS_URL") else {
+    let Some(url) = broker_url("ENVOI_REDIS_URL") else {
         return;
     };
     oversized_is_parked(&url, &url, "redis").await;
@@ -157,7 +145,7 @@ async fn redis_parks_a_message_over_the_receive_limit() {
 
 #[tokio::test]
 async fn rabbitmq_parks_a_message_over_the_receive_limit() {
-    let Some(url) = url("ENVOI_AMQP_URL") else {
+    let Some(url) = broker_url("ENVOI_AMQP_URL") else {
         return;
     };
     let dsn = with(&url, "expires=10m");
@@ -166,7 +154,7 @@ async fn rabbitmq_parks_a_message_over_the_receive_limit() {
 
 #[tokio::test]
 async fn nats_parks_a_message_over_the_receive_limit() {
-    let Some(url) = url("ENVOI_NATS_URL") else {
+    let Some(url) = broker_url("ENVOI_NATS_URL") else {
         return;
     };
     oversized_is_parked(&url, &url, "nats").await;
