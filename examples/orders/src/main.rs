@@ -139,7 +139,7 @@ async fn main() -> ExitCode {
             if summary.in_failure_transport > 0 {
                 say!(
                     "{} message(s) wait in the `{FAILED}` transport. Inspect them with the command line built into this example:\n",
-                    summary.in_failure_transport
+                    thousands(summary.in_failure_transport)
                 );
                 let command = command();
                 say!("  {command} failed show          # list them");
