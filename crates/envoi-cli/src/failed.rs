@@ -25,6 +25,14 @@ pub enum FailedCommand {
     Remove(RemoveArgs),
 }
 
+/// The header a message parked again by `failed retry` carries: the id of
+/// the copy it was retried from.
+pub(crate) const RETRIED_FROM_HEADER: &str = "retried-from";
+
+/// How many parked messages `failed show <id>` looks through for the copy a
+/// retried message became.
+const RETRIED_SEARCH: usize = 10_000;
+
 /// Arguments of `failed show`.
 #[derive(Debug, Args)]
 #[non_exhaustive]
@@ -177,14 +185,40 @@ impl<'m> Failures<'m> {
     }
 
     async fn find(&self, id: &str) -> Result<Delivery, CliError> {
-        self.browse
+        let found = self
+            .browse
             .find(&DeliveryId::from(id))
             .await
-            .map_err(CliError::transport(self.name))?
-            .ok_or_else(|| CliError::MessageNotFound {
+            .map_err(CliError::transport(self.name))?;
+        match found {
+            Some(delivery) => Ok(delivery),
+            None => Err(CliError::MessageNotFound {
                 transport: self.name.to_string(),
                 id: id.to_string(),
-            })
+                now: self.retried_as(id).await,
+            }),
+        }
+    }
+
+    /// The id of the copy parked when the message `id` was retried and
+    /// failed again, if it is still here (followed to the newest copy).
+    async fn retried_as(&self, id: &str) -> Option<String> {
+        let listed = self.browse.list(RETRIED_SEARCH).await.ok()?;
+        let mut current = id.to_string();
+        let mut found = None;
+        // Each retry names the copy before it: follow the chain (bounded,
+        // should the headers ever form a loop).
+        for _ in 0..listed.len() {
+            let Some(next) = listed
+                .iter()
+                .find(|d| d.raw.header(RETRIED_FROM_HEADER) == Some(current.as_str()))
+            else {
+                break;
+            };
+            current = next.id.to_string();
+            found = Some(current.clone());
+        }
+        found
     }
 
     /// The messages `ids` name (all found, or an error before anything is
@@ -331,7 +365,14 @@ async fn retry_one(
             return (Outcome::Kept { reason }, Vec::new());
         }
     };
-    let handled = match handle_one(messenger, failure, delivery.clone()).await {
+    // A copy parked again names this one, so `failed show <this id>`
+    // can say where it went.
+    let mut retried = delivery.clone();
+    retried
+        .raw
+        .headers
+        .insert(RETRIED_FROM_HEADER, delivery.id.to_string());
+    let handled = match handle_one(messenger, failure, retried).await {
         Ok(handled) => handled,
         Err(e) => {
             let reason = e.to_string();

@@ -238,12 +238,15 @@ pub enum CliError {
         failure: String,
     },
     /// No message has this id.
-    #[error("no message with id `{id}` in `{transport}`")]
+    #[error("no message with id `{id}` in `{transport}`{}", retried_note(now.as_deref()))]
     MessageNotFound {
         /// The transport searched.
         transport: String,
         /// The id.
         id: String,
+        /// The id of the copy parked when this message was retried and
+        /// failed again, when that copy is still there.
+        now: Option<String>,
     },
     /// The transport lacks an ability the command needs, such as listing
     /// its messages for `failed show`.
@@ -311,6 +314,14 @@ pub enum CliError {
     /// closed pipe (see [`CliError::is_closed_output`]).
     #[error("writing the output failed: {0}")]
     Output(#[from] std::io::Error),
+}
+
+/// `: it was retried, failed again and is now <id>`, when it was.
+fn retried_note(now: Option<&str>) -> String {
+    match now {
+        Some(id) => format!(": it was retried, failed again and is now `{id}`"),
+        None => String::new(),
+    }
 }
 
 impl CliError {

@@ -732,6 +732,27 @@ async fn failed_retry_removes_what_is_handled_and_parks_again_what_fails_for_goo
     let show = app.ok(&["failed", "show", &now[0]]).await;
     assert!(show.contains("card declined"), "{show}");
     assert_eq!(app.count("orders").await, 0);
+
+    // The old ids are gone; the one that failed again says where it went.
+    let mut notes = Vec::new();
+    for old in &ids {
+        let (code, _, err) = app.cli(&["failed", "show", old]).await;
+        assert_ne!(code, 0, "{err}");
+        assert!(
+            err.contains(&format!("no message with id `{old}`")),
+            "{err}"
+        );
+        notes.extend(
+            err.contains("it was retried, failed again and is now")
+                .then_some(err),
+        );
+    }
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(
+        notes[0].contains(&format!("is now `{}`", now[0])),
+        "{}",
+        notes[0]
+    );
 }
 
 #[tokio::test]
