@@ -171,6 +171,8 @@ pub(crate) async fn with_credentials(
             .await
             .map_err(|e| format!("cannot use `creds_file` {}: {e}", path.display()))?;
     }
+    // A server may ask for TLS even when the DSN does not.
+    use_ring_provider();
     options = options.require_tls(config.tls);
     if let Some(path) = &config.tls_ca_file {
         readable("tls_ca_file", path)?;
@@ -182,6 +184,18 @@ pub(crate) async fn with_credentials(
         options = options.add_client_certificate(cert.clone(), key.clone());
     }
     Ok(options)
+}
+
+/// async-nats builds its TLS configuration with rustls's process-wide
+/// crypto provider. With a second provider compiled into the program (the
+/// AMQP transport's client brings aws-lc-rs), rustls cannot pick one by
+/// itself and panics on the first TLS connection; this installs ring,
+/// async-nats's own, unless the program installed a provider already.
+fn use_ring_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Losing a race with another installer is fine: one is installed.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
 }
 
 #[cfg(test)]
