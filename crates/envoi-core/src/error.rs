@@ -223,6 +223,36 @@ pub enum BusError {
         /// Each deferred dispatch's error.
         errors: Vec<BusError>,
     },
+    /// A typed dispatch that waits for a handler's result was refused,
+    /// and nothing was sent: the message is routed to transports, where no
+    /// result comes back. Send it with `Dispatcher::send` instead (or give
+    /// the command a unit output).
+    #[error("`{message}` is routed to {}, where no result comes back; nothing was sent (use `send` for messages routed to a transport)", transports.join(", "))]
+    ExpectsResult {
+        /// The message name.
+        message: &'static str,
+        /// The transports it is routed to.
+        transports: Vec<String>,
+    },
+    /// `Dispatcher::send` was given a message routed to no transport;
+    /// nothing was handled. Dispatch it instead.
+    #[error(
+        "`{message}` is routed to no transport; nothing was sent or handled (dispatch it instead)"
+    )]
+    NotRouted {
+        /// The message name.
+        message: &'static str,
+    },
+    /// A `before_consuming` filter stopped the message: its handler did not
+    /// run, so a typed dispatch has no result. Not a failure of the
+    /// handler.
+    #[error("`{message}` was stopped by a `{stage}` filter; its handler did not run")]
+    StoppedByFilter {
+        /// The message name.
+        message: &'static str,
+        /// The stage whose filter stopped it.
+        stage: String,
+    },
     /// A typed dispatch expected a result but the message was not handled
     /// synchronously (it was sent to a transport, for instance).
     #[error("`{message}` was not handled synchronously, so it has no result")]
@@ -292,6 +322,9 @@ impl BusError {
             BusError::Serialization(_) => "serialization",
             BusError::DelayedHandlingFailed { .. } => "delayed",
             BusError::NoResult { .. } => "no_result",
+            BusError::ExpectsResult { .. } => "expects_result",
+            BusError::NotRouted { .. } => "not_routed",
+            BusError::StoppedByFilter { .. } => "stopped_by_filter",
             BusError::Middleware { .. } => "middleware",
             BusError::Disposed(_) => "disposed",
         }

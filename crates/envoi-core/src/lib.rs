@@ -67,7 +67,9 @@ pub use pipeline::bus::{MessageBus, MiddlewareId};
 pub use pipeline::handler::{Handler, IntoHandler};
 pub use transport::serializer;
 pub use typed::span::{SpanAttributeValue, SpanAttributes};
-pub use typed::{DispatchContext, DispatchError, DispatchMiddleware, DispatchNext, Dispatcher};
+pub use typed::{
+    DispatchContext, DispatchError, DispatchMiddleware, DispatchNext, Dispatcher, Receipt, Sent,
+};
 
 /// A boxed, `Send` future, the return type of object-safe async methods.
 pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;

@@ -80,7 +80,7 @@ pub struct MessengerBuilder {
     default_middleware: Vec<Arc<dyn Middleware>>,
     default_stages: StagePipeline,
     routes: Routes,
-    route_checks: Vec<(&'static str, String)>,
+    route_checks: Vec<(&'static str, TypeId, String)>,
     senders: Vec<(String, Arc<dyn Sender>)>,
     transports: Vec<(String, TransportSpec)>,
     factories: TransportFactories,
@@ -230,7 +230,8 @@ impl MessengerBuilder {
         M: Message + Serialize + DeserializeOwned,
     {
         let transport = transport.into();
-        self.route_checks.push((M::NAME, transport.clone()));
+        self.route_checks
+            .push((M::NAME, TypeId::of::<M>(), transport.clone()));
         self.routes.add::<M>(transport);
         self.serializer.add_message::<M>();
         self
@@ -407,6 +408,7 @@ impl MessengerBuilder {
         let serializer = serializer.build()?;
         let (transports, senders) = assemble_senders(transports, senders, &serializer)?;
         check_failure_transports(&failure_policy, &transports)?;
+        check_query_routes(&route_checks, &registry, &transports)?;
         let dispatcher: Arc<dyn SenderDispatcher> = match sender_dispatcher {
             Some(d) => d,
             None => {
@@ -511,15 +513,40 @@ fn check_failure_transports(
     Ok(())
 }
 
+/// Refuses a query routed to a transport that does not hand results back
+/// (all but `sync://`): its answer would never reach the caller.
+fn check_query_routes(
+    route_checks: &[(&'static str, TypeId, String)],
+    registry: &HandlerRegistry,
+    transports: &Transports,
+) -> Result<(), BuildError> {
+    for (message, type_id, transport) in route_checks {
+        let is_query = registry
+            .get(*type_id)
+            .is_some_and(|r| r.kind == MessageKind::Query);
+        let answers = transports
+            .get(transport)
+            .and_then(|t| t.as_local_sender())
+            .is_some_and(|l| l.handles_on_send());
+        if is_query && !answers {
+            return Err(BuildError::QueryRoutedToTransport {
+                message,
+                transport: transport.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Refuses a route or a failure transport that names neither a transport
 /// nor a sender of `senders`, when the messenger sends through them (no
 /// other [`SenderDispatcher`] was given).
 fn check_destinations(
-    route_checks: &[(&'static str, String)],
+    route_checks: &[(&'static str, TypeId, String)],
     policy: &FailurePolicy,
     senders: &Senders,
 ) -> Result<(), BuildError> {
-    for (message, transport) in route_checks {
+    for (message, _, transport) in route_checks {
         if !senders.contains(transport) {
             return Err(BuildError::UnknownTransport {
                 message,

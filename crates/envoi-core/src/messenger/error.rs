@@ -39,6 +39,15 @@ pub enum BuildError {
         /// The transport name.
         transport: String,
     },
+    /// A query is routed to a transport that does not hand results back
+    /// (any but `sync://`): its answer would never reach the caller.
+    #[error("query `{message}` is routed to `{transport}`, which gives no answer back; a query is handled in process (or through `sync://`)")]
+    QueryRoutedToTransport {
+        /// The message name.
+        message: &'static str,
+        /// The transport.
+        transport: String,
+    },
     /// A failure transport is not a configured transport.
     #[error("failure transport `{0}` is not a configured transport")]
     UnknownFailureTransport(String),

@@ -143,6 +143,31 @@ impl MessageBus {
         &self.inner.name
     }
 
+    /// The transports a dispatch of `envelope` would send it to, by name
+    /// (its routes); empty when it would be handled in this process.
+    pub fn routed_to(&self, envelope: &Envelope) -> Vec<Arc<str>> {
+        self.routes_where(envelope, |_| true)
+    }
+
+    /// The transports among [`routed_to`](Self::routed_to) that give no
+    /// result back (all but those that handle on send, like `sync://`).
+    pub fn routed_without_result(&self, envelope: &Envelope) -> Vec<Arc<str>> {
+        self.routes_where(envelope, |r| !r.answers())
+    }
+
+    fn routes_where(&self, envelope: &Envelope, keep: impl Fn(&Route) -> bool) -> Vec<Arc<str>> {
+        self.inner
+            .route(envelope)
+            .map(|(_, routes)| {
+                routes
+                    .iter()
+                    .filter(|r| keep(r))
+                    .map(|r| r.transport().clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Runs `envelope` through the pipeline and returns it with the stamps
     /// the steps added (a [`HandledStamp`] per
     /// handler, or a [`SentStamp`](crate::envelope::stamp::SentStamp) per transport).

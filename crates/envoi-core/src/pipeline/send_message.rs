@@ -71,17 +71,33 @@ pub(crate) struct Route {
     /// in-process side anyway: the step then does so itself, without a
     /// boxed future.
     local: Option<Arc<dyn Transport>>,
+    /// Whether the transport handles on send and hands the results back.
+    answers: bool,
 }
 
 impl Route {
+    /// The transport's name.
+    pub(crate) fn transport(&self) -> &Arc<str> {
+        &self.transport
+    }
+
+    /// Whether the transport hands the handlers' results back when it is
+    /// sent to (it handles on send, as `sync://` does).
+    pub(crate) fn answers(&self) -> bool {
+        self.answers
+    }
+
     fn new(transport: &Arc<str>, dispatcher: &dyn SenderDispatcher) -> Self {
-        let local = dispatcher
-            .direct(transport)
-            .filter(|t| t.as_local_sender().is_some_and(|l| !l.handles_on_send()));
+        let direct = dispatcher.direct(transport);
+        let handles_on_send =
+            |t: &Arc<dyn Transport>| t.as_local_sender().map(|l| l.handles_on_send());
+        let answers = direct.as_ref().and_then(handles_on_send) == Some(true);
+        let local = direct.filter(|t| handles_on_send(t) == Some(false));
         Self {
             transport: transport.clone(),
             sent: StampEntry::new(SentStamp::new(transport.to_string())),
             local,
+            answers,
         }
     }
 }

@@ -38,7 +38,10 @@
 
 pub mod deadline;
 pub mod metrics;
+mod send;
 pub mod span;
+
+pub use send::{Receipt, Sent};
 
 use std::any::Any;
 use std::fmt;
@@ -51,7 +54,7 @@ use smallvec::SmallVec;
 use tracing::Instrument;
 
 use crate::envelope::message::{Command, Event, MessageKind, Query};
-use crate::envelope::stamp::{HandledStamp, HandlerResult, SentStamp};
+use crate::envelope::stamp::{HandledStamp, HandlerResult, SentStamp, StoppedByFilterStamp};
 use crate::envelope::Envelope;
 use crate::error::{BusError, HandlerError, Result};
 use crate::pipeline::bus::MessageBus;
@@ -468,21 +471,57 @@ impl Dispatcher {
     }
 
     /// Dispatches a command and returns its handler's output.
+    ///
+    /// A command routed to a transport is sent there, and `Ok(())` comes
+    /// back when its output is `()`. One with any other output is refused
+    /// before anything is sent ([`BusError::ExpectsResult`]): no result
+    /// comes back from a transport, so use [`send`](Self::send) for it. A
+    /// command a `before_consuming` filter stopped fails with
+    /// [`BusError::StoppedByFilter`], not with its handler's error.
     pub fn dispatch<C: Command>(
         &self,
         command: C,
     ) -> impl Future<Output = Result<C::Output, DispatchError<C::Error>>> + Send + '_ {
-        self.run(Envelope::new(command))
-            .map(output::<C::Output, C::Error>)
+        let envelope = Envelope::new(command);
+        match self.refuse_routed::<C::Output, C::Error>(&envelope, false) {
+            Some(refused) => Either::Left(std::future::ready(Err(refused))),
+            None => Either::Right(self.run(envelope).map(output::<C::Output, C::Error>)),
+        }
     }
 
-    /// Asks a query and returns its handler's answer.
+    /// Asks a query and returns its handler's answer. A query routed to a
+    /// transport is refused before anything is sent
+    /// ([`BusError::ExpectsResult`]): its answer would never come back.
     pub fn ask<Q: Query>(
         &self,
         query: Q,
     ) -> impl Future<Output = Result<Q::Output, DispatchError<Q::Error>>> + Send + '_ {
-        self.run(Envelope::query(query))
-            .map(output::<Q::Output, Q::Error>)
+        let envelope = Envelope::query(query);
+        match self.refuse_routed::<Q::Output, Q::Error>(&envelope, true) {
+            Some(refused) => Either::Left(std::future::ready(Err(refused))),
+            None => Either::Right(self.run(envelope).map(output::<Q::Output, Q::Error>)),
+        }
+    }
+
+    /// The refusal of a dispatch waiting for an output of type `T` (of any
+    /// type, with `always`) when `envelope` is routed to transports.
+    #[inline]
+    fn refuse_routed<T: 'static, E>(
+        &self,
+        envelope: &Envelope,
+        always: bool,
+    ) -> Option<DispatchError<E>> {
+        if !always && std::any::TypeId::of::<T>() == std::any::TypeId::of::<()>() {
+            return None;
+        }
+        let transports = self.bus.routed_without_result(envelope);
+        if transports.is_empty() {
+            return None;
+        }
+        Some(DispatchError::Infrastructure(BusError::ExpectsResult {
+            message: envelope.message_name(),
+            transports: transports.iter().map(|t| t.to_string()).collect(),
+        }))
     }
 
     /// Publishes an event to all its handlers (or its transports).
@@ -587,6 +626,12 @@ where
     match out {
         Ok(envelope) => {
             let name = envelope.message_name();
+            if let Some(stopped) = envelope.last::<StoppedByFilterStamp>() {
+                return Err(DispatchError::Infrastructure(BusError::StoppedByFilter {
+                    message: name,
+                    stage: stopped.stage.to_string(),
+                }));
+            }
             let sent = envelope.has::<SentStamp>();
             match envelope.into_last_handled() {
                 Some(handled) => handled.result.take::<T>(),
