@@ -682,3 +682,19 @@ async fn what_a_failed_handler_deferred_is_dropped_not_kept() {
         }
     }
 }
+
+#[test]
+fn debug_names_a_closure_handler_by_the_function_it_was_written_in() {
+    fn configure() -> Messenger {
+        Messenger::builder()
+            .command_handler(|d: Deposit| async move { Ok::<_, BankError>(d.0) })
+            .build()
+            .unwrap()
+    }
+    let listing = configure().debug();
+    assert!(!listing.contains("{{closure}}"), "{listing}");
+    assert!(
+        listing.contains("Deposit: closure in configure"),
+        "{listing}"
+    );
+}

@@ -238,8 +238,20 @@ impl Messenger {
         }
         let _ = writeln!(out, "handlers");
         for (message, kind, handlers) in bus.handle_step().registry().describe() {
+            let handlers: Vec<String> = handlers.into_iter().map(readable_handler).collect();
             let _ = writeln!(out, "  {kind} {message}: {}", handlers.join(", "));
         }
         out
+    }
+}
+
+/// A handler's name as `debug` shows it: a closure's type name
+/// (`configure::{{closure}}::{{closure}}`) reads as the function it was
+/// written in (`closure in configure`); any other name as it is.
+fn readable_handler(name: &str) -> String {
+    match name.find("::{{closure}}") {
+        Some(at) => format!("closure in {}", &name[..at]),
+        None if name.starts_with("{{closure}}") => "closure".to_string(),
+        None => name.to_string(),
     }
 }
