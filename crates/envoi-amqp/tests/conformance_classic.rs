@@ -14,10 +14,7 @@ use common::Within;
 const LEASE: Duration = Duration::from_secs(2);
 
 async fn make(name: String) -> Option<Arc<dyn Transport>> {
-    let Ok(url) = std::env::var("ENVOI_AMQP_URL") else {
-        eprintln!("skipped conformance: ENVOI_AMQP_URL is not set");
-        return None;
-    };
+    let url = envoi_core::testing::broker_url("ENVOI_AMQP_URL", "conformance")?;
     let separator = if url.contains('?') { '&' } else { '?' };
     // Short lease for the redelivery cases; the queues of a run delete
     // themselves a minute after its last use.

@@ -263,6 +263,36 @@ impl<T: Transport + ?Sized> Abilities for T {
     }
 }
 
+/// Set to `1` to make every broker test fail, rather than skip, when its
+/// URL variable is missing (`.ci/run` sets it).
+pub const REQUIRE_BROKERS: &str = "ENVOI_REQUIRE_BROKERS";
+
+/// The broker URL in the environment variable `variable` (empty counts as
+/// unset). Without it, prints that `test` is skipped and why and returns
+/// `None` — or, when [`REQUIRE_BROKERS`] is set, fails the test, so that a
+/// run meant to talk to every broker cannot pass by skipping.
+///
+/// ```
+/// use envoi_core::testing::broker_url;
+///
+/// if let Some(url) = broker_url("ENVOI_DOC_EXAMPLE_URL", "this example") {
+///     // connect to `url` …
+/// #   let _ = url;
+/// }
+/// ```
+pub fn broker_url(variable: &str, test: &str) -> Option<String> {
+    match std::env::var(variable) {
+        Ok(url) if !url.trim().is_empty() => Some(url),
+        _ if std::env::var_os(REQUIRE_BROKERS).is_some_and(|v| v == "1") => panic!(
+            "{test}: {variable} is not set, and {REQUIRE_BROKERS}=1 asks every broker test to run"
+        ),
+        _ => {
+            eprintln!("skipped {test}: {variable} is not set");
+            None
+        }
+    }
+}
+
 /// Awaits `future` for at most `limit` of real time, whatever the tokio
 /// clock does (paused or not); past it, prints that the test timed out
 /// waiting for `what` and ends the process with a failure, so a test that

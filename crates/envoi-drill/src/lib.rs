@@ -60,11 +60,7 @@ pub fn unique_name(prefix: &str) -> String {
 /// The broker URL in the environment variable `variable`, or `None` after
 /// printing that the test is skipped for want of it.
 pub fn broker_url(variable: &str) -> Option<String> {
-    let url = std::env::var(variable).ok().filter(|u| !u.is_empty());
-    if url.is_none() {
-        println!("skipped: {variable} is not set, so there is no broker to test against");
-    }
-    url
+    envoi::testing::broker_url(variable, "this drill")
 }
 
 /// What a drill found: how often each id was handled.

@@ -23,13 +23,7 @@ use futures_util::StreamExt;
 const PREFIX: &str = "envoi-conformance-";
 
 fn url() -> Option<String> {
-    match std::env::var("ENVOI_NATS_URL") {
-        Ok(url) if !url.trim().is_empty() => Some(url),
-        _ => {
-            eprintln!("skipped conformance: ENVOI_NATS_URL is not set");
-            None
-        }
-    }
+    envoi_core::testing::broker_url("ENVOI_NATS_URL", "conformance")
 }
 
 /// Per stream: how many handles are open, and how many were ever opened.

@@ -9,10 +9,7 @@ use envoi_core::transport::Transport;
 use envoi_postgres::PostgresTransport;
 
 async fn make(name: String) -> Option<Arc<dyn Transport>> {
-    let Ok(url) = std::env::var("ENVOI_POSTGRES_URL") else {
-        eprintln!("skipped conformance: ENVOI_POSTGRES_URL is not set");
-        return None;
-    };
+    let url = envoi_core::testing::broker_url("ENVOI_POSTGRES_URL", "conformance")?;
     let separator = if url.contains('?') { '&' } else { '?' };
     // The suite's default lease is 2 s; a short poll keeps its waits brief.
     let dsn = format!(

@@ -19,9 +19,10 @@
 //!
 //! async fn make(name: String) -> Option<Arc<dyn Transport>> {
 //!     // Open the transport called `name` with a lease of `Options::lease`,
-//!     // or say why not and return None, which skips the case:
-//!     let _ = name;
-//!     eprintln!("skipped conformance: ENVOI_EXAMPLE_URL is not set");
+//!     // or say why not and return None, which skips the case (or fails it,
+//!     // with ENVOI_REQUIRE_BROKERS=1):
+//!     let url = envoi_core::testing::broker_url("ENVOI_EXAMPLE_URL", "conformance")?;
+//!     let _ = (name, url);
 //!     None
 //! }
 //!
@@ -61,7 +62,9 @@
 //!   [`Options::lease`] (2 s by default) so that redelivery cases finish
 //!   quickly.
 //! * Returning `None` skips the case; `make` prints why (for instance
-//!   `skipped conformance: ENVOI_REDIS_URL is not set`).
+//!   `skipped conformance: ENVOI_REDIS_URL is not set`, as
+//!   `envoi_core::testing::broker_url` does, which fails instead when
+//!   `ENVOI_REQUIRE_BROKERS=1`).
 //!
 //! Every case uses names of its own (with a random suffix), so the cases
 //! can run in parallel and repeatedly against the same server.

@@ -47,13 +47,7 @@ impl<F: Future> Within for F {}
 
 /// The broker URL, or `None` after printing why `test` is skipped.
 pub fn url(test: &str) -> Option<String> {
-    match std::env::var("ENVOI_AMQP_URL") {
-        Ok(url) => Some(url),
-        Err(_) => {
-            eprintln!("skipped {test}: ENVOI_AMQP_URL is not set");
-            None
-        }
-    }
+    envoi_core::testing::broker_url("ENVOI_AMQP_URL", test)
 }
 
 /// A name no other test (or earlier run) uses.

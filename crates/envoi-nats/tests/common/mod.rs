@@ -12,13 +12,7 @@ use envoi_nats::NatsTransport;
 
 /// The server URL, or `None` after printing why the test is skipped.
 pub fn nats_url(test: &str) -> Option<String> {
-    match std::env::var("ENVOI_NATS_URL") {
-        Ok(url) if !url.trim().is_empty() => Some(url),
-        _ => {
-            eprintln!("skipped {test}: ENVOI_NATS_URL is not set");
-            None
-        }
-    }
+    envoi_core::testing::broker_url("ENVOI_NATS_URL", test)
 }
 
 /// A transport name no other test (or earlier run) uses.

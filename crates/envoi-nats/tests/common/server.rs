@@ -20,6 +20,10 @@ pub fn binary(test: &str) -> Option<PathBuf> {
         .chain(on_path)
         .find(|candidate| candidate.is_file());
     if found.is_none() {
+        assert!(
+            std::env::var_os("ENVOI_REQUIRE_BROKERS").is_none_or(|v| v != "1"),
+            "{test}: no nats-server binary, and ENVOI_REQUIRE_BROKERS=1 asks every broker test to run"
+        );
         eprintln!(
             "skipped {test}: no nats-server binary (neither /usr/sbin/nats-server nor one on PATH)"
         );

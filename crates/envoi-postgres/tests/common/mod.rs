@@ -10,13 +10,7 @@ use envoi_postgres::PostgresTransport;
 
 /// The server URL, or `None` after printing why `test` is skipped.
 pub fn url(test: &str) -> Option<String> {
-    match std::env::var("ENVOI_POSTGRES_URL") {
-        Ok(url) => Some(url),
-        Err(_) => {
-            eprintln!("skipped {test}: ENVOI_POSTGRES_URL is not set");
-            None
-        }
-    }
+    envoi_core::testing::broker_url("ENVOI_POSTGRES_URL", test)
 }
 
 /// `url` with envoi options appended to its query string.

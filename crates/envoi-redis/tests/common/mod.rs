@@ -14,15 +14,12 @@ pub const PREFIX: &str = "envoi-test:";
 
 /// `ENVOI_REDIS_URL`, or `None` after printing why `test` is skipped.
 pub fn url(test: &str) -> Option<String> {
-    match std::env::var("ENVOI_REDIS_URL") {
-        Ok(url) => {
+    match envoi_core::testing::broker_url("ENVOI_REDIS_URL", test) {
+        Some(url) => {
             collect_garbage(&url);
             Some(url)
         }
-        Err(_) => {
-            eprintln!("skipped {test}: ENVOI_REDIS_URL is not set");
-            None
-        }
+        None => None,
     }
 }
 
