@@ -60,16 +60,16 @@ fn raw_user_info(dsn: &str) -> Option<&str> {
 }
 
 /// `dsn` with every secret masked, for errors and logs: the password of
-/// `user:password@` and the `password` option (as every transport masks
-/// them), a token given as the user information (`nats://***@host`) and the
-/// `token` option.
+/// `user:password@` and the `password` and `token` options (as every
+/// transport masks them, with core's `mask_dsn`), and a token given as the
+/// user information (`nats://***@host`), which is NATS's own.
 ///
 /// ```text
 /// nats://u:secret@h?token=t0k3n  →  nats://u:***@h?token=***
 /// nats://t0k3n@h                 →  nats://***@h
 /// ```
 pub(crate) fn mask(dsn: &str) -> String {
-    mask_token_option(&mask_lone_user_info(&mask_dsn(dsn)))
+    mask_lone_user_info(&mask_dsn(dsn))
 }
 
 /// Masks user information without a `:` (a token).
@@ -82,22 +82,6 @@ fn mask_lone_user_info(dsn: &str) -> String {
     }
     let start = dsn.find("://").map_or(0, |i| i + 3);
     format!("{}***{}", &dsn[..start], &dsn[start + info.len()..])
-}
-
-/// Masks the value of every `token` option (the name in any case).
-fn mask_token_option(dsn: &str) -> String {
-    let Some(start) = dsn.find('?') else {
-        return dsn.to_string();
-    };
-    let end = dsn[start..].find('#').map_or(dsn.len(), |i| start + i);
-    let pairs: Vec<String> = dsn[start + 1..end]
-        .split('&')
-        .map(|pair| match pair.split_once('=') {
-            Some((name, _)) if name.eq_ignore_ascii_case("token") => format!("{name}=***"),
-            _ => pair.to_string(),
-        })
-        .collect();
-    format!("{}{}{}", &dsn[..=start], pairs.join("&"), &dsn[end..])
 }
 
 /// The server URL of `config` with its credentials, masked: how errors
