@@ -25,7 +25,7 @@ struct Scenario {
 const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "dispatch_canonical",
-        about: "canonical 7-step pipeline vs tower with 7 boxed layers, no-op command handler",
+        about: "canonical 7-step pipeline vs a tower stack of 7 pass-through layers composed statically and boxed once (dispatch_tower_static); 7 boxed layers as a second figure; no-op command handler",
         run: dispatch::canonical,
     },
     Scenario {
