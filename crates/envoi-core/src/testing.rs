@@ -275,10 +275,11 @@ pub const REQUIRE_BROKERS: &str = "ENVOI_REQUIRE_BROKERS";
 /// ```
 /// use envoi_core::testing::broker_url;
 ///
-/// if let Some(url) = broker_url("ENVOI_DOC_EXAMPLE_URL", "this example") {
-///     // connect to `url` …
-/// #   let _ = url;
-/// }
+/// std::env::set_var("ENVOI_DOC_EXAMPLE_URL", "redis://127.0.0.1:6379");
+/// let Some(url) = broker_url("ENVOI_DOC_EXAMPLE_URL", "this example") else {
+///     return; // skipped: it said why
+/// };
+/// assert_eq!(url, "redis://127.0.0.1:6379");
 /// ```
 pub fn broker_url(variable: &str, test: &str) -> Option<String> {
     match std::env::var(variable) {
