@@ -25,7 +25,7 @@ use crate::pipeline::send_message::{Routes, SendMessage};
 use crate::transport::registry::{Senders, TransportFactories, TransportSender};
 use crate::transport::serializer::{Serializer, SerializerBuilder};
 use crate::transport::{
-    Inbox, Sender, SenderDispatcher, Transport, TransportBinding, TransportFactory,
+    handles_on_send, Inbox, Sender, SenderDispatcher, Transport, TransportBinding, TransportFactory,
 };
 
 /// The configuration of one bus; see [`MessengerBuilder::bus`].
@@ -502,8 +502,7 @@ fn check_failure_transports(
     for failure in policy.failure_transports() {
         if transports
             .get(failure)
-            .and_then(|t| t.as_local_sender())
-            .is_some_and(|l| l.handles_on_send())
+            .is_some_and(|t| handles_on_send(&**t))
         {
             return Err(BuildError::FailureTransportHandlesOnSend(
                 failure.to_string(),
@@ -526,8 +525,7 @@ fn check_query_routes(
             .is_some_and(|r| r.kind == MessageKind::Query);
         let answers = transports
             .get(transport)
-            .and_then(|t| t.as_local_sender())
-            .is_some_and(|l| l.handles_on_send());
+            .is_some_and(|t| handles_on_send(&**t));
         if is_query && !answers {
             return Err(BuildError::QueryRoutedToTransport {
                 message,
@@ -566,10 +564,7 @@ fn check_destinations(
 /// sent (the sync transport) left out of retrying and parking.
 fn without_retry(mut policy: FailurePolicy, transports: &Transports) -> FailurePolicy {
     for (name, transport) in transports {
-        if transport
-            .as_local_sender()
-            .is_some_and(|l| l.handles_on_send())
-        {
+        if handles_on_send(&**transport) {
             policy = policy.without_retry(name.clone());
         }
     }

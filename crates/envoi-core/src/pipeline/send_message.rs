@@ -10,7 +10,7 @@ use crate::envelope::type_map::TypeMap;
 use crate::envelope::Envelope;
 use crate::error::{BusError, Result};
 use crate::middleware::{Middleware, Next};
-use crate::transport::{LocalFuture, SenderDispatcher, Transport};
+use crate::transport::{handles_on_send, LocalFuture, SenderDispatcher, Transport};
 use crate::BoxFuture;
 
 /// Which transports each message type is sent to.
@@ -89,10 +89,8 @@ impl Route {
 
     fn new(transport: &Arc<str>, dispatcher: &dyn SenderDispatcher) -> Self {
         let direct = dispatcher.direct(transport);
-        let handles_on_send =
-            |t: &Arc<dyn Transport>| t.as_local_sender().map(|l| l.handles_on_send());
-        let answers = direct.as_ref().and_then(handles_on_send) == Some(true);
-        let local = direct.filter(|t| handles_on_send(t) == Some(false));
+        let answers = direct.as_deref().is_some_and(handles_on_send);
+        let local = direct.filter(|t| t.as_local_sender().is_some() && !handles_on_send(&**t));
         Self {
             transport: transport.clone(),
             sent: StampEntry::new(SentStamp::new(transport.to_string())),

@@ -98,6 +98,14 @@ pub trait LocalSender: Send + Sync {
     fn handles_on_send(&self) -> bool;
 }
 
+/// Whether `transport` handles a message while it is sent (the sync
+/// transport): it stores nothing, and hands the handlers' results back.
+pub(crate) fn handles_on_send(transport: &dyn super::Transport) -> bool {
+    transport
+        .as_local_sender()
+        .is_some_and(|l| l.handles_on_send())
+}
+
 /// The receiving side of a transport that lives in this process: it hands
 /// out envelopes as they were sent, and takes acknowledgements by key.
 /// Rejecting, releasing and extending leases go through

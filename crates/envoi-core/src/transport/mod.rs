@@ -46,6 +46,7 @@ pub use crate::envelope::local_id::LocalId;
 pub use abilities::{Browse, Keepalive, MessageCount, Setup, Teardown, WakeUp};
 pub use binding::{Inbox, TransportBinding};
 pub use factory::TransportFactory;
+pub(crate) use local::handles_on_send;
 pub use local::{LocalDelivery, LocalFuture, LocalReceiver, LocalSender, Payload};
 pub use raw::{Delivery, DeliveryId, RawMessage};
 pub use sender::{SendError, Sender, SenderDispatcher};
