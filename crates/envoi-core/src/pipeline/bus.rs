@@ -143,25 +143,22 @@ impl MessageBus {
         &self.inner.name
     }
 
-    /// The transports a dispatch of `envelope` would send it to, by name
-    /// (its routes); empty when it would be handled in this process.
-    pub fn routed_to(&self, envelope: &Envelope) -> Vec<Arc<str>> {
-        self.routes_where(envelope, |_| true)
+    /// Whether a dispatch of `envelope` would send it to transports (it is
+    /// routed) rather than handle it in this process.
+    pub fn is_routed(&self, envelope: &Envelope) -> bool {
+        self.inner.route(envelope).is_some()
     }
 
-    /// The transports among [`routed_to`](Self::routed_to) that give no
-    /// result back (all but those that handle on send, like `sync://`).
+    /// The transports a dispatch of `envelope` would send it to that give
+    /// no result back (all but those that handle on send, like `sync://`),
+    /// by name.
     pub fn routed_without_result(&self, envelope: &Envelope) -> Vec<Arc<str>> {
-        self.routes_where(envelope, |r| !r.answers())
-    }
-
-    fn routes_where(&self, envelope: &Envelope, keep: impl Fn(&Route) -> bool) -> Vec<Arc<str>> {
         self.inner
             .route(envelope)
             .map(|(_, routes)| {
                 routes
                     .iter()
-                    .filter(|r| keep(r))
+                    .filter(|r| !r.answers())
                     .map(|r| r.transport().clone())
                     .collect()
             })

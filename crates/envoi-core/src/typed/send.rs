@@ -86,7 +86,7 @@ impl Dispatcher {
         command: C,
     ) -> impl Future<Output = Result<Sent, BusError>> + Send + '_ {
         let envelope = Envelope::new(command);
-        let routed = !self.bus().routed_to(&envelope).is_empty();
+        let routed = self.bus().is_routed(&envelope);
         async move {
             if !routed {
                 return Err(BusError::NotRouted {
