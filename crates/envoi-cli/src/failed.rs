@@ -438,7 +438,8 @@ const OUTCOME_WIDTH: usize = 100;
 struct Retried<'f> {
     /// The failure transport's name.
     name: &'f str,
-    /// Each message's id, type and outcome, in the order retried.
+    /// Each message's id, type and outcome (on one line), in the order
+    /// retried.
     rows: Vec<[String; 3]>,
     handled: usize,
     /// Parked because they could not be sent: sent on, not handled.
@@ -499,8 +500,11 @@ impl<'f> Retried<'f> {
 
     /// Adds the row of `delivery`, whose outcome is `text`.
     fn row(&mut self, delivery: &Delivery, text: String) {
-        self.rows
-            .push([delivery.id.to_string(), inspect(delivery).message, text]);
+        self.rows.push([
+            delivery.id.to_string(),
+            inspect(delivery).message,
+            flatten(&text),
+        ]);
     }
 
     /// Each outcome once: a table when every outcome fits its column, else
@@ -510,16 +514,16 @@ impl<'f> Retried<'f> {
         let fits = self
             .rows
             .iter()
-            .all(|[_, _, text]| flatten(text).chars().count() <= OUTCOME_WIDTH);
+            .all(|[_, _, text]| text.chars().count() <= OUTCOME_WIDTH);
         if fits {
             let mut table = Table::new(&["ID", "MESSAGE", "OUTCOME"]);
             for [id, message, text] in &self.rows {
-                table.row(vec![id.clone(), message.clone(), flatten(text)]);
+                table.row(vec![id.clone(), message.clone(), text.clone()]);
             }
             write!(out, "{}", table.render())?;
         } else {
             for [id, message, text] in &self.rows {
-                writeln!(out, "{id} ({message}): {}", flatten(text))?;
+                writeln!(out, "{id} ({message}): {text}")?;
             }
         }
         let sent = if self.sent > 0 {
