@@ -359,13 +359,17 @@ pub enum Access {
 /// Locks `database` for `access` through the file `<database>.lock`, held
 /// until the returned file is dropped: the flow would otherwise delete the
 /// database under a running `consume`, or miss the messages another process
-/// takes from it. Creates the database's directory if missing.
+/// takes from it. Creates the database's directory if missing. Checks
+/// first that `database` is an SQLite database or nothing
+/// ([`check_database`]), so no lock file is left beside anything else.
 ///
 /// # Errors
 ///
+/// [`FlowError::NotADatabase`] (or [`FlowError::Clean`]) from the check,
 /// [`FlowError::InUse`] when another process holds a lock that conflicts,
 /// [`FlowError::Lock`] when the lock file cannot be opened or locked.
 pub fn lock_database(database: &Path, access: Access) -> Result<std::fs::File, FlowError> {
+    check_database(database)?;
     let mut name = database.as_os_str().to_owned();
     name.push(".lock");
     let path = PathBuf::from(name);
@@ -824,8 +828,8 @@ const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
 /// other than an SQLite database or nothing: a directory, or a file that
 /// does not start as every SQLite database does. The flow deletes its
 /// database at the start, so a mistyped `EXAMPLE_ORDERS_DB` must not delete
-/// some other file; checking before [`lock_database`] also leaves no lock
-/// file beside it.
+/// some other file; [`lock_database`] checks too, so it leaves no lock file
+/// beside it.
 pub fn check_database(path: &Path) -> Result<(), FlowError> {
     let unreadable = |source| FlowError::Clean {
         path: path.to_path_buf(),

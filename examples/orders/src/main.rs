@@ -29,8 +29,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use example_orders::{
-    check_database, database_path, database_variable, lock_database, messenger, run, thousands,
-    Access, FlowConfig, FlowError, EVENTS, FAILED, ORDERS,
+    database_path, database_variable, lock_database, messenger, run, thousands, Access, FlowConfig,
+    FlowError, EVENTS, FAILED, ORDERS,
 };
 
 /// How to run the command line on the database just used: with its path
@@ -74,12 +74,6 @@ async fn main() -> ExitCode {
             );
             return ExitCode::FAILURE;
         }
-        // Before the lock, which would leave a lock file beside what is
-        // not a database.
-        if let Err(e) = check_database(&database) {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
         let _lock = match lock_database(&database, Access::Shared) {
             Ok(lock) => lock,
             Err(e) => {
@@ -94,12 +88,6 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         };
-    }
-    // Before the lock, which would leave a lock file beside what is not a
-    // database.
-    if let Err(e) = check_database(&database) {
-        eprintln!("error: {e}");
-        return ExitCode::FAILURE;
     }
     let _lock = match lock_database(&database, Access::Exclusive) {
         Ok(lock) => lock,
