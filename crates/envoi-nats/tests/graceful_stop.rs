@@ -11,12 +11,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{nats_url, unique_name, with_options};
-use envoi_core::transport::{MessageCount, RawMessage, Setup, Teardown, Transport};
+use common::{nats_url, send_jobs, unique_name, with_options, Job};
+use envoi_core::transport::{MessageCount, Setup, Teardown};
 use envoi_core::worker::{StopHandle, StopReason, Worker, WorkerReport};
-use envoi_core::{Command, Headers, Message, Messenger};
+use envoi_core::Messenger;
 use envoi_nats::NatsTransport;
-use serde::{Deserialize, Serialize};
 
 /// Messages produced.
 const N: usize = 3000;
@@ -25,20 +24,6 @@ const STOP_AFTER: u64 = 1000;
 /// The lease: a message whose acknowledgement was lost comes back to the
 /// second worker after it.
 const OPTIONS: &str = "lease=5s&wait=100ms";
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Job {
-    id: usize,
-}
-
-impl Message for Job {
-    const NAME: &'static str = "Job";
-}
-
-impl Command for Job {
-    type Output = ();
-    type Error = Infallible;
-}
 
 /// How many times each id was handled, by either worker.
 type Counts = Arc<Mutex<Vec<u32>>>;
@@ -118,18 +103,7 @@ async fn a_worker_stopped_mid_run_leaves_no_duplicate_for_the_next_one() {
         .await
         .expect("connect");
     producer.setup().await.expect("setup");
-    let jobs: Vec<(RawMessage, Option<Duration>)> = (0..N)
-        .map(|id| {
-            let raw = RawMessage {
-                body: format!("{{\"id\":{id}}}").into_bytes(),
-                headers: Headers::from([("type".to_string(), "Job".to_string())]),
-            };
-            (raw, None)
-        })
-        .collect();
-    for chunk in jobs.chunks(500) {
-        producer.send_batch(chunk.to_vec()).await.expect("send");
-    }
+    send_jobs(&producer, N).await;
     assert_eq!(producer.message_count().await.expect("count"), N as u64);
 
     let counts: Counts = Arc::new(Mutex::new(vec![0; N]));

@@ -15,12 +15,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::server::{binary, Server};
-use common::{unique_name, with_options};
-use envoi_core::transport::{MessageCount, RawMessage, Setup, Teardown, Transport};
+use common::{send_jobs, unique_name, with_options, Job};
+use envoi_core::transport::{MessageCount, Setup, Teardown};
 use envoi_core::worker::{StopReason, Worker, WorkerEvent};
-use envoi_core::{Command, Headers, Message, Messenger};
+use envoi_core::Messenger;
 use envoi_nats::NatsTransport;
-use serde::{Deserialize, Serialize};
 
 /// Messages produced.
 const N: usize = 2000;
@@ -28,20 +27,6 @@ const N: usize = 2000;
 const RESTART_AFTER: u64 = 600;
 /// Long enough a lease for the broker to come back within it.
 const OPTIONS: &str = "lease=15s&wait=100ms";
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Job {
-    id: usize,
-}
-
-impl Message for Job {
-    const NAME: &'static str = "Job";
-}
-
-impl Command for Job {
-    type Output = ();
-    type Error = Infallible;
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_restart_mid_run_leaves_no_duplicate_and_loses_nothing() {
@@ -56,18 +41,7 @@ async fn a_broker_restart_mid_run_leaves_no_duplicate_and_loses_nothing() {
 
     let producer = NatsTransport::connect(&name, &dsn).await.expect("connect");
     producer.setup().await.expect("setup");
-    let jobs: Vec<(RawMessage, Option<Duration>)> = (0..N)
-        .map(|id| {
-            let raw = RawMessage {
-                body: format!("{{\"id\":{id}}}").into_bytes(),
-                headers: Headers::from([("type".to_string(), "Job".to_string())]),
-            };
-            (raw, None)
-        })
-        .collect();
-    for chunk in jobs.chunks(500) {
-        producer.send_batch(chunk.to_vec()).await.expect("send");
-    }
+    send_jobs(&producer, N).await;
     producer.close().await.expect("close the producer");
 
     let counts = Arc::new(Mutex::new(vec![0u32; N]));

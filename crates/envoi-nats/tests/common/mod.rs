@@ -7,8 +7,41 @@ pub mod server;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use envoi_core::transport::{Receiver, Setup};
+use envoi_core::transport::{RawMessage, Receiver, Setup, Transport};
+use envoi_core::{Command, Headers, Message};
 use envoi_nats::NatsTransport;
+use serde::{Deserialize, Serialize};
+
+/// The command the worker tests produce; its id is what they count.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Job {
+    pub id: usize,
+}
+
+impl Message for Job {
+    const NAME: &'static str = "Job";
+}
+
+impl Command for Job {
+    type Output = ();
+    type Error = std::convert::Infallible;
+}
+
+/// Sends jobs `0..n` to `producer` as raw messages, in batches of 500.
+pub async fn send_jobs(producer: &NatsTransport, n: usize) {
+    let jobs: Vec<(RawMessage, Option<std::time::Duration>)> = (0..n)
+        .map(|id| {
+            let raw = RawMessage {
+                body: format!("{{\"id\":{id}}}").into_bytes(),
+                headers: Headers::from([("type".to_string(), Job::NAME.to_string())]),
+            };
+            (raw, None)
+        })
+        .collect();
+    for chunk in jobs.chunks(500) {
+        producer.send_batch(chunk.to_vec()).await.expect("send");
+    }
+}
 
 /// The server URL, or `None` after printing why the test is skipped.
 pub fn nats_url(test: &str) -> Option<String> {
