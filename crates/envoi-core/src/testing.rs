@@ -368,3 +368,8 @@ pub(crate) struct Ping;
 impl crate::envelope::message::Message for Ping {
     const NAME: &'static str = "Ping";
 }
+
+#[cfg(feature = "testing")]
+mod kit;
+#[cfg(feature = "testing")]
+pub use kit::{Activity, Handled, KitError, Parked, Record, Retried, TestKit};

@@ -374,6 +374,13 @@ impl Envelope {
         self.body.message.as_any()
     }
 
+    /// The message, to print with `{:?}` (the test kit lists what it saw
+    /// with it).
+    #[cfg(feature = "testing")]
+    pub(crate) fn message_debug(&self) -> &dyn fmt::Debug {
+        &self.body.message
+    }
+
     /// The [`TypeId`] of the message.
     #[inline]
     pub fn message_type_id(&self) -> TypeId {

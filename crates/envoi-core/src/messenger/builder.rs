@@ -612,3 +612,36 @@ fn bind_transports(messenger: &Messenger) {
         ));
     }
 }
+
+#[cfg(feature = "testing")]
+impl MessengerBuilder {
+    /// The configuration with its brokers left out, for the test kit:
+    /// every transport but those that handle messages when they are sent
+    /// (`sync://`, in process already) becomes what `in_memory` makes,
+    /// and so does every sender registered on its own; a custom
+    /// [`SenderDispatcher`] is dropped, so messages go straight to those
+    /// transports. Handlers, buses, routes, retry strategies and failure
+    /// transports stay as configured. Returns the names of the senders
+    /// replaced: destinations this process only sends to.
+    pub(crate) fn without_brokers(
+        mut self,
+        in_memory: impl Fn() -> Arc<dyn Transport>,
+    ) -> (Self, Vec<String>) {
+        for (_, spec) in &mut self.transports {
+            let in_process = match spec {
+                TransportSpec::Ready(t) => handles_on_send(&**t),
+                TransportSpec::Dsn(dsn) => crate::transport::dsn_has_scheme(dsn, "sync://"),
+            };
+            if !in_process {
+                *spec = TransportSpec::Ready(in_memory());
+            }
+        }
+        let senders: Vec<String> = self.senders.drain(..).map(|(name, _)| name).collect();
+        for name in &senders {
+            self.transports
+                .push((name.clone(), TransportSpec::Ready(in_memory())));
+        }
+        self.sender_dispatcher = None;
+        (self, senders)
+    }
+}
