@@ -306,6 +306,44 @@ async fn an_event_is_handled_once_per_handler_and_a_query_with_its_answer() {
     assert_eq!(kit.run_until_idle().await.stats.handled, 0);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_handler_that_succeeded_beside_one_that_failed_is_recorded_once_not_again_on_the_retry() {
+    let tries = Arc::new(AtomicU32::new(0));
+    let flaky = tries.clone();
+    let kit = TestKit::new(
+        shop()
+            .route::<OrderPlaced>("orders")
+            .event_handler(|_: OrderPlaced| async { Ok(()) })
+            .event_handler(move |_: OrderPlaced| {
+                let first = flaky.fetch_add(1, Ordering::SeqCst) == 0;
+                async move {
+                    match first {
+                        true => Err(OrderError::GatewayDown),
+                        false => Ok(()),
+                    }
+                }
+            }),
+    )
+    .await
+    .unwrap();
+    kit.dispatcher()
+        .publish(OrderPlaced { id: 9 })
+        .await
+        .unwrap();
+    kit.run_until_idle().within(WAIT, "the kit").await;
+
+    assert_eq!(tries.load(Ordering::SeqCst), 2);
+    kit.assert_retried::<OrderPlaced>(1);
+    let handlers: Vec<String> = kit
+        .handled_by::<OrderPlaced>()
+        .into_iter()
+        .map(|h| h.handler)
+        .collect();
+    assert_eq!(handlers.len(), 2, "each handler once: {handlers:?}");
+    assert_ne!(handlers[0], handlers[1], "{handlers:?}");
+    kit.assert_nothing_parked();
+}
+
 /// A sender that must never be reached: the kit replaces it.
 struct Unreachable;
 
