@@ -73,11 +73,8 @@ async fn the_confirmation_is_sent_once_the_order_is_placed() {
 
     kit.run_until_idle().await;
     kit.assert_handled::<PlaceOrder>(1);
-    let confirmation = SendConfirmation { order: 42 };
-    assert_eq!(
-        kit.sent_to::<SendConfirmation>("orders"),
-        [confirmation.clone()]
-    );
-    assert_eq!(kit.handled::<SendConfirmation>(), [confirmation]);
+    let confirmed = [SendConfirmation { order: 42 }];
+    assert_eq!(kit.sent_to::<SendConfirmation>("orders"), confirmed);
+    assert_eq!(kit.handled::<SendConfirmation>(), confirmed);
     kit.assert_nothing_parked();
 }
