@@ -370,6 +370,6 @@ impl crate::envelope::message::Message for Ping {
 }
 
 #[cfg(feature = "testing")]
-mod kit;
+pub mod kit;
 #[cfg(feature = "testing")]
 pub use kit::{Activity, Handled, KitError, Parked, Record, Retried, TestKit};
