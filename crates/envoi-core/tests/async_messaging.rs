@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use envoi_core::failure::MultiplierRetryStrategy;
-use envoi_core::middleware::{from_fn, Next};
+use envoi_core::middleware::from_fn;
 use envoi_core::stamp::{
     DelayStamp, ErrorDetailsStamp, ReceivedStamp, RedeliveryStamp, SentStamp,
     SentToFailureTransportStamp, TransportMessageIdStamp,
@@ -120,13 +120,13 @@ async fn a_routed_command_is_sent_not_handled_then_the_worker_handles_it_once() 
 async fn user_middleware_runs_on_the_sender_side_and_on_the_receiver_side() {
     let log = Arc::new(Mutex::new(Vec::new()));
     let record = log.clone();
-    let counting = from_fn("counting", move |envelope: Envelope, next: Next<'_>| {
+    let counting = from_fn("counting", move |envelope, next| {
         let side = match envelope.last::<ReceivedStamp>() {
             Some(r) => format!("received from {}", r.transport),
             None => "dispatched".to_string(),
         };
         record.lock().unwrap().push(side);
-        Box::pin(next.run(envelope))
+        next.run(envelope)
     });
     let messenger = Messenger::builder()
         .command_handler(|_: Charge| async { Ok::<_, GatewayDown>(()) })
@@ -913,13 +913,10 @@ async fn the_worker_dispatches_on_the_bus_the_message_was_sent_from() {
     let messenger = Messenger::builder()
         .command_handler(|_: Charge| async { Ok::<_, GatewayDown>(()) })
         .bus("payments", |bus| {
-            bus.middleware(from_fn(
-                "payments-only",
-                move |e: Envelope, next: Next<'_>| {
-                    record.lock().unwrap().push(e.has::<ReceivedStamp>());
-                    Box::pin(next.run(e))
-                },
-            ))
+            bus.middleware(from_fn("payments-only", move |e, next| {
+                record.lock().unwrap().push(e.has::<ReceivedStamp>());
+                next.run(e)
+            }))
         })
         .transport("async", memory())
         .route::<Charge>("async")

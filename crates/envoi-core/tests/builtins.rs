@@ -18,10 +18,10 @@ use envoi_core::failure::MultiplierRetryStrategy;
 use envoi_core::middleware::circuit_breaker::CircuitBreaker;
 use envoi_core::middleware::correlation::{CausationIdStamp, Correlation, CorrelationIdStamp};
 use envoi_core::middleware::dedup::{DedupClaim, DedupStore, Deduplicate, InMemoryDedupStore};
+use envoi_core::middleware::from_fn;
 use envoi_core::middleware::logging::Logging;
 use envoi_core::middleware::validation::{Validate, Validation};
 use envoi_core::middleware::BoxFuture;
-use envoi_core::middleware::{from_fn, Next};
 use envoi_core::stamp::{MessageIdStamp, ReceivedStamp};
 use envoi_core::worker::{Outcome, Worker, WorkerEvent};
 use envoi_core::{Command, DispatchError, Dispatcher, Envelope, Message, Messenger};
@@ -203,12 +203,9 @@ async fn logging_reports_the_outcome_of_each_dispatch_without_the_payload() {
 /// Records every envelope that passes.
 fn recorder(log: &Arc<Mutex<Vec<Envelope>>>) -> impl envoi_core::Middleware {
     let log = log.clone();
-    from_fn("record", move |envelope: Envelope, next: Next<'_>| {
-        let log = log.clone();
-        Box::pin(async move {
-            log.lock().unwrap().push(envelope.clone());
-            next.run(envelope).await
-        })
+    from_fn("record", move |envelope, next| {
+        log.lock().unwrap().push(envelope.clone());
+        next.run(envelope)
     })
 }
 

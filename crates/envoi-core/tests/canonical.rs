@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use envoi_core::failure::MultiplierRetryStrategy;
-use envoi_core::middleware::{from_fn, MiddlewareStack, Next};
+use envoi_core::middleware::{from_fn, MiddlewareStack};
 use envoi_core::pipeline::canonical::{Step, CANONICAL};
 use envoi_core::stamp::{BusNameStamp, ReceivedStamp};
 use envoi_core::testing::Abilities;
@@ -99,9 +99,9 @@ fn world(max_retries: u32) -> World {
                 Ok(())
             }
         })
-        .middleware(from_fn("watch", move |e: Envelope, next: Next<'_>| {
+        .middleware(from_fn("watch", move |e, next| {
             seen.lock().unwrap().push(e.has::<BusNameStamp>());
-            next.run(e).boxed()
+            next.run(e)
         }))
         .transport("queue", queue.clone())
         .transport("failed", failed.clone())

@@ -145,9 +145,7 @@ async fn callers_match_on_their_domain_error_after_a_stack_of_middlewares() {
         .command_handler(deposit)
         .middleware(Trace("a", log.clone()))
         .middleware(Trace("b", log.clone()))
-        .middleware(from_fn("passthrough", |e: Envelope, next: Next<'_>| {
-            Box::pin(next.run(e))
-        }))
+        .middleware(from_fn("passthrough", |e, next| next.run(e)))
         .build()
         .unwrap();
     let bank = messenger.dispatcher();
@@ -649,9 +647,7 @@ fn deferring_then_failing(
             Ok::<_, Infallible>(())
         });
     if with_middleware {
-        builder = builder.middleware(from_fn("pass", |e: Envelope, next: Next<'_>| {
-            next.run(e).boxed()
-        }));
+        builder = builder.middleware(from_fn("pass", |e, next| next.run(e)));
     }
     let messenger = builder.build().unwrap();
     *slot.lock().unwrap() = Some(messenger.bus().clone());

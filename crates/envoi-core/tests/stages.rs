@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use envoi_core::middleware::stage::{
-    as_filter, as_middleware, FilterAction, PipelineStage, StageNext, StagePipeline,
+    as_filter, as_middleware, FilterAction, PipelineStage, StagePipeline,
 };
 use envoi_core::stamp::{HandledStamp, ReceivedStamp};
 use envoi_core::testing::RecordingSenders;
@@ -72,19 +72,19 @@ fn seed_example(metrics: &Metrics, log: &Log) -> StagePipeline {
     StagePipeline::new().use_(
         PipelineStage::BeforeConsuming,
         [
-            as_middleware(move |envelope: Envelope, next: StageNext<'_>| {
+            as_middleware(move |envelope, next| {
                 let metrics = metrics.clone();
                 let log = log_m.clone();
-                Box::pin(async move {
+                async move {
                     log.lock().unwrap().push("timing middleware".into());
                     let start = Instant::now();
                     // try { await next() } finally { metrics.observe(...) }
                     let out = next.run(envelope).await;
                     metrics.observe(start.elapsed());
                     out
-                })
+                }
             }),
-            as_filter(move |envelope: &Envelope| {
+            as_filter(move |envelope| {
                 log_f.lock().unwrap().push("tenant filter".into());
                 if envelope.header("tenant").is_some() {
                     FilterAction::Continue
@@ -138,12 +138,9 @@ async fn seed_example_without_a_tenant_the_filter_stops_and_the_timing_middlewar
 
 fn mark(log: &Log, name: &'static str) -> envoi_core::middleware::stage::StageItem {
     let log = log.clone();
-    as_middleware(move |envelope: Envelope, next: StageNext<'_>| {
-        let log = log.clone();
-        Box::pin(async move {
-            log.lock().unwrap().push(name.to_string());
-            next.run(envelope).await
-        })
+    as_middleware(move |envelope, next| {
+        log.lock().unwrap().push(name.to_string());
+        next.run(envelope)
     })
 }
 
@@ -217,7 +214,7 @@ async fn an_outgoing_stop_fails_at_the_call_site_with_outgoing_filters_blocked()
         .sender_dispatcher(Arc::new(senders.clone()))
         .middleware(four_stages(&log).use_(
             PipelineStage::Outgoing,
-            [as_filter(|e: &Envelope| {
+            [as_filter(|e| {
                 if e.message::<Invoice>().is_some_and(|i| i.amount > 1000) {
                     FilterAction::Stop
                 } else {
@@ -249,9 +246,8 @@ async fn an_outgoing_stop_fails_at_the_call_site_with_outgoing_filters_blocked()
 async fn with_a_transport_outgoing_runs_on_the_sender_and_the_consuming_stages_on_the_receiver() {
     let log = Log::default();
     let senders = RecordingSenders::default();
-    let stamp_origin = as_middleware(|envelope: Envelope, next: StageNext<'_>| {
-        next.run(envelope.with_header("origin", "billing"))
-    });
+    let stamp_origin =
+        as_middleware(|envelope, next| next.run(envelope.with_header("origin", "billing")));
     let m = Messenger::builder()
         .command_handler(invoice_handler(&log))
         .route::<Invoice>("async")
@@ -415,7 +411,7 @@ async fn a_filter_added_to_a_live_bus_runs_before_the_stage_middleware_added_at_
         .command_handler(invoice_handler(&log))
         .stages(StagePipeline::new().use_(
             PipelineStage::BeforeConsuming,
-            [as_middleware(move |e: Envelope, next| {
+            [as_middleware(move |e, next| {
                 seen.lock().unwrap().push("middleware".into());
                 next.run(e)
             })],
@@ -432,7 +428,7 @@ async fn a_filter_added_to_a_live_bus_runs_before_the_stage_middleware_added_at_
     let filtered = log.clone();
     bus.use_stage(
         PipelineStage::BeforeConsuming,
-        [as_filter(move |_: &Envelope| {
+        [as_filter(move |_| {
             filtered.lock().unwrap().push("filter".into());
             FilterAction::Stop
         })],
@@ -453,7 +449,7 @@ async fn stage_middleware_added_to_a_live_bus_runs_after_the_filters_added_at_bu
         .command_handler(invoice_handler(&log))
         .stages(StagePipeline::new().use_(
             PipelineStage::BeforeConsuming,
-            [as_filter(move |e: &Envelope| {
+            [as_filter(move |e| {
                 filtered.lock().unwrap().push("filter".into());
                 if e.header("tenant").is_some() {
                     FilterAction::Continue
@@ -467,7 +463,7 @@ async fn stage_middleware_added_to_a_live_bus_runs_after_the_filters_added_at_bu
     let seen = log.clone();
     messenger.bus().use_stage(
         PipelineStage::BeforeConsuming,
-        [as_middleware(move |e: Envelope, next| {
+        [as_middleware(move |e, next| {
             seen.lock().unwrap().push("middleware".into());
             next.run(e)
         })],
@@ -508,7 +504,7 @@ async fn a_worker_counts_a_message_a_filter_stopped_apart_from_the_handled_ones(
         .route::<Invoice>("invoices")
         .stages(StagePipeline::new().use_(
             PipelineStage::BeforeConsuming,
-            [as_filter(|e: &Envelope| {
+            [as_filter(|e| {
                 if e.header("tenant").is_some() {
                     FilterAction::Continue
                 } else {

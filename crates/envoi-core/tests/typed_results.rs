@@ -10,7 +10,7 @@ use std::sync::Arc;
 use envoi_core::middleware::stage::{as_filter, FilterAction, PipelineStage, StagePipeline};
 use envoi_core::testing::Abilities;
 use envoi_core::transport::in_memory::InMemoryTransport;
-use envoi_core::{BusError, Command, Envelope, Message, Messenger, Query};
+use envoi_core::{BusError, Command, Message, Messenger, Query};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Charge {
@@ -157,7 +157,7 @@ async fn a_command_a_filter_stopped_is_told_apart_from_a_failure() {
         .command_handler(|c: Charge| async move { Ok::<_, Infallible>(c.cents) })
         .stages(StagePipeline::new().use_(
             PipelineStage::BeforeConsuming,
-            [as_filter(|e: &Envelope| {
+            [as_filter(|e| {
                 if e.header("tenant").is_some() {
                     FilterAction::Continue
                 } else {

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use envoi_core::failure::MultiplierRetryStrategy;
-use envoi_core::middleware::{from_fn, Middleware, Next};
+use envoi_core::middleware::{from_fn, Middleware};
 use envoi_core::pipeline::verdict::{Fate, Verdict};
 use envoi_core::stamp::{
     HandledStamp, ReceivedStamp, RedeliveryStamp, SentToFailureTransportStamp,
@@ -139,9 +139,9 @@ fn setup_with(
     }
     if user {
         let seen = seen_by_user.clone();
-        builder = builder.middleware(from_fn("count", move |e: Envelope, next: Next<'_>| {
+        builder = builder.middleware(from_fn("count", move |e, next| {
             seen.fetch_add(1, Ordering::SeqCst);
-            next.run(e).boxed()
+            next.run(e)
         }));
     }
     let messenger = builder.build().unwrap();
@@ -324,11 +324,9 @@ async fn a_middleware_that_swallows_a_parked_failure_does_not_hide_the_park() {
     let s = setup(Policy::Parks, false);
     s.messenger
         .bus()
-        .add_middleware(Arc::new(from_fn("swallow", |e: Envelope, next: Next<'_>| {
-            Box::pin(async move {
-                let kept = e.clone();
-                Ok(next.run(e).await.unwrap_or(kept))
-            })
+        .add_middleware(Arc::new(from_fn("swallow", |e, next| async move {
+            let kept = e.clone();
+            Ok(next.run(e).await.unwrap_or(kept))
         })) as Arc<dyn Middleware>);
     let verdict = receive(&s, true).await;
     assert!(

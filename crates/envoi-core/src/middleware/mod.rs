@@ -34,6 +34,20 @@
 //! # });
 //! ```
 //!
+//! A closure makes a middleware too, with no annotations and no box:
+//! [`from_fn`] hands it an owned handle to the rest of the pipeline
+//! ([`OwnedNext`]) its future can keep.
+//!
+//! ```
+//! use envoi_core::middleware::from_fn;
+//! use envoi_core::stamp::DelayStamp;
+//!
+//! let later = from_fn("later", |envelope, next| async move {
+//!     next.run(envelope.with(DelayStamp { ms: 1000 })).await
+//! });
+//! # let _ = later;
+//! ```
+//!
 //! # `next` runs at most once
 //!
 //! [`Next::run`] takes `self`, so a middleware cannot run the rest of the
@@ -57,8 +71,10 @@
 pub mod circuit_breaker;
 pub mod correlation;
 pub mod dedup;
+mod from_fn;
 pub mod hook;
 pub mod logging;
+mod relay;
 pub mod stage;
 pub mod validation;
 
@@ -74,6 +90,8 @@ use crate::envelope::Envelope;
 use crate::error::Result;
 
 pub use crate::BoxFuture;
+pub use from_fn::{from_fn, FnMiddleware, OwnedNext};
+pub use relay::{OwnedNextError, OwnedNextFuture};
 
 /// One layer of the onion.
 ///
@@ -329,59 +347,6 @@ impl fmt::Debug for MiddlewareStack {
 impl Endpoint for MiddlewareStack {
     fn call(&self, envelope: Envelope) -> BoxFuture<'_, Result<Envelope>> {
         Box::pin(self.run(envelope))
-    }
-}
-
-/// A middleware made from a closure; see [`from_fn`].
-pub struct FnMiddleware<F> {
-    name: Cow<'static, str>,
-    f: F,
-}
-
-/// Makes a middleware from a closure taking the envelope and `next`.
-///
-/// ```
-/// use envoi_core::middleware::{from_fn, Next};
-/// use envoi_core::Envelope;
-///
-/// let log = from_fn("log", |envelope: Envelope, next: Next<'_>| {
-///     Box::pin(async move {
-///         let name = envelope.message_name();
-///         let out = next.run(envelope).await;
-///         println!("{name}: {}", if out.is_ok() { "ok" } else { "failed" });
-///         out
-///     })
-/// });
-/// # let _ = log;
-/// ```
-pub fn from_fn<F>(name: impl Into<Cow<'static, str>>, f: F) -> FnMiddleware<F>
-where
-    F: for<'a> Fn(Envelope, Next<'a>) -> BoxFuture<'a, Result<Envelope>> + Send + Sync + 'static,
-{
-    FnMiddleware {
-        name: name.into(),
-        f,
-    }
-}
-
-impl<F> Middleware for FnMiddleware<F>
-where
-    F: for<'a> Fn(Envelope, Next<'a>) -> BoxFuture<'a, Result<Envelope>> + Send + Sync + 'static,
-{
-    fn handle<'a>(&'a self, envelope: Envelope, next: Next<'a>) -> BoxFuture<'a, Result<Envelope>> {
-        (self.f)(envelope, next)
-    }
-
-    fn name(&self) -> Cow<'static, str> {
-        self.name.clone()
-    }
-}
-
-impl<F> fmt::Debug for FnMiddleware<F> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FnMiddleware")
-            .field("name", &self.name)
-            .finish()
     }
 }
 

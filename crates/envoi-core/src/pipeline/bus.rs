@@ -304,7 +304,7 @@ impl MessageBus {
     ///     .unwrap();
     /// messenger.bus().use_stage(
     ///     PipelineStage::BeforeConsuming,
-    ///     [as_filter(|e: &Envelope| if e.header("tenant").is_some() { FilterAction::Continue } else { FilterAction::Stop })],
+    ///     [as_filter(|e| if e.header("tenant").is_some() { FilterAction::Continue } else { FilterAction::Stop })],
     /// );
     /// let out = messenger.bus().dispatch(Envelope::event(Invoiced)).await.unwrap();
     /// assert!(out.stamps().all(|s| s.name() != "Handled"), "stopped before the handler");
@@ -700,9 +700,7 @@ mod tests {
     }
 
     fn pass() -> Arc<dyn Middleware> {
-        Arc::new(from_fn("pass", |e: Envelope, next: Next<'_>| {
-            next.run(e).boxed()
-        }))
+        Arc::new(from_fn("pass", |e, next| next.run(e)))
     }
 
     #[test]

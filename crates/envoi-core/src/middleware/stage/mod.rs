@@ -33,20 +33,29 @@
 //!
 //! ```
 //! use envoi_core::middleware::stage::{as_filter, as_middleware, FilterAction, PipelineStage, StagePipeline};
-//! use envoi_core::Envelope;
 //!
 //! let pipeline = StagePipeline::new()
-//!     .use_(PipelineStage::Outgoing, [as_middleware(|envelope: Envelope, next| {
-//!         Box::pin(async move { next.run(envelope.with_header("origin", "billing")).await })
+//!     .use_(PipelineStage::Outgoing, [as_middleware(|envelope, next| async move {
+//!         next.run(envelope.with_header("origin", "billing")).await
 //!     })])
-//!     .use_(PipelineStage::BeforeConsuming, [as_filter(|envelope: &Envelope| {
+//!     .use_(PipelineStage::BeforeConsuming, [as_filter(|envelope| {
 //!         if envelope.header("tenant").is_some() { FilterAction::Continue } else { FilterAction::Stop }
 //!     })]);
 //! # let _ = pipeline;
 //! ```
+//!
+//! Closures need no annotations: [`as_filter`] takes a function of the
+//! envelope, [`as_middleware`] a function of the envelope and an owned
+//! handle to the rest of the stage ([`OwnedStageNext`]) returning a future.
+//! Types implementing [`Filter`] or [`StageMiddleware`] go in with
+//! [`as_stage_filter`] and [`as_stage_middleware`].
+
+mod from_fn;
 
 use std::fmt;
 use std::sync::Arc;
+
+pub use from_fn::{as_middleware, OwnedStageNext, StageFailure};
 
 use super::was_retried;
 use super::{BoxFuture, Middleware, Next};
@@ -78,6 +87,16 @@ impl PipelineStage {
         }
     }
 
+    /// How errors name a closure middleware of this stage.
+    fn middleware_name(self) -> &'static str {
+        match self {
+            PipelineStage::Outgoing => "outgoing stage middleware",
+            PipelineStage::BeforeConsuming => "before_consuming stage middleware",
+            PipelineStage::AfterConsuming => "after_consuming stage middleware",
+            PipelineStage::OnConsumedSuccessfully => "on_consumed_successfully stage middleware",
+        }
+    }
+
     /// `outgoing`, `before_consuming`, `after_consuming` or
     /// `on_consumed_successfully`.
     pub fn as_str(self) -> &'static str {
@@ -106,7 +125,8 @@ pub enum FilterAction {
     Stop,
 }
 
-/// A synchronous check of an envelope (message, stamps and headers).
+/// A synchronous check of an envelope (message, stamps and headers). A
+/// closure is one; [`as_filter`] takes it without annotations.
 pub trait Filter: Send + Sync + 'static {
     /// Decides whether the stage goes on.
     fn filter(&self, envelope: &Envelope) -> FilterAction;
@@ -132,22 +152,6 @@ pub trait StageMiddleware: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Envelope>>;
 }
 
-impl<F> StageMiddleware for F
-where
-    F: for<'a> Fn(Envelope, StageNext<'a>) -> BoxFuture<'a, Result<Envelope>>
-        + Send
-        + Sync
-        + 'static,
-{
-    fn handle<'a>(
-        &'a self,
-        envelope: Envelope,
-        next: StageNext<'a>,
-    ) -> BoxFuture<'a, Result<Envelope>> {
-        self(envelope, next)
-    }
-}
-
 /// A filter or a middleware, as [`StagePipeline::use_`] accepts them.
 #[derive(Clone)]
 pub enum StageItem {
@@ -166,21 +170,28 @@ impl fmt::Debug for StageItem {
     }
 }
 
-/// Registers `filter` as a stage item.
-pub fn as_filter(filter: impl Filter) -> StageItem {
+/// Registers a filter closure as a stage item; its argument needs no
+/// annotation.
+///
+/// ```
+/// use envoi_core::middleware::stage::{as_filter, FilterAction};
+///
+/// let tenants_only = as_filter(|envelope| match envelope.header("tenant") {
+///     Some(_) => FilterAction::Continue,
+///     None => FilterAction::Stop,
+/// });
+/// # let _ = tenants_only;
+/// ```
+pub fn as_filter<F>(filter: F) -> StageItem
+where
+    F: Fn(&Envelope) -> FilterAction + Send + Sync + 'static,
+{
     StageItem::Filter(Arc::new(filter))
 }
 
-/// Registers `middleware` as a stage item. A closure must return a boxed
-/// future: `|envelope, next| Box::pin(async move { next.run(envelope).await })`.
-pub fn as_middleware<F>(middleware: F) -> StageItem
-where
-    F: for<'a> Fn(Envelope, StageNext<'a>) -> BoxFuture<'a, Result<Envelope>>
-        + Send
-        + Sync
-        + 'static,
-{
-    StageItem::Middleware(Arc::new(middleware))
+/// Registers a [`Filter`] type as a stage item.
+pub fn as_stage_filter(filter: impl Filter) -> StageItem {
+    StageItem::Filter(Arc::new(filter))
 }
 
 /// Registers a [`StageMiddleware`] type as a stage item.
@@ -465,20 +476,20 @@ mod tests {
 
     fn mark(log: &Log, name: &'static str) -> StageItem {
         let log = log.clone();
-        as_middleware(move |envelope: Envelope, next: StageNext<'_>| {
+        as_middleware(move |envelope, next| {
             let log = log.clone();
-            Box::pin(async move {
+            async move {
                 log.lock().unwrap().push(format!("{name} in"));
                 let out = next.run(envelope).await;
                 log.lock().unwrap().push(format!("{name} out"));
                 out
-            })
+            }
         })
     }
 
     fn gate(log: &Log, name: &'static str, action: FilterAction) -> StageItem {
         let log = log.clone();
-        as_filter(move |_: &Envelope| {
+        as_filter(move |_| {
             log.lock().unwrap().push(format!("{name} filter"));
             action
         })
@@ -599,8 +610,8 @@ mod tests {
         let seen2 = seen.clone();
         let p = all_stages(&log).use_(
             PipelineStage::AfterConsuming,
-            [as_middleware(move |e: Envelope, next: StageNext<'_>| {
-                *seen2.lock().unwrap() = next.failure().map(|e| e.kind().to_string());
+            [as_middleware(move |e, next| {
+                *seen2.lock().unwrap() = next.failure().map(|f| f.kind().to_string());
                 next.run(e)
             })],
         );
@@ -674,10 +685,8 @@ mod tests {
         let p = StagePipeline::new().use_(
             PipelineStage::Outgoing,
             [
-                as_middleware(|e: Envelope, next: StageNext<'_>| {
-                    next.run(e.with_header("tenant", "acme"))
-                }),
-                as_filter(|e: &Envelope| {
+                as_middleware(|e, next| next.run(e.with_header("tenant", "acme"))),
+                as_filter(|e| {
                     if e.header("secret").is_some() {
                         FilterAction::Stop
                     } else {
