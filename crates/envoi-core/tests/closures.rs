@@ -16,7 +16,7 @@ use std::task::Poll;
 use envoi_core::middleware::stage::{
     as_filter, as_middleware, FilterAction, PipelineStage, StagePipeline,
 };
-use envoi_core::middleware::{from_fn, Middleware, MiddlewareStack, OwnedNextError};
+use envoi_core::middleware::{from_fn, Middleware, MiddlewareStack, Next, OwnedNextError};
 use envoi_core::stamp::{HandledStamp, StoppedByFilterStamp};
 use envoi_core::testing::RecordingSenders;
 use envoi_core::{BusError, Command, Envelope, Message, MessageBus, Messenger};
@@ -521,4 +521,28 @@ async fn many_dispatches_through_handles_on_other_tasks_all_come_back() {
         handled += out.all::<HandledStamp>().count();
     }
     assert_eq!(handled, 500);
+}
+
+/// A handle handed on before the middleware's future was ever polled
+/// fails, rather than waits forever, when that future is dropped unpolled.
+#[tokio::test]
+async fn a_handle_whose_middleware_future_is_dropped_unpolled_fails_instead_of_waiting() {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let tx = Mutex::new(Some(tx));
+    let middleware = from_fn("unpolled", move |envelope, next| {
+        let tx = tx.lock().unwrap().take().expect("one call");
+        tokio::spawn(async move {
+            let _ = tx.send(next.run(envelope).await);
+        });
+        async { Err(BusError::Disposed("never polled".into())) }
+    });
+    drop(middleware.handle(Envelope::new(Note), Next::passthrough()));
+    let error = rx.await.unwrap().unwrap_err();
+    assert!(
+        matches!(
+            error.middleware_error::<OwnedNextError>(),
+            Some(OwnedNextError::Gone { envelope: Some(_) })
+        ),
+        "{error:?}"
+    );
 }

@@ -348,9 +348,10 @@ impl fmt::Debug for OwnedNextFuture {
     }
 }
 
-/// Tells the link the adapter finished, however it finishes.
+/// Tells the link the adapter finished, however it finishes: completed,
+/// dropped while pending, or dropped before it was first polled.
 struct CloseOnDrop<'a> {
-    link: &'a Arc<Link>,
+    link: Arc<Link>,
     middleware: &'a str,
 }
 
@@ -364,21 +365,36 @@ impl Drop for CloseOnDrop<'_> {
 /// shares `link`, and runs the rest (`start(envelope)`) for the handle when
 /// it asks. `middleware` names the middleware in the error of a handle run
 /// too late.
-pub(crate) async fn relay<Fut, Start, Rest>(
+pub(crate) fn relay<'a, Fut, Start, Rest>(
     link: Arc<Link>,
     fut: Fut,
     start: Start,
-    middleware: &str,
-) -> Result<Envelope>
+    middleware: &'a str,
+) -> impl Future<Output = Result<Envelope>> + 'a
+where
+    Fut: Future<Output = Result<Envelope>> + 'a,
+    Start: FnOnce(Envelope) -> Rest + 'a,
+    Rest: Future<Output = Result<Envelope>> + 'a,
+{
+    // Made before the future, so that a future dropped unpolled (whose
+    // closure may have handed its handle on already) closes the link too.
+    let close = CloseOnDrop { link, middleware };
+    async move {
+        // Bound in the body, so that the closure's future (and the handle
+        // it may own) is dropped before the link is closed.
+        let close = close;
+        let link = &close.link;
+        run(link, fut, start).await
+    }
+}
+
+/// The loop of [`relay`].
+async fn run<Fut, Start, Rest>(link: &Link, fut: Fut, start: Start) -> Result<Envelope>
 where
     Fut: Future<Output = Result<Envelope>>,
     Start: FnOnce(Envelope) -> Rest,
     Rest: Future<Output = Result<Envelope>>,
 {
-    let _close = CloseOnDrop {
-        link: &link,
-        middleware,
-    };
     let mut fut = pin!(fut);
     let mut rest = pin!(None::<Rest>);
     let mut start = Some(start);
