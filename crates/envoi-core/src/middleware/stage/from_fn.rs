@@ -30,10 +30,12 @@ use crate::BoxFuture;
 /// # let _ = pipeline;
 /// ```
 ///
-/// The closure behaves as [`StageMiddleware::handle`]; a closure
-/// middleware costs what [`from_fn`](crate::middleware::from_fn) tells
-/// (one allocation more per call than a [`StageMiddleware`] type, which
-/// [`as_stage_middleware`](super::as_stage_middleware) registers).
+/// The closure behaves as [`StageMiddleware::handle`]. A closure
+/// middleware costs what [`from_fn`](crate::middleware::from_fn) tells: one
+/// allocation more per call than a [`StageMiddleware`] type, which
+/// [`as_stage_middleware`](super::as_stage_middleware) registers, and in
+/// `after_consuming` after a failure one more for the failure's message
+/// ([`OwnedStageNext::failure`]).
 pub fn as_middleware<F, Fut>(middleware: F) -> StageItem
 where
     F: Fn(Envelope, OwnedStageNext) -> Fut + Send + Sync + 'static,

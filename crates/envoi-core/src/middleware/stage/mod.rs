@@ -142,7 +142,8 @@ where
 }
 
 /// An async middleware of one stage: it gets the envelope and the rest of
-/// the stage ([`StageNext`]), like an onion [`Middleware`].
+/// the stage ([`StageNext`]), like an onion [`Middleware`]. A closure makes
+/// one with [`as_middleware`].
 pub trait StageMiddleware: Send + Sync + 'static {
     /// Processes `envelope`, usually by calling `next.run(envelope)`.
     fn handle<'a>(
@@ -566,6 +567,32 @@ mod tests {
                 "m1 out"
             ]
         );
+    }
+
+    /// Lets through only messages with a tenant header.
+    struct TenantsOnly;
+    impl Filter for TenantsOnly {
+        fn filter(&self, envelope: &Envelope) -> FilterAction {
+            match envelope.header("tenant") {
+                Some(_) => FilterAction::Continue,
+                None => FilterAction::Stop,
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_filter_type_registered_with_as_stage_filter_decides_like_a_closure() {
+        let p = StagePipeline::new().use_(PipelineStage::Outgoing, [as_stage_filter(TenantsOnly)]);
+        let end = RecordingEndpoint::new();
+        let err = p.handle(Envelope::new(Ping), end.next()).await.unwrap_err();
+        assert!(matches!(err, BusError::OutgoingFiltersBlocked { .. }));
+        p.handle(
+            Envelope::new(Ping).with_header("tenant", "acme"),
+            end.next(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(end.calls().len(), 1);
     }
 
     #[tokio::test]
