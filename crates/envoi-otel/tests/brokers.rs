@@ -11,7 +11,7 @@ use common::{
     Attempts, Expected, Job, Telemetry, JOBS,
 };
 use envoi_core::testing::broker_url;
-use envoi_core::transport::{Transport, TransportFactory};
+use envoi_core::transport::TransportFactory;
 use envoi_core::{Envelope, Messenger};
 use opentelemetry::trace::SpanId;
 
@@ -92,7 +92,7 @@ async fn tear_down(messenger: &Messenger) {
     let jobs = messenger.transport(JOBS).unwrap();
     if let Some(teardown) = jobs.as_teardown() {
         teardown
-            .teardown()
+            .delete()
             .await
             .expect("the test's queue is removed");
     }
