@@ -67,6 +67,16 @@
 //! A message whose headers carry no context (sent by a producer that is
 //! not envoi, or before tracing was on) is handled as usual in a new trace.
 //!
+//! # Limits
+//!
+//! * A dispatch a handler defers until its own dispatch has succeeded
+//!   ([`DispatchAfterCurrentBusStamp`](envoi_core::stamp::DispatchAfterCurrentBusStamp))
+//!   runs after the `process` span has closed, so its `send` span is not
+//!   in the trace of the message being handled.
+//! * Each received message gets its own `process` span, a child of its
+//!   send span; there is no span-link mode for batches yet, and no
+//!   `receive` or `settle` spans.
+//!
 //! # Cost
 //!
 //! With no subscriber recording `INFO` spans of [`TARGET`], the middleware

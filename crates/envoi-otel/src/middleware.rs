@@ -186,12 +186,16 @@ impl MessageTracing {
             return next.run(envelope).boxed();
         }
         let parent = self.propagator.extract(&EnvelopeExtractor(&envelope));
-        if parent.span().span_context().is_valid() {
-            // Cannot fail: the span is new, enabled, and not started.
-            let _ = span.set_parent(parent);
+        // The OpenTelemetry parent is the context the message carries, or
+        // none (a new trace), never the ambient context of the worker.
+        let parent = if parent.span().span_context().is_valid() {
+            parent
         } else {
-            let _ = span.set_parent(Context::new());
-        }
+            Context::new()
+        };
+        // Fails only without a `tracing-opentelemetry` layer, when there
+        // is nothing to parent.
+        let _ = span.set_parent(parent);
         span::record_message(&span, &envelope);
         span::record_transport(&span, &self.transports.describe(transport));
         let envelope = self.inject(&span, envelope);
