@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use envoi_core::transport::{
     Delivery, DeliveryId, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown,
-    Transport, WakeUp,
+    Transport, TransportDescription, WakeUp,
 };
 use envoi_core::{BoxFuture, TransportError};
 
@@ -187,6 +187,12 @@ impl Drop for AmqpTransport {
 }
 
 impl Transport for AmqpTransport {
+    /// `rabbitmq`, at the broker's host and port from the DSN.
+    fn describe(&self) -> TransportDescription {
+        let authority = &self.shared.config.uri().authority;
+        TransportDescription::new("rabbitmq").with_server(authority.host.clone(), authority.port)
+    }
+
     fn send(
         &self,
         message: RawMessage,

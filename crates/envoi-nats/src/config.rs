@@ -216,6 +216,14 @@ pub(crate) struct Names {
 }
 
 impl NatsConfig {
+    /// The host and port of [`server`](Self::server), the port 4222 when
+    /// it names none; `None` for a server URL that names no host.
+    pub(crate) fn server_address(&self) -> Option<(String, u16)> {
+        let url = Url::parse(&self.server).ok()?;
+        let host = url.host_str().filter(|h| !h.is_empty())?;
+        Some((host.to_string(), url.port().unwrap_or(4222)))
+    }
+
     /// Parses `dsn`. Fails with [`TransportError::InvalidDsn`] (password
     /// and token masked) when the DSN or one of its options is not
     /// understood, an option is given twice, or the credentials contradict

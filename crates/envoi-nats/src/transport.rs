@@ -8,7 +8,7 @@ use async_nats::jetstream;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::{ConnectOptions, Subject};
 use envoi_core::transport::support::{connect_within, Backoff, ReadAhead};
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{RawMessage, Transport, TransportDescription};
 use envoi_core::{BoxError, BoxFuture, TransportError};
 
 use crate::auth::{mask, masked_server, with_credentials};
@@ -134,7 +134,7 @@ async fn flushed(client: &async_nats::Client) -> bool {
 /// of every later delivery of that message and the id `list` and `find` use.
 ///
 /// ```no_run
-/// use envoi_core::transport::{RawMessage, Transport};
+/// use envoi_core::transport::{RawMessage, Transport, TransportDescription};
 /// use envoi_nats::NatsTransport;
 ///
 /// # async fn run() -> Result<(), envoi_core::TransportError> {
@@ -301,6 +301,15 @@ impl NatsTransport {
 }
 
 impl Transport for NatsTransport {
+    /// `nats`, at the server's host and port from the DSN.
+    fn describe(&self) -> TransportDescription {
+        let described = TransportDescription::new("nats");
+        match self.inner.config.server_address() {
+            Some((host, port)) => described.with_server(host, port),
+            None => described,
+        }
+    }
+
     fn send(
         &self,
         message: RawMessage,

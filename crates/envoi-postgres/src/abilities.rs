@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use envoi_core::transport::{
     Browse, Delivery, DeliveryId, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown,
-    Transport, WakeUp,
+    Transport, TransportDescription, WakeUp,
 };
 use envoi_core::{BoxFuture, TransportError};
 
@@ -13,6 +13,13 @@ use crate::transport::Inner;
 use crate::PostgresTransport;
 
 impl Transport for PostgresTransport {
+    /// `postgresql`, at the server's host (or socket directory) and port
+    /// from the DSN.
+    fn describe(&self) -> TransportDescription {
+        let connect = &self.inner.config.connect;
+        TransportDescription::new("postgresql").with_server(connect.get_host(), connect.get_port())
+    }
+
     /// Grouped with the sends waiting at the same time into one `INSERT`;
     /// returns once its row is committed.
     fn send(

@@ -184,6 +184,14 @@ impl RedisConfig {
             .clone()
             .unwrap_or_else(|| format!("envoi:{name}"))
     }
+
+    /// The host and port of the server ([`url`](Self::url)), the port 6379
+    /// when it names none; `None` for a URL that names no host.
+    pub(crate) fn server(&self) -> Option<(String, u16)> {
+        let url = url::Url::parse(&self.url).ok()?;
+        let host = url.host_str().filter(|h| !h.is_empty())?;
+        Some((host.to_string(), url.port().unwrap_or(6379)))
+    }
 }
 
 /// The server part of `dsn` (scheme, user, host, port, database), checked,

@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use envoi_core::transport::support::ReadAhead;
-use envoi_core::transport::{mask_dsn, Delivery, RawMessage, Setup, Transport, WakeUp};
+use envoi_core::transport::{
+    mask_dsn, Delivery, RawMessage, Setup, Transport, TransportDescription, WakeUp,
+};
 use envoi_core::{BoxFuture, TransportError};
 use redis::Client;
 use uuid::Uuid;
@@ -248,6 +250,15 @@ impl RedisTransport {
 }
 
 impl Transport for RedisTransport {
+    /// `redis`, at the server's host and port from the DSN.
+    fn describe(&self) -> TransportDescription {
+        let described = TransportDescription::new("redis");
+        match self.config.server() {
+            Some((host, port)) => described.with_server(host, port),
+            None => described,
+        }
+    }
+
     fn send(
         &self,
         message: RawMessage,

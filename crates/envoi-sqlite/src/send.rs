@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use envoi_core::transport::support::encode_json_headers;
-use envoi_core::transport::{RawMessage, Transport};
+use envoi_core::transport::{RawMessage, Transport, TransportDescription};
 use envoi_core::{BoxFuture, TransportError};
 
 use crate::op::{NewRow, Op};
@@ -25,6 +25,11 @@ fn new_row(
 }
 
 impl Transport for SqliteTransport {
+    /// `sqlite`: a local file, no server.
+    fn describe(&self) -> TransportDescription {
+        TransportDescription::new("sqlite")
+    }
+
     fn send(
         &self,
         message: RawMessage,

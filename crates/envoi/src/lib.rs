@@ -27,3 +27,8 @@ pub use envoi_amqp as amqp;
 /// The NATS JetStream transport, `nats://…` (feature `nats`).
 #[cfg(feature = "nats")]
 pub use envoi_nats as nats;
+
+/// OpenTelemetry: one trace from the dispatch to the handler, through
+/// every transport (feature `otel`).
+#[cfg(feature = "otel")]
+pub use envoi_otel as otel;

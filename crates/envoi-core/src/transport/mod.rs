@@ -50,6 +50,6 @@ pub(crate) use local::handles_on_send;
 pub use local::{LocalDelivery, LocalFuture, LocalReceiver, LocalSender, Payload};
 pub use raw::{Delivery, DeliveryId, RawMessage};
 pub use sender::{SendError, Sender, SenderDispatcher};
-pub use sides::{Receiver, Transport};
+pub use sides::{Receiver, Transport, TransportDescription};
 pub(crate) use support::dsn::strip_scheme;
 pub use support::dsn::{dsn_has_scheme, mask_dsn, parse_duration};

@@ -130,12 +130,68 @@ pub trait Transport: Send + Sync + 'static {
         None
     }
 
+    /// What observability tools are told about the transport: its
+    /// messaging system and the server it talks to. A transport that does
+    /// not say is `unknown`, with no server.
+    ///
+    /// ```
+    /// use envoi_core::transport::in_memory::InMemoryTransport;
+    /// use envoi_core::transport::Transport;
+    ///
+    /// let described = InMemoryTransport::new().describe();
+    /// assert_eq!(described.system, "in_memory");
+    /// assert_eq!(described.server, None);
+    /// ```
+    fn describe(&self) -> TransportDescription {
+        TransportDescription::new("unknown")
+    }
+
     /// Called when a messenger is built with this transport registered.
     /// A transport that needs the serializer or the messenger itself keeps
     /// what it needs from `binding`; one that needs neither keeps nothing,
     /// which is the default.
     fn bind(&self, binding: &TransportBinding) {
         let _ = binding;
+    }
+}
+
+/// What a transport is to observability tools ([`Transport::describe`]),
+/// in the terms of the OpenTelemetry messaging conventions.
+///
+/// ```
+/// use envoi_core::transport::TransportDescription;
+///
+/// let described = TransportDescription::new("rabbitmq").with_server("mq.internal", 5672);
+/// assert_eq!(described.system, "rabbitmq");
+/// assert_eq!(described.server, Some(("mq.internal".to_string(), 5672)));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TransportDescription {
+    /// The messaging system (`messaging.system`): the conventions'
+    /// well-known value where there is one (`rabbitmq`), the system's name
+    /// in lower case otherwise (`redis`, `nats`, `postgresql`, `sqlite`,
+    /// `in_memory`).
+    pub system: &'static str,
+    /// The server's host and port (`server.address`, `server.port`), for a
+    /// transport that talks to one.
+    pub server: Option<(String, u16)>,
+}
+
+impl TransportDescription {
+    /// A transport of `system` that talks to no server.
+    pub fn new(system: &'static str) -> Self {
+        Self {
+            system,
+            server: None,
+        }
+    }
+
+    /// The same, talking to the server at `host`:`port`.
+    #[must_use]
+    pub fn with_server(mut self, host: impl Into<String>, port: u16) -> Self {
+        self.server = Some((host.into(), port));
+        self
     }
 }
 

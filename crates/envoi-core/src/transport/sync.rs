@@ -49,7 +49,7 @@ use crate::envelope::Envelope;
 use crate::error::{BusError, Result, TransportError};
 use crate::transport::{
     mask_dsn, strip_scheme, Inbox, LocalFuture, LocalSender, RawMessage, Receiver, Transport,
-    TransportBinding,
+    TransportBinding, TransportDescription,
 };
 use crate::BoxFuture;
 
@@ -126,6 +126,11 @@ impl SyncTransport {
 }
 
 impl Transport for SyncTransport {
+    /// In process, like the in-memory transport: `in_memory`.
+    fn describe(&self) -> TransportDescription {
+        TransportDescription::new("in_memory")
+    }
+
     /// Decodes `message` and handles it now; a failure to decode or to
     /// handle is returned as an error. The delay is ignored.
     fn send(

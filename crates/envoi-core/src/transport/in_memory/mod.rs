@@ -72,7 +72,7 @@ use crate::transport::serializer::{Serializer, INVALID_BODY_HEADER, KIND_HEADER,
 use crate::transport::{
     Browse, Delivery, DeliveryId, Keepalive, LocalDelivery, LocalFuture, LocalId, LocalReceiver,
     LocalSender, MessageCount, Payload, RawMessage, Receiver, Teardown, Transport,
-    TransportBinding, WakeUp,
+    TransportBinding, TransportDescription, WakeUp,
 };
 use crate::BoxFuture;
 
@@ -311,6 +311,10 @@ impl Drop for Waiting<'_> {
 }
 
 impl Transport for InMemoryTransport {
+    fn describe(&self) -> TransportDescription {
+        TransportDescription::new("in_memory")
+    }
+
     fn send(
         &self,
         message: RawMessage,
