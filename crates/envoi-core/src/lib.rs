@@ -64,7 +64,8 @@ pub use error::{
 pub use messenger::{BuildError, Messenger, MessengerBuilder, WeakMessenger};
 pub use middleware::{Middleware, MiddlewareStack, Next};
 pub use pipeline::bus::{MessageBus, MiddlewareId};
-pub use pipeline::handler::{Handler, IntoHandler};
+pub use pipeline::context::{Context, ContextError, FromContext, RequiredState, State};
+pub use pipeline::handler::{ContextHandler, Handler, IntoHandler};
 pub use transport::serializer;
 pub use typed::span::{SpanAttributeValue, SpanAttributes};
 pub use typed::{

@@ -33,7 +33,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use envoi::failure::MultiplierRetryStrategy;
@@ -41,8 +41,8 @@ use envoi::sqlite::{SqliteConfig, SqliteTransport};
 use envoi::stamp::RedeliveryStamp;
 use envoi::worker::{StopHandle, StopReason, Worker, WorkerError, WorkerEvent, WorkerListener};
 use envoi::{
-    BuildError, Command, Envelope, Event, Handler, Message, Messenger, Recoverable, TransportError,
-    Unrecoverable, WeakMessenger,
+    BuildError, Command, Context, ContextHandler, Envelope, Event, Handler, Message, Messenger,
+    Recoverable, TransportError, Unrecoverable,
 };
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -172,17 +172,18 @@ impl FirstTry {
     }
 }
 
-/// Charges an order and publishes [`OrderPlaced`].
+/// Charges an order and publishes [`OrderPlaced`] on the bus it runs on,
+/// through its context.
+#[derive(Default)]
 struct ChargePayment {
-    messenger: Arc<OnceLock<WeakMessenger>>,
     tries: FirstTry,
 }
 
-impl Handler<PlaceOrder> for ChargePayment {
+impl ContextHandler<PlaceOrder> for ChargePayment {
     type Output = ();
     type Error = PaymentError;
 
-    async fn handle(&self, order: &PlaceOrder) -> Result<(), PaymentError> {
+    async fn handle(&self, order: &PlaceOrder, ctx: Context) -> Result<(), PaymentError> {
         if card_declined(order.id) {
             return Err(PaymentError::Declined(Unrecoverable::new(format!(
                 "the issuer refused the card of customer {}",
@@ -194,22 +195,15 @@ impl Handler<PlaceOrder> for ChargePayment {
                 "no answer within 2s",
             )));
         }
-        let messenger = self
-            .messenger
-            .get()
-            .and_then(WeakMessenger::upgrade)
-            .ok_or_else(|| PaymentError::Publish("the messenger is gone".into()))?;
-        messenger
-            .dispatcher()
-            .publish(OrderPlaced {
-                id: order.id,
-                customer: order.customer,
-                quantity: order.quantity,
-                amount_cents: order.amount_cents,
-                ordered_at_us: order.sent_at_us,
-            })
-            .await
-            .map_err(|e| PaymentError::Publish(e.to_string()))
+        ctx.publish(OrderPlaced {
+            id: order.id,
+            customer: order.customer,
+            quantity: order.quantity,
+            amount_cents: order.amount_cents,
+            ordered_at_us: order.sent_at_us,
+        })
+        .await
+        .map_err(|e| PaymentError::Publish(e.to_string()))
     }
 
     fn name(&self) -> &'static str {
@@ -285,8 +279,7 @@ pub async fn messenger(database: &Path, retry_delay: Duration) -> Result<Messeng
                 reason: e.to_string(),
             })
     };
-    let slot = Arc::new(OnceLock::new());
-    let messenger = Messenger::builder()
+    Messenger::builder()
         .transport(ORDERS, Arc::new(open(ORDERS).await?))
         .transport(EVENTS, Arc::new(open(EVENTS).await?))
         .transport(FAILED, Arc::new(open(FAILED).await?))
@@ -300,15 +293,10 @@ pub async fn messenger(database: &Path, retry_delay: Duration) -> Result<Messeng
             max_delay: Some(retry_delay * 10),
             jitter: 0.1,
         })
-        .command_handler(ChargePayment {
-            messenger: slot.clone(),
-            tries: FirstTry::default(),
-        })
+        .command_handler(ChargePayment::default())
         .event_handler(SendConfirmation::default())
         .event_handler(ReserveStock)
-        .build()?;
-    let _ = slot.set(messenger.downgrade());
-    Ok(messenger)
+        .build()
 }
 
 /// Where the example keeps its database: `$EXAMPLE_ORDERS_DB` when set

@@ -19,7 +19,7 @@ use crate::middleware::stage::StagePipeline;
 use crate::middleware::Middleware;
 use crate::pipeline::bus::MessageBus;
 use crate::pipeline::handle_message::HandleMessage;
-use crate::pipeline::handler::{Handler, HandlerRegistry, IntoHandler};
+use crate::pipeline::handler::{BoxedHandler, HandlerRegistry, IntoHandler};
 use crate::pipeline::retry::Retry;
 use crate::pipeline::send_message::{Routes, SendMessage};
 use crate::transport::registry::{Senders, TransportFactories, TransportSender};
@@ -125,7 +125,7 @@ impl fmt::Debug for MessengerBuilder {
 }
 
 impl MessengerBuilder {
-    fn register<M: Message, H: Handler<M>>(&mut self, kind: MessageKind, handler: H) {
+    fn register<M: Message>(&mut self, kind: MessageKind, handler: BoxedHandler<M>) {
         if let Some(existing) = self.registry.get(TypeId::of::<M>()) {
             if existing.kind != kind {
                 self.errors.push(BuildError::KindConflict {
@@ -143,17 +143,16 @@ impl MessengerBuilder {
                 return;
             }
         }
-        self.registry.add::<M, H>(kind, handler);
+        self.registry.add(kind, handler);
     }
 
     /// Registers the handler of command `C` (exactly one per command).
     pub fn command_handler<C, H, Marker>(mut self, handler: H) -> Self
     where
         C: Command,
-        H: IntoHandler<C, Marker>,
-        H::Handler: Handler<C, Output = C::Output, Error = C::Error>,
+        H: IntoHandler<C, Marker, Output = C::Output, Error = C::Error>,
     {
-        self.register::<C, _>(MessageKind::Command, handler.into_handler());
+        self.register(MessageKind::Command, handler.into_handler());
         self
     }
 
@@ -161,10 +160,9 @@ impl MessengerBuilder {
     pub fn query_handler<Q, H, Marker>(mut self, handler: H) -> Self
     where
         Q: Query,
-        H: IntoHandler<Q, Marker>,
-        H::Handler: Handler<Q, Output = Q::Output, Error = Q::Error>,
+        H: IntoHandler<Q, Marker, Output = Q::Output, Error = Q::Error>,
     {
-        self.register::<Q, _>(MessageKind::Query, handler.into_handler());
+        self.register(MessageKind::Query, handler.into_handler());
         self
     }
 
@@ -173,10 +171,55 @@ impl MessengerBuilder {
     pub fn event_handler<E, H, Marker>(mut self, handler: H) -> Self
     where
         E: Event,
-        H: IntoHandler<E, Marker>,
-        H::Handler: Handler<E, Output = (), Error = E::Error>,
+        H: IntoHandler<E, Marker, Output = (), Error = E::Error>,
     {
-        self.register::<E, _>(MessageKind::Event, handler.into_handler());
+        self.register(MessageKind::Event, handler.into_handler());
+        self
+    }
+
+    /// Shares `value` with every handler (a database pool, a client, the
+    /// application's configuration): a handler function takes a clone of
+    /// it as a [`State<T>`](crate::State) argument after its message, and
+    /// any handler taking a [`Context`](crate::Context) reads it with
+    /// [`Context::state`](crate::Context::state). One value per type: a
+    /// second one is a [`BuildError::DuplicateState`], and a handler taking
+    /// a state no one registered a [`BuildError::MissingState`].
+    ///
+    /// ```
+    /// use envoi_core::{Command, Message, Messenger, State};
+    /// use std::convert::Infallible;
+    /// use std::sync::{Arc, Mutex};
+    ///
+    /// /// Stands for a connection pool: cheap to clone, shared inside.
+    /// #[derive(Clone, Default)]
+    /// struct Db(Arc<Mutex<Vec<String>>>);
+    ///
+    /// #[derive(Debug, Clone)]
+    /// struct Register { email: String }
+    /// impl Message for Register { const NAME: &'static str = "Register"; }
+    /// impl Command for Register { type Output = (); type Error = Infallible; }
+    ///
+    /// async fn register(cmd: Register, State(db): State<Db>) -> Result<(), Infallible> {
+    ///     db.0.lock().unwrap().push(cmd.email);
+    ///     Ok(())
+    /// }
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+    /// let db = Db::default();
+    /// let messenger = Messenger::builder()
+    ///     .state(db.clone())
+    ///     .command_handler(register)
+    ///     .build()
+    ///     .unwrap();
+    /// messenger.dispatcher().dispatch(Register { email: "ada@example.com".into() }).await.unwrap();
+    /// assert_eq!(db.0.lock().unwrap().len(), 1);
+    /// # });
+    /// ```
+    pub fn state<T: Clone + Send + Sync + 'static>(mut self, value: T) -> Self {
+        if !self.registry.insert_state(value) {
+            self.errors
+                .push(BuildError::DuplicateState(std::any::type_name::<T>()));
+        }
         self
     }
 
@@ -404,6 +447,13 @@ impl MessengerBuilder {
         } = self;
         if let Some(e) = errors.into_iter().next() {
             return Err(e);
+        }
+        if let Some((message, handler, state)) = registry.missing_state() {
+            return Err(BuildError::MissingState {
+                handler,
+                message,
+                state,
+            });
         }
         let serializer = serializer.build()?;
         let (transports, senders) = assemble_senders(transports, senders, &serializer)?;

@@ -28,6 +28,26 @@ pub enum BuildError {
         /// The second kind.
         second: MessageKind,
     },
+    /// A handler takes shared state of a type that was not registered with
+    /// [`MessengerBuilder::state`](super::MessengerBuilder::state): a
+    /// [`State<T>`](crate::State) argument of a handler function, or a type
+    /// a [`ContextHandler`](crate::ContextHandler) lists in its
+    /// [`required_state`](crate::ContextHandler::required_state).
+    #[error(
+        "handler `{handler}` of `{message}` takes shared state of type `{state}`, \
+         which is not registered; register it with `Messenger::builder().state(…)`"
+    )]
+    MissingState {
+        /// The handler's name.
+        handler: &'static str,
+        /// The message name.
+        message: &'static str,
+        /// The state's type.
+        state: &'static str,
+    },
+    /// Two values of one type were registered as shared state.
+    #[error("shared state of type `{0}` is registered twice; a type has one value")]
+    DuplicateState(&'static str),
     /// Two buses have one name.
     #[error("bus `{0}` is defined twice")]
     DuplicateBus(String),

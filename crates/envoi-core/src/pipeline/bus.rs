@@ -26,7 +26,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use arc_swap::ArcSwap;
 use futures_util::FutureExt;
@@ -124,18 +124,25 @@ impl MessageBus {
         let chain = Chain::new(ids, middleware, stages);
         let user_empty = AtomicBool::new(chain.run.is_empty());
         Self {
-            inner: Arc::new(BusInner {
+            // The handle step links back to its bus, for the contexts of
+            // its handlers, without keeping it alive.
+            inner: Arc::new_cyclic(|bus| BusInner {
                 add_bus_name: AddBusNameStamp::new(name.clone()),
                 name,
                 user: ArcSwap::from_pointee(chain),
                 user_empty,
                 send,
                 retry,
-                handle,
+                handle: handle.on_bus(bus.clone()),
                 next_id: AtomicU64::new(next),
                 disposed: AtomicBool::new(false),
             }),
         }
+    }
+
+    /// The bus `inner` links to, if it still exists.
+    pub(crate) fn upgrade(inner: &Weak<BusInner>) -> Option<Self> {
+        inner.upgrade().map(|inner| Self { inner })
     }
 
     /// The bus's name.
@@ -440,7 +447,8 @@ impl BusInner {
             // of `core`, written out because one more nested future costs
             // this path about a sixth of its time.
             if let Some(handler) = self.handle.single(&envelope) {
-                let (out, scope_id) = match scope(handler.call(&envelope)).await {
+                let call = handler.call(&envelope, self.handle.bus());
+                let (out, scope_id) = match scope(call).await {
                     Ok((result, scope_id)) => (
                         envelope.with(HandledStamp::new(handler.name(), result)),
                         scope_id,
@@ -607,7 +615,7 @@ impl BusInner {
         let Some(handler) = self.handle.single(&envelope) else {
             return Box::pin(self.handle.process(envelope)).await;
         };
-        match scope(handler.call(&envelope)).await {
+        match scope(handler.call(&envelope, self.handle.bus())).await {
             Ok((result, scope_id)) => {
                 let out = envelope.with(HandledStamp::new(handler.name(), result));
                 let unframed = hand_on(take_deferred(scope_id));

@@ -1,7 +1,8 @@
 //! Step 7 of the canonical pipeline, the terminal: run the handlers.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
+use super::bus::BusInner;
 use super::dispatch_after_current_bus::{run_now, scope, take_deferred, Deferred};
 use super::frame;
 use crate::envelope::message::MessageKind;
@@ -29,6 +30,9 @@ use crate::BoxFuture;
 #[derive(Clone)]
 pub struct HandleMessage {
     registry: Arc<HandlerRegistry>,
+    /// The bus the step is part of, for the contexts of its handlers
+    /// (none for a step assembled by hand). Weak: the bus holds the step.
+    bus: Weak<BusInner>,
 }
 
 impl std::fmt::Debug for HandleMessage {
@@ -46,7 +50,25 @@ impl HandleMessage {
     }
 
     pub(crate) fn with_registry(registry: Arc<HandlerRegistry>) -> Self {
-        Self { registry }
+        Self {
+            registry,
+            bus: Weak::new(),
+        }
+    }
+
+    /// The step as part of the bus `bus`, which its handlers' contexts
+    /// dispatch on.
+    pub(crate) fn on_bus(&self, bus: Weak<BusInner>) -> Self {
+        Self {
+            registry: self.registry.clone(),
+            bus,
+        }
+    }
+
+    /// The bus the step is part of, which handlers are called with.
+    #[inline]
+    pub(crate) fn bus(&self) -> &Weak<BusInner> {
+        &self.bus
     }
 
     pub(crate) fn registry(&self) -> &HandlerRegistry {
@@ -86,7 +108,7 @@ impl HandleMessage {
             if already_handled(&envelope, &**handler) {
                 continue;
             }
-            match scope(handler.call(&envelope)).await {
+            match scope(handler.call(&envelope, &self.bus)).await {
                 Ok((result, scope_id)) => {
                     envelope = envelope.with(HandledStamp::new(handler.name(), result));
                     unframed.extend(hand_on(take_deferred(scope_id)));

@@ -10,11 +10,16 @@
 //! 5. [`send_message`] — `SendMessage`
 //! 6. [`retry`] — `Retry`
 //! 7. [`handle_message`] — `HandleMessage`
+//!
+//! A handler may take the [`context::Context`] of its call, or values taken
+//! from it (shared state, [`context::State`]), beside its message.
 
 pub mod add_bus_name;
 pub mod bus;
 pub mod canonical;
+pub mod context;
 pub mod dispatch_after_current_bus;
+mod extract;
 pub mod failed_message_processing;
 pub(crate) mod frame;
 pub mod handle_message;

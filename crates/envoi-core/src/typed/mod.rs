@@ -36,6 +36,7 @@
 //! # });
 //! ```
 
+mod context;
 pub mod deadline;
 pub mod metrics;
 mod send;

@@ -105,7 +105,10 @@
 //! period to return, and what it brings is released), releases the
 //! messages it fetched but did not start, lets the handlers in flight finish
 //! within the [grace period](crate::worker::WorkerBuilder::grace_period), then releases what
-//! did not finish so it is delivered again.
+//! did not finish so it is delivered again. A handler that takes its
+//! [`Context`](crate::Context) learns that the worker is stopping from
+//! [`Context::cancelled`](crate::Context::cancelled), and can wind down
+//! (or fail, to be retried) within the grace period.
 //! [`StopHandle::stop_now`] (a second signal) cuts the grace period short:
 //! the handlers in flight are dropped and their messages released at once.
 //! Nothing is lost.
@@ -162,6 +165,7 @@ pub use rate::RateLimit;
 pub use stop::{StopHandle, StopReason};
 
 use crate::messenger::Messenger;
+use crate::pipeline::context::StopSignal;
 use builder::Options;
 use events::{Counters, Events};
 use fetch::Source;
@@ -236,8 +240,17 @@ impl Worker {
             self.counters,
             self.receivers,
         );
-        Run::new(&ctx, self.options, self.stop, Ctx::process)
-            .run()
-            .await
+        let stopping = StopSignal::new();
+        let run = Run::new(
+            &ctx,
+            self.options,
+            self.stop,
+            stopping.clone(),
+            Ctx::process,
+        )
+        .run();
+        // What the worker's task polls (the handlers in flight among it)
+        // makes contexts that wait for its stop.
+        stopping.scope(run).await
     }
 }

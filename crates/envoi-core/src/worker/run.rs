@@ -19,6 +19,7 @@ use super::settle::{Action, Done};
 use super::stop::{resident_memory, StopHandle, StopReason};
 use crate::envelope::Envelope;
 use crate::far;
+use crate::pipeline::context::StopSignal;
 use crate::BoxFuture;
 
 /// Makes the future handling a started message.
@@ -30,6 +31,9 @@ pub(super) struct Run<'a, F> {
     pub(super) start: Start<'a, F>,
     pub(super) options: Options,
     pub(super) stop: StopHandle,
+    /// Raised when the worker begins to stop, for the handlers' contexts
+    /// ([`Context::cancelled`](crate::pipeline::context::Context::cancelled)).
+    pub(super) stopping: StopSignal,
     pub(super) buffer: VecDeque<Held>,
     pub(super) in_flight: InFlight<F>,
     pub(super) acks: Vec<Acks>,
@@ -88,6 +92,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         ctx: &'a Ctx,
         options: Options,
         stop: StopHandle,
+        stopping: StopSignal,
         start: Start<'a, F>,
     ) -> Self {
         let now = Instant::now();
@@ -109,6 +114,7 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
             spare_acks: ctx.receivers.iter().map(|_| Acks::default()).collect(),
             options,
             stop,
+            stopping,
             buffer: VecDeque::new(),
             ahead: None,
             in_flight: InFlight::new(),
@@ -472,10 +478,12 @@ impl<'a, F: Future<Output = Done> + 'a> Run<'a, F> {
         }
     }
 
-    /// Releases what was not started, lets what is in flight finish within
-    /// the grace period (cut short by [`StopHandle::stop_now`]), releases
-    /// the rest, and flushes.
+    /// Tells the handlers in flight the worker is stopping (their
+    /// contexts' `cancelled`), releases what was not started, lets what is
+    /// in flight finish within the grace period (cut short by
+    /// [`StopHandle::stop_now`]), releases the rest, and flushes.
     pub(super) async fn shut_down(&mut self) {
+        self.stopping.raise();
         let stop = self.stop.clone();
         let period = self.options.grace_period;
         let grace = async move {
