@@ -12,4 +12,4 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
     Some(Arc::new(common::transport(&url, &name, "lease=2s").await))
 }
 
-envoi_transport_tests::conformance!(make);
+envoi_transport_tests::conformance!(make, env = "ENVOI_REDIS_URL");
