@@ -53,8 +53,9 @@
 //!
 //! and with `ENVOI_REQUIRE_BROKERS=1` the first test fails, saying the
 //! same. The usual arguments work as with the built-in harness: a name
-//! filter, `--exact`, `--skip`, `--test-threads`, `--list`; output is
-//! never captured (`--nocapture` is accepted and changes nothing).
+//! filter, `--exact`, `--skip`, `--test-threads` (or `RUST_TEST_THREADS`),
+//! `--list`; output is never captured (`--nocapture` is accepted and
+//! changes nothing).
 //!
 //! ## Runtimes
 //!
@@ -276,14 +277,41 @@ impl Trials {
 
     /// Runs the tests the command line selects, prints their outcomes and
     /// the summary as `cargo test` does, and returns the exit code of the
-    /// test binary (101 when a test failed).
+    /// test binary (101 when a test failed). Without `--test-threads`,
+    /// `RUST_TEST_THREADS` says how many tests run at once, as it does for
+    /// the built-in harness.
     pub fn run(self) -> ExitCode {
-        self.run_with(&Arguments::from_args()).exit_code()
+        let mut args = Arguments::from_args();
+        if args.test_threads.is_none() {
+            match test_threads(std::env::var("RUST_TEST_THREADS").ok().as_deref()) {
+                Ok(threads) => args.test_threads = threads,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(101);
+                }
+            }
+        }
+        self.run_with(&args).exit_code()
     }
 
     /// Runs the tests that `args` select and returns what came of them.
     pub fn run_with(self, args: &Arguments) -> Conclusion {
         libtest_mimic::run(args, self.trials)
+    }
+}
+
+/// The number of tests to run at once that `RUST_TEST_THREADS` (whose
+/// value is `value`) asks for: none when it is unset, an error unless it is
+/// a positive integer.
+fn test_threads(value: Option<&str>) -> Result<Option<usize>, String> {
+    match value {
+        None => Ok(None),
+        Some(value) => match value.trim().parse::<usize>() {
+            Ok(threads) if threads > 0 => Ok(Some(threads)),
+            _ => Err(format!(
+                "RUST_TEST_THREADS is `{value}`, should be a positive integer"
+            )),
+        },
     }
 }
 
@@ -422,4 +450,19 @@ macro_rules! __broker_trial {
     ($trials:ident, $need:ident, $name:ident, $test:expr, [sync]) => {
         $trials.add_sync(stringify!($name), &$need, $test);
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_threads;
+
+    #[test]
+    fn rust_test_threads_must_be_a_positive_integer() {
+        assert_eq!(test_threads(None), Ok(None));
+        assert_eq!(test_threads(Some("3")), Ok(Some(3)));
+        for bad in ["0", "-1", "two", ""] {
+            let error = test_threads(Some(bad)).unwrap_err();
+            assert!(error.contains("RUST_TEST_THREADS"), "{error}");
+        }
+    }
 }
