@@ -15,7 +15,7 @@ use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
-use common::{dsn, receive, unique, url, Within};
+use common::{dsn, receive, unique, Within};
 
 fn message(body: &str, headers: &[(&str, &str)]) -> RawMessage {
     RawMessage {
@@ -60,7 +60,6 @@ async fn take_one(connection: &Connection, queue: &str) -> Option<Vec<u8>> {
     got.map(|m| m.delivery.data)
 }
 
-#[tokio::test]
 async fn bad_dsn_gives_invalid_dsn_with_the_password_masked() {
     let factory = AmqpTransportFactory;
     for dsn in [
@@ -123,7 +122,6 @@ async fn assert_unreachable_within_the_connect_timeout(dsn: &str) -> String {
     text
 }
 
-#[tokio::test]
 async fn a_closed_port_is_unreachable_within_the_connect_timeout() {
     let text = assert_unreachable_within_the_connect_timeout(
         "amqp://u:s3cret@127.0.0.1:1/%2f?connect_timeout=1s",
@@ -132,7 +130,6 @@ async fn a_closed_port_is_unreachable_within_the_connect_timeout() {
     assert!(text.contains("127.0.0.1:1"), "{text}");
 }
 
-#[tokio::test]
 async fn a_port_that_never_answers_is_unreachable_within_the_connect_timeout() {
     // The kernel accepts the TCP connection; nothing ever speaks AMQP.
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -147,12 +144,7 @@ async fn a_port_that_never_answers_is_unreachable_within_the_connect_timeout() {
     drop(silent);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn delayed_message_waits_in_a_ttl_queue_and_comes_back_with_its_own_headers() {
-    let Some(url) = url("delayed_message_waits_in_a_ttl_queue_and_comes_back_with_its_own_headers")
-    else {
-        return;
-    };
+async fn delayed_message_waits_in_a_ttl_queue_and_comes_back_with_its_own_headers(url: String) {
     let name = unique("amqp_delay");
     let t = AmqpTransport::connect(&name, &dsn(&url, "lease=2s"))
         .expect_within("connect")
@@ -181,12 +173,7 @@ async fn delayed_message_waits_in_a_ttl_queue_and_comes_back_with_its_own_header
     t.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quorum_queue_dead_letters_past_the_delivery_limit_instead_of_dropping() {
-    let Some(url) = url("quorum_queue_dead_letters_past_the_delivery_limit_instead_of_dropping")
-    else {
-        return;
-    };
+async fn quorum_queue_dead_letters_past_the_delivery_limit_instead_of_dropping(url: String) {
     let name = unique("amqp_limit");
     let t = AmqpTransport::connect(&name, &dsn(&url, "delivery_limit=2&queue_type=quorum"))
         .expect_within("connect")
@@ -246,11 +233,7 @@ async fn quorum_queue_dead_letters_past_the_delivery_limit_instead_of_dropping()
     t.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_consumer_gives_its_prefetched_messages_to_other_handles() {
-    let Some(url) = url("idle_consumer_gives_its_prefetched_messages_to_other_handles") else {
-        return;
-    };
+async fn idle_consumer_gives_its_prefetched_messages_to_other_handles(url: String) {
     let name = unique("amqp_idle");
     let dsn = dsn(&url, "consumer_idle=300ms&lease=off&prefetch=50");
     let a = AmqpTransport::connect(&name, &dsn)
@@ -287,12 +270,7 @@ async fn idle_consumer_gives_its_prefetched_messages_to_other_handles() {
     a.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn headers_that_cannot_travel_are_refused_and_the_transport_keeps_working() {
-    let Some(url) = url("headers_that_cannot_travel_are_refused_and_the_transport_keeps_working")
-    else {
-        return;
-    };
+async fn headers_that_cannot_travel_are_refused_and_the_transport_keeps_working(url: String) {
     let name = unique("amqp_headers");
     let t = AmqpTransport::connect(&name, &dsn(&url, "queue_type=classic"))
         .expect_within("connect")
@@ -341,11 +319,7 @@ async fn headers_that_cannot_travel_are_refused_and_the_transport_keeps_working(
     t.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn setup_refuses_a_queue_declared_with_another_type() {
-    let Some(url) = url("setup_refuses_a_queue_declared_with_another_type") else {
-        return;
-    };
+async fn setup_refuses_a_queue_declared_with_another_type(url: String) {
     let name = unique("amqp_mismatch");
     let classic = AmqpTransport::connect(&name, &dsn(&url, "queue_type=classic"))
         .expect_within("connect classic")
@@ -376,11 +350,7 @@ async fn setup_refuses_a_queue_declared_with_another_type() {
     classic.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn close_gives_back_unsettled_messages_and_later_calls_fail_closed() {
-    let Some(url) = url("close_gives_back_unsettled_messages_and_later_calls_fail_closed") else {
-        return;
-    };
+async fn close_gives_back_unsettled_messages_and_later_calls_fail_closed(url: String) {
     let name = unique("amqp_close");
     let dsn = dsn(&url, "lease=off");
     let a = AmqpTransport::connect(&name, &dsn)
@@ -414,12 +384,9 @@ async fn close_gives_back_unsettled_messages_and_later_calls_fail_closed() {
         .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_a_consumer_did_not_acknowledge_before_its_connection_closed_comes_back_marked_as_redelivered(
+    url: String,
 ) {
-    let Some(url) = url("a_message_a_consumer_did_not_acknowledge_before_its_connection_closed_comes_back_marked_as_redelivered") else {
-        return;
-    };
     let name = unique("amqp_redelivered");
     let dsn = dsn(&url, "lease=off");
     let a = AmqpTransport::connect(&name, &dsn)
@@ -445,11 +412,7 @@ async fn a_message_a_consumer_did_not_acknowledge_before_its_connection_closed_c
     b.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acking_a_batch_leaves_an_unacknowledged_earlier_delivery_alone() {
-    let Some(url) = url("acking_a_batch_leaves_an_unacknowledged_earlier_delivery_alone") else {
-        return;
-    };
+async fn acking_a_batch_leaves_an_unacknowledged_earlier_delivery_alone(url: String) {
     let name = unique("amqp_multiple");
     let dsn = dsn(&url, "lease=off");
     let t = AmqpTransport::connect(&name, &dsn)
@@ -479,12 +442,7 @@ async fn acking_a_batch_leaves_an_unacknowledged_earlier_delivery_alone() {
     t.delete().expect_within("delete").await;
 }
 
-#[tokio::test]
-async fn message_count_includes_what_the_consumer_received_but_no_fetch_took() {
-    let Some(url) = url("message_count_includes_what_the_consumer_received_but_no_fetch_took")
-    else {
-        return;
-    };
+async fn message_count_includes_what_the_consumer_received_but_no_fetch_took(url: String) {
     let name = unique("amqp_count_held");
     let dsn = dsn(&url, "lease=off&prefetch=50");
     let t = AmqpTransport::connect(&name, &dsn)
@@ -526,11 +484,7 @@ async fn message_count_includes_what_the_consumer_received_but_no_fetch_took() {
     t.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_abilities_are_those_rabbitmq_has() {
-    let Some(url) = url("the_abilities_are_those_rabbitmq_has") else {
-        return;
-    };
+async fn the_abilities_are_those_rabbitmq_has(url: String) {
     let name = unique("amqp_abilities");
     let leased = AmqpTransport::connect(&name, &dsn(&url, "lease=30s"))
         .expect_within("connect")
@@ -553,11 +507,7 @@ async fn the_abilities_are_those_rabbitmq_has() {
     leased.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn purge_deletes_what_message_count_counts_and_says_how_many() {
-    let Some(url) = url("purge_deletes_what_message_count_counts_and_says_how_many") else {
-        return;
-    };
+async fn purge_deletes_what_message_count_counts_and_says_how_many(url: String) {
     let name = unique("amqp_purge");
     let t = AmqpTransport::connect(&name, &dsn(&url, "lease=off&prefetch=50"))
         .expect_within("connect")
@@ -594,4 +544,25 @@ async fn purge_deletes_what_message_count_counts_and_says_how_many() {
         .delete()
         .expect_within("deleting again is no error")
         .await;
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_AMQP_URL", tests = [
+        delayed_message_waits_in_a_ttl_queue_and_comes_back_with_its_own_headers,
+        quorum_queue_dead_letters_past_the_delivery_limit_instead_of_dropping,
+        idle_consumer_gives_its_prefetched_messages_to_other_handles,
+        headers_that_cannot_travel_are_refused_and_the_transport_keeps_working,
+        setup_refuses_a_queue_declared_with_another_type,
+        close_gives_back_unsettled_messages_and_later_calls_fail_closed,
+        a_message_a_consumer_did_not_acknowledge_before_its_connection_closed_comes_back_marked_as_redelivered,
+        acking_a_batch_leaves_an_unacknowledged_earlier_delivery_alone,
+        message_count_includes_what_the_consumer_received_but_no_fetch_took: current_thread,
+        the_abilities_are_those_rabbitmq_has,
+        purge_deletes_what_message_count_counts_and_says_how_many,
+    ];
+    tests = [
+        bad_dsn_gives_invalid_dsn_with_the_password_masked: current_thread,
+        a_closed_port_is_unreachable_within_the_connect_timeout: current_thread,
+        a_port_that_never_answers_is_unreachable_within_the_connect_timeout: current_thread,
+    ];
 }

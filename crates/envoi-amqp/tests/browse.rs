@@ -16,7 +16,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
-use common::{dsn, receive, unique, url, Within};
+use common::{dsn, receive, unique, Within};
 
 fn message(i: usize) -> RawMessage {
     RawMessage {
@@ -121,17 +121,13 @@ async fn ready(url: &str, queue: &str) -> u32 {
     n
 }
 
-async fn listing_and_finding_keep_every_message_in_its_place(queue_type: &str) {
-    let test = format!("listing_and_finding_keep_every_message_in_its_place ({queue_type})");
-    let Some(url) = url(&test) else {
-        return;
-    };
+async fn listing_and_finding_keep_every_message_in_its_place(url: &str, queue_type: &str) {
     // More than nine: RabbitMQ 3.x puts back what `basic.get` took in the
     // text order of its tags (1, 10, 11, 2, …); the transport must not
     // depend on that.
     const N: usize = 14;
     let name = unique("amqp_browse_order");
-    let (t, ids) = filled(&url, &name, &format!("queue_type={queue_type}"), N).await;
+    let (t, ids) = filled(url, &name, &format!("queue_type={queue_type}"), N).await;
     let sent: Vec<(String, RawMessage)> = ids.iter().cloned().zip((0..N).map(message)).collect();
 
     // Listings of every length, one after the other and in any order,
@@ -165,25 +161,21 @@ async fn listing_and_finding_keep_every_message_in_its_place(queue_type: &str) {
     t.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn listing_and_finding_keep_every_message_in_its_place_on_a_quorum_queue() {
-    listing_and_finding_keep_every_message_in_its_place("quorum").await;
+async fn listing_and_finding_keep_every_message_in_its_place_on_a_quorum_queue(url: String) {
+    listing_and_finding_keep_every_message_in_its_place(&url, "quorum").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn listing_and_finding_keep_every_message_in_its_place_on_a_classic_queue() {
-    listing_and_finding_keep_every_message_in_its_place("classic").await;
+async fn listing_and_finding_keep_every_message_in_its_place_on_a_classic_queue(url: String) {
+    listing_and_finding_keep_every_message_in_its_place(&url, "classic").await;
 }
 
-async fn removing_messages_by_their_listed_ids_keeps_the_others_in_order(queue_type: &str) {
-    let test =
-        format!("removing_messages_by_their_listed_ids_keeps_the_others_in_order ({queue_type})");
-    let Some(url) = url(&test) else {
-        return;
-    };
+async fn removing_messages_by_their_listed_ids_keeps_the_others_in_order(
+    url: &str,
+    queue_type: &str,
+) {
     const N: usize = 12;
     let name = unique("amqp_browse_remove");
-    let (t, ids) = filled(&url, &name, &format!("queue_type={queue_type}"), N).await;
+    let (t, ids) = filled(url, &name, &format!("queue_type={queue_type}"), N).await;
 
     // What `failed remove <id>` and `failed retry <id>` do: find the
     // message, then acknowledge it by the id the listing showed.
@@ -226,7 +218,7 @@ async fn removing_messages_by_their_listed_ids_keeps_the_others_in_order(queue_t
     if queue_type == "quorum" {
         // Dead-lettering is asynchronous: wait for it, within bounds.
         let deadline = Instant::now() + Duration::from_secs(10);
-        while ready(&url, &format!("{name}.dead")).await == 0 {
+        while ready(url, &format!("{name}.dead")).await == 0 {
             assert!(
                 Instant::now() < deadline,
                 "the rejected message never reached the dead-letter queue"
@@ -246,22 +238,19 @@ async fn removing_messages_by_their_listed_ids_keeps_the_others_in_order(queue_t
     t.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn removing_messages_by_their_listed_ids_keeps_the_others_in_order_on_a_quorum_queue() {
-    removing_messages_by_their_listed_ids_keeps_the_others_in_order("quorum").await;
+async fn removing_messages_by_their_listed_ids_keeps_the_others_in_order_on_a_quorum_queue(
+    url: String,
+) {
+    removing_messages_by_their_listed_ids_keeps_the_others_in_order(&url, "quorum").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn removing_messages_by_their_listed_ids_keeps_the_others_in_order_on_a_classic_queue() {
-    removing_messages_by_their_listed_ids_keeps_the_others_in_order("classic").await;
+async fn removing_messages_by_their_listed_ids_keeps_the_others_in_order_on_a_classic_queue(
+    url: String,
+) {
+    removing_messages_by_their_listed_ids_keeps_the_others_in_order(&url, "classic").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn listing_a_quorum_queue_again_and_again_never_dead_letters_a_message() {
-    let Some(url) = url("listing_a_quorum_queue_again_and_again_never_dead_letters_a_message")
-    else {
-        return;
-    };
+async fn listing_a_quorum_queue_again_and_again_never_dead_letters_a_message(url: String) {
     // Before RabbitMQ 4.3 a quorum queue counts every message a listing
     // puts back as a delivery; past `delivery_limit` it would dead-letter
     // it. The listing must not let that happen.
@@ -285,12 +274,7 @@ async fn listing_a_quorum_queue_again_and_again_never_dead_letters_a_message() {
     t.delete().expect_within("delete").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_listing_shows_what_the_handle_holds_first_and_takes_nothing_from_it() {
-    let Some(url) = url("a_listing_shows_what_the_handle_holds_first_and_takes_nothing_from_it")
-    else {
-        return;
-    };
+async fn a_listing_shows_what_the_handle_holds_first_and_takes_nothing_from_it(url: String) {
     const N: usize = 6;
     let name = unique("amqp_browse_held");
     let (t, ids) = filled(&url, &name, "lease=5m&prefetch=2", N).await;
@@ -307,4 +291,15 @@ async fn a_listing_shows_what_the_handle_holds_first_and_takes_nothing_from_it()
         .await;
     expect_consumed_in_order(&t, &(2..N).map(message).collect::<Vec<_>>()).await;
     t.delete().expect_within("delete").await;
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_AMQP_URL", tests = [
+        listing_a_quorum_queue_again_and_again_never_dead_letters_a_message,
+        a_listing_shows_what_the_handle_holds_first_and_takes_nothing_from_it,
+        listing_and_finding_keep_every_message_in_its_place_on_a_quorum_queue,
+        listing_and_finding_keep_every_message_in_its_place_on_a_classic_queue,
+        removing_messages_by_their_listed_ids_keeps_the_others_in_order_on_a_quorum_queue,
+        removing_messages_by_their_listed_ids_keeps_the_others_in_order_on_a_classic_queue,
+    ];
 }

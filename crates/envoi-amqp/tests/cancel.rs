@@ -14,7 +14,7 @@ use envoi_core::transport::{
 };
 use envoi_core::TransportError;
 
-use common::{dsn, receive, unique, url, Within};
+use common::{dsn, receive, unique, Within};
 
 /// How often a settlement is tried again when the `get` it ran beside had
 /// ended before it started, or it finished after that `get`.
@@ -49,11 +49,7 @@ async fn consumers(url: &str, queue: &str) -> u32 {
     n
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_get_dropped_while_the_consumer_starts_leaves_no_consumer_behind() {
-    let Some(url) = url("a_get_dropped_while_the_consumer_starts_leaves_no_consumer_behind") else {
-        return;
-    };
+async fn a_get_dropped_while_the_consumer_starts_leaves_no_consumer_behind(url: String) {
     // A few rounds: how the broker's `basic.consume-ok` meets the dropped
     // request varies from run to run.
     for _ in 0..3 {
@@ -116,11 +112,7 @@ async fn settle_beside_a_get(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn settling_runs_while_a_get_waits() {
-    let Some(url) = url("settling_runs_while_a_get_waits") else {
-        return;
-    };
+async fn settling_runs_while_a_get_waits(url: String) {
     let name = unique("amqp_cancel_settle");
     let t = Arc::new(
         AmqpTransport::connect(&name, &dsn(&url, "lease=5m"))
@@ -201,4 +193,11 @@ async fn settling_runs_while_a_get_waits() {
         }
     }
     t.delete().expect_within("delete").await;
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_AMQP_URL", tests = [
+        a_get_dropped_while_the_consumer_starts_leaves_no_consumer_behind,
+        settling_runs_while_a_get_waits,
+    ];
 }

@@ -39,5 +39,6 @@ envoi_transport_tests::conformance!(
         lease_expiry: true,
         marks_redeliveries: true,
         ..envoi_transport_tests::Options::default()
-    }
+    },
+    env = "ENVOI_AMQP_URL"
 );

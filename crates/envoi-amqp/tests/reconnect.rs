@@ -15,7 +15,7 @@ use envoi_core::transport::{MessageCount, RawMessage, Receiver, Teardown, Transp
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-use common::{unique, url, Within};
+use common::{unique, Within};
 
 /// `common::dsn` with a 20 s reconnect timeout.
 fn with_options(url: &str, options: &str) -> String {
@@ -220,12 +220,8 @@ async fn close_connections(pids: &[String]) {
     futures_util::future::join_all(closing).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_closed_by_the_server_mid_run_lose_no_message() {
+async fn connections_closed_by_the_server_mid_run_lose_no_message(url: String) {
     let test = "connections_closed_by_the_server_mid_run_lose_no_message";
-    let Some(url) = url(test) else {
-        return;
-    };
     if rabbitmqctl(&["-q", "status"]).await.is_none() {
         eprintln!("skipped {test}: rabbitmqctl is not available");
         return;
@@ -341,11 +337,7 @@ fn redirect(url: &str, port: u16) -> (String, String) {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_cut_by_a_proxy_mid_run_lose_no_message() {
-    let Some(url) = url("connections_cut_by_a_proxy_mid_run_lose_no_message") else {
-        return;
-    };
+async fn connections_cut_by_a_proxy_mid_run_lose_no_message(url: String) {
     let (upstream, _) = redirect(&url, 0);
     let proxy = Proxy::start(upstream).await;
     let (_, proxied) = redirect(&url, proxy.port);
@@ -363,7 +355,6 @@ async fn connections_cut_by_a_proxy_mid_run_lose_no_message() {
     .await;
 }
 
-#[test]
 fn redirect_points_the_url_at_the_proxy() {
     let (upstream, proxied) = redirect("amqp://guest:guest@10.0.0.1:5673/%2f?heartbeat=5", 4000);
     assert_eq!(upstream, "10.0.0.1:5673");
@@ -371,4 +362,14 @@ fn redirect_points_the_url_at_the_proxy() {
     let (upstream, proxied) = redirect("amqp://broker/vh", 4001);
     assert_eq!(upstream, "broker:5672");
     assert_eq!(proxied, "amqp://127.0.0.1:4001/vh");
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_AMQP_URL", tests = [
+        connections_closed_by_the_server_mid_run_lose_no_message,
+        connections_cut_by_a_proxy_mid_run_lose_no_message,
+    ];
+    tests = [
+        redirect_points_the_url_at_the_proxy: sync,
+    ];
 }

@@ -14,7 +14,7 @@ use envoi_core::worker::{StopReason, Worker};
 use envoi_core::{Command, Message, Messenger};
 use serde::{Deserialize, Serialize};
 
-use common::{dsn, unique, url, Within};
+use common::{dsn, unique, Within};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct ShipOrder {
@@ -30,12 +30,8 @@ impl Command for ShipOrder {
     type Error = Infallible;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_worker_handles_every_message_sent_through_an_amqp_dsn() {
+async fn the_worker_handles_every_message_sent_through_an_amqp_dsn(url: String) {
     const N: u32 = 200;
-    let Some(url) = url("the_worker_handles_every_message_sent_through_an_amqp_dsn") else {
-        return;
-    };
     let queue = unique("amqp_worker");
     let seen = Arc::new(Mutex::new(Vec::<u32>::new()));
     let handler_seen = Arc::clone(&seen);
@@ -103,12 +99,7 @@ async fn the_worker_handles_every_message_sent_through_an_amqp_dsn() {
         .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wait_for_messages_wakes_when_a_message_arrives_and_times_out_otherwise() {
-    let Some(url) = url("wait_for_messages_wakes_when_a_message_arrives_and_times_out_otherwise")
-    else {
-        return;
-    };
+async fn wait_for_messages_wakes_when_a_message_arrives_and_times_out_otherwise(url: String) {
     let name = unique("amqp_wait");
     let waiter = Arc::new(
         AmqpTransport::connect(&name, &dsn(&url, ""))
@@ -153,4 +144,11 @@ async fn wait_for_messages_wakes_when_a_message_arrives_and_times_out_otherwise(
     assert_eq!(got.len(), 1, "the message was not there after the wake-up");
     waiter.ack(&got[0].id).expect_within("ack").await;
     sender.delete().expect_within("delete").await;
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_AMQP_URL", tests = [
+        the_worker_handles_every_message_sent_through_an_amqp_dsn,
+        wait_for_messages_wakes_when_a_message_arrives_and_times_out_otherwise,
+    ];
 }

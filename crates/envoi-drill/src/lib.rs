@@ -57,12 +57,6 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}_{}_{nanos}", std::process::id())
 }
 
-/// The broker URL in the environment variable `variable`, or `None` after
-/// printing that the test is skipped for want of it.
-pub fn broker_url(variable: &str) -> Option<String> {
-    envoi::testing::broker_url(variable, "this drill")
-}
-
 /// What a drill found: how often each id was handled.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Count {

@@ -11,14 +11,15 @@
 //!
 //! Broker drills read their URL from `ENVOI_POSTGRES_URL`,
 //! `ENVOI_REDIS_URL`, `ENVOI_AMQP_URL` and `ENVOI_NATS_URL`; without it a
-//! drill prints that it was skipped and why. The SQLite drill always runs.
+//! drill is reported as ignored, with the reason (or fails, with
+//! `ENVOI_REQUIRE_BROKERS=1`). The SQLite drill always runs.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use envoi::{Messenger, MessengerBuilderExt};
-use envoi_drill::{broker_url, unique_name, Count, Job};
+use envoi_drill::{unique_name, Count, Job};
 
 /// The `nats-server` the NATS transport's own tests start and restart.
 #[allow(dead_code, unreachable_pub)]
@@ -249,7 +250,6 @@ fn close_drill_connections() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_loses_nothing_when_its_worker_is_killed_again_and_again() {
     let dir = tempfile::tempdir().unwrap();
     let dsn = format!("sqlite://{}/drill.db?lease=2s", dir.path().display());
@@ -257,11 +257,7 @@ async fn sqlite_loses_nothing_when_its_worker_is_killed_again_and_again() {
     assert_nothing_lost(&count);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_loses_nothing_when_its_worker_is_killed_and_its_connections_cut() {
-    let Some(url) = broker_url("ENVOI_POSTGRES_URL") else {
-        return;
-    };
+async fn postgres_loses_nothing_when_its_worker_is_killed_and_its_connections_cut(url: String) {
     let name = unique("pg");
     let separator = if url.contains('?') { '&' } else { '?' };
     let dsn = format!("{url}{separator}table={name}&lease=2s");
@@ -285,11 +281,7 @@ async fn postgres_loses_nothing_when_its_worker_is_killed_and_its_connections_cu
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_loses_nothing_when_its_worker_is_killed_and_its_connections_cut() {
-    let Some(url) = broker_url("ENVOI_REDIS_URL") else {
-        return;
-    };
+async fn redis_loses_nothing_when_its_worker_is_killed_and_its_connections_cut(url: String) {
     let separator = if url.contains('?') { '&' } else { '?' };
     let dsn = format!("{url}{separator}lease=2s");
     let breaker = || {
@@ -302,33 +294,21 @@ async fn redis_loses_nothing_when_its_worker_is_killed_and_its_connections_cut()
     assert_nothing_lost(&count);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rabbitmq_loses_nothing_when_its_worker_is_killed_and_its_connections_closed() {
-    let Some(url) = broker_url("ENVOI_AMQP_URL") else {
-        return;
-    };
+async fn rabbitmq_loses_nothing_when_its_worker_is_killed_and_its_connections_closed(url: String) {
     let separator = if url.contains('?') { '&' } else { '?' };
     let dsn = format!("{url}{separator}lease=2s&expires=10m");
     let count = drill("rabbitmq", &dsn, Some(&close_drill_connections)).await;
     assert_nothing_lost(&count);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_loses_nothing_when_its_worker_is_killed_again_and_again() {
-    let Some(url) = broker_url("ENVOI_NATS_URL") else {
-        return;
-    };
+async fn nats_loses_nothing_when_its_worker_is_killed_again_and_again(url: String) {
     let separator = if url.contains('?') { '&' } else { '?' };
     let dsn = format!("{url}{separator}lease=2s");
     let count = drill("nats", &dsn, None).await;
     assert_nothing_lost(&count);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_loses_nothing_when_its_broker_restarts_mid_run() {
-    let Some(binary) = nats_server::binary("the NATS broker-restart drill") else {
-        return;
-    };
+async fn nats_loses_nothing_when_its_broker_restarts_mid_run(binary: PathBuf) {
     let server = std::sync::Mutex::new(nats_server::Server::start(&binary, &[]));
     let dsn = format!("{}?lease=2s", server.lock().unwrap().url());
     let restart = || {
@@ -338,4 +318,25 @@ async fn nats_loses_nothing_when_its_broker_restarts_mid_run() {
     };
     let count = drill("nats_restarted", &dsn, Some(&restart)).await;
     assert_nothing_lost(&count);
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_POSTGRES_URL", tests = [
+        postgres_loses_nothing_when_its_worker_is_killed_and_its_connections_cut,
+    ];
+    env = "ENVOI_REDIS_URL", tests = [
+        redis_loses_nothing_when_its_worker_is_killed_and_its_connections_cut,
+    ];
+    env = "ENVOI_AMQP_URL", tests = [
+        rabbitmq_loses_nothing_when_its_worker_is_killed_and_its_connections_closed,
+    ];
+    env = "ENVOI_NATS_URL", tests = [
+        nats_loses_nothing_when_its_worker_is_killed_again_and_again,
+    ];
+    needs = nats_server::binary, tests = [
+        nats_loses_nothing_when_its_broker_restarts_mid_run,
+    ];
+    tests = [
+        sqlite_loses_nothing_when_its_worker_is_killed_again_and_again,
+    ];
 }

@@ -3,8 +3,9 @@
 //! handled, on every transport; the message beside it is handled.
 //!
 //! Broker cases read `ENVOI_POSTGRES_URL`, `ENVOI_REDIS_URL`,
-//! `ENVOI_AMQP_URL` and `ENVOI_NATS_URL`; without one, that case prints
-//! that it was skipped and why. The SQLite case always runs.
+//! `ENVOI_AMQP_URL` and `ENVOI_NATS_URL`; without one, that case is
+//! reported as ignored, with the reason (or fails, with
+//! `ENVOI_REQUIRE_BROKERS=1`). The SQLite case always runs.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -14,7 +15,7 @@ use envoi::stamp::ErrorDetailsStamp;
 use envoi::transport::RawMessage;
 use envoi::worker::Worker;
 use envoi::{Message, Messenger, MessengerBuilderExt};
-use envoi_drill::{broker_url, unique_name, Job};
+use envoi_drill::{unique_name, Job};
 
 /// The receiving side's limit in these tests.
 const LIMIT: usize = 64 * 1024;
@@ -113,18 +114,13 @@ fn with(url: &str, options: &str) -> String {
     format!("{url}{separator}{options}")
 }
 
-#[tokio::test]
 async fn sqlite_parks_a_message_over_the_receive_limit() {
     let dir = tempfile::tempdir().unwrap();
     let dsn = format!("sqlite://{}/q.db", dir.path().display());
     oversized_is_parked(&dsn, &dsn, "sqlite").await;
 }
 
-#[tokio::test]
-async fn postgres_parks_a_message_over_the_receive_limit() {
-    let Some(url) = broker_url("ENVOI_POSTGRES_URL") else {
-        return;
-    };
+async fn postgres_parks_a_message_over_the_receive_limit(url: String) {
     let queue = unique("pgq");
     let failed = unique("pgf");
     oversized_is_parked(
@@ -135,27 +131,33 @@ async fn postgres_parks_a_message_over_the_receive_limit() {
     .await;
 }
 
-#[tokio::test]
-async fn redis_parks_a_message_over_the_receive_limit() {
-    let Some(url) = broker_url("ENVOI_REDIS_URL") else {
-        return;
-    };
+async fn redis_parks_a_message_over_the_receive_limit(url: String) {
     oversized_is_parked(&url, &url, "redis").await;
 }
 
-#[tokio::test]
-async fn rabbitmq_parks_a_message_over_the_receive_limit() {
-    let Some(url) = broker_url("ENVOI_AMQP_URL") else {
-        return;
-    };
+async fn rabbitmq_parks_a_message_over_the_receive_limit(url: String) {
     let dsn = with(&url, "expires=10m");
     oversized_is_parked(&dsn, &dsn, "rabbitmq").await;
 }
 
-#[tokio::test]
-async fn nats_parks_a_message_over_the_receive_limit() {
-    let Some(url) = broker_url("ENVOI_NATS_URL") else {
-        return;
-    };
+async fn nats_parks_a_message_over_the_receive_limit(url: String) {
     oversized_is_parked(&url, &url, "nats").await;
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_POSTGRES_URL", tests = [
+        postgres_parks_a_message_over_the_receive_limit: current_thread,
+    ];
+    env = "ENVOI_REDIS_URL", tests = [
+        redis_parks_a_message_over_the_receive_limit: current_thread,
+    ];
+    env = "ENVOI_AMQP_URL", tests = [
+        rabbitmq_parks_a_message_over_the_receive_limit: current_thread,
+    ];
+    env = "ENVOI_NATS_URL", tests = [
+        nats_parks_a_message_over_the_receive_limit: current_thread,
+    ];
+    tests = [
+        sqlite_parks_a_message_over_the_receive_limit: current_thread,
+    ];
 }

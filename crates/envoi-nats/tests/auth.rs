@@ -7,11 +7,11 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::server::{binary, Server};
+use common::server::Server;
 use common::{get_n, unique_name};
 use envoi_core::transport::{RawMessage, Receiver, Setup, Teardown, Transport};
 use envoi_core::TransportError;
@@ -70,12 +70,7 @@ fn assert_refused(error: &TransportError, dsn: &str) {
     assert!(text.contains("authorization violation"), "{text}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_user_and_password_in_the_dsn_authenticate_and_wrong_ones_are_refused() {
-    let test = "a_user_and_password_in_the_dsn_authenticate_and_wrong_ones_are_refused";
-    let Some(binary) = binary(test) else {
-        return;
-    };
+async fn a_user_and_password_in_the_dsn_authenticate_and_wrong_ones_are_refused(binary: PathBuf) {
     let password = "s3cr3t/p@ss:w rd";
     let server = Server::start(&binary, &["--user", "u", "--pass", password]);
     round_trip(&server.url_with("u:s3cr3t%2Fp%40ss%3Aw%20rd")).await;
@@ -88,12 +83,7 @@ async fn a_user_and_password_in_the_dsn_authenticate_and_wrong_ones_are_refused(
     assert_refused(&error, &server.url());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_token_in_the_dsn_authenticates_and_a_wrong_one_is_refused() {
-    let test = "a_token_in_the_dsn_authenticates_and_a_wrong_one_is_refused";
-    let Some(binary) = binary(test) else {
-        return;
-    };
+async fn a_token_in_the_dsn_authenticates_and_a_wrong_one_is_refused(binary: PathBuf) {
     let server = Server::start(&binary, &["--auth", "t0k3n+s3cr3t"]);
     // As the user information, as NATS URLs give it, or as an option.
     round_trip(&server.url_with("t0k3n%2Bs3cr3t")).await;
@@ -106,12 +96,7 @@ async fn a_token_in_the_dsn_authenticates_and_a_wrong_one_is_refused() {
     assert_refused(&error, &format!("{}?token=***", server.url()));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_nkey_seed_file_authenticates_and_another_key_is_refused() {
-    let test = "an_nkey_seed_file_authenticates_and_another_key_is_refused";
-    let Some(binary) = binary(test) else {
-        return;
-    };
+async fn an_nkey_seed_file_authenticates_and_another_key_is_refused(binary: PathBuf) {
     let user = nkeys::KeyPair::new_user();
     let dir = tempfile::tempdir().expect("a directory");
     let config = dir.path().join("nkey.conf");
@@ -170,7 +155,6 @@ async fn an_nkey_seed_file_authenticates_and_another_key_is_refused() {
     }
 }
 
-#[tokio::test]
 async fn a_creds_file_that_cannot_be_used_is_named_in_the_error() {
     let dir = tempfile::tempdir().expect("a directory");
     let garbled = dir.path().join("garbled.creds");
@@ -275,12 +259,8 @@ fn make_certificates(dir: &Path) -> bool {
     true
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tls_with_a_private_authority_and_a_client_certificate() {
+async fn tls_with_a_private_authority_and_a_client_certificate(binary: PathBuf) {
     let test = "tls_with_a_private_authority_and_a_client_certificate";
-    let Some(binary) = binary(test) else {
-        return;
-    };
     let certs = tempfile::tempdir().expect("a directory");
     let dir = certs.path();
     if !make_certificates(dir) {
@@ -378,12 +358,7 @@ fn jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, nats: serde_json::Val
     format!("{signed}.{}", base64url(&signature))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_creds_file_authenticates_against_a_server_in_operator_mode() {
-    let test = "a_creds_file_authenticates_against_a_server_in_operator_mode";
-    let Some(binary) = binary(test) else {
-        return;
-    };
+async fn a_creds_file_authenticates_against_a_server_in_operator_mode(binary: PathBuf) {
     let operator = nkeys::KeyPair::new_operator();
     let account = nkeys::KeyPair::new_account();
     let system = nkeys::KeyPair::new_account();
@@ -456,4 +431,17 @@ async fn a_creds_file_authenticates_against_a_server_in_operator_mode() {
     // Without credentials the server refuses the client.
     let error = refused(&server.url(), &seed).await;
     assert_refused(&error, &server.url());
+}
+
+envoi_transport_tests::broker_tests! {
+    needs = common::server::binary, tests = [
+        a_user_and_password_in_the_dsn_authenticate_and_wrong_ones_are_refused,
+        a_token_in_the_dsn_authenticates_and_a_wrong_one_is_refused,
+        an_nkey_seed_file_authenticates_and_another_key_is_refused,
+        tls_with_a_private_authority_and_a_client_certificate,
+        a_creds_file_authenticates_against_a_server_in_operator_mode,
+    ];
+    tests = [
+        a_creds_file_that_cannot_be_used_is_named_in_the_error: current_thread,
+    ];
 }

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{get_exactly, nats_url, transport, unique_name};
+use common::{get_exactly, transport, unique_name};
 use envoi_core::transport::{DeliveryId, Keepalive, RawMessage, Receiver, Teardown, Transport};
 
 fn message(body: &str) -> RawMessage {
@@ -15,11 +15,7 @@ fn message(body: &str) -> RawMessage {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn settling_runs_promptly_while_a_long_fetch_waits() {
-    let Some(url) = nats_url("settling_runs_promptly_while_a_long_fetch_waits") else {
-        return;
-    };
+async fn settling_runs_promptly_while_a_long_fetch_waits(url: String) {
     let t = transport(
         &url,
         &unique_name("cancel-settle"),
@@ -58,11 +54,7 @@ async fn settling_runs_promptly_while_a_long_fetch_waits() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_sent_after_a_dropped_fetch_goes_to_the_next_get() {
-    let Some(url) = nats_url("a_message_sent_after_a_dropped_fetch_goes_to_the_next_get") else {
-        return;
-    };
+async fn a_message_sent_after_a_dropped_fetch_goes_to_the_next_get(url: String) {
     let t = transport(&url, &unique_name("cancel-drop"), "lease=30s&wait=5s").await;
     let get = {
         let t = t.clone();
@@ -96,13 +88,7 @@ async fn a_message_sent_after_a_dropped_fetch_goes_to_the_next_get() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_lease() {
-    let Some(url) =
-        nats_url("a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_lease")
-    else {
-        return;
-    };
+async fn a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_lease(url: String) {
     let t = transport(
         &url,
         &unique_name("cancel-ahead"),
@@ -143,4 +129,12 @@ async fn a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_le
     );
     t.ack(&got[0].id).await.unwrap();
     t.delete().await.unwrap();
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_NATS_URL", tests = [
+        settling_runs_promptly_while_a_long_fetch_waits,
+        a_message_sent_after_a_dropped_fetch_goes_to_the_next_get,
+        a_get_dropped_while_it_waits_for_the_read_ahead_loses_nothing_to_the_lease,
+    ];
 }

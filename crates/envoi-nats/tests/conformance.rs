@@ -183,5 +183,6 @@ envoi_transport_tests::conformance!(
         delay: true,
         marks_redeliveries: true,
         ..envoi_transport_tests::Options::default()
-    }
+    },
+    env = "ENVOI_NATS_URL"
 );

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{nats_url, send_jobs, unique_name, with_options, Job};
+use common::{send_jobs, unique_name, with_options, Job};
 use envoi_core::transport::{MessageCount, Setup, Teardown};
 use envoi_core::worker::{StopHandle, StopReason, Worker, WorkerReport};
 use envoi_core::Messenger;
@@ -92,12 +92,7 @@ fn first_worker(url: String, name: String, counts: Counts) -> WorkerReport {
     report
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_stopped_mid_run_leaves_no_duplicate_for_the_next_one() {
-    let Some(url) = nats_url("a_worker_stopped_mid_run_leaves_no_duplicate_for_the_next_one")
-    else {
-        return;
-    };
+async fn a_worker_stopped_mid_run_leaves_no_duplicate_for_the_next_one(url: String) {
     let name = unique_name("graceful");
     let producer = NatsTransport::connect(&name, &with_options(&url, OPTIONS))
         .await
@@ -158,4 +153,10 @@ async fn a_worker_stopped_mid_run_leaves_no_duplicate_for_the_next_one() {
     assert_eq!(handled, N as u64);
     assert_eq!(producer.message_count().await.expect("count"), 0);
     producer.delete().await.expect("delete the stream");
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_NATS_URL", tests = [
+        a_worker_stopped_mid_run_leaves_no_duplicate_for_the_next_one,
+    ];
 }

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{nats_url, unique_name, with_options};
+use common::{unique_name, with_options};
 use envoi_core::transport::{
     DeliveryId, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
 };
@@ -169,11 +169,7 @@ fn index(raw: &RawMessage) -> usize {
         .expect("a message sent by this test")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn every_message_is_handled_when_the_connection_is_cut_mid_run() {
-    let Some(url) = nats_url("every_message_is_handled_when_the_connection_is_cut_mid_run") else {
-        return;
-    };
+async fn every_message_is_handled_when_the_connection_is_cut_mid_run(url: String) {
     let name = unique_name("reconnect");
     let options = "lease=1s&wait=100ms";
 
@@ -304,12 +300,7 @@ async fn every_message_is_handled_when_the_connection_is_cut_mid_run() {
 /// server never got them) are sent again once the client has reconnected:
 /// `ack_batch` returns when the server has them, and the messages are gone
 /// long before their lease could bring them back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acks_lost_with_the_connection_are_sent_again_after_reconnecting() {
-    let Some(url) = nats_url("acks_lost_with_the_connection_are_sent_again_after_reconnecting")
-    else {
-        return;
-    };
+async fn acks_lost_with_the_connection_are_sent_again_after_reconnecting(url: String) {
     for options in [
         "lease=30s&wait=100ms",
         "lease=30s&wait=100ms&double_ack=true",
@@ -364,4 +355,11 @@ async fn acks_lost_with_the_connection_are_sent_again_after_reconnecting() {
         );
         direct.delete().await.expect("delete the stream");
     }
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_NATS_URL", tests = [
+        every_message_is_handled_when_the_connection_is_cut_mid_run: multi_thread(4),
+        acks_lost_with_the_connection_are_sent_again_after_reconnecting,
+    ];
 }

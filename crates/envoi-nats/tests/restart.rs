@@ -4,17 +4,18 @@
 //! with the connection, are sent again after the reconnect, within the
 //! lease; lost, their messages would come back to be handled again.
 //!
-//! The test starts its own `nats-server` (it is skipped without one) and
-//! needs no `ENVOI_NATS_URL`.
+//! The test starts its own `nats-server` (it is reported as ignored
+//! without one) and needs no `ENVOI_NATS_URL`.
 
 mod common;
 
 use std::convert::Infallible;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::server::{binary, Server};
+use common::server::Server;
 use common::{send_jobs, unique_name, with_options, Job};
 use envoi_core::transport::{MessageCount, Setup, Teardown};
 use envoi_core::worker::{StopReason, Worker, WorkerEvent};
@@ -28,12 +29,7 @@ const RESTART_AFTER: u64 = 600;
 /// Long enough a lease for the broker to come back within it.
 const OPTIONS: &str = "lease=15s&wait=100ms";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broker_restart_mid_run_leaves_no_duplicate_and_loses_nothing() {
-    let test = "a_broker_restart_mid_run_leaves_no_duplicate_and_loses_nothing";
-    let Some(binary) = binary(test) else {
-        return;
-    };
+async fn a_broker_restart_mid_run_leaves_no_duplicate_and_loses_nothing(binary: PathBuf) {
     let server = Arc::new(Mutex::new(Server::start(&binary, &[])));
     let url = server.lock().unwrap().url();
     let name = unique_name("restart");
@@ -159,4 +155,10 @@ async fn a_broker_restart_mid_run_leaves_no_duplicate_and_loses_nothing() {
     let check = NatsTransport::connect(&name, &dsn).await.expect("connect");
     assert_eq!(check.message_count().await.expect("count"), 0);
     check.delete().await.expect("delete the stream");
+}
+
+envoi_transport_tests::broker_tests! {
+    needs = common::server::binary, tests = [
+        a_broker_restart_mid_run_leaves_no_duplicate_and_loses_nothing,
+    ];
 }

@@ -5,7 +5,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::{get_exactly, get_n, nats_url, transport, unique_name};
+use common::{get_exactly, get_n, transport, unique_name};
 use envoi_core::transport::{
     Browse, DeliveryId, Keepalive, MessageCount, RawMessage, Receiver, Setup, Teardown, Transport,
     WakeUp,
@@ -22,11 +22,7 @@ fn message(body: &str) -> RawMessage {
     }
 }
 
-#[tokio::test]
-async fn a_sent_message_arrives_intact_and_an_acked_one_never_returns() {
-    let Some(url) = nats_url("a_sent_message_arrives_intact_and_an_acked_one_never_returns") else {
-        return;
-    };
+async fn a_sent_message_arrives_intact_and_an_acked_one_never_returns(url: String) {
     let t = transport(&url, &unique_name("intact"), "lease=1s&wait=200ms").await;
     let mut raw = message("{\"id\":1}");
     raw.headers
@@ -50,11 +46,7 @@ async fn a_sent_message_arrives_intact_and_an_acked_one_never_returns() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn an_unacknowledged_message_comes_back_after_the_lease() {
-    let Some(url) = nats_url("an_unacknowledged_message_comes_back_after_the_lease") else {
-        return;
-    };
+async fn an_unacknowledged_message_comes_back_after_the_lease(url: String) {
     let t = transport(&url, &unique_name("lease"), "lease=1s&wait=200ms").await;
     let id = t.send(message("m"), None).await.unwrap();
     // The server hands the message out, and starts its lease, after this.
@@ -82,13 +74,7 @@ async fn an_unacknowledged_message_comes_back_after_the_lease() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_message_not_acknowledged_within_its_lease_comes_back_marked_as_redelivered() {
-    let Some(url) =
-        nats_url("a_message_not_acknowledged_within_its_lease_comes_back_marked_as_redelivered")
-    else {
-        return;
-    };
+async fn a_message_not_acknowledged_within_its_lease_comes_back_marked_as_redelivered(url: String) {
     let t = transport(&url, &unique_name("redelivered"), "lease=1s&wait=200ms").await;
     t.send(message("m"), None).await.unwrap();
     let first = get_exactly(&t, 1, Duration::from_secs(5)).await;
@@ -108,11 +94,7 @@ async fn a_message_not_acknowledged_within_its_lease_comes_back_marked_as_redeli
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_released_message_is_handed_out_again_before_its_lease_ends() {
-    let Some(url) = nats_url("a_released_message_is_handed_out_again_before_its_lease_ends") else {
-        return;
-    };
+async fn a_released_message_is_handed_out_again_before_its_lease_ends(url: String) {
     let t = transport(&url, &unique_name("release"), "lease=20s&wait=200ms").await;
     t.send(message("m"), None).await.unwrap();
     let first = get_exactly(&t, 1, Duration::from_secs(5)).await;
@@ -132,11 +114,7 @@ async fn a_released_message_is_handed_out_again_before_its_lease_ends() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn keepalive_keeps_a_message_from_being_handed_out_again() {
-    let Some(url) = nats_url("keepalive_keeps_a_message_from_being_handed_out_again") else {
-        return;
-    };
+async fn keepalive_keeps_a_message_from_being_handed_out_again(url: String) {
     let name = unique_name("keepalive");
     // A lease of 2 s kept alive every 300 ms or so (a keepalive, an empty
     // fetch of 100 ms, a pause of 200 ms): the machine may be busy.
@@ -157,11 +135,7 @@ async fn keepalive_keeps_a_message_from_being_handed_out_again() {
     worker.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_delayed_message_is_not_handed_out_before_it_is_due() {
-    let Some(url) = nats_url("a_delayed_message_is_not_handed_out_before_it_is_due") else {
-        return;
-    };
+async fn a_delayed_message_is_not_handed_out_before_it_is_due(url: String) {
     let t = transport(&url, &unique_name("delay"), "lease=5s&wait=100ms").await;
     let sent_at = Instant::now();
     let delayed = t
@@ -195,11 +169,7 @@ async fn a_delayed_message_is_not_handed_out_before_it_is_due() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn message_count_includes_waiting_leased_and_delayed_messages() {
-    let Some(url) = nats_url("message_count_includes_waiting_leased_and_delayed_messages") else {
-        return;
-    };
+async fn message_count_includes_waiting_leased_and_delayed_messages(url: String) {
     let t = transport(&url, &unique_name("count"), "lease=10s&wait=100ms").await;
     assert_eq!(t.message_count().await.unwrap(), 0);
     t.send(message("a"), None).await.unwrap();
@@ -225,12 +195,7 @@ async fn message_count_includes_waiting_leased_and_delayed_messages() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn list_and_find_show_stored_messages_oldest_first_without_leasing() {
-    let Some(url) = nats_url("list_and_find_show_stored_messages_oldest_first_without_leasing")
-    else {
-        return;
-    };
+async fn list_and_find_show_stored_messages_oldest_first_without_leasing(url: String) {
     let t = transport(&url, &unique_name("list"), "lease=10s&wait=100ms").await;
     let ids = t
         .send_batch(vec![
@@ -279,12 +244,7 @@ async fn list_and_find_show_stored_messages_oldest_first_without_leasing() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn setup_is_idempotent_and_handles_with_one_name_share_the_queue() {
-    let Some(url) = nats_url("setup_is_idempotent_and_handles_with_one_name_share_the_queue")
-    else {
-        return;
-    };
+async fn setup_is_idempotent_and_handles_with_one_name_share_the_queue(url: String) {
     let name = unique_name("shared");
     let a = transport(&url, &name, "lease=10s&wait=100ms").await;
     a.setup().await.unwrap();
@@ -317,11 +277,7 @@ async fn setup_is_idempotent_and_handles_with_one_name_share_the_queue() {
     a.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn transport_names_isolate_messages() {
-    let Some(url) = nats_url("transport_names_isolate_messages") else {
-        return;
-    };
+async fn transport_names_isolate_messages(url: String) {
     let a = transport(&url, &unique_name("iso-a"), "wait=100ms").await;
     let b = transport(&url, &unique_name("iso-b"), "wait=100ms").await;
     a.send(message("for a"), None).await.unwrap();
@@ -333,11 +289,7 @@ async fn transport_names_isolate_messages() {
     b.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn get_hands_out_at_most_max_and_waits_briefly_when_empty() {
-    let Some(url) = nats_url("get_hands_out_at_most_max_and_waits_briefly_when_empty") else {
-        return;
-    };
+async fn get_hands_out_at_most_max_and_waits_briefly_when_empty(url: String) {
     let t = transport(&url, &unique_name("max"), "lease=10s&wait=300ms&batch=4").await;
     let started = Instant::now();
     assert!(t.get(10).await.unwrap().is_empty());
@@ -355,11 +307,7 @@ async fn get_hands_out_at_most_max_and_waits_briefly_when_empty() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_consumer_deleted_behind_its_back_is_recreated() {
-    let Some(url) = nats_url("a_consumer_deleted_behind_its_back_is_recreated") else {
-        return;
-    };
+async fn a_consumer_deleted_behind_its_back_is_recreated(url: String) {
     let t = transport(&url, &unique_name("stall"), "lease=10s&wait=100ms").await;
     let id = t.send(message("m"), None).await.unwrap();
 
@@ -382,11 +330,7 @@ async fn a_consumer_deleted_behind_its_back_is_recreated() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn only_dedup_gives_publishes_an_id_that_jetstream_deduplicates() {
-    let Some(url) = nats_url("only_dedup_gives_publishes_an_id_that_jetstream_deduplicates") else {
-        return;
-    };
+async fn only_dedup_gives_publishes_an_id_that_jetstream_deduplicates(url: String) {
     let plain = transport(&url, &unique_name("nodedup"), "wait=100ms").await;
     let dedup = transport(&url, &unique_name("dedup"), "dedup=true&wait=100ms").await;
     let client = async_nats::connect(plain.config().server.as_str())
@@ -423,12 +367,7 @@ async fn only_dedup_gives_publishes_an_id_that_jetstream_deduplicates() {
     dedup.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn ids_that_were_not_handed_out_cannot_be_released_or_kept_alive() {
-    let Some(url) = nats_url("ids_that_were_not_handed_out_cannot_be_released_or_kept_alive")
-    else {
-        return;
-    };
+async fn ids_that_were_not_handed_out_cannot_be_released_or_kept_alive(url: String) {
     let t = transport(&url, &unique_name("unknown"), "wait=100ms").await;
     let id = DeliveryId::from(t.send(message("m"), None).await.unwrap());
     assert!(matches!(
@@ -446,11 +385,7 @@ async fn ids_that_were_not_handed_out_cannot_be_released_or_kept_alive() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn an_oversized_payload_is_refused_with_its_size() {
-    let Some(url) = nats_url("an_oversized_payload_is_refused_with_its_size") else {
-        return;
-    };
+async fn an_oversized_payload_is_refused_with_its_size(url: String) {
     let t = transport(&url, &unique_name("large"), "").await;
     let body = vec![b'x'; 8 * 1024 * 1024];
     match t
@@ -477,13 +412,7 @@ async fn an_oversized_payload_is_refused_with_its_size() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_body_within_the_limit_whose_headers_are_not_is_refused_with_both_counted() {
-    let Some(url) =
-        nats_url("a_body_within_the_limit_whose_headers_are_not_is_refused_with_both_counted")
-    else {
-        return;
-    };
+async fn a_body_within_the_limit_whose_headers_are_not_is_refused_with_both_counted(url: String) {
     let t = transport(&url, &unique_name("large-headers"), "").await;
     // The server's limit counts the headers too: find it from a refusal.
     let limit = match t
@@ -522,11 +451,7 @@ async fn a_body_within_the_limit_whose_headers_are_not_is_refused_with_both_coun
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn double_ack_waits_for_the_server_and_removes_the_message() {
-    let Some(url) = nats_url("double_ack_waits_for_the_server_and_removes_the_message") else {
-        return;
-    };
+async fn double_ack_waits_for_the_server_and_removes_the_message(url: String) {
     let t = transport(&url, &unique_name("dack"), "double_ack=true&wait=100ms").await;
     t.send_batch(vec![(message("a"), None), (message("b"), None)])
         .await
@@ -539,12 +464,7 @@ async fn double_ack_waits_for_the_server_and_removes_the_message() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn wait_for_messages_returns_at_once_after_an_empty_get_that_waited() {
-    let Some(url) = nats_url("wait_for_messages_returns_at_once_after_an_empty_get_that_waited")
-    else {
-        return;
-    };
+async fn wait_for_messages_returns_at_once_after_an_empty_get_that_waited(url: String) {
     let t = transport(&url, &unique_name("idle"), "wait=100ms").await;
     assert!(t.get(1).await.unwrap().is_empty());
     let started = Instant::now();
@@ -558,12 +478,7 @@ async fn wait_for_messages_returns_at_once_after_an_empty_get_that_waited() {
 
 /// A large `get` that comes back full fetches the next batch ahead; what it
 /// fetched must not be stuck until the lease ends when nobody takes it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn messages_fetched_ahead_are_given_back_when_the_handle_is_dropped() {
-    let Some(url) = nats_url("messages_fetched_ahead_are_given_back_when_the_handle_is_dropped")
-    else {
-        return;
-    };
+async fn messages_fetched_ahead_are_given_back_when_the_handle_is_dropped(url: String) {
     let name = unique_name("ahead_drop");
     let options = "lease=60s&wait=200ms";
     let t = transport(&url, &name, options).await;
@@ -586,11 +501,7 @@ async fn messages_fetched_ahead_are_given_back_when_the_handle_is_dropped() {
     other.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_smaller_get_after_a_full_large_one_gives_the_surplus_back() {
-    let Some(url) = nats_url("a_smaller_get_after_a_full_large_one_gives_the_surplus_back") else {
-        return;
-    };
+async fn a_smaller_get_after_a_full_large_one_gives_the_surplus_back(url: String) {
     let name = unique_name("ahead_surplus");
     let options = "lease=60s&wait=200ms";
     let t = transport(&url, &name, options).await;
@@ -616,11 +527,7 @@ async fn a_smaller_get_after_a_full_large_one_gives_the_surplus_back() {
     other.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn the_transport_has_every_ability_jetstream_gives_it() {
-    let Some(url) = nats_url("the_transport_has_every_ability_jetstream_gives_it") else {
-        return;
-    };
+async fn the_transport_has_every_ability_jetstream_gives_it(url: String) {
     let t = transport(&url, &unique_name("abilities"), "wait=100ms").await;
     assert!(t.as_receiver().is_some());
     assert!(t.as_keepalive().is_some());
@@ -634,11 +541,7 @@ async fn the_transport_has_every_ability_jetstream_gives_it() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_rejected_message_never_comes_back() {
-    let Some(url) = nats_url("a_rejected_message_never_comes_back") else {
-        return;
-    };
+async fn a_rejected_message_never_comes_back(url: String) {
     let t = transport(&url, &unique_name("reject"), "lease=1s&wait=200ms").await;
     t.send(message("poison"), None).await.unwrap();
     let got = get_exactly(&t, 1, Duration::from_secs(5)).await;
@@ -651,12 +554,7 @@ async fn a_rejected_message_never_comes_back() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn purge_deletes_waiting_leased_and_delayed_messages_and_counts_them() {
-    let Some(url) = nats_url("purge_deletes_waiting_leased_and_delayed_messages_and_counts_them")
-    else {
-        return;
-    };
+async fn purge_deletes_waiting_leased_and_delayed_messages_and_counts_them(url: String) {
     let t = transport(&url, &unique_name("purge"), "lease=10s&wait=100ms").await;
     t.send_batch(vec![
         (message("a"), None),
@@ -677,11 +575,7 @@ async fn purge_deletes_waiting_leased_and_delayed_messages_and_counts_them() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn delete_is_idempotent_and_the_next_use_sets_up_again() {
-    let Some(url) = nats_url("delete_is_idempotent_and_the_next_use_sets_up_again") else {
-        return;
-    };
+async fn delete_is_idempotent_and_the_next_use_sets_up_again(url: String) {
     let t = transport(&url, &unique_name("delete"), "wait=100ms").await;
     t.send(message("gone"), None).await.unwrap();
     t.delete().await.unwrap();
@@ -703,11 +597,7 @@ async fn delete_is_idempotent_and_the_next_use_sets_up_again() {
 
 /// A large `get` that comes back full fetches the next batch ahead; closing
 /// the transport gives it back at once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn close_gives_back_what_was_fetched_ahead_and_later_calls_fail() {
-    let Some(url) = nats_url("close_gives_back_what_was_fetched_ahead_and_later_calls_fail") else {
-        return;
-    };
+async fn close_gives_back_what_was_fetched_ahead_and_later_calls_fail(url: String) {
     let name = unique_name("close");
     let options = "lease=60s&wait=200ms";
     let t = transport(&url, &name, options).await;
@@ -739,4 +629,34 @@ async fn close_gives_back_what_was_fetched_ahead_and_later_calls_fail() {
     seen.extend(rest.iter().map(|d| d.raw.body.clone()));
     assert_eq!(seen.len(), 300, "{} of 300 distinct messages", seen.len());
     after.delete().await.unwrap();
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_NATS_URL", tests = [
+        a_sent_message_arrives_intact_and_an_acked_one_never_returns: current_thread,
+        an_unacknowledged_message_comes_back_after_the_lease: current_thread,
+        a_message_not_acknowledged_within_its_lease_comes_back_marked_as_redelivered: current_thread,
+        a_released_message_is_handed_out_again_before_its_lease_ends: current_thread,
+        keepalive_keeps_a_message_from_being_handed_out_again: current_thread,
+        a_delayed_message_is_not_handed_out_before_it_is_due: current_thread,
+        message_count_includes_waiting_leased_and_delayed_messages: current_thread,
+        list_and_find_show_stored_messages_oldest_first_without_leasing: current_thread,
+        setup_is_idempotent_and_handles_with_one_name_share_the_queue: current_thread,
+        transport_names_isolate_messages: current_thread,
+        get_hands_out_at_most_max_and_waits_briefly_when_empty: current_thread,
+        a_consumer_deleted_behind_its_back_is_recreated: current_thread,
+        only_dedup_gives_publishes_an_id_that_jetstream_deduplicates: current_thread,
+        ids_that_were_not_handed_out_cannot_be_released_or_kept_alive: current_thread,
+        an_oversized_payload_is_refused_with_its_size: current_thread,
+        a_body_within_the_limit_whose_headers_are_not_is_refused_with_both_counted: current_thread,
+        double_ack_waits_for_the_server_and_removes_the_message: current_thread,
+        wait_for_messages_returns_at_once_after_an_empty_get_that_waited: current_thread,
+        messages_fetched_ahead_are_given_back_when_the_handle_is_dropped,
+        a_smaller_get_after_a_full_large_one_gives_the_surplus_back,
+        the_transport_has_every_ability_jetstream_gives_it: current_thread,
+        a_rejected_message_never_comes_back: current_thread,
+        purge_deletes_waiting_leased_and_delayed_messages_and_counts_them: current_thread,
+        delete_is_idempotent_and_the_next_use_sets_up_again: current_thread,
+        close_gives_back_what_was_fetched_ahead_and_later_calls_fail,
+    ];
 }

@@ -9,13 +9,7 @@ use std::time::{Duration, Instant};
 
 use envoi_core::transport::{DeliveryId, Keepalive, MessageCount, Receiver, Transport};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn settling_runs_promptly_while_a_get_waits_on_a_one_connection_pool() {
-    let Some(url) =
-        common::url("settling_runs_promptly_while_a_get_waits_on_a_one_connection_pool")
-    else {
-        return;
-    };
+async fn settling_runs_promptly_while_a_get_waits_on_a_one_connection_pool(url: String) {
     let table = common::unique("cancel_settle");
     let t = Arc::new(
         common::open(
@@ -57,11 +51,7 @@ async fn settling_runs_promptly_while_a_get_waits_on_a_one_connection_pool() {
     let _ = sqlx_drop(&admin, &table).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gets_dropped_mid_claim_break_nothing_and_lose_nothing() {
-    let Some(url) = common::url("gets_dropped_mid_claim_break_nothing_and_lose_nothing") else {
-        return;
-    };
+async fn gets_dropped_mid_claim_break_nothing_and_lose_nothing(url: String) {
     let table = common::unique("cancel_drop");
     let t = common::open(
         "q",
@@ -112,12 +102,7 @@ async fn sqlx_drop(
     .map(drop)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rows_claimed_ahead_for_a_dropped_get_are_given_back_by_close() {
-    let Some(url) = common::url("rows_claimed_ahead_for_a_dropped_get_are_given_back_by_close")
-    else {
-        return;
-    };
+async fn rows_claimed_ahead_for_a_dropped_get_are_given_back_by_close(url: String) {
     let admin = common::admin(&url).await;
     // A few attempts: the claim ahead may finish before the second `get`
     // is first polled.
@@ -160,4 +145,12 @@ async fn rows_claimed_ahead_for_a_dropped_get_are_given_back_by_close() {
         return;
     }
     panic!("never caught a claim ahead in flight");
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_POSTGRES_URL", tests = [
+        settling_runs_promptly_while_a_get_waits_on_a_one_connection_pool,
+        gets_dropped_mid_claim_break_nothing_and_lose_nothing,
+        rows_claimed_ahead_for_a_dropped_get_are_given_back_by_close,
+    ];
 }

@@ -22,4 +22,4 @@ async fn make(name: String) -> Option<Arc<dyn Transport>> {
     Some(Arc::new(transport))
 }
 
-envoi_transport_tests::conformance!(make);
+envoi_transport_tests::conformance!(make, env = "ENVOI_POSTGRES_URL");

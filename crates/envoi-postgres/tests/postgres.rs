@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{admin, body, connections, dsn, open, receive, text, unique, url, wait_for_listener};
+use common::{admin, body, connections, dsn, open, receive, text, unique, wait_for_listener};
 use envoi_core::serializer::INVALID_HEADERS_HEADER;
 use envoi_core::transport::support::STORED_HEADERS_HEADER;
 use envoi_core::transport::{
@@ -44,11 +44,7 @@ fn options(extra: &str) -> String {
     all.join("&")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn setup_creates_the_table_and_claim_index_idempotently() {
-    let Some(url) = url("setup_creates_the_table_and_claim_index_idempotently") else {
-        return;
-    };
+async fn setup_creates_the_table_and_claim_index_idempotently(url: String) {
     let table = unique("envoi_setup");
     let a = PostgresTransport::connect("a", &common::dsn(&url, &format!("table={table}")))
         .await
@@ -112,11 +108,7 @@ async fn setup_creates_the_table_and_claim_index_idempotently() {
         .unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn claims_skip_rows_locked_elsewhere_instead_of_waiting() {
-    let Some(url) = url("claims_skip_rows_locked_elsewhere_instead_of_waiting") else {
-        return;
-    };
+async fn claims_skip_rows_locked_elsewhere_instead_of_waiting(url: String) {
     let name = unique("skip_locked");
     let t = open(&name, &url, &options("")).await;
     let mut ids = Vec::new();
@@ -148,11 +140,7 @@ async fn claims_skip_rows_locked_elsewhere_instead_of_waiting() {
     assert_eq!(t.purge().await.unwrap(), 3);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_listener_connection_serves_every_consumer() {
-    let Some(url) = url("one_listener_connection_serves_every_consumer") else {
-        return;
-    };
+async fn one_listener_connection_serves_every_consumer(url: String) {
     let app = unique("envoi_one_listener");
     let t = open(
         &unique("one_listener"),
@@ -190,11 +178,7 @@ async fn one_listener_connection_serves_every_consumer() {
     assert!(total <= 5, "{total} connections for 8 consumers");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn notify_wakes_a_waiting_consumer_long_before_the_poll_interval() {
-    let Some(url) = url("notify_wakes_a_waiting_consumer_long_before_the_poll_interval") else {
-        return;
-    };
+async fn notify_wakes_a_waiting_consumer_long_before_the_poll_interval(url: String) {
     let name = unique("notify");
     let app = unique("envoi_notify");
     // Polling alone would take up to 20 s.
@@ -237,11 +221,7 @@ async fn notify_wakes_a_waiting_consumer_long_before_the_poll_interval() {
     consumer.ack(&delivery.id).await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wait_for_messages_returns_when_a_message_is_notified() {
-    let Some(url) = url("wait_for_messages_returns_when_a_message_is_notified") else {
-        return;
-    };
+async fn wait_for_messages_returns_when_a_message_is_notified(url: String) {
     let name = unique("wait");
     let app = unique("envoi_wait");
     let consumer = open(
@@ -279,11 +259,7 @@ async fn wait_for_messages_returns_when_a_message_is_notified() {
     consumer.ack(&got[0].id).await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn polling_delivers_when_listen_is_disabled() {
-    let Some(url) = url("polling_delivers_when_listen_is_disabled") else {
-        return;
-    };
+async fn polling_delivers_when_listen_is_disabled(url: String) {
     let name = unique("polling");
     let app = unique("envoi_polling");
     let consumer = open(
@@ -306,13 +282,7 @@ async fn polling_delivers_when_listen_is_disabled() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn send_batch_stores_one_row_each_with_ids_in_order_and_delays_in_available_at() {
-    let Some(url) =
-        url("send_batch_stores_one_row_each_with_ids_in_order_and_delays_in_available_at")
-    else {
-        return;
-    };
+async fn send_batch_stores_one_row_each_with_ids_in_order_and_delays_in_available_at(url: String) {
     let name = unique("batch");
     let t = open(&name, &url, &options("")).await;
     let batch: Vec<(RawMessage, Option<Duration>)> = (0..100)
@@ -358,11 +328,7 @@ async fn send_batch_stores_one_row_each_with_ids_in_order_and_delays_in_availabl
     assert_eq!(t.purge().await.unwrap(), 10);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_released_message_keeps_its_place_in_line() {
-    let Some(url) = url("a_released_message_keeps_its_place_in_line") else {
-        return;
-    };
+async fn a_released_message_keeps_its_place_in_line(url: String) {
     let t = open(&unique("place"), &url, &options("")).await;
     for b in ["a", "b", "c"] {
         t.send(text(b), None).await.unwrap();
@@ -376,11 +342,7 @@ async fn a_released_message_keeps_its_place_in_line() {
     assert_eq!(t.purge().await.unwrap(), 3);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn keepalive_moves_the_lease_forward_and_fails_for_a_gone_message() {
-    let Some(url) = url("keepalive_moves_the_lease_forward_and_fails_for_a_gone_message") else {
-        return;
-    };
+async fn keepalive_moves_the_lease_forward_and_fails_for_a_gone_message(url: String) {
     let name = unique("keepalive");
     let t = open(&name, &url, &options("")).await;
     let id = DeliveryId::from(t.send(text("slow"), None).await.unwrap());
@@ -423,11 +385,7 @@ async fn keepalive_moves_the_lease_forward_and_fails_for_a_gone_message() {
     t.ack(&id).await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn expired_lease_redelivers_and_counts_the_delivery() {
-    let Some(url) = url("expired_lease_redelivers_and_counts_the_delivery") else {
-        return;
-    };
+async fn expired_lease_redelivers_and_counts_the_delivery(url: String) {
     // A lease far longer than the get that checks it is not handed out.
     let t = open(&unique("expired"), &url, &options("lease=3s")).await;
     let id = DeliveryId::from(t.send(text("again"), None).await.unwrap());
@@ -458,11 +416,7 @@ async fn expired_lease_redelivers_and_counts_the_delivery() {
     t.ack(&id).await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn get_claims_at_most_the_batch_option() {
-    let Some(url) = url("get_claims_at_most_the_batch_option") else {
-        return;
-    };
+async fn get_claims_at_most_the_batch_option(url: String) {
     let t = open(&unique("batch_cap"), &url, &options("batch=3")).await;
     t.send_batch((0..10).map(|i| (text(&i.to_string()), None)).collect())
         .await
@@ -472,11 +426,7 @@ async fn get_claims_at_most_the_batch_option() {
     assert_eq!(t.purge().await.unwrap(), 10);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn messages_postgres_cannot_store_are_refused_with_a_clear_error() {
-    let Some(url) = url("messages_postgres_cannot_store_are_refused_with_a_clear_error") else {
-        return;
-    };
+async fn messages_postgres_cannot_store_are_refused_with_a_clear_error(url: String) {
     let t = open(&unique("refused"), &url, &options("max_body=16")).await;
     let nul = RawMessage {
         body: b"{}".to_vec(),
@@ -508,13 +458,7 @@ async fn messages_postgres_cannot_store_are_refused_with_a_clear_error() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rows_with_odd_headers_written_by_hand_are_delivered_as_stored_to_be_parked() {
-    let Some(url) =
-        url("rows_with_odd_headers_written_by_hand_are_delivered_as_stored_to_be_parked")
-    else {
-        return;
-    };
+async fn rows_with_odd_headers_written_by_hand_are_delivered_as_stored_to_be_parked(url: String) {
     let name = unique("odd_headers");
     let t = open(&name, &url, &options("")).await;
     let admin = admin(&url).await;
@@ -555,13 +499,7 @@ async fn rows_with_odd_headers_written_by_hand_are_delivered_as_stored_to_be_par
     assert_eq!(t.purge().await.unwrap(), 2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the_rest() {
-    let Some(url) =
-        url("a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the_rest")
-    else {
-        return;
-    };
+async fn a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the_rest(url: String) {
     let table = unique("envoi_relaxed");
     let name = unique("relaxed");
     let t = open(
@@ -637,7 +575,6 @@ where
     text
 }
 
-#[tokio::test]
 async fn a_server_that_refuses_connections_is_named_as_the_cause_not_a_pool_timeout() {
     // Nothing listens on port 1: no server is needed.
     let text = expect_unreachable(
@@ -649,7 +586,6 @@ async fn a_server_that_refuses_connections_is_named_as_the_cause_not_a_pool_time
     assert!(text.to_lowercase().contains("refused"), "{text}");
 }
 
-#[tokio::test]
 async fn a_closed_port_is_unreachable_within_the_connect_timeout() {
     // The default acquire timeout (10 s) is longer: the first connection
     // is bounded by `connect_timeout`.
@@ -661,7 +597,6 @@ async fn a_closed_port_is_unreachable_within_the_connect_timeout() {
     .await;
 }
 
-#[tokio::test]
 async fn a_server_that_never_answers_is_unreachable_within_the_connect_timeout() {
     // The kernel accepts the connection; nothing ever answers on it.
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -676,11 +611,7 @@ async fn a_server_that_never_answers_is_unreachable_within_the_connect_timeout()
     drop(silent);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn purge_deletes_only_its_own_queue() {
-    let Some(url) = url("purge_deletes_only_its_own_queue") else {
-        return;
-    };
+async fn purge_deletes_only_its_own_queue(url: String) {
     let a = open(&unique("purge_a"), &url, &options("")).await;
     let b = open(&unique("purge_b"), &url, &options("")).await;
     a.send_batch(vec![(text("a1"), None), (text("a2"), None)])
@@ -693,11 +624,7 @@ async fn purge_deletes_only_its_own_queue() {
     assert_eq!(b.purge().await.unwrap(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_closed_transport_fails_with_closed() {
-    let Some(url) = url("a_closed_transport_fails_with_closed") else {
-        return;
-    };
+async fn a_closed_transport_fails_with_closed(url: String) {
     let t = open(&unique("closed"), &url, &options("")).await;
     t.close().await.unwrap();
     assert!(matches!(
@@ -708,7 +635,6 @@ async fn a_closed_transport_fails_with_closed() {
     t.close().await.expect("closing again does nothing");
 }
 
-#[tokio::test]
 async fn factory_accepts_postgres_dsns_and_masks_passwords_in_errors() {
     let factory = PostgresTransportFactory;
     assert!(factory.supports("postgres://u@h/db"));
@@ -745,7 +671,6 @@ async fn factory_accepts_postgres_dsns_and_masks_passwords_in_errors() {
     }
 }
 
-#[tokio::test]
 async fn transport_names_must_be_usable_as_queue_names() {
     for bad in ["", "a\0b"] {
         let err = PostgresTransport::connect(bad, "postgres://u@h/db")
@@ -760,7 +685,6 @@ async fn transport_names_must_be_usable_as_queue_names() {
     assert!(ok.is_ok());
 }
 
-#[test]
 fn creating_a_transport_outside_a_runtime_is_an_error_not_a_panic() {
     use std::future::Future;
     use std::task::{Context, Poll, Waker};
@@ -775,13 +699,7 @@ fn creating_a_transport_outside_a_runtime_is_an_error_not_a_panic() {
     assert!(err.to_string().contains("Tokio runtime"), "{err}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_consumers_on_separate_handles_share_the_work_without_duplicates() {
-    let Some(url) =
-        url("concurrent_consumers_on_separate_handles_share_the_work_without_duplicates")
-    else {
-        return;
-    };
+async fn concurrent_consumers_on_separate_handles_share_the_work_without_duplicates(url: String) {
     let name = unique("share");
     let producer = open(&name, &url, &options("")).await;
     let n = 400;
@@ -826,11 +744,7 @@ async fn concurrent_consumers_on_separate_handles_share_the_work_without_duplica
     assert_eq!(producer.message_count().await.unwrap(), 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_empty_get_waits_up_to_the_wait_option_and_not_at_all_with_zero() {
-    let Some(url) = url("an_empty_get_waits_up_to_the_wait_option_and_not_at_all_with_zero") else {
-        return;
-    };
+async fn an_empty_get_waits_up_to_the_wait_option_and_not_at_all_with_zero(url: String) {
     let name = unique("wait_option");
     let patient = open(&name, &url, &format!("table={TABLE}&wait=3s")).await;
     let eager = open(&name, &url, &format!("table={TABLE}&wait=0")).await;
@@ -852,11 +766,7 @@ async fn an_empty_get_waits_up_to_the_wait_option_and_not_at_all_with_zero() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_sends_are_each_stored_once_under_their_own_id() {
-    let Some(url) = url("concurrent_sends_are_each_stored_once_under_their_own_id") else {
-        return;
-    };
+async fn concurrent_sends_are_each_stored_once_under_their_own_id(url: String) {
     let name = unique("grouped");
     let t = Arc::new(open(&name, &url, &options("")).await);
     let n = 300;
@@ -893,11 +803,7 @@ async fn concurrent_sends_are_each_stored_once_under_their_own_id() {
     t.purge().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_send_the_database_refuses_fails_alone_among_concurrent_sends() {
-    let Some(url) = url("a_send_the_database_refuses_fails_alone_among_concurrent_sends") else {
-        return;
-    };
+async fn a_send_the_database_refuses_fails_alone_among_concurrent_sends(url: String) {
     let name = unique("refused");
     let t = Arc::new(open(&name, &url, &options("")).await);
     let mut sends = tokio::task::JoinSet::new();
@@ -929,11 +835,7 @@ fn long_lease() -> String {
 
 /// A large `get` that comes back full claims the next batch ahead; smaller
 /// `get`s then hand it out, each row once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rows_claimed_ahead_are_each_handed_out_once() {
-    let Some(url) = url("rows_claimed_ahead_are_each_handed_out_once") else {
-        return;
-    };
+async fn rows_claimed_ahead_are_each_handed_out_once(url: String) {
     let t = open(&unique("ahead"), &url, &long_lease()).await;
     t.send_batch((0..350).map(|i| (text(&format!("m{i}")), None)).collect())
         .await
@@ -953,11 +855,7 @@ async fn rows_claimed_ahead_are_each_handed_out_once() {
 
 /// Rows claimed ahead and never handed out go back to the queue when the
 /// transport is closed or dropped, not when their lease ends.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rows_claimed_ahead_are_given_back_on_close_and_drop() {
-    let Some(url) = url("rows_claimed_ahead_are_given_back_on_close_and_drop") else {
-        return;
-    };
+async fn rows_claimed_ahead_are_given_back_on_close_and_drop(url: String) {
     let name = unique("ahead_back");
     let t = open(&name, &url, &long_lease()).await;
     t.send_batch((0..300).map(|i| (text(&format!("m{i}")), None)).collect())
@@ -986,12 +884,7 @@ async fn rows_claimed_ahead_are_given_back_on_close_and_drop() {
 /// Rows claimed ahead whose lease ran out before the transport was closed
 /// or dropped may be another consumer's by then: they are not given back,
 /// which would end that consumer's lease and let a third take them.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop() {
-    let Some(url) = url("rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop")
-    else {
-        return;
-    };
+async fn rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop(url: String) {
     let name = unique("ahead_expired");
     let short = format!("table={TABLE}&lease=2s&wait=200ms&poll=200ms&max_connections=4");
     let t = open(&name, &url, &long_lease()).await;
@@ -1067,11 +960,7 @@ async fn table_exists(admin: &sqlx::PgPool, table: &str) -> bool {
     exists
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_auto_setup_a_transport_not_set_up_says_to_set_it_up() {
-    let Some(url) = url("without_auto_setup_a_transport_not_set_up_says_to_set_it_up") else {
-        return;
-    };
+async fn without_auto_setup_a_transport_not_set_up_says_to_set_it_up(url: String) {
     let table = unique("never_set_up");
     let _drop = DropTable {
         url: url.clone(),
@@ -1105,11 +994,7 @@ async fn without_auto_setup_a_transport_not_set_up_says_to_set_it_up() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn auto_setup_creates_the_table_on_first_use() {
-    let Some(url) = url("auto_setup_creates_the_table_on_first_use") else {
-        return;
-    };
+async fn auto_setup_creates_the_table_on_first_use(url: String) {
     let table = unique("envoi_auto");
     let _drop = DropTable {
         url: url.clone(),
@@ -1149,12 +1034,8 @@ async fn auto_setup_creates_the_table_on_first_use() {
     c.close().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn processes_starting_at_once_on_a_new_table_all_send() {
+async fn processes_starting_at_once_on_a_new_table_all_send(url: String) {
     const PROCESSES: usize = 8;
-    let Some(url) = url("processes_starting_at_once_on_a_new_table_all_send") else {
-        return;
-    };
     let table = unique("envoi_race");
     let _drop = DropTable {
         url: url.clone(),
@@ -1200,11 +1081,7 @@ async fn processes_starting_at_once_on_a_new_table_all_send() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rejected_message_is_deleted_not_handed_out_again() {
-    let Some(url) = url("a_rejected_message_is_deleted_not_handed_out_again") else {
-        return;
-    };
+async fn a_rejected_message_is_deleted_not_handed_out_again(url: String) {
     let t = open(&unique("rejected"), &url, &options("lease=300ms")).await;
     t.send(text("poison"), None).await.unwrap();
     let got = receive(&t, 1, Duration::from_secs(10)).await.remove(0);
@@ -1218,12 +1095,7 @@ async fn a_rejected_message_is_deleted_not_handed_out_again() {
     t.reject(&got.id).await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn delete_removes_the_queue_and_drops_the_table_once_no_other_queue_uses_it() {
-    let Some(url) = url("delete_removes_the_queue_and_drops_the_table_once_no_other_queue_uses_it")
-    else {
-        return;
-    };
+async fn delete_removes_the_queue_and_drops_the_table_once_no_other_queue_uses_it(url: String) {
     let table = unique("envoi_deleted");
     let options = format!("table={table}&lease=2s&wait=200ms&poll=200ms");
     let a = open(&unique("delete_a"), &url, &options).await;
@@ -1266,4 +1138,45 @@ async fn delete_removes_the_queue_and_drops_the_table_once_no_other_queue_uses_i
     assert_eq!(receive(&a, 1, Duration::from_secs(10)).await.len(), 1);
     a.delete().await.unwrap();
     assert!(!table_exists().await);
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_POSTGRES_URL", tests = [
+        setup_creates_the_table_and_claim_index_idempotently,
+        claims_skip_rows_locked_elsewhere_instead_of_waiting,
+        one_listener_connection_serves_every_consumer,
+        notify_wakes_a_waiting_consumer_long_before_the_poll_interval,
+        wait_for_messages_returns_when_a_message_is_notified,
+        polling_delivers_when_listen_is_disabled,
+        send_batch_stores_one_row_each_with_ids_in_order_and_delays_in_available_at,
+        a_released_message_keeps_its_place_in_line,
+        keepalive_moves_the_lease_forward_and_fails_for_a_gone_message,
+        expired_lease_redelivers_and_counts_the_delivery,
+        get_claims_at_most_the_batch_option,
+        messages_postgres_cannot_store_are_refused_with_a_clear_error,
+        rows_with_odd_headers_written_by_hand_are_delivered_as_stored_to_be_parked,
+        a_row_with_null_headers_in_a_relaxed_table_is_delivered_marked_with_the_rest,
+        purge_deletes_only_its_own_queue,
+        a_closed_transport_fails_with_closed,
+        concurrent_consumers_on_separate_handles_share_the_work_without_duplicates,
+        an_empty_get_waits_up_to_the_wait_option_and_not_at_all_with_zero,
+        concurrent_sends_are_each_stored_once_under_their_own_id,
+        a_send_the_database_refuses_fails_alone_among_concurrent_sends,
+        rows_claimed_ahead_are_each_handed_out_once,
+        rows_claimed_ahead_are_given_back_on_close_and_drop,
+        rows_claimed_ahead_past_their_lease_are_not_given_back_on_close_or_drop,
+        without_auto_setup_a_transport_not_set_up_says_to_set_it_up,
+        auto_setup_creates_the_table_on_first_use,
+        processes_starting_at_once_on_a_new_table_all_send,
+        a_rejected_message_is_deleted_not_handed_out_again,
+        delete_removes_the_queue_and_drops_the_table_once_no_other_queue_uses_it,
+    ];
+    tests = [
+        a_server_that_refuses_connections_is_named_as_the_cause_not_a_pool_timeout: current_thread,
+        a_closed_port_is_unreachable_within_the_connect_timeout: current_thread,
+        a_server_that_never_answers_is_unreachable_within_the_connect_timeout: current_thread,
+        factory_accepts_postgres_dsns_and_masks_passwords_in_errors: current_thread,
+        transport_names_must_be_usable_as_queue_names: current_thread,
+        creating_a_transport_outside_a_runtime_is_an_error_not_a_panic: sync,
+    ];
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{admin, body, connections, open, text, unique, url, wait_for_listener};
+use common::{admin, body, connections, open, text, unique, wait_for_listener};
 use envoi_core::transport::{Browse, RawMessage, Receiver, Teardown, Transport};
 use envoi_postgres::sqlx;
 
@@ -36,12 +36,7 @@ async fn kill_all(admin: &sqlx::PgPool, app: &str) -> (i64, i64) {
     .unwrap_or_else(|e| panic!("pg_terminate_backend failed: {e}"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_message_is_handled_when_the_server_kills_the_connections_mid_run() {
-    let Some(url) = url("every_message_is_handled_when_the_server_kills_the_connections_mid_run")
-    else {
-        return;
-    };
+async fn every_message_is_handled_when_the_server_kills_the_connections_mid_run(url: String) {
     let name = unique("reconnect");
     let app = unique("envoi_reconnect");
     let options = format!(
@@ -239,4 +234,10 @@ async fn every_message_is_handled_when_the_server_kills_the_connections_mid_run(
         "the listener did not reconnect: {:?}",
         connections(&admin, &app).await
     );
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_POSTGRES_URL", tests = [
+        every_message_is_handled_when_the_server_kills_the_connections_mid_run,
+    ];
 }

@@ -27,13 +27,8 @@ impl Command for ShipOrder {
     type Error = Infallible;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_worker_handles_every_message_sent_through_a_postgres_dsn() {
+async fn the_worker_handles_every_message_sent_through_a_postgres_dsn(url: String) {
     const N: u32 = 200;
-    let Some(url) = common::url("the_worker_handles_every_message_sent_through_a_postgres_dsn")
-    else {
-        return;
-    };
     let name = common::unique("worker");
     let dsn = common::dsn(&url, "table=envoi_test_messages&lease=5s&max_connections=4");
     let seen = Arc::new(Mutex::new(Vec::<u32>::new()));
@@ -88,4 +83,10 @@ async fn the_worker_handles_every_message_sent_through_a_postgres_dsn() {
     assert_eq!(count.message_count().await.unwrap(), 0);
     let browse = transport.as_browse().expect("a postgres transport lists");
     assert!(browse.list(10).await.unwrap().is_empty());
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_POSTGRES_URL", tests = [
+        the_worker_handles_every_message_sent_through_a_postgres_dsn,
+    ];
 }

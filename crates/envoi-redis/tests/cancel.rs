@@ -50,11 +50,7 @@ async fn wait_blocked(c: &mut MultiplexedConnection, t: &RedisTransport) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn settling_runs_promptly_while_a_long_read_is_pending() {
-    let Some(url) = common::url("settling_runs_promptly_while_a_long_read_is_pending") else {
-        return;
-    };
+async fn settling_runs_promptly_while_a_long_read_is_pending(url: String) {
     let t = Arc::new(
         common::transport(
             &url,
@@ -99,12 +95,8 @@ async fn settling_runs_promptly_while_a_long_read_is_pending() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_entry_read_by_a_dropped_get_comes_back_after_the_lease() {
+async fn an_entry_read_by_a_dropped_get_comes_back_after_the_lease(url: String) {
     const LEASE: Duration = Duration::from_secs(2);
-    let Some(url) = common::url("an_entry_read_by_a_dropped_get_comes_back_after_the_lease") else {
-        return;
-    };
     let name = common::unique("cancel-drop");
     let t = Arc::new(common::transport(&url, &name, "block=3s&lease=2s").await);
     t.setup().await.unwrap();
@@ -167,4 +159,11 @@ async fn an_entry_read_by_a_dropped_get_comes_back_after_the_lease() {
     assert_eq!(got[0].id.as_str(), again);
     t.ack(&DeliveryId::from(again)).await.unwrap();
     t.delete().await.unwrap();
+}
+
+envoi_transport_tests::broker_tests! {
+    needs = common::url, tests = [
+        settling_runs_promptly_while_a_long_read_is_pending,
+        an_entry_read_by_a_dropped_get_comes_back_after_the_lease,
+    ];
 }

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use envoi_core::transport::Transport;
 
 async fn make(name: String) -> Option<Arc<dyn Transport>> {
-    let url = common::url("conformance")?;
+    let url = common::url().ok()?;
     Some(Arc::new(common::transport(&url, &name, "lease=2s").await))
 }
 
-envoi_transport_tests::conformance!(make);
+envoi_transport_tests::conformance!(make, env = "ENVOI_REDIS_URL");

@@ -227,12 +227,7 @@ async fn run_under_fire(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_message_is_handled_when_connections_are_killed_mid_run() {
-    let Some(url) = common::url("every_message_is_handled_when_connections_are_killed_mid_run")
-    else {
-        return;
-    };
+async fn every_message_is_handled_when_connections_are_killed_mid_run(url: String) {
     let name = common::unique("reconnect_kill");
     let stream = common::transport(&url, &name, "")
         .await
@@ -318,11 +313,7 @@ impl Proxy {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_message_is_handled_across_a_network_outage() {
-    let Some(url) = common::url("every_message_is_handled_across_a_network_outage") else {
-        return;
-    };
+async fn every_message_is_handled_across_a_network_outage(url: String) {
     let mut through = url::Url::parse(&url).expect("ENVOI_REDIS_URL is a URL");
     let target = format!(
         "{}:{}",
@@ -359,4 +350,11 @@ async fn every_message_is_handled_across_a_network_outage() {
         outcome.errors > 0,
         "the outages were never felt; the run proves nothing"
     );
+}
+
+envoi_transport_tests::broker_tests! {
+    needs = common::url, tests = [
+        every_message_is_handled_when_connections_are_killed_mid_run,
+        every_message_is_handled_across_a_network_outage,
+    ];
 }

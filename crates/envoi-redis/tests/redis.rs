@@ -101,13 +101,7 @@ async fn consumers(c: &mut MultiplexedConnection, t: &RedisTransport) -> Vec<Str
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acked_entries_leave_the_pending_list_and_are_trimmed_from_the_stream() {
-    let Some(url) =
-        common::url("acked_entries_leave_the_pending_list_and_are_trimmed_from_the_stream")
-    else {
-        return;
-    };
+async fn acked_entries_leave_the_pending_list_and_are_trimmed_from_the_stream(url: String) {
     let t = common::transport(&url, &common::unique("acked"), "").await;
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
@@ -145,11 +139,7 @@ async fn acked_entries_leave_the_pending_list_and_are_trimmed_from_the_stream() 
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acking_an_entry_that_was_never_handed_out_leaves_it_alone() {
-    let Some(url) = common::url("acking_an_entry_that_was_never_handed_out_leaves_it_alone") else {
-        return;
-    };
+async fn acking_an_entry_that_was_never_handed_out_leaves_it_alone(url: String) {
     let t = common::transport(&url, &common::unique("stray_ack"), "").await;
     t.setup().await.unwrap();
     let id = DeliveryId::from(t.send(text("waiting"), None).await.unwrap());
@@ -160,14 +150,9 @@ async fn acking_an_entry_that_was_never_handed_out_leaves_it_alone() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn delayed_messages_are_moved_exactly_once_by_competing_workers() {
+async fn delayed_messages_are_moved_exactly_once_by_competing_workers(url: String) {
     const N: usize = 300;
     const WORKERS: usize = 6;
-    let Some(url) = common::url("delayed_messages_are_moved_exactly_once_by_competing_workers")
-    else {
-        return;
-    };
     let name = common::unique("delay_race");
     let sender = common::transport(&url, &name, "lease=30s").await;
     sender.setup().await.unwrap();
@@ -241,12 +226,7 @@ async fn delayed_messages_are_moved_exactly_once_by_competing_workers() {
     sender.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn list_and_find_show_delayed_messages_by_the_id_send_returned() {
-    let Some(url) = common::url("list_and_find_show_delayed_messages_by_the_id_send_returned")
-    else {
-        return;
-    };
+async fn list_and_find_show_delayed_messages_by_the_id_send_returned(url: String) {
     let t = common::transport(&url, &common::unique("delayed_list"), "").await;
     t.setup().await.unwrap();
     let now_id = t.send(text("now"), None).await.unwrap();
@@ -290,12 +270,7 @@ async fn list_and_find_show_delayed_messages_by_the_id_send_returned() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn release_keeps_the_entry_pending_and_hands_it_out_again_marked() {
-    let Some(url) = common::url("release_keeps_the_entry_pending_and_hands_it_out_again_marked")
-    else {
-        return;
-    };
+async fn release_keeps_the_entry_pending_and_hands_it_out_again_marked(url: String) {
     let t = common::transport(&url, &common::unique("release"), "lease=30s").await;
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
@@ -358,11 +333,7 @@ async fn release_keeps_the_entry_pending_and_hands_it_out_again_marked() {
 
 /// Another consumer group on the same stream (an audit log, say) sees each
 /// entry sent once: envoi's releases are its own group's business.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_gives_the_message_back_to_envois_group_only() {
-    let Some(url) = common::url("a_release_gives_the_message_back_to_envois_group_only") else {
-        return;
-    };
+async fn a_release_gives_the_message_back_to_envois_group_only(url: String) {
     let name = common::unique("release_groups");
     let envoi = common::transport(&url, &name, "lease=30s").await;
     envoi.setup().await.unwrap();
@@ -440,11 +411,7 @@ fn entry_ids(reply: Value) -> Vec<String> {
     ids
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn keepalive_resets_the_idle_time_of_the_pending_entry() {
-    let Some(url) = common::url("keepalive_resets_the_idle_time_of_the_pending_entry") else {
-        return;
-    };
+async fn keepalive_resets_the_idle_time_of_the_pending_entry(url: String) {
     let t = common::transport(&url, &common::unique("keepalive"), "lease=30s").await;
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
@@ -483,12 +450,7 @@ async fn keepalive_resets_the_idle_time_of_the_pending_entry() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_consumer_whose_lease_expired_loses_the_message_to_the_claimer() {
-    let Some(url) = common::url("a_consumer_whose_lease_expired_loses_the_message_to_the_claimer")
-    else {
-        return;
-    };
+async fn a_consumer_whose_lease_expired_loses_the_message_to_the_claimer(url: String) {
     let name = common::unique("claimed");
     let a = common::transport(&url, &name, "lease=1s").await;
     let b = common::transport(&url, &name, "lease=1s").await;
@@ -515,11 +477,7 @@ async fn a_consumer_whose_lease_expired_loses_the_message_to_the_claimer() {
     a.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn trim_caps_the_stream_approximately() {
-    let Some(url) = common::url("trim_caps_the_stream_approximately") else {
-        return;
-    };
+async fn trim_caps_the_stream_approximately(url: String) {
     let t = common::transport(&url, &common::unique("trim"), "trim=10").await;
     t.setup().await.unwrap();
     t.send_batch((0..1000).map(|i| (text(&format!("t{i}")), None)).collect())
@@ -534,12 +492,7 @@ async fn trim_caps_the_stream_approximately() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn setup_creates_one_group_and_get_recreates_a_deleted_stream() {
-    let Some(url) = common::url("setup_creates_one_group_and_get_recreates_a_deleted_stream")
-    else {
-        return;
-    };
+async fn setup_creates_one_group_and_get_recreates_a_deleted_stream(url: String) {
     let t = common::transport(&url, &common::unique("setup"), "group=billing").await;
     t.setup().await.unwrap();
     t.setup().await.unwrap();
@@ -566,13 +519,7 @@ async fn setup_creates_one_group_and_get_recreates_a_deleted_stream() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn entries_written_by_other_producers_arrive_with_their_fields_as_headers() {
-    let Some(url) =
-        common::url("entries_written_by_other_producers_arrive_with_their_fields_as_headers")
-    else {
-        return;
-    };
+async fn entries_written_by_other_producers_arrive_with_their_fields_as_headers(url: String) {
     let t = common::transport(&url, &common::unique("foreign"), "").await;
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
@@ -591,13 +538,9 @@ async fn entries_written_by_other_producers_arrive_with_their_fields_as_headers(
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delayed_payload_that_is_not_a_hash_is_handed_out_marked_and_holds_up_nothing() {
-    let Some(url) = common::url(
-        "a_delayed_payload_that_is_not_a_hash_is_handed_out_marked_and_holds_up_nothing",
-    ) else {
-        return;
-    };
+async fn a_delayed_payload_that_is_not_a_hash_is_handed_out_marked_and_holds_up_nothing(
+    url: String,
+) {
     let t = common::transport(&url, &common::unique("bad-delayed"), "").await;
     t.setup().await.unwrap();
     // Another program writes a due delayed id whose payload is a string.
@@ -640,11 +583,7 @@ async fn a_delayed_payload_that_is_not_a_hash_is_handed_out_marked_and_holds_up_
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_blocking_read_does_not_hold_up_sends_on_the_same_handle() {
-    let Some(url) = common::url("a_blocking_read_does_not_hold_up_sends_on_the_same_handle") else {
-        return;
-    };
+async fn a_blocking_read_does_not_hold_up_sends_on_the_same_handle(url: String) {
     let t = Arc::new(common::transport(&url, &common::unique("block"), "block=5s").await);
     t.setup().await.unwrap();
     // Make the first get skip straight to the read (no reclaim, no delays due).
@@ -690,11 +629,7 @@ async fn a_blocking_read_does_not_hold_up_sends_on_the_same_handle() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_connection_is_replaced_without_an_error() {
-    let Some(url) = common::url("a_killed_connection_is_replaced_without_an_error") else {
-        return;
-    };
+async fn a_killed_connection_is_replaced_without_an_error(url: String) {
     let t = common::transport(&url, &common::unique("kill_once"), "").await;
     t.setup().await.unwrap();
     t.send(text("before"), None).await.unwrap();
@@ -746,13 +681,7 @@ async fn kill_clients(c: &mut MultiplexedConnection, name: &str) -> usize {
     killed
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pruning_deletes_idle_consumers_but_never_one_with_pending_entries() {
-    let Some(url) =
-        common::url("pruning_deletes_idle_consumers_but_never_one_with_pending_entries")
-    else {
-        return;
-    };
+async fn pruning_deletes_idle_consumers_but_never_one_with_pending_entries(url: String) {
     let name = common::unique("prune");
     let holder = common::transport(&url, &name, "lease=30s").await;
     let idle = common::transport(&url, &name, "lease=30s&block=10ms").await;
@@ -790,12 +719,7 @@ async fn pruning_deletes_idle_consumers_but_never_one_with_pending_entries() {
     holder.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn count_list_and_find_skip_acked_entries_behind_a_pending_one() {
-    let Some(url) = common::url("count_list_and_find_skip_acked_entries_behind_a_pending_one")
-    else {
-        return;
-    };
+async fn count_list_and_find_skip_acked_entries_behind_a_pending_one(url: String) {
     let t = common::transport(&url, &common::unique("holes"), "lease=30s").await;
     t.setup().await.unwrap();
     let mut c = common::raw(&url).await;
@@ -844,11 +768,7 @@ async fn count_list_and_find_skip_acked_entries_behind_a_pending_one() {
     t.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn trimming_keeps_what_another_group_has_not_read() {
-    let Some(url) = common::url("trimming_keeps_what_another_group_has_not_read") else {
-        return;
-    };
+async fn trimming_keeps_what_another_group_has_not_read(url: String) {
     let name = common::unique("fanout");
     let billing = common::transport(&url, &name, "group=billing").await;
     let audit = common::transport(&url, &name, "group=audit").await;
@@ -874,11 +794,7 @@ async fn trimming_keeps_what_another_group_has_not_read() {
     billing.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wait_for_messages_returns_at_once_after_a_blocking_get() {
-    let Some(url) = common::url("wait_for_messages_returns_at_once_after_a_blocking_get") else {
-        return;
-    };
+async fn wait_for_messages_returns_at_once_after_a_blocking_get(url: String) {
     let t = common::transport(&url, &common::unique("wait"), "block=50ms").await;
     t.setup().await.unwrap();
     assert!(t.get(1).await.unwrap().is_empty());
@@ -917,7 +833,6 @@ async fn expect_unreachable(dsn: &str, server: &str) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_port_is_unreachable_within_the_connect_timeout() {
     // Nothing listens on port 1: no server is needed.
     expect_unreachable(
@@ -927,7 +842,6 @@ async fn a_closed_port_is_unreachable_within_the_connect_timeout() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_never_answers_is_unreachable_within_the_connect_timeout() {
     // The kernel accepts the connection; nothing ever answers on it.
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -940,7 +854,6 @@ async fn a_server_that_never_answers_is_unreachable_within_the_connect_timeout()
     drop(silent);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_for_messages_sleeps_after_a_failed_get() {
     // Nothing listens on port 1: every get fails at once.
     let t = RedisTransport::connect("unreachable", "redis://127.0.0.1:1")
@@ -958,11 +871,7 @@ async fn wait_for_messages_sleeps_after_a_failed_get() {
 
 /// A large `get` that comes back full reads the next batch ahead; a smaller
 /// `get` then hands out part of it and keeps the rest for the next one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn entries_read_ahead_are_each_handed_out_once() {
-    let Some(url) = common::url("entries_read_ahead_are_each_handed_out_once") else {
-        return;
-    };
+async fn entries_read_ahead_are_each_handed_out_once(url: String) {
     let t = common::transport(&url, &common::unique("ahead"), "block=100ms").await;
     t.setup().await.unwrap();
     let sent: Vec<String> = (0..350).map(|i| format!("m{i}")).collect();
@@ -993,13 +902,7 @@ async fn entries_read_ahead_are_each_handed_out_once() {
 
 /// Entries a handle read ahead and never handed out are not lost with it:
 /// another consumer claims them once their lease has passed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn entries_read_ahead_by_a_dropped_handle_are_claimed_after_the_lease() {
-    let Some(url) =
-        common::url("entries_read_ahead_by_a_dropped_handle_are_claimed_after_the_lease")
-    else {
-        return;
-    };
+async fn entries_read_ahead_by_a_dropped_handle_are_claimed_after_the_lease(url: String) {
     let name = common::unique("ahead_drop");
     let a = common::transport(&url, &name, "lease=1s&block=100ms").await;
     a.setup().await.unwrap();
@@ -1025,12 +928,13 @@ async fn entries_read_ahead_by_a_dropped_handle_are_claimed_after_the_lease() {
 /// Reads 200 entries into `a` (100 handed out and acked, 100 read ahead),
 /// lets `give_back` close or drop it, and checks another handle gets the
 /// 100 read ahead at once, long before their 30 s lease ran out.
-async fn read_ahead_is_given_back(tag: &str, give_back: impl AsyncFnOnce(RedisTransport)) {
-    let Some(url) = common::url(tag) else {
-        return;
-    };
+async fn read_ahead_is_given_back(
+    url: &str,
+    tag: &str,
+    give_back: impl AsyncFnOnce(RedisTransport),
+) {
     let name = common::unique(tag);
-    let a = common::transport(&url, &name, "lease=30s&block=100ms").await;
+    let a = common::transport(url, &name, "lease=30s&block=100ms").await;
     a.setup().await.unwrap();
     let sent: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
     a.send_batch(sent.iter().map(|b| (text(b), None)).collect())
@@ -1042,7 +946,7 @@ async fn read_ahead_is_given_back(tag: &str, give_back: impl AsyncFnOnce(RedisTr
     a.ack_batch(&ids).await.unwrap();
     give_back(a).await;
 
-    let b = common::transport(&url, &name, "lease=30s&block=100ms").await;
+    let b = common::transport(url, &name, "lease=30s&block=100ms").await;
     let rest = receive(&b, 100, Duration::from_secs(5)).await;
     assert!(
         rest.iter().all(|d| !d.redelivered),
@@ -1055,9 +959,8 @@ async fn read_ahead_is_given_back(tag: &str, give_back: impl AsyncFnOnce(RedisTr
     b.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn close_gives_back_the_entries_read_ahead_and_later_calls_fail() {
-    read_ahead_is_given_back("close_ahead", async |a| {
+async fn close_gives_back_the_entries_read_ahead_and_later_calls_fail(url: String) {
+    read_ahead_is_given_back(&url, "close_ahead", async |a| {
         a.close().await.unwrap();
         a.close().await.expect("closing twice is fine");
         assert!(matches!(a.get(1).await, Err(TransportError::Closed)));
@@ -1069,17 +972,11 @@ async fn close_gives_back_the_entries_read_ahead_and_later_calls_fail() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dropping_a_handle_gives_back_the_entries_read_ahead() {
-    read_ahead_is_given_back("drop_ahead", async |a| drop(a)).await;
+async fn dropping_a_handle_gives_back_the_entries_read_ahead(url: String) {
+    read_ahead_is_given_back(&url, "drop_ahead", async |a| drop(a)).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rejected_entry_is_deleted_unless_another_group_still_needs_it() {
-    let Some(url) = common::url("a_rejected_entry_is_deleted_unless_another_group_still_needs_it")
-    else {
-        return;
-    };
+async fn a_rejected_entry_is_deleted_unless_another_group_still_needs_it(url: String) {
     let name = common::unique("reject");
     let billing = common::transport(&url, &name, "group=billing").await;
     let audit = common::transport(&url, &name, "group=audit").await;
@@ -1122,13 +1019,7 @@ async fn a_rejected_entry_is_deleted_unless_another_group_still_needs_it() {
     billing.delete().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn purge_deletes_waiting_leased_and_delayed_messages_and_says_how_many() {
-    let Some(url) =
-        common::url("purge_deletes_waiting_leased_and_delayed_messages_and_says_how_many")
-    else {
-        return;
-    };
+async fn purge_deletes_waiting_leased_and_delayed_messages_and_says_how_many(url: String) {
     let name = common::unique("purge");
     let t = common::transport(&url, &name, "lease=30s").await;
     let audit = common::transport(&url, &name, "group=audit").await;
@@ -1172,4 +1063,38 @@ async fn purge_deletes_waiting_leased_and_delayed_messages_and_says_how_many() {
     t.ack(&got[0].id).await.unwrap();
     t.delete().await.unwrap();
     t.delete().await.expect("deleting again is fine");
+}
+
+envoi_transport_tests::broker_tests! {
+    needs = common::url, tests = [
+        acked_entries_leave_the_pending_list_and_are_trimmed_from_the_stream,
+        acking_an_entry_that_was_never_handed_out_leaves_it_alone,
+        delayed_messages_are_moved_exactly_once_by_competing_workers,
+        list_and_find_show_delayed_messages_by_the_id_send_returned,
+        release_keeps_the_entry_pending_and_hands_it_out_again_marked,
+        a_release_gives_the_message_back_to_envois_group_only,
+        keepalive_resets_the_idle_time_of_the_pending_entry,
+        a_consumer_whose_lease_expired_loses_the_message_to_the_claimer,
+        trim_caps_the_stream_approximately,
+        setup_creates_one_group_and_get_recreates_a_deleted_stream,
+        entries_written_by_other_producers_arrive_with_their_fields_as_headers,
+        a_delayed_payload_that_is_not_a_hash_is_handed_out_marked_and_holds_up_nothing,
+        a_blocking_read_does_not_hold_up_sends_on_the_same_handle,
+        a_killed_connection_is_replaced_without_an_error,
+        pruning_deletes_idle_consumers_but_never_one_with_pending_entries,
+        count_list_and_find_skip_acked_entries_behind_a_pending_one,
+        trimming_keeps_what_another_group_has_not_read,
+        wait_for_messages_returns_at_once_after_a_blocking_get,
+        entries_read_ahead_are_each_handed_out_once,
+        entries_read_ahead_by_a_dropped_handle_are_claimed_after_the_lease,
+        a_rejected_entry_is_deleted_unless_another_group_still_needs_it,
+        purge_deletes_waiting_leased_and_delayed_messages_and_says_how_many,
+        close_gives_back_the_entries_read_ahead_and_later_calls_fail,
+        dropping_a_handle_gives_back_the_entries_read_ahead,
+    ];
+    tests = [
+        a_closed_port_is_unreachable_within_the_connect_timeout,
+        a_server_that_never_answers_is_unreachable_within_the_connect_timeout,
+        wait_for_messages_sleeps_after_a_failed_get,
+    ];
 }

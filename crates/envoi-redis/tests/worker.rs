@@ -80,12 +80,8 @@ async fn count(transport: &dyn Transport) -> u64 {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_worker_handles_every_message_sent_through_a_redis_dsn() {
+async fn the_worker_handles_every_message_sent_through_a_redis_dsn(url: String) {
     const N: u32 = 200;
-    let Some(url) = common::url("the_worker_handles_every_message_sent_through_a_redis_dsn") else {
-        return;
-    };
     let name = common::unique("worker");
     let (messenger, transport, seen) = shipping(&url, &name, None).await;
 
@@ -130,13 +126,7 @@ async fn the_worker_handles_every_message_sent_through_a_redis_dsn() {
         .unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_entry_with_its_type_field_given_twice_is_parked_with_the_reason() {
-    let Some(url) =
-        common::url("an_entry_with_its_type_field_given_twice_is_parked_with_the_reason")
-    else {
-        return;
-    };
+async fn an_entry_with_its_type_field_given_twice_is_parked_with_the_reason(url: String) {
     let name = common::unique("twice");
     let failed = Arc::new(envoi_core::transport::in_memory::InMemoryTransport::new());
     let (messenger, transport, seen) = shipping(&url, &name, Some(failed.clone())).await;
@@ -203,4 +193,11 @@ async fn an_entry_with_its_type_field_given_twice_is_parked_with_the_reason() {
         .delete()
         .await
         .unwrap();
+}
+
+envoi_transport_tests::broker_tests! {
+    needs = common::url, tests = [
+        the_worker_handles_every_message_sent_through_a_redis_dsn,
+        an_entry_with_its_type_field_given_twice_is_parked_with_the_reason,
+    ];
 }

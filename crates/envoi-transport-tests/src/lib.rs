@@ -10,24 +10,40 @@
 //!
 //! ## Running the suite for a transport
 //!
-//! A transport crate adds this crate (and `tokio`) as dev-dependencies and
-//! writes `tests/conformance.rs`:
+//! A transport crate adds this crate as a dev-dependency, declares
+//! `tests/conformance.rs` as a test target that does without the built-in
+//! harness (the suite's cases run through this crate's [harness], which
+//! reports the cases of a broker whose URL is missing as ignored, with the
+//! reason):
+//!
+//! ```toml
+//! [[test]]
+//! name = "conformance"
+//! path = "tests/conformance.rs"
+//! harness = false
+//! ```
+//!
+//! and writes the file:
 //!
 //! ```
 //! use std::sync::Arc;
 //! use envoi_core::transport::Transport;
 //!
 //! async fn make(name: String) -> Option<Arc<dyn Transport>> {
-//!     // Open the transport called `name` with a lease of `Options::lease`,
-//!     // or say why not and return None, which skips the case (or fails it,
-//!     // with ENVOI_REQUIRE_BROKERS=1):
-//!     let url = envoi_core::testing::broker_url("ENVOI_EXAMPLE_URL", "conformance")?;
+//!     // Open the transport called `name` on the broker at the URL, with a
+//!     // lease of `Options::lease`.
+//!     let url = std::env::var("ENVOI_EXAMPLE_URL").ok()?;
 //!     let _ = (name, url);
 //!     None
 //! }
 //!
-//! envoi_transport_tests::conformance!(make);
+//! envoi_transport_tests::conformance!(make, env = "ENVOI_EXAMPLE_URL");
 //! ```
+//!
+//! Without `ENVOI_EXAMPLE_URL` every case is reported as
+//! `ignored (ENVOI_EXAMPLE_URL is not set)`, or fails with
+//! `ENVOI_REQUIRE_BROKERS=1`. A transport that needs no broker leaves out
+//! `env`: its cases always run.
 //!
 //! With [`Options`] (here a one-second lease, for a transport whose
 //! messages do not outlive the process):
@@ -46,12 +62,10 @@
 //! );
 //! ```
 //!
-//! The test crate needs `tokio` only through this crate: the generated tests
-//! use the runtime this crate re-exports.
-//!
-//! The macro expands to one `#[tokio::test(flavor = "multi_thread",
-//! worker_threads = 2)]` per case, named after the case, each calling the
-//! function of the same name in [`cases`].
+//! The macro writes the target's `main`: one test per case, named after
+//! the case, each calling the function of the same name in [`cases`] on a
+//! multi-thread tokio runtime with two workers. A target that runs more
+//! than one suite adds them with [`conformance_trials!`].
 //!
 //! ## What `make` must do
 //!
@@ -61,10 +75,9 @@
 //! * The transport's lease (visibility timeout) must be
 //!   [`Options::lease`] (2 s by default) so that redelivery cases finish
 //!   quickly.
-//! * Returning `None` skips the case; `make` prints why (for instance
-//!   `skipped conformance: ENVOI_REDIS_URL is not set`, as
-//!   `envoi_core::testing::broker_url` does, which fails instead when
-//!   `ENVOI_REQUIRE_BROKERS=1`).
+//! * Returning `None` skips the case, which then passes: `make` prints why.
+//!   A missing broker URL is better said with `env`, which the harness
+//!   checks before any case runs.
 //!
 //! Every case uses names of its own (with a random suffix), so the cases
 //! can run in parallel and repeatedly against the same server.
@@ -136,6 +149,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cases;
+pub mod harness;
 mod support;
 
 use std::time::Duration;
@@ -230,24 +244,93 @@ pub const CASES: &[&str] = &[
     "claimed_message_survives_consumer_crash",
 ];
 
-/// Re-exports the macros need; not part of the API.
-#[doc(hidden)]
-pub mod __private {
-    pub use tokio;
-}
-
-/// Emits one `#[tokio::test]` per conformance case for the transport made by
-/// `make` (an `async fn(String) -> Option<Arc<dyn Transport>>`), optionally
-/// with [`Options`]; see the [crate docs](crate) for an example.
+/// Writes the `main` of a test target (with `harness = false` in its
+/// crate's `Cargo.toml`) that runs every conformance case, as a test of
+/// the [harness], on the transport made by `make` (an
+/// `async fn(String) -> Option<Arc<dyn Transport>>`), optionally with
+/// [`Options`]; see the [crate docs](crate) for an example.
+///
+/// With `env = "VARIABLE"` last, the cases need the broker URL in that
+/// variable: without it they are reported as ignored, with the reason (or
+/// fail, with `ENVOI_REQUIRE_BROKERS=1`). `make` reads the URL itself.
 #[macro_export]
 macro_rules! conformance {
     ($make:path) => {
         $crate::conformance!($make, $crate::Options::default());
     };
+    ($make:path, env = $variable:literal) => {
+        $crate::conformance!($make, $crate::Options::default(), env = $variable);
+    };
     ($make:path, $options:expr) => {
+        fn main() -> ::std::process::ExitCode {
+            let mut trials = $crate::harness::Trials::default();
+            $crate::conformance_trials!(&mut trials, "", $make, $options);
+            trials.run()
+        }
+    };
+    ($make:path, $options:expr, env = $variable:literal) => {
+        fn main() -> ::std::process::ExitCode {
+            let mut trials = $crate::harness::Trials::default();
+            $crate::conformance_trials!(&mut trials, "", $make, $options, env = $variable);
+            trials.run()
+        }
+    };
+}
+
+/// Adds every conformance case, as a test of the [harness] called
+/// `prefix` followed by the case's name, to `trials` (a
+/// `&mut` [`Trials`](harness::Trials)): the suite of [`conformance!`], for a
+/// test target that runs more than one suite, or more than the suite.
+///
+/// ```
+/// # use std::sync::Arc;
+/// # use envoi_core::transport::Transport;
+/// use envoi_transport_tests::harness::Trials;
+///
+/// async fn make(name: String) -> Option<Arc<dyn Transport>> {
+///     Some(Arc::new(envoi_core::transport::in_memory::InMemoryTransport::new()))
+/// }
+///
+/// let mut trials = Trials::default();
+/// envoi_transport_tests::conformance_trials!(&mut trials, "first::", make, Default::default());
+/// envoi_transport_tests::conformance_trials!(
+///     &mut trials,
+///     "second::",
+///     make,
+///     Default::default(),
+///     env = "ENVOI_EXAMPLE_URL"
+/// );
+/// assert_eq!(trials.len(), 2 * envoi_transport_tests::CASES.len());
+/// ```
+#[macro_export]
+macro_rules! conformance_trials {
+    ($trials:expr, $prefix:literal, $make:path, $options:expr) => {
         $crate::__conformance_cases!(
+            $trials,
+            $prefix,
             $make,
-            $options;
+            $options,
+            $crate::harness::Decision::Run(())
+        )
+    };
+    ($trials:expr, $prefix:literal, $make:path, $options:expr, env = $variable:literal) => {
+        $crate::__conformance_cases!(
+            $trials,
+            $prefix,
+            $make,
+            $options,
+            $crate::harness::Decision::for_url($variable).map(|_| ())
+        )
+    };
+}
+
+/// Adds the cases for [`conformance_trials!`]; not part of the API.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_cases {
+    ($trials:expr, $prefix:literal, $make:path, $options:expr, $need:expr) => {
+        $crate::__conformance_cases!(
+            @each $trials, $prefix, $make, $options, $need;
             publish_consume_integrity,
             binary_bodies_round_trip,
             acked_message_never_comes_back,
@@ -272,25 +355,21 @@ macro_rules! conformance {
             unknown_ids_do_not_disturb_other_messages,
             messages_survive_reopening,
             claimed_message_survives_consumer_crash
-        );
+        )
     };
-}
-
-/// Emits the test functions for [`conformance!`]; not part of the API.
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __conformance_cases {
-    ($make:path, $options:expr; $($case:ident),* $(,)?) => {
+    (@each $trials:expr, $prefix:literal, $make:path, $options:expr, $need:expr; $($case:ident),*) => {{
+        let trials: &mut $crate::harness::Trials = $trials;
+        let need: $crate::harness::Decision<()> = $need;
         $(
-            #[$crate::__private::tokio::test(
-                flavor = "multi_thread",
-                worker_threads = 2,
-                crate = "::envoi_transport_tests::__private::tokio"
-            )]
-            async fn $case() {
-                let options: $crate::Options = $options;
-                $crate::cases::$case(&$make, &options).await;
-            }
+            trials.add(
+                ::std::concat!($prefix, ::std::stringify!($case)),
+                &need,
+                $crate::harness::Runtime::MultiThread { worker_threads: 2 },
+                |()| async {
+                    let options: $crate::Options = $options;
+                    $crate::cases::$case(&$make, &options).await;
+                },
+            );
         )*
-    };
+    }};
 }

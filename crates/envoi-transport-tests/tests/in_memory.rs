@@ -36,22 +36,30 @@ fn options() -> envoi_transport_tests::Options {
 mod raw {
     use super::*;
 
-    async fn make(name: String) -> Option<Arc<dyn Transport>> {
+    pub(super) async fn make(name: String) -> Option<Arc<dyn Transport>> {
         Some(shared("in-memory://?lease_timeout_ms=1000", name))
     }
-
-    envoi_transport_tests::conformance!(make, options());
 }
 
 mod serialized {
     use super::*;
 
-    async fn make(name: String) -> Option<Arc<dyn Transport>> {
+    pub(super) async fn make(name: String) -> Option<Arc<dyn Transport>> {
         Some(shared(
             "in-memory://?serialize=true&lease_timeout_ms=1000",
             name,
         ))
     }
+}
 
-    envoi_transport_tests::conformance!(make, options());
+fn main() -> std::process::ExitCode {
+    let mut trials = envoi_transport_tests::harness::Trials::default();
+    envoi_transport_tests::conformance_trials!(&mut trials, "raw::", raw::make, options());
+    envoi_transport_tests::conformance_trials!(
+        &mut trials,
+        "serialized::",
+        serialized::make,
+        options()
+    );
+    trials.run()
 }

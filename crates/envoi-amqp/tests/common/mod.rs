@@ -45,11 +45,6 @@ pub trait Within: Future + Sized {
 
 impl<F: Future> Within for F {}
 
-/// The broker URL, or `None` after printing why `test` is skipped.
-pub fn url(test: &str) -> Option<String> {
-    envoi_core::testing::broker_url("ENVOI_AMQP_URL", test)
-}
-
 /// A name no other test (or earlier run) uses.
 pub fn unique(tag: &str) -> String {
     format!("{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])

@@ -43,11 +43,6 @@ pub async fn send_jobs(producer: &NatsTransport, n: usize) {
     }
 }
 
-/// The server URL, or `None` after printing why the test is skipped.
-pub fn nats_url(test: &str) -> Option<String> {
-    envoi_core::testing::broker_url("ENVOI_NATS_URL", test)
-}
-
 /// A transport name no other test (or earlier run) uses.
 pub fn unique_name(test: &str) -> String {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);

@@ -8,11 +8,6 @@ use envoi_core::transport::{Delivery, DeliveryId, RawMessage, Receiver, Setup};
 use envoi_postgres::sqlx::postgres::PgPool;
 use envoi_postgres::PostgresTransport;
 
-/// The server URL, or `None` after printing why `test` is skipped.
-pub fn url(test: &str) -> Option<String> {
-    envoi_core::testing::broker_url("ENVOI_POSTGRES_URL", test)
-}
-
 /// `url` with envoi options appended to its query string.
 pub fn dsn(url: &str, options: &str) -> String {
     let separator = if url.contains('?') { '&' } else { '?' };

@@ -12,15 +12,13 @@ use redis::aio::MultiplexedConnection;
 /// Stream keys of every test start with this.
 pub const PREFIX: &str = "envoi-test:";
 
-/// `ENVOI_REDIS_URL`, or `None` after printing why `test` is skipped.
-pub fn url(test: &str) -> Option<String> {
-    match envoi_core::testing::broker_url("ENVOI_REDIS_URL", test) {
-        Some(url) => {
-            collect_garbage(&url);
-            Some(url)
-        }
-        None => None,
-    }
+/// `ENVOI_REDIS_URL`, or why there is none: what the server tests need
+/// (`needs = common::url` in their `broker_tests!`). The first call of a
+/// test binary also deletes what earlier runs left behind.
+pub fn url() -> Result<String, String> {
+    let url = envoi_transport_tests::harness::env_url("ENVOI_REDIS_URL")?;
+    collect_garbage(&url);
+    Ok(url)
 }
 
 /// A fresh stream name for `tag`.
