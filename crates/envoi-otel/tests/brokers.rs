@@ -10,39 +10,33 @@ use common::{
     assert_child, assert_one_trace, assert_succeeded, dispatch_in_request, messenger, start, work,
     Attempts, Expected, Job, Telemetry, JOBS,
 };
-use envoi_core::testing::broker_url;
 use envoi_core::transport::TransportFactory;
 use envoi_core::{Envelope, Messenger};
 use opentelemetry::trace::SpanId;
 
-/// A broker: its URL variable, the options that give a test queues of its
+/// A broker: the options that give a test queues of its
 /// own, its factory and what its spans say about it.
 struct Broker {
-    variable: &'static str,
     system: &'static str,
     options: fn(&str) -> String,
 }
 
 const RABBITMQ: Broker = Broker {
-    variable: "ENVOI_AMQP_URL",
     system: "rabbitmq",
     options: |name| format!("queue={name}&exchange={name}&expires=60s"),
 };
 
 const REDIS: Broker = Broker {
-    variable: "ENVOI_REDIS_URL",
     system: "redis",
     options: |name| format!("stream=envoi-otel:{name}"),
 };
 
 const NATS: Broker = Broker {
-    variable: "ENVOI_NATS_URL",
     system: "nats",
     options: |name| format!("stream={name}&subject={name}"),
 };
 
 const POSTGRES: Broker = Broker {
-    variable: "ENVOI_POSTGRES_URL",
     system: "postgresql",
     options: |name| format!("table={name}"),
 };
@@ -67,15 +61,14 @@ fn server(url: &str) -> (String, u16) {
     (host.to_string(), port.parse().unwrap())
 }
 
-/// A messenger on `broker`'s queue of this test, traced, or `None` (said
-/// why) when its URL is not set.
+/// A messenger on `broker`'s queue of this test (the server at `url`),
+/// traced.
 async fn on(
     broker: &Broker,
     factory: impl TransportFactory,
     attempts: &Attempts,
-    test: &str,
-) -> Option<(Messenger, (String, u16))> {
-    let url = broker_url(broker.variable, test)?;
+    url: &str,
+) -> (Messenger, (String, u16)) {
     let separator = if url.contains('?') { '&' } else { '?' };
     let dsn = format!("{url}{separator}{}", (broker.options)(&unique()));
     let messenger = start(
@@ -84,7 +77,7 @@ async fn on(
             .transport_dsn(JOBS, dsn),
     )
     .await;
-    Some((messenger, server(&url)))
+    (messenger, server(url))
 }
 
 /// Removes what the test's transport stored on the server.
@@ -103,11 +96,11 @@ async fn tear_down(messenger: &Messenger) {
 async fn retried_in_one_trace(
     broker: &Broker,
     factory: impl TransportFactory,
-    test: &str,
-) -> Option<String> {
+    url: &str,
+) -> String {
     let telemetry = Telemetry::install();
     let attempts = Attempts::failing_first(1);
-    let (messenger, (host, port)) = on(broker, factory, &attempts, test).await?;
+    let (messenger, (host, port)) = on(broker, factory, &attempts, url).await;
     dispatch_in_request(&messenger).await;
     work(&messenger, 2).await;
     tear_down(&messenger).await;
@@ -118,17 +111,15 @@ async fn retried_in_one_trace(
         server: Some((&host, port)),
     };
     assert_one_trace(&trace, 1, &expected);
-    Some(trace.describe())
+    trace.describe()
 }
 
 /// Sends a job encoded with no trace context straight to the broker;
 /// asserts the worker handles it in a new trace.
-async fn untraced_in_a_new_trace(broker: &Broker, factory: impl TransportFactory, test: &str) {
+async fn untraced_in_a_new_trace(broker: &Broker, factory: impl TransportFactory, url: &str) {
     let telemetry = Telemetry::install();
     let attempts = Attempts::default();
-    let Some((messenger, _)) = on(broker, factory, &attempts, test).await else {
-        return;
-    };
+    let (messenger, _) = on(broker, factory, &attempts, url).await;
     let raw = messenger
         .serializer()
         .encode(&Envelope::new(Job { n: 1 }))
@@ -149,54 +140,54 @@ async fn untraced_in_a_new_trace(broker: &Broker, factory: impl TransportFactory
     assert_child(trace.one("charge"), process);
 }
 
-#[tokio::test]
-async fn rabbitmq_carries_one_trace_from_the_request_to_the_retried_handler() {
-    let test = "rabbitmq_carries_one_trace_from_the_request_to_the_retried_handler";
-    if let Some(trace) =
-        retried_in_one_trace(&RABBITMQ, envoi_amqp::AmqpTransportFactory, test).await
-    {
-        println!("one trace through RabbitMQ (request → send → failed attempt → retry):{trace}");
-    }
+async fn rabbitmq_carries_one_trace_from_the_request_to_the_retried_handler(url: String) {
+    let trace = retried_in_one_trace(&RABBITMQ, envoi_amqp::AmqpTransportFactory, &url).await;
+    println!("one trace through RabbitMQ (request → send → failed attempt → retry):{trace}");
 }
 
-#[tokio::test]
-async fn rabbitmq_handles_a_message_without_trace_context_in_a_new_trace() {
-    let test = "rabbitmq_handles_a_message_without_trace_context_in_a_new_trace";
-    untraced_in_a_new_trace(&RABBITMQ, envoi_amqp::AmqpTransportFactory, test).await;
+async fn rabbitmq_handles_a_message_without_trace_context_in_a_new_trace(url: String) {
+    untraced_in_a_new_trace(&RABBITMQ, envoi_amqp::AmqpTransportFactory, &url).await;
 }
 
-#[tokio::test]
-async fn redis_carries_one_trace_from_the_request_to_the_retried_handler() {
-    let test = "redis_carries_one_trace_from_the_request_to_the_retried_handler";
-    retried_in_one_trace(&REDIS, envoi_redis::RedisTransportFactory, test).await;
+async fn redis_carries_one_trace_from_the_request_to_the_retried_handler(url: String) {
+    retried_in_one_trace(&REDIS, envoi_redis::RedisTransportFactory, &url).await;
 }
 
-#[tokio::test]
-async fn redis_handles_a_message_without_trace_context_in_a_new_trace() {
-    let test = "redis_handles_a_message_without_trace_context_in_a_new_trace";
-    untraced_in_a_new_trace(&REDIS, envoi_redis::RedisTransportFactory, test).await;
+async fn redis_handles_a_message_without_trace_context_in_a_new_trace(url: String) {
+    untraced_in_a_new_trace(&REDIS, envoi_redis::RedisTransportFactory, &url).await;
 }
 
-#[tokio::test]
-async fn nats_carries_one_trace_from_the_request_to_the_retried_handler() {
-    let test = "nats_carries_one_trace_from_the_request_to_the_retried_handler";
-    retried_in_one_trace(&NATS, envoi_nats::NatsTransportFactory, test).await;
+async fn nats_carries_one_trace_from_the_request_to_the_retried_handler(url: String) {
+    retried_in_one_trace(&NATS, envoi_nats::NatsTransportFactory, &url).await;
 }
 
-#[tokio::test]
-async fn nats_handles_a_message_without_trace_context_in_a_new_trace() {
-    let test = "nats_handles_a_message_without_trace_context_in_a_new_trace";
-    untraced_in_a_new_trace(&NATS, envoi_nats::NatsTransportFactory, test).await;
+async fn nats_handles_a_message_without_trace_context_in_a_new_trace(url: String) {
+    untraced_in_a_new_trace(&NATS, envoi_nats::NatsTransportFactory, &url).await;
 }
 
-#[tokio::test]
-async fn postgres_carries_one_trace_from_the_request_to_the_retried_handler() {
-    let test = "postgres_carries_one_trace_from_the_request_to_the_retried_handler";
-    retried_in_one_trace(&POSTGRES, envoi_postgres::PostgresTransportFactory, test).await;
+async fn postgres_carries_one_trace_from_the_request_to_the_retried_handler(url: String) {
+    retried_in_one_trace(&POSTGRES, envoi_postgres::PostgresTransportFactory, &url).await;
 }
 
-#[tokio::test]
-async fn postgres_handles_a_message_without_trace_context_in_a_new_trace() {
-    let test = "postgres_handles_a_message_without_trace_context_in_a_new_trace";
-    untraced_in_a_new_trace(&POSTGRES, envoi_postgres::PostgresTransportFactory, test).await;
+async fn postgres_handles_a_message_without_trace_context_in_a_new_trace(url: String) {
+    untraced_in_a_new_trace(&POSTGRES, envoi_postgres::PostgresTransportFactory, &url).await;
+}
+
+envoi_transport_tests::broker_tests! {
+    env = "ENVOI_AMQP_URL", tests = [
+        rabbitmq_carries_one_trace_from_the_request_to_the_retried_handler: current_thread,
+        rabbitmq_handles_a_message_without_trace_context_in_a_new_trace: current_thread,
+    ];
+    env = "ENVOI_REDIS_URL", tests = [
+        redis_carries_one_trace_from_the_request_to_the_retried_handler: current_thread,
+        redis_handles_a_message_without_trace_context_in_a_new_trace: current_thread,
+    ];
+    env = "ENVOI_NATS_URL", tests = [
+        nats_carries_one_trace_from_the_request_to_the_retried_handler: current_thread,
+        nats_handles_a_message_without_trace_context_in_a_new_trace: current_thread,
+    ];
+    env = "ENVOI_POSTGRES_URL", tests = [
+        postgres_carries_one_trace_from_the_request_to_the_retried_handler: current_thread,
+        postgres_handles_a_message_without_trace_context_in_a_new_trace: current_thread,
+    ];
 }
