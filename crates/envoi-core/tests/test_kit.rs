@@ -5,14 +5,14 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use envoi_core::failure::MultiplierRetryStrategy;
 use envoi_core::testing::{Activity, KitError, TestKit, Within};
 use envoi_core::transport::{SendError, Sender};
 use envoi_core::{
-    BoxFuture, Command, Envelope, Event, Message, Messenger, MessengerBuilder, Query, WeakMessenger,
+    BoxFuture, Command, Context, Envelope, Event, Message, Messenger, MessengerBuilder, Query,
 };
 use futures_util::FutureExt;
 use serde::{Deserialize, Serialize};
@@ -73,8 +73,6 @@ impl Query for Total {
 enum OrderError {
     #[error("the payment gateway is down")]
     GatewayDown,
-    #[error("the messenger is gone")]
-    NoMessenger,
     #[error("deferring failed: {0}")]
     Defer(String),
 }
@@ -205,19 +203,13 @@ async fn a_failing_handler_is_retried_with_its_delays_on_the_paused_clock_then_p
 
 /// A configuration whose `PlaceOrder` handler defers a `SendConfirmation`
 /// until it has succeeded, and fails on its first try after deferring.
-fn deferring(slot: Arc<OnceLock<WeakMessenger>>, tries: Arc<AtomicU32>) -> MessengerBuilder {
+fn deferring(tries: Arc<AtomicU32>) -> MessengerBuilder {
     shop()
         .route::<SendConfirmation>("orders")
-        .command_handler(move |order: PlaceOrder| {
-            let (slot, tries) = (slot.clone(), tries.clone());
+        .command_handler(move |order: PlaceOrder, ctx: Context| {
+            let tries = tries.clone();
             async move {
-                let messenger = slot
-                    .get()
-                    .and_then(WeakMessenger::upgrade)
-                    .ok_or(OrderError::NoMessenger)?;
-                messenger
-                    .bus()
-                    .dispatch_after_current(Envelope::new(SendConfirmation { order: order.id }))
+                ctx.dispatch_after_current(SendConfirmation { order: order.id })
                     .await
                     .map_err(|e| OrderError::Defer(e.to_string()))?;
                 match tries.fetch_add(1, Ordering::SeqCst) {
@@ -231,12 +223,8 @@ fn deferring(slot: Arc<OnceLock<WeakMessenger>>, tries: Arc<AtomicU32>) -> Messe
 
 #[tokio::test(start_paused = true)]
 async fn a_deferred_dispatch_is_recorded_only_after_the_handler_that_deferred_it_succeeded() {
-    let slot = Arc::new(OnceLock::new());
     let tries = Arc::new(AtomicU32::new(0));
-    let kit = TestKit::new(deferring(slot.clone(), tries.clone()))
-        .await
-        .unwrap();
-    slot.set(kit.messenger().downgrade()).unwrap();
+    let kit = TestKit::new(deferring(tries.clone())).await.unwrap();
 
     kit.dispatcher()
         .dispatch(PlaceOrder { id: 3 })
@@ -437,21 +425,15 @@ async fn a_configuration_that_does_not_build_is_an_error() {
 #[tokio::test(start_paused = true)]
 #[should_panic(expected = "run_until_idle: the transports were still busy after 50 messages")]
 async fn a_handler_that_dispatches_forever_ends_in_a_clear_panic() {
-    let slot: Arc<OnceLock<WeakMessenger>> = Arc::new(OnceLock::new());
-    let again = slot.clone();
-    let kit = TestKit::new(shop().command_handler(move |order: PlaceOrder| {
-        let slot = again.clone();
-        async move {
-            let messenger = slot.get().and_then(WeakMessenger::upgrade).unwrap();
-            let next = PlaceOrder { id: order.id + 1 };
-            messenger.dispatcher().dispatch(next).await.unwrap();
+    let kit = TestKit::new(
+        shop().command_handler(|order: PlaceOrder, ctx: Context| async move {
+            ctx.dispatch(PlaceOrder { id: order.id + 1 }).await.unwrap();
             Ok(())
-        }
-    }))
+        }),
+    )
     .await
     .unwrap()
     .with_message_limit(50);
-    slot.set(kit.messenger().downgrade()).unwrap();
     kit.dispatcher()
         .dispatch(PlaceOrder { id: 0 })
         .await

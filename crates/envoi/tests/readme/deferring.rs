@@ -1,8 +1,6 @@
 use envoi::testing::TestKit;
-use envoi::WeakMessenger;
-use envoi::{Command, Envelope, Message, Messenger, MessengerBuilder, MessengerBuilderExt};
+use envoi::{Command, Context, Message, Messenger, MessengerBuilder, MessengerBuilderExt};
 use serde::{Deserialize, Serialize};
-use std::sync::{Arc, OnceLock};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct PlaceOrder {
@@ -32,37 +30,29 @@ impl Command for SendConfirmation {
 #[error("{0}")]
 struct ShopError(String);
 
-/// The shop's configuration, which `main` builds its messenger from. The
-/// handler of `PlaceOrder` defers the confirmation through `messenger`,
-/// filled once the messenger is built.
-fn shop(messenger: Arc<OnceLock<WeakMessenger>>) -> MessengerBuilder {
+/// The handler of `PlaceOrder`: stores the order, and asks for its
+/// confirmation once this handler has succeeded.
+async fn place_order(order: PlaceOrder, ctx: Context) -> Result<(), ShopError> {
+    // … store the order …
+    ctx.dispatch_after_current(SendConfirmation { order: order.id })
+        .await
+        .map_err(|e| ShopError(e.to_string()))
+}
+
+/// The shop's configuration, which `main` builds its messenger from.
+fn shop() -> MessengerBuilder {
     Messenger::builder()
         .with_transport_factories()
         .transport_dsn("orders", "sqlite://var/shop.db")
         .route::<PlaceOrder>("orders")
         .route::<SendConfirmation>("orders")
-        .command_handler(move |order: PlaceOrder| {
-            let messenger = messenger.get().and_then(WeakMessenger::upgrade);
-            async move {
-                let messenger = messenger.ok_or(ShopError("not built yet".into()))?;
-                // … store the order; confirm it once this handler succeeded.
-                let confirm = Envelope::new(SendConfirmation { order: order.id });
-                messenger
-                    .bus()
-                    .dispatch_after_current(confirm)
-                    .await
-                    .map_err(|e| ShopError(e.to_string()))?;
-                Ok(())
-            }
-        })
+        .command_handler(place_order)
         .command_handler(|_: SendConfirmation| async { Ok(()) })
 }
 
 #[tokio::test(start_paused = true)]
 async fn the_confirmation_is_sent_once_the_order_is_placed() {
-    let messenger = Arc::new(OnceLock::new());
-    let kit = TestKit::new(shop(messenger.clone())).await.unwrap();
-    messenger.set(kit.messenger().downgrade()).unwrap();
+    let kit = TestKit::new(shop()).await.unwrap();
 
     kit.dispatcher()
         .dispatch(PlaceOrder { id: 42 })
