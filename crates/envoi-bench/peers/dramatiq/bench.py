@@ -109,11 +109,14 @@ def main(argv):
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    log_path = os.path.join(tempfile.gettempdir(), "envoi-bench-dramatiq-%d.log" % os.getpid())
+    log = open(log_path, "w")
     workers = subprocess.Popen(
         [sys.executable, "-m", "dramatiq", "bench_actors",
          "--processes", str(args.processes), "--threads", str(args.threads)],
-        cwd=here, env=env, stdout=subprocess.DEVNULL,
+        cwd=here, env=env, stdout=log, stderr=log,
     )
+    failed = True
     try:
         wait_for("the worker processes", lambda: len(read_reports(report_dir)) >= args.processes, workers)
         start = time.time()
@@ -124,11 +127,18 @@ def main(argv):
         reports = read_reports(report_dir)
         handled = sum(c for c, _ in reports)
         end = max(last for _, last in reports)
+        failed = False
     finally:
         workers.send_signal(signal.SIGTERM)
         workers.wait(60)
         bench_actors.broker.close()
         shutil.rmtree(report_dir, ignore_errors=True)
+        log.close()
+        if failed:
+            # The workers' log says why; it is noise otherwise.
+            with open(log_path) as f:
+                sys.stderr.write(f.read()[-4000:])
+        os.remove(log_path)
     cleanup(args)
     print("handled=%d seconds=%.6f" % (handled, end - start))
 

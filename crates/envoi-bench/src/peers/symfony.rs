@@ -30,6 +30,7 @@ const PACKAGES: &[&str] = &[
     "php-symfony-console",
     "php-symfony-event-dispatcher",
     "php-symfony-dependency-injection",
+    "php-doctrine-dbal",
 ];
 
 /// Installs PHP and Symfony Messenger (`apt-get install`) if missing.
