@@ -10,6 +10,7 @@
 // the time of its last job to this process. When the counts add up to N it
 // prints
 //   handled=<jobs> seconds=<from the first enqueue to the last job run>
+//   peak_rss_kb=<this process's peak RSS>
 // closes the workers and obliterates the queue.
 //
 // Configuration (see the bench README): one Worker per CPU core in its own
@@ -148,7 +149,9 @@ async function main(opts) {
   await Promise.all(exits);
   const handled = counts.reduce((a, b) => a + b, 0);
   const end = Math.max(...lasts);
-  console.log(`handled=${handled} seconds=${((end - start) / 1000).toFixed(6)}`);
+  console.log(
+    `handled=${handled} seconds=${((end - start) / 1000).toFixed(6)} peak_rss_kb=${process.resourceUsage().maxRSS}`,
+  );
   await queue.obliterate({ force: true });
   await queue.close();
 }

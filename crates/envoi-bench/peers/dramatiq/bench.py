@@ -9,6 +9,7 @@ bench's ~100-byte JSON payload with one `send` each (Dramatiq has no bulk
 enqueue). When the worker processes' counts add up to N it prints
 
     handled=<messages> seconds=<from the first send to the last handled>
+    peak_rss_kb=<this process's peak RSS>
 
 stops the workers (SIGTERM, Dramatiq's graceful shutdown) and deletes what
 the run declared on the broker.
@@ -21,6 +22,7 @@ threads).
 
 import argparse
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -140,7 +142,8 @@ def main(argv):
                 sys.stderr.write(f.read()[-4000:])
         os.remove(log_path)
     cleanup(args)
-    print("handled=%d seconds=%.6f" % (handled, end - start))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print("handled=%d seconds=%.6f peak_rss_kb=%d" % (handled, end - start, peak))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 // counts the jobs it ran; each worker reports its count and the time of its
 // last job to this process. When the counts add up to N it prints
 //   handled=<jobs> seconds=<from the first enqueue to the last job run>
+//   peak_rss_kb=<this process's peak RSS>
 // stops the workers and drops the schema.
 //
 // Configuration (see the bench README): the preset of graphile-worker's own
@@ -196,7 +197,9 @@ async function main(opts) {
   await Promise.all(exits);
   const handled = counts.reduce((a, b) => a + b, 0);
   const end = Math.max(...lasts);
-  console.log(`handled=${handled} seconds=${((end - start) / 1000).toFixed(6)}`);
+  console.log(
+    `handled=${handled} seconds=${((end - start) / 1000).toFixed(6)} peak_rss_kb=${process.resourceUsage().maxRSS}`,
+  );
   await utils.release();
   const client = new pg.Client({ connectionString: opts.url });
   await client.connect();

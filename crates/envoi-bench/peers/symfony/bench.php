@@ -13,6 +13,7 @@
 // counts; each worker writes its count and the time of its last message to
 // a report file. When the counts add up to N it prints
 //   handled=<messages> seconds=<from the first dispatch to the last handled>
+//   peak_rss_kb=<this process's peak RSS>
 // stops the workers with SIGTERM (StopWorkerOnSigtermSignalListener, as the
 // framework registers it) and removes what the run created on the broker.
 //
@@ -289,7 +290,12 @@ function main(array $o, array $argv): void
         rmdir($dir);
     }
     cleanup($o);
-    printf("handled=%d seconds=%.6F\n", array_sum(array_column($all, 0)), max(array_column($all, 1)) - $start);
+    printf(
+        "handled=%d seconds=%.6F peak_rss_kb=%d\n",
+        array_sum(array_column($all, 0)),
+        max(array_column($all, 1)) - $start,
+        getrusage()['ru_maxrss'],
+    );
 }
 
 $o = options($argv);

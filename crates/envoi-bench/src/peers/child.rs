@@ -2,14 +2,17 @@
 //! line, and the peak resident set of the process and of every process it
 //! starts, measured the same way for both sides.
 //!
-//! A side prints `handled=<messages> seconds=<elapsed>` on stdout (other
-//! lines are ignored); its stderr is passed through. While it runs, a
+//! A side prints `handled=<messages> seconds=<elapsed> peak_rss_kb=<kib>`
+//! on stdout (other lines are ignored; `peak_rss_kb` is the side's own
+//! process's peak resident set, `VmHWM` or `getrusage`'s `ru_maxrss`, read
+//! just before it exits); its stderr is passed through. While it runs, a
 //! sampler walks its process tree every [`SAMPLE_EVERY`] through
 //! `/proc/<pid>/task/<tid>/children` and keeps, per process, the largest
-//! `VmHWM` it read (the kernel's own peak of that process's resident set);
-//! the side's footprint is their sum. A process that lives for less than
-//! one sampling interval can be missed; the sides here keep theirs for the
-//! whole run.
+//! `VmHWM` it read (the kernel's own peak of that process's resident set).
+//! The side's footprint is the sum over its processes of each one's peak.
+//! The sampler can miss a process that lives for less than one interval,
+//! and the last growth of one that exits; the side's own report covers
+//! its main process, and the processes it starts live for the whole run.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -39,14 +42,19 @@ impl Run {
     }
 }
 
-/// The line a side prints when it is done.
+/// The line a side prints when it is done, with this process's peak RSS.
 pub(super) fn outcome_line(handled: u64, seconds: f64) -> String {
-    format!("handled={handled} seconds={seconds:.6}")
+    let peak = vm_hwm_kb(std::process::id()).unwrap_or(0);
+    format!("handled={handled} seconds={seconds:.6} peak_rss_kb={peak}")
 }
 
-/// Reads `handled=<n> seconds=<s>` from the last line of `stdout` that has
-/// both.
-pub(super) fn parse_outcome(stdout: &str) -> Result<(u64, f64), String> {
+/// What a side reported: messages handled, seconds, and its own peak RSS
+/// in KiB when it gave one.
+type Outcome = (u64, f64, Option<u64>);
+
+/// Reads `handled=<n> seconds=<s> [peak_rss_kb=<kib>]` from the last line
+/// of `stdout` that has the first two.
+pub(super) fn parse_outcome(stdout: &str) -> Result<Outcome, String> {
     let line = stdout
         .lines()
         .rev()
@@ -65,7 +73,14 @@ pub(super) fn parse_outcome(stdout: &str) -> Result<(u64, f64), String> {
         .ok()
         .filter(|s| s.is_finite() && *s > 0.0)
         .ok_or_else(|| format!("bad seconds= in {line:?}"))?;
-    Ok((handled, seconds))
+    let peak = match field("peak_rss_kb=") {
+        Ok(kb) => Some(
+            kb.parse::<u64>()
+                .map_err(|e| format!("bad peak_rss_kb= in {line:?}: {e}"))?,
+        ),
+        Err(_) => None,
+    };
+    Ok((handled, seconds, peak))
 }
 
 /// Runs `cmd`, one side moving `n` messages, and checks it handled exactly
@@ -90,7 +105,7 @@ pub(super) fn run_side(who: &str, mut cmd: Command, n: u64) -> Result<Run, Strin
         .map(|mut out| out.read_to_string(&mut stdout));
     let status = child.wait().map_err(|e| e.to_string());
     done.store(true, Ordering::Relaxed);
-    let peaks = sampler.join().unwrap_or_default();
+    let mut peaks = sampler.join().unwrap_or_default();
     let status = status?;
     if let Some(Err(e)) = read {
         return Err(format!("cannot read the {who} side's output: {e}"));
@@ -98,7 +113,12 @@ pub(super) fn run_side(who: &str, mut cmd: Command, n: u64) -> Result<Run, Strin
     if !status.success() {
         return Err(format!("the {who} side ({shown}) exited with {status}"));
     }
-    let (handled, seconds) = parse_outcome(&stdout).map_err(|e| format!("{who} side: {e}"))?;
+    let (handled, seconds, own_peak) =
+        parse_outcome(&stdout).map_err(|e| format!("{who} side: {e}"))?;
+    if let Some(kb) = own_peak {
+        let root = peaks.entry(child.id()).or_insert(0);
+        *root = kb.max(*root);
+    }
     if handled != n {
         return Err(format!("the {who} side handled {handled} of {n} messages"));
     }
@@ -184,7 +204,14 @@ mod tests {
     #[test]
     fn the_outcome_line_reads_back_and_noise_around_it_is_ignored() {
         let out = format!("starting\n{}\n", outcome_line(20_000, 1.25));
-        assert_eq!(parse_outcome(&out), Ok((20_000, 1.25)));
+        let (handled, seconds, peak) = parse_outcome(&out).unwrap();
+        assert_eq!((handled, seconds), (20_000, 1.25));
+        assert!(peak.is_some_and(|kb| kb > 0), "this process's own peak");
+        assert_eq!(
+            parse_outcome("handled=3 seconds=0.5"),
+            Ok((3, 0.5, None)),
+            "the peak is optional"
+        );
     }
 
     #[test]
@@ -193,6 +220,7 @@ mod tests {
         assert!(parse_outcome("handled=ten seconds=1").is_err());
         assert!(parse_outcome("handled=10 seconds=0").is_err());
         assert!(parse_outcome("handled=10 seconds=NaN").is_err());
+        assert!(parse_outcome("handled=10 seconds=1 peak_rss_kb=lots").is_err());
     }
 
     #[test]
@@ -208,13 +236,16 @@ mod tests {
         let mut cmd = Command::new("sh");
         cmd.args([
             "-c",
-            "sleep 0.3 & sleep 0.3 & wait; echo handled=3 seconds=0.5",
+            "sleep 0.3 & sleep 0.3 & wait; echo handled=3 seconds=0.5 peak_rss_kb=100000",
         ]);
         let run = run_side("test", cmd, 3).unwrap();
         assert_eq!((run.handled, run.seconds), (3, 0.5));
         assert_eq!(run.rate(), 6.0);
         assert_eq!(run.processes, 3, "the shell and its two children");
-        assert!(run.peak_rss_kb > 0);
+        assert!(
+            run.peak_rss_kb > 100_000,
+            "the shell's own report plus its children's sampled peaks"
+        );
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! shared `MemorySink` would panic when two producers meet in it, since its
 //! `start_send` uses `try_lock().unwrap()`). The no-op handler counts the
 //! jobs; when it has counted N it notes the time and stops the worker. It
-//! prints `handled=<jobs> seconds=<from the first push to the N-th job>`.
+//! prints `handled=<jobs> seconds=<from the first push to the N-th job>
+//! peak_rss_kb=<this process's peak RSS>`.
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -133,6 +134,19 @@ async fn run(opts: Opts) -> Result<(u64, f64), String> {
     Ok((handled, (*last - start).as_secs_f64()))
 }
 
+/// This process's peak resident set in KiB (`VmHWM`), 0 where unknown.
+fn peak_rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|kb| kb.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let opts = match parse_args(&args) {
@@ -155,7 +169,7 @@ fn main() -> ExitCode {
     };
     match rt.block_on(run(opts)) {
         Ok((handled, seconds)) => {
-            println!("handled={handled} seconds={seconds:.6}");
+            println!("handled={handled} seconds={seconds:.6} peak_rss_kb={}", peak_rss_kb());
             ExitCode::SUCCESS
         }
         Err(e) => {
