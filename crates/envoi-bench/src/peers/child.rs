@@ -10,9 +10,13 @@
 //! `/proc/<pid>/task/<tid>/children` and keeps, per process, the largest
 //! `VmHWM` it read (the kernel's own peak of that process's resident set).
 //! The side's footprint is the sum over its processes of each one's peak.
-//! The sampler can miss a process that lives for less than one interval,
-//! and the last growth of one that exits; the side's own report covers
-//! its main process, and the processes it starts live for the whole run.
+//! Processes the sampler saw only once are left out (the main process
+//! aside): they are helpers that live for less than two intervals, such as
+//! the `sh`, `stty` and `grep` Symfony's console runs to size the terminal
+//! or the scripts of a pyenv `python3` shim, not part of the queue. The
+//! sampler can also miss the last growth of a process that exits; the
+//! side's own report covers its main process, and the processes it starts
+//! live for the whole run.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -137,23 +141,34 @@ pub(super) fn run_side(who: &str, mut cmd: Command, n: u64) -> Result<Run, Strin
     Ok(run)
 }
 
-/// Samples the tree under `root` until `done`, returning each process's
-/// largest `VmHWM` in KiB.
+/// Samples the tree under `root` until `done`, returning the largest
+/// `VmHWM` in KiB of `root` and of each process seen in two samples or
+/// more.
 fn sample_until(root: u32, done: &AtomicBool) -> HashMap<u32, u64> {
-    let mut peaks = HashMap::new();
+    // pid -> (largest VmHWM, samples that saw it)
+    let mut seen: HashMap<u32, (u64, u32)> = HashMap::new();
     loop {
         let finished = done.load(Ordering::Relaxed);
         for pid in tree(root) {
             if let Some(kb) = vm_hwm_kb(pid) {
-                let peak = peaks.entry(pid).or_insert(0);
+                let (peak, samples) = seen.entry(pid).or_insert((0, 0));
                 *peak = kb.max(*peak);
+                *samples += 1;
             }
         }
         if finished {
-            return peaks;
+            return lasting(seen, root);
         }
         std::thread::sleep(SAMPLE_EVERY);
     }
+}
+
+/// The peaks of `root` and of the processes seen in two samples or more.
+fn lasting(seen: HashMap<u32, (u64, u32)>, root: u32) -> HashMap<u32, u64> {
+    seen.into_iter()
+        .filter(|&(pid, (_, samples))| pid == root || samples >= 2)
+        .map(|(pid, (peak, _))| (pid, peak))
+        .collect()
 }
 
 /// `root` and its descendants, as far as `/proc` shows them now.
@@ -241,11 +256,18 @@ mod tests {
         let run = run_side("test", cmd, 3).unwrap();
         assert_eq!((run.handled, run.seconds), (3, 0.5));
         assert_eq!(run.rate(), 6.0);
-        assert_eq!(run.processes, 3, "the shell and its two children");
+        assert_eq!(run.processes, 3, "the shell and its two lasting children");
         assert!(
             run.peak_rss_kb > 100_000,
             "the shell's own report plus its children's sampled peaks"
         );
+    }
+
+    #[test]
+    fn a_helper_seen_in_one_sample_only_is_left_out_but_the_main_process_never_is() {
+        let seen = HashMap::from([(1, (500, 1)), (2, (300, 5)), (3, (200, 1))]);
+        let kept = lasting(seen, 1);
+        assert_eq!(kept, HashMap::from([(1, 500), (2, 300)]));
     }
 
     #[test]
