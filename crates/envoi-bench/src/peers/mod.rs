@@ -4,7 +4,7 @@
 //! against the same broker in the same run.
 //!
 //! Both sides move N messages of the same ~100-byte JSON shape
-//! ([`payload`]) to a no-op handler, end to end: the consumers are started
+//! ([`envoi_side::payload`]) to a no-op handler, end to end: the consumers are started
 //! and ready first, then the clock starts, the producers enqueue N messages
 //! and the clock stops when the last one has been handled. Throughput is N
 //! over that time, on both sides; each side checks it handled exactly N.
