@@ -11,6 +11,7 @@ mod apalis;
 mod brokers;
 mod dispatch;
 mod e2e;
+mod peers;
 mod report;
 
 use std::process::ExitCode;
@@ -89,6 +90,51 @@ const SCENARIOS: &[Scenario] = &[
         run: apalis::amqp,
     },
     Scenario {
+        name: "postgres_vs_graphile",
+        about: "PostgreSQL transport vs graphile-worker 0.18 (npm), batched (addJobs, local queue, batched completion)",
+        run: peers::postgres_vs_graphile,
+    },
+    Scenario {
+        name: "postgres_vs_graphile_unbatched",
+        about: "PostgreSQL transport vs graphile-worker 0.18 (npm), one addJob per job, no batching",
+        run: peers::postgres_vs_graphile_unbatched,
+    },
+    Scenario {
+        name: "redis_vs_bullmq",
+        about: "Redis Streams transport vs BullMQ 6 (npm): addBulk, 2 worker processes of concurrency 50",
+        run: peers::redis_vs_bullmq,
+    },
+    Scenario {
+        name: "amqp_vs_dramatiq",
+        about: "RabbitMQ transport vs Dramatiq 2 (PyPI): 2 processes of 8 threads",
+        run: peers::amqp_vs_dramatiq,
+    },
+    Scenario {
+        name: "redis_vs_dramatiq",
+        about: "Redis Streams transport vs Dramatiq 2 (PyPI): 2 processes of 8 threads",
+        run: peers::redis_vs_dramatiq,
+    },
+    Scenario {
+        name: "amqp_vs_symfony",
+        about: "RabbitMQ transport vs Symfony Messenger 5.4's AMQP transport (Debian): 2 messenger:consume",
+        run: peers::amqp_vs_symfony,
+    },
+    Scenario {
+        name: "redis_vs_symfony",
+        about: "Redis Streams transport vs Symfony Messenger 5.4's Redis transport (Debian): 2 messenger:consume",
+        run: peers::redis_vs_symfony,
+    },
+    Scenario {
+        name: "postgres_vs_symfony",
+        about: "PostgreSQL transport vs Symfony Messenger 5.4's Doctrine transport (Debian): 2 messenger:consume",
+        run: peers::postgres_vs_symfony,
+    },
+    Scenario {
+        name: "memory_vs_apalis",
+        about: "in-memory transport vs apalis 1.0's in-memory backend (crates.io), concurrency 64 each",
+        run: peers::memory_vs_apalis,
+    },
+    Scenario {
         name: "profile_envoi",
         about: "(profiling aid) envoi dispatch only, ENVOI_BENCH_ITERS times",
         run: dispatch::profile_envoi,
@@ -121,6 +167,10 @@ fn usage() -> String {
 
 fn main() -> ExitCode {
     let arg = std::env::args().nth(1).unwrap_or_default();
+    if arg == "--side" {
+        // A peer scenario's envoi side, in a process of its own.
+        return peers::side_main(&std::env::args().skip(2).collect::<Vec<_>>());
+    }
     let selected: Vec<&Scenario> = match arg.as_str() {
         "all" => SCENARIOS
             .iter()
