@@ -17,7 +17,7 @@ use crate::middleware::short_type_name;
 use crate::pipeline::bus::BusInner;
 use crate::pipeline::context::{FromContext, RequiredState};
 use crate::pipeline::handler::{
-    context_of, message_of, BoxedHandler, ErasedHandler, IntoHandler, IsFn,
+    context_of, erase, message_of, BoxedHandler, ErasedHandler, IntoHandler, IsFn,
 };
 use crate::BoxFuture;
 
@@ -74,10 +74,7 @@ macro_rules! extracting {
                     let ctx = context_of(bus, envelope, self.name)?;
                     $(let $x = $x::from_context(&ctx)?;)+
                     drop(ctx);
-                    match (self.f)(message.clone(), $($x),+).await {
-                        Ok(v) => Ok(HandlerResult::new(v)),
-                        Err(e) => Err(Box::new(e) as BoxError),
-                    }
+                    erase((self.f)(message.clone(), $($x),+).await)
                 })
             }
 

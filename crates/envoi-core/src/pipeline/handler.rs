@@ -341,10 +341,7 @@ impl<M: Message, H: Handler<M>> ErasedHandler for Typed<M, H> {
     ) -> BoxFuture<'a, Result<HandlerResult, BoxError>> {
         Box::pin(async move {
             let message = message_of::<M>(envelope)?;
-            match self.handler.handle(message).await {
-                Ok(v) => Ok(HandlerResult::new(v)),
-                Err(e) => Err(Box::new(e) as BoxError),
-            }
+            erase(self.handler.handle(message).await)
         })
     }
 
@@ -355,6 +352,18 @@ impl<M: Message, H: Handler<M>> ErasedHandler for Typed<M, H> {
     fn rename(&mut self, name: &'static str) {
         self.name = name;
     }
+}
+
+/// A handler's typed result, as the bus keeps it: the output in a
+/// [`HandlerResult`], the error boxed.
+pub(crate) fn erase<T, E>(result: Result<T, E>) -> Result<HandlerResult, BoxError>
+where
+    T: Send + Sync + 'static,
+    E: StdError + Send + Sync + 'static,
+{
+    result
+        .map(HandlerResult::new)
+        .map_err(|e| Box::new(e) as BoxError)
 }
 
 /// A [`ContextHandler`], erased.
@@ -373,10 +382,7 @@ impl<M: Message, H: ContextHandler<M>> ErasedHandler for Contextual<M, H> {
         Box::pin(async move {
             let message = message_of::<M>(envelope)?;
             let ctx = context_of(bus, envelope, self.name)?;
-            match self.handler.handle(message, ctx).await {
-                Ok(v) => Ok(HandlerResult::new(v)),
-                Err(e) => Err(Box::new(e) as BoxError),
-            }
+            erase(self.handler.handle(message, ctx).await)
         })
     }
 
