@@ -16,7 +16,10 @@
 //! RabbitMQ queue (`quorum` or `classic`), `--overlap` [true for redis,
 //! false otherwise] runs the worker while the jobs are being pushed (the
 //! only way apalis-redis 1.0 gets through more than ~8,000 jobs, see
-//! `run_redis`), `--poll-ms` [10] the Redis worker's poll interval.
+//! `run_redis`), `--poll-ms` [10] the Redis worker's poll interval,
+//! `--connections` [3 for sqlite, 16 for postgres] the pool size, and
+//! `--analyze` [true for sqlite] runs `ANALYZE` once the jobs are pushed,
+//! untimed (see `run_sqlite`).
 
 #![forbid(unsafe_code)]
 
@@ -72,11 +75,14 @@ struct Opts {
     overlap: bool,
     max_backlog: u64,
     poll_ms: u64,
+    connections: u32,
+    analyze: bool,
 }
 
 const USAGE: &str = "usage: apalis-baseline <sqlite|postgres|redis|amqp> --n N \
 [--url URL | --path FILE] [--concurrency C] [--batch B] [--producers P] [--chunk K] \
-[--queue-type quorum|classic] [--overlap true|false] [--max-backlog B] [--poll-ms MS]";
+[--queue-type quorum|classic] [--overlap true|false] [--max-backlog B] [--poll-ms MS] \
+[--connections C] [--analyze true|false]";
 
 fn parse_args(args: &[String]) -> Result<Opts, String> {
     let kind = match args.first().map(String::as_str) {
@@ -102,6 +108,10 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
         overlap: kind == Kind::Redis,
         max_backlog: if kind == Kind::Redis { 5000 } else { 0 },
         poll_ms: 10,
+        // envoi's SQLite transport has one write connection and up to two
+        // for reading; its PostgreSQL side in the scenarios has 16.
+        connections: if kind == Kind::Sqlite { 3 } else { 16 },
+        analyze: kind == Kind::Sqlite,
     };
     let mut rest = args[1..].iter();
     while let Some(flag) = rest.next() {
@@ -125,6 +135,11 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
             "--chunk" => opts.chunk = number()?,
             "--overlap" if value == "true" || value == "false" => opts.overlap = value == "true",
             "--poll-ms" => opts.poll_ms = number()?,
+            "--connections" => {
+                opts.connections = u32::try_from(number()?)
+                    .map_err(|_| format!("`--connections` is too large: `{value}`"))?
+            }
+            "--analyze" if value == "true" || value == "false" => opts.analyze = value == "true",
             "--max-backlog" => {
                 opts.max_backlog = value
                     .parse()
@@ -149,6 +164,12 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
             Kind::Amqp => opts.n.div_ceil(opts.producers),
             _ => 1000,
         };
+    }
+    if opts.analyze && kind != Kind::Sqlite {
+        return Err("--analyze applies to sqlite only".into());
+    }
+    if opts.analyze && opts.overlap {
+        return Err("--analyze needs --overlap false (it runs between pushing and consuming)".into());
     }
     if opts.max_backlog > 0 && !opts.overlap {
         return Err(
@@ -304,19 +325,33 @@ macro_rules! consume_all {
 
 /// Times push + consume: pushes everything, then consumes it with a worker
 /// over `$worker` (with `opts.overlap`, runs the worker while pushing).
+/// `$between` (a future of `Result<(), String>`) runs after the pushes and
+/// before the worker starts, untimed (it is maintenance, not per-job work).
 /// Returns (seconds spent pushing before the worker started, if it waited;
 /// total seconds).
 macro_rules! timed_round_trip {
-    ($backend:expr, $worker:expr, $opts:expr, $name:expr) => {{
+    ($backend:expr, $worker:expr, $opts:expr, $name:expr) => {
+        timed_round_trip!($backend, $worker, $opts, $name, async { Ok::<(), String>(()) })
+    };
+    ($backend:expr, $worker:expr, $opts:expr, $name:expr, $between:expr) => {{
         let opts: &Opts = $opts;
         let done = Arc::new(AtomicU64::new(0));
-        let start = Instant::now();
+        let mut start = Instant::now();
         let pushers = spawn_pushers!($backend, opts, done);
         let (pushed, pushers, mut sinks) = if opts.overlap {
             (None, pushers, Vec::new())
         } else {
             let sinks = join_pushers(pushers).await?;
-            (Some(start.elapsed().as_secs_f64()), Vec::new(), sinks)
+            let pushed = start.elapsed();
+            let paused = Instant::now();
+            $between.await?;
+            // The clock resumes where it stopped.
+            start = Instant::now().checked_sub(pushed).unwrap_or(start);
+            let between = paused.elapsed().as_secs_f64();
+            if between >= 0.001 {
+                eprintln!("  apalis: {between:.3}s between pushing and consuming, untimed");
+            }
+            (Some(pushed.as_secs_f64()), Vec::new(), sinks)
         };
         let consumed = consume_all!($worker, opts, $name, done).await;
         if consumed.is_err() {
@@ -332,16 +367,34 @@ macro_rules! timed_round_trip {
     }};
 }
 
+/// apalis-sqlite's `setup` sets its pragmas (WAL, `synchronous = OFF`,
+/// an in-memory temp store, a 64,000-page cache, a journal size limit)
+/// with one statement each on the pool, which reaches one pooled
+/// connection only; here every connection opens with them. Its statements
+/// are planned without statistics unless `ANALYZE` has run: the
+/// acknowledgement (`UPDATE Jobs … WHERE Jobs.id = j.task_id AND
+/// Jobs.lock_by = ?`) is then planned as a search of the `lock_by` index,
+/// which every job this worker fetched shares, so each acknowledgement
+/// walks all of them and the run time grows with the square of N. With
+/// `--analyze` (the default here) `ANALYZE` runs once the jobs are pushed,
+/// untimed, as the periodic maintenance a deployment runs would have;
+/// SQLite then looks each job up by its key.
 async fn run_sqlite(opts: &Opts) -> Result<(Option<f64>, f64), String> {
     use apalis_sqlite::{Config, SqliteConnectOptions, SqlitePoolOptions, SqliteStorage};
+    use sqlx::sqlite::{SqliteJournalMode, SqliteSynchronous};
 
     let path = opts.path.as_deref().unwrap_or_default();
     let options = SqliteConnectOptions::new()
         .filename(path)
         .create_if_missing(true)
-        .busy_timeout(Duration::from_secs(30));
+        .busy_timeout(Duration::from_secs(30))
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Off)
+        .pragma("temp_store", "MEMORY")
+        .pragma("cache_size", "64000")
+        .pragma("journal_size_limit", "67108864");
     let pool = SqlitePoolOptions::new()
-        .max_connections(4)
+        .max_connections(opts.connections)
         .connect_with(options)
         .await
         .map_err(|e| format!("cannot open {path}: {e}"))?;
@@ -351,7 +404,16 @@ async fn run_sqlite(opts: &Opts) -> Result<(Option<f64>, f64), String> {
     let queue = unique_queue();
     let config = Config::default().queue(&queue).batch_size(opts.batch);
     let backend: SqliteStorage<Job> = SqliteStorage::new(&pool).with_config(config);
-    let times = timed_round_trip!(backend, backend.clone(), opts, queue.as_str());
+    let analyze = async {
+        if opts.analyze {
+            sqlx::query("ANALYZE")
+                .execute(&pool)
+                .await
+                .map_err(|e| format!("ANALYZE failed: {e}"))?;
+        }
+        Ok::<(), String>(())
+    };
+    let times = timed_round_trip!(backend, backend.clone(), opts, queue.as_str(), analyze);
     let done: i64 =
         sqlx::query_scalar("SELECT COUNT(*) FROM Jobs WHERE job_type = ? AND status = 'Done'")
             .bind(&queue)
@@ -366,7 +428,7 @@ async fn run_sqlite(opts: &Opts) -> Result<(Option<f64>, f64), String> {
 /// Connects to a database of its own (`envoi_bench_apalis`, created on first
 /// use) on the server `url` points at, so apalis's schema and migration table
 /// stay out of the test database; uses `url` itself if it cannot create one.
-async fn postgres_pool(url: &str) -> Result<apalis_postgres::PgPool, String> {
+async fn postgres_pool(url: &str, connections: u32) -> Result<apalis_postgres::PgPool, String> {
     use apalis_postgres::{PgConnectOptions, PgPool};
     use sqlx::ConnectOptions;
 
@@ -394,7 +456,7 @@ async fn postgres_pool(url: &str) -> Result<apalis_postgres::PgPool, String> {
     };
     let options = options.log_statements(log::LevelFilter::Off);
     sqlx::postgres::PgPoolOptions::new()
-        .max_connections(8)
+        .max_connections(connections)
         .connect_with(options)
         .await
         .map_err(|e| format!("cannot connect to postgres: {e}"))
@@ -403,7 +465,7 @@ async fn postgres_pool(url: &str) -> Result<apalis_postgres::PgPool, String> {
 async fn run_postgres(opts: &Opts) -> Result<(Option<f64>, f64), String> {
     use apalis_postgres::{Config, PostgresStorage};
 
-    let pool = postgres_pool(opts.url.as_deref().unwrap_or_default()).await?;
+    let pool = postgres_pool(opts.url.as_deref().unwrap_or_default(), opts.connections).await?;
     PostgresStorage::setup(&pool)
         .await
         .map_err(|e| format!("setup failed: {e}"))?;
