@@ -15,9 +15,21 @@
 //! If the baseline cannot be built, each scenario prints
 //! `<scenario>: skipped: <why>` and succeeds.
 //!
-//! Each scenario uses unique table / stream / queue names on both sides and
-//! removes them at the end. Without its URL variable a broker scenario
-//! prints `<scenario>: skipped: ENVOI_X_URL is not set` and succeeds.
+//! Both sides get the same resources and the same shape of run: the same
+//! connection counts (16 on PostgreSQL; on SQLite 3, envoi's writer and two
+//! readers), the same prefetch on RabbitMQ, and on Redis both run their
+//! worker while the jobs are sent, keeping at most 5,000 unhandled (all
+//! apalis-redis can consume). apalis is set up as its documentation and
+//! its own setup intend: its SQLite pragmas on every pooled connection
+//! rather than the one its setup reaches, and `ANALYZE` once the jobs are
+//! pushed (see `run_sqlite` in the baseline). The
+//! [harness](crate::harness) runs the sides: warm-ups, ABBA rounds,
+//! medians.
+//!
+//! Each scenario uses unique table / stream / queue names (SQLite: a fresh
+//! file per run) on both sides and removes them at the end. Without its URL
+//! variable a broker scenario prints `<scenario>: skipped: ENVOI_X_URL is
+//! not set` and succeeds.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -151,6 +151,13 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
             other => return Err(format!("unknown flag `{other}`\n{USAGE}")),
         }
     }
+    complete(opts)
+}
+
+/// Fills in the defaults that depend on other options and refuses
+/// combinations that cannot run.
+fn complete(mut opts: Opts) -> Result<Opts, String> {
+    let kind = opts.kind;
     if opts.n == 0 {
         return Err(format!("--n is required\n{USAGE}"));
     }
@@ -169,7 +176,9 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
         return Err("--analyze applies to sqlite only".into());
     }
     if opts.analyze && opts.overlap {
-        return Err("--analyze needs --overlap false (it runs between pushing and consuming)".into());
+        return Err(
+            "--analyze needs --overlap false (it runs between pushing and consuming)".into(),
+        );
     }
     if opts.max_backlog > 0 && !opts.overlap {
         return Err(
@@ -331,7 +340,9 @@ macro_rules! consume_all {
 /// total seconds).
 macro_rules! timed_round_trip {
     ($backend:expr, $worker:expr, $opts:expr, $name:expr) => {
-        timed_round_trip!($backend, $worker, $opts, $name, async { Ok::<(), String>(()) })
+        timed_round_trip!($backend, $worker, $opts, $name, async {
+            Ok::<(), String>(())
+        })
     };
     ($backend:expr, $worker:expr, $opts:expr, $name:expr, $between:expr) => {{
         let opts: &Opts = $opts;
