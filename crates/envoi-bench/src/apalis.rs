@@ -21,13 +21,13 @@
 //! worker while the jobs are sent, keeping at most 5,000 unhandled (all
 //! apalis-redis can consume). apalis is set up as its documentation and
 //! its own setup intend: its SQLite pragmas on every pooled connection
-//! rather than the one its setup reaches, and `ANALYZE` once the jobs are
-//! pushed (see `run_sqlite` in the baseline). The
+//! rather than the one its setup reaches, and `ANALYZE` at setup on a
+//! database that has served jobs before (see `run_sqlite` in the baseline). The
 //! [harness](crate::harness) runs the sides: warm-ups, ABBA rounds,
 //! medians.
 //!
-//! Each scenario uses unique table / stream / queue names (SQLite: a fresh
-//! file per run) on both sides and removes them at the end. Without its URL
+//! Each scenario uses unique table / stream / queue names (SQLite: files
+//! of its own) on both sides and removes them at the end. Without its URL
 //! variable a broker scenario prints `<scenario>: skipped: ENVOI_X_URL is
 //! not set` and succeeds.
 
@@ -40,7 +40,7 @@ use envoi_core::transport::Setup;
 use crate::brokers::{and_then_clean, broker_url, delete_then_close, unique, with_options};
 use crate::e2e::{envoi_round_trip, envoi_trip, job_messenger, runtime, Phases, Trip};
 use crate::harness::{self, Plan};
-use crate::sqlite::{sqlite_envoi, with_file};
+use crate::sqlite::sqlite_envoi;
 
 /// Handlers in flight, both sides.
 const CONCURRENCY: usize = 64;
@@ -184,11 +184,13 @@ fn compare_with_apalis(
     Ok(())
 }
 
-/// `sqlite_vs_apalis`: envoi's SQLite transport against apalis-sqlite,
-/// each run on a fresh database file. apalis gets envoi's connection count
-/// (one writer and two readers: `--connections 3`), its own pragmas on
-/// every connection, and `ANALYZE` once its jobs are pushed (see
-/// `run_sqlite` in the baseline).
+/// `sqlite_vs_apalis`: envoi's SQLite transport against apalis-sqlite.
+/// Each side keeps its database file for the whole scenario (warm-up and
+/// rounds), as a database in service is kept; apalis's worker keeps its
+/// name from run to run, as a deployment's does. apalis gets envoi's
+/// connection count (one writer and two readers: `--connections 3`), its
+/// own pragmas on every connection, and `ANALYZE` at the setup of each run
+/// (see `run_sqlite` in the baseline).
 pub(crate) fn sqlite() -> Result<(), String> {
     const SCENARIO: &str = "sqlite_vs_apalis";
     let Some(binary) = baseline_or_skip(SCENARIO) else {
@@ -197,20 +199,16 @@ pub(crate) fn sqlite() -> Result<(), String> {
     let rt = runtime()?;
     let dir = std::env::temp_dir().join(format!("envoi-bench-apalis-{}", unique()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let runs = std::cell::Cell::new(0);
-    let fresh = |side: &str| {
-        runs.set(runs.get() + 1);
-        dir.join(format!("{side}-{}.db", runs.get()))
-    };
+    let (envoi_db, apalis_db) = (dir.join("envoi.db"), dir.join("apalis.db"));
     let result = compare_with_apalis(
         SCENARIO,
         &binary,
-        |n| with_file(&fresh("envoi"), |path| rt.block_on(sqlite_envoi(path, n))),
+        |n| rt.block_on(sqlite_envoi(&envoi_db, n)),
         |n| {
             let mut args = baseline_args("sqlite", n, SQLITE_BATCH);
-            let path = fresh("apalis");
             args.extend(["--connections".into(), "3".into(), "--analyze".into()]);
-            args.extend(["true".into(), "--path".into(), path.display().to_string()]);
+            args.extend(["true".into(), "--worker".into(), "envoi-bench".into()]);
+            args.extend(["--path".into(), apalis_db.display().to_string()]);
             args
         },
     );

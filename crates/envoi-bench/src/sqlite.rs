@@ -64,10 +64,7 @@ pub(crate) fn sqlite() -> Result<(), String> {
 
 /// Runs `side` on the database at `path`, then removes the file and its
 /// WAL whatever happened.
-pub(crate) fn with_file(
-    path: &Path,
-    side: impl FnOnce(&Path) -> Result<f64, String>,
-) -> Result<f64, String> {
+fn with_file(path: &Path, side: impl FnOnce(&Path) -> Result<f64, String>) -> Result<f64, String> {
     let result = side(path);
     for suffix in ["", "-wal", "-shm"] {
         let mut file = PathBuf::from(path).into_os_string();
