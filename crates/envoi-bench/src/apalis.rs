@@ -176,7 +176,7 @@ fn compare_with_apalis(
     scenario: &str,
     binary: &Path,
     envoi: impl FnMut(u64) -> Result<f64, String>,
-    mut args: impl FnMut(u64) -> Vec<String>,
+    args: impl Fn(u64) -> Vec<String>,
 ) -> Result<(), String> {
     let plan = Plan::from_env()?;
     let outcome = harness::compare(&plan, envoi, |n| run_baseline(binary, &args(n)))?;
@@ -189,31 +189,51 @@ fn compare_with_apalis(
 /// rounds), as a database in service is kept; apalis's worker keeps its
 /// name from run to run, as a deployment's does. apalis gets envoi's
 /// connection count (one writer and two readers: `--connections 3`), its
-/// own pragmas on every connection, and `ANALYZE` at the setup of each run
-/// (see `run_sqlite` in the baseline).
+/// own pragmas on every connection, and `ANALYZE` once its jobs are
+/// pushed, on a database given a history of at least N jobs first
+/// ([`prime_history`]; see `run_sqlite` in the baseline for why).
 pub(crate) fn sqlite() -> Result<(), String> {
     const SCENARIO: &str = "sqlite_vs_apalis";
     let Some(binary) = baseline_or_skip(SCENARIO) else {
         return Ok(());
     };
     let rt = runtime()?;
+    let plan = Plan::from_env()?;
     let dir = std::env::temp_dir().join(format!("envoi-bench-apalis-{}", unique()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let (envoi_db, apalis_db) = (dir.join("envoi.db"), dir.join("apalis.db"));
-    let result = compare_with_apalis(
-        SCENARIO,
-        &binary,
-        |n| rt.block_on(sqlite_envoi(&envoi_db, n)),
-        |n| {
-            let mut args = baseline_args("sqlite", n, SQLITE_BATCH);
-            args.extend(["--connections".into(), "3".into(), "--analyze".into()]);
-            args.extend(["true".into(), "--worker".into(), "envoi-bench".into()]);
-            args.extend(["--path".into(), apalis_db.display().to_string()]);
-            args
-        },
-    );
+    let apalis_args = |n: u64| {
+        let mut args = baseline_args("sqlite", n, SQLITE_BATCH);
+        args.extend(["--connections".into(), "3".into(), "--analyze".into()]);
+        args.extend(["true".into(), "--worker".into(), "envoi-bench".into()]);
+        args.extend(["--path".into(), apalis_db.display().to_string()]);
+        args
+    };
+    let result = prime_history(&binary, plan.n, &apalis_args).and_then(|()| {
+        compare_with_apalis(
+            SCENARIO,
+            &binary,
+            |n| rt.block_on(sqlite_envoi(&envoi_db, n)),
+            apalis_args,
+        )
+    });
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// Runs the apalis baseline, untimed, until its database holds at least
+/// `n` jobs done: first 2,000 (on no statistics: the slow plan), then
+/// three quarters of the history each time, so that every `ANALYZE` sees
+/// more jobs done than pending, as in a database in service.
+fn prime_history(binary: &Path, n: u64, args: impl Fn(u64) -> Vec<String>) -> Result<(), String> {
+    let mut history = 0;
+    while history < n {
+        let next = if history == 0 { 2000 } else { history * 3 / 4 };
+        eprintln!("  priming apalis's database: {next} jobs on a history of {history}, untimed");
+        run_baseline(binary, &args(next))?;
+        history += next;
+    }
+    Ok(())
 }
 
 /// envoi's side of `postgres_vs_apalis`, on a table of its own.

@@ -390,15 +390,16 @@ macro_rules! timed_round_trip {
 /// WHERE Jobs.id = j.task_id AND Jobs.lock_by = ?`) as a search of the
 /// `lock_by` index, which every job this worker fetched shares, so each
 /// acknowledgement walks all of them and the run time grows with the
-/// square of N; with statistics taken while no job was pending, the fetch
-/// sorts every pending job on each fetch instead. With `--analyze` (the
-/// default here) `ANALYZE` runs once the jobs are pushed, off the clock, as
-/// the periodic maintenance of a database in service would. That is enough
-/// on a database that has served enough jobs under the same worker name
-/// (envoi-bench runs every round of `sqlite_vs_apalis` on one file after a
-/// warm-up, with `--worker`): once the statistics show some 20,000 or more
-/// jobs per `lock_by` value (measured with SQLite 3.51: 12,500 was not
-/// enough, 22,500 was), SQLite looks each acknowledged job up by its key.
+/// square of N. With `--analyze` (the default here) `ANALYZE` runs once the
+/// jobs are pushed, off the clock, as the periodic maintenance of a
+/// database in service would. That fixes the plan when the statistics show
+/// more jobs done under the worker's name than jobs pending (measured with
+/// SQLite 3.51: 14,000 rows of which 4,000 pending, or 45,000 of which
+/// 20,000, planned key lookups; 10,000 of which 8,000, or 105,000 of which
+/// 100,000, kept the `lock_by` search), as in a database in service, whose
+/// history outgrows its backlog. envoi-bench therefore runs
+/// `sqlite_vs_apalis` on one file, under one worker name (`--worker`),
+/// after giving it such a history.
 async fn run_sqlite(opts: &Opts) -> Result<(Option<f64>, f64), String> {
     use apalis_sqlite::{Config, SqliteConnectOptions, SqlitePoolOptions, SqliteStorage};
     use sqlx::sqlite::{SqliteJournalMode, SqliteSynchronous};
