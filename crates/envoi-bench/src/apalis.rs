@@ -15,20 +15,32 @@
 //! If the baseline cannot be built, each scenario prints
 //! `<scenario>: skipped: <why>` and succeeds.
 //!
-//! Each scenario uses unique table / stream / queue names on both sides and
-//! removes them at the end. Without its URL variable a broker scenario
-//! prints `<scenario>: skipped: ENVOI_X_URL is not set` and succeeds.
+//! Both sides get the same resources and the same shape of run: the same
+//! connection counts (16 on PostgreSQL; on SQLite 3, envoi's writer and two
+//! readers), the same prefetch on RabbitMQ, and on Redis both run their
+//! worker while the jobs are sent, keeping at most 5,000 unhandled (all
+//! apalis-redis can consume). apalis is set up as its documentation and
+//! its own setup intend: its SQLite pragmas on every pooled connection
+//! rather than the one its setup reaches, and `ANALYZE` at setup on a
+//! database that has served jobs before (see `run_sqlite` in the baseline). The
+//! [harness](crate::harness) runs the sides: warm-ups, ABBA rounds,
+//! medians.
+//!
+//! Each scenario uses unique table / stream / queue names (SQLite: files
+//! of its own) on both sides and removes them at the end. Without its URL
+//! variable a broker scenario prints `<scenario>: skipped: ENVOI_X_URL is
+//! not set` and succeeds.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use envoi_core::transport::Setup;
 
-use crate::brokers::delete_then_close;
-use crate::e2e::{envoi_round_trip, job_messenger, n_messages, peak_rss_mb, runtime};
-use crate::report;
+use crate::brokers::{and_then_clean, broker_url, delete_then_close, unique, with_options};
+use crate::e2e::{envoi_round_trip, envoi_trip, job_messenger, runtime, Phases, Trip};
+use crate::harness::{self, Plan};
+use crate::sqlite::sqlite_envoi;
 
 /// Handlers in flight, both sides.
 const CONCURRENCY: usize = 64;
@@ -39,34 +51,12 @@ const SQLITE_BATCH: usize = 256;
 const BROKER_BATCH: usize = 500;
 /// Pool size of envoi's PostgreSQL transport (as in `postgres_e2e`).
 const PG_CONNECTIONS: u32 = 16;
-/// RabbitMQ prefetch of envoi's consumer (as in `amqp_e2e`); apalis's is
-/// [`BROKER_BATCH`] (its worker has no batch of its own to cover).
+/// RabbitMQ prefetch of both consumers (envoi's as in `amqp_e2e`;
+/// apalis's `--batch` is its prefetch count).
 const AMQP_PREFETCH: u16 = 1000;
-
-/// The broker URL in `var`, or `None` after printing the skip line.
-fn broker_url(scenario: &str, var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(url) if !url.trim().is_empty() => Some(url),
-        _ => {
-            println!("{scenario}: skipped: {var} is not set");
-            None
-        }
-    }
-}
-
-/// A lower-case suffix unique to this run: process id and clock.
-fn unique() -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{}_{}", std::process::id(), nanos % 1_000_000_000_000)
-}
-
-/// `url` with `options` appended to its query string.
-fn with_options(url: &str, options: &str) -> String {
-    let sep = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{sep}{options}")
-}
+/// Jobs sent but not handled yet that the producers of `redis_vs_apalis`
+/// allow on both sides.
+const REDIS_BACKLOG: u64 = 5000;
 
 /// The `apalis-baseline` binary, built on first use; `Err` says why it is
 /// not available.
@@ -168,28 +158,6 @@ fn baseline_args(kind: &str, n: u64, batch: usize) -> Vec<String> {
     ]
 }
 
-fn summary(scenario: &str, envoi: f64, baseline: f64, rss: f64, n: u64) {
-    report::line(
-        scenario,
-        envoi,
-        baseline,
-        "msg/s",
-        &[("peak_rss_mb", format!("{rss:.0}")), ("n", n.to_string())],
-    );
-}
-
-/// Runs `body`, then `cleanup` whatever happened; the first error wins.
-async fn and_then_clean<T>(
-    body: impl std::future::Future<Output = Result<T, String>>,
-    cleanup: impl std::future::Future<Output = Result<(), String>>,
-) -> Result<T, String> {
-    let result = body.await;
-    let cleaned = cleanup.await;
-    let value = result?;
-    cleaned?;
-    Ok(value)
-}
-
 /// The baseline binary, or `None` after printing the skip line.
 fn baseline_or_skip(scenario: &str) -> Option<PathBuf> {
     match baseline_binary() {
@@ -201,42 +169,97 @@ fn baseline_or_skip(scenario: &str) -> Option<PathBuf> {
     }
 }
 
+/// Runs envoi's side (`envoi`) against the apalis baseline (the binary
+/// run with `args(n)`) as the [harness](crate::harness) plans, and prints
+/// the summary line.
+fn compare_with_apalis(
+    scenario: &str,
+    binary: &Path,
+    envoi: impl FnMut(u64) -> Result<f64, String>,
+    args: impl Fn(u64) -> Vec<String>,
+) -> Result<(), String> {
+    let plan = Plan::from_env()?;
+    let outcome = harness::compare(&plan, envoi, |n| run_baseline(binary, &args(n)))?;
+    harness::summary(scenario, &plan, &outcome, "msg/s", &[]);
+    Ok(())
+}
+
 /// `sqlite_vs_apalis`: envoi's SQLite transport against apalis-sqlite.
+/// Each side keeps its database file for the whole scenario (warm-up and
+/// rounds), as a database in service is kept; apalis's worker keeps its
+/// name from run to run, as a deployment's does. apalis gets envoi's
+/// connection count (one writer and two readers: `--connections 3`), its
+/// own pragmas on every connection, and `ANALYZE` once its jobs are
+/// pushed, on a database given a history of at least N jobs first
+/// ([`prime_history`]; see `run_sqlite` in the baseline for why).
 pub(crate) fn sqlite() -> Result<(), String> {
     const SCENARIO: &str = "sqlite_vs_apalis";
     let Some(binary) = baseline_or_skip(SCENARIO) else {
         return Ok(());
     };
-    let n = n_messages();
+    let rt = runtime()?;
+    let plan = Plan::from_env()?;
     let dir = std::env::temp_dir().join(format!("envoi-bench-apalis-{}", unique()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let result = (|| {
-        let envoi = runtime()?.block_on(async {
-            let dsn = format!(
-                "sqlite://{}?batch={SQLITE_BATCH}",
-                dir.join("envoi.db").display()
-            );
-            let transport = envoi_sqlite::SqliteTransport::connect("jobs", &dsn)
-                .await
-                .map_err(|e| e.to_string())?;
-            transport.setup().await.map_err(|e| e.to_string())?;
-            let (messenger, handled) = job_messenger("jobs", Arc::new(transport))?;
-            envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, SQLITE_BATCH).await
-        })?;
-        let rss = peak_rss_mb();
+    let (envoi_db, apalis_db) = (dir.join("envoi.db"), dir.join("apalis.db"));
+    let apalis_args = |n: u64| {
         let mut args = baseline_args("sqlite", n, SQLITE_BATCH);
-        args.push("--path".to_owned());
-        args.push(dir.join("apalis.db").display().to_string());
-        let baseline = run_baseline(&binary, &args)?;
-        summary(SCENARIO, envoi, baseline, rss, n);
-        Ok(())
-    })();
+        args.extend(["--connections".into(), "3".into(), "--analyze".into()]);
+        args.extend(["true".into(), "--worker".into(), "envoi-bench".into()]);
+        args.extend(["--path".into(), apalis_db.display().to_string()]);
+        args
+    };
+    let result = prime_history(&binary, plan.n, apalis_args).and_then(|()| {
+        compare_with_apalis(
+            SCENARIO,
+            &binary,
+            |n| rt.block_on(sqlite_envoi(&envoi_db, n)),
+            apalis_args,
+        )
+    });
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
+/// Runs the apalis baseline, untimed, until its database holds at least
+/// `n` jobs done: first 2,000 (on no statistics: the slow plan), then
+/// three quarters of the history each time, so that every `ANALYZE` sees
+/// more jobs done than pending, as in a database in service.
+fn prime_history(binary: &Path, n: u64, args: impl Fn(u64) -> Vec<String>) -> Result<(), String> {
+    let mut history = 0;
+    while history < n {
+        let next = if history == 0 { 2000 } else { history * 3 / 4 };
+        eprintln!("  priming apalis's database: {next} jobs on a history of {history}, untimed");
+        run_baseline(binary, &args(next))?;
+        history += next;
+    }
+    Ok(())
+}
+
+/// envoi's side of `postgres_vs_apalis`, on a table of its own.
+async fn postgres_envoi(url: &str, n: u64) -> Result<f64, String> {
+    let table = format!("envoi_bench_apalis_{}", unique());
+    let dsn = with_options(
+        url,
+        &format!("table={table}&batch={BROKER_BATCH}&max_connections={PG_CONNECTIONS}"),
+    );
+    let transport = envoi_postgres::PostgresTransport::connect("jobs", &dsn)
+        .await
+        .map_err(|e| e.to_string())?;
+    and_then_clean(
+        async {
+            transport.setup().await.map_err(|e| e.to_string())?;
+            let (messenger, handled) = job_messenger("jobs", Arc::new(transport.clone()))?;
+            envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
+        },
+        // The table is this run's own: deleting the queue drops it.
+        delete_then_close(&transport, transport.close()),
+    )
+    .await
+}
+
 /// `postgres_vs_apalis`: envoi's PostgreSQL transport against
-/// apalis-postgres.
+/// apalis-postgres, both with [`PG_CONNECTIONS`] pooled connections.
 pub(crate) fn postgres() -> Result<(), String> {
     const SCENARIO: &str = "postgres_vs_apalis";
     let Some(url) = broker_url(SCENARIO, "ENVOI_POSTGRES_URL") else {
@@ -245,37 +268,54 @@ pub(crate) fn postgres() -> Result<(), String> {
     let Some(binary) = baseline_or_skip(SCENARIO) else {
         return Ok(());
     };
-    let n = n_messages();
-    let table = format!("envoi_bench_apalis_{}", unique());
-    let envoi = runtime()?.block_on(async {
-        let dsn = with_options(
-            &url,
-            &format!("table={table}&batch={BROKER_BATCH}&max_connections={PG_CONNECTIONS}"),
-        );
-        let transport = envoi_postgres::PostgresTransport::connect("jobs", &dsn)
-            .await
-            .map_err(|e| e.to_string())?;
-        and_then_clean(
-            async {
-                transport.setup().await.map_err(|e| e.to_string())?;
-                let (messenger, handled) = job_messenger("jobs", Arc::new(transport.clone()))?;
-                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
-            },
-            // The table is this run's own: deleting the queue drops it.
-            delete_then_close(&transport, transport.close()),
-        )
-        .await
-    })?;
-    let rss = peak_rss_mb();
-    let mut args = baseline_args("postgres", n, BROKER_BATCH);
-    args.push("--url".to_owned());
-    args.push(url);
-    let baseline = run_baseline(&binary, &args)?;
-    summary(SCENARIO, envoi, baseline, rss, n);
-    Ok(())
+    let rt = runtime()?;
+    compare_with_apalis(
+        SCENARIO,
+        &binary,
+        |n| rt.block_on(postgres_envoi(&url, n)),
+        |n| {
+            let mut args = baseline_args("postgres", n, BROKER_BATCH);
+            args.extend(["--connections".into(), PG_CONNECTIONS.to_string()]);
+            args.extend(["--url".into(), url.clone()]);
+            args
+        },
+    )
 }
 
-/// `redis_vs_apalis`: envoi's Redis Streams transport against apalis-redis.
+/// envoi's side of `redis_vs_apalis`: its worker runs while the jobs are
+/// sent, the producers keeping at most [`REDIS_BACKLOG`] unhandled, as
+/// apalis's side must.
+async fn redis_envoi(url: &str, n: u64) -> Result<f64, String> {
+    let stream = format!("envoi-bench-apalis:{}", unique());
+    let dsn = with_options(url, &format!("stream={stream}&group=bench"));
+    let transport = Arc::new(
+        envoi_redis::RedisTransport::connect("jobs", &dsn)
+            .await
+            .map_err(|e| e.to_string())?,
+    );
+    let trip = Trip {
+        n,
+        concurrency: CONCURRENCY,
+        batch: BROKER_BATCH,
+        phases: Phases::Overlapped {
+            max_backlog: REDIS_BACKLOG,
+        },
+    };
+    and_then_clean(
+        async {
+            transport.setup().await.map_err(|e| e.to_string())?;
+            let (messenger, handled) = job_messenger("jobs", transport.clone())?;
+            envoi_trip(&messenger, "jobs", &handled, trip).await
+        },
+        delete_then_close(&*transport, transport.close()),
+    )
+    .await
+}
+
+/// `redis_vs_apalis`: envoi's Redis Streams transport against
+/// apalis-redis, both sending and consuming at once with the same backlog
+/// (apalis-redis cannot consume a larger one, see the baseline's
+/// `run_redis`).
 pub(crate) fn redis() -> Result<(), String> {
     const SCENARIO: &str = "redis_vs_apalis";
     let Some(url) = broker_url(SCENARIO, "ENVOI_REDIS_URL") else {
@@ -284,36 +324,49 @@ pub(crate) fn redis() -> Result<(), String> {
     let Some(binary) = baseline_or_skip(SCENARIO) else {
         return Ok(());
     };
-    let n = n_messages();
-    let stream = format!("envoi-bench-apalis:{}", unique());
-    let envoi = runtime()?.block_on(async {
-        let dsn = with_options(&url, &format!("stream={stream}&group=bench"));
-        let transport = Arc::new(
-            envoi_redis::RedisTransport::connect("jobs", &dsn)
-                .await
-                .map_err(|e| e.to_string())?,
-        );
-        and_then_clean(
-            async {
-                transport.setup().await.map_err(|e| e.to_string())?;
-                let (messenger, handled) = job_messenger("jobs", transport.clone())?;
-                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
-            },
-            delete_then_close(&*transport, transport.close()),
-        )
-        .await
-    })?;
-    let rss = peak_rss_mb();
-    let mut args = baseline_args("redis", n, BROKER_BATCH);
-    args.push("--url".to_owned());
-    args.push(url);
-    let baseline = run_baseline(&binary, &args)?;
-    summary(SCENARIO, envoi, baseline, rss, n);
-    Ok(())
+    let rt = runtime()?;
+    compare_with_apalis(
+        SCENARIO,
+        &binary,
+        |n| rt.block_on(redis_envoi(&url, n)),
+        |n| {
+            let mut args = baseline_args("redis", n, BROKER_BATCH);
+            args.extend(["--overlap".into(), "true".into(), "--max-backlog".into()]);
+            args.extend([REDIS_BACKLOG.to_string(), "--url".into(), url.clone()]);
+            args
+        },
+    )
+}
+
+/// envoi's side of `amqp_vs_apalis`, on queues of its own.
+async fn amqp_envoi(url: &str, n: u64) -> Result<f64, String> {
+    let queue = format!("envoi-bench-apalis-{}", unique());
+    // `expires` only removes the queues should the run die before deleting
+    // them.
+    let dsn = with_options(
+        url,
+        &format!(
+            "queue={queue}&exchange={queue}&queue_type=quorum&prefetch={AMQP_PREFETCH}&expires=10m"
+        ),
+    );
+    let transport = Arc::new(
+        envoi_amqp::AmqpTransport::connect("jobs", &dsn)
+            .await
+            .map_err(|e| e.to_string())?,
+    );
+    and_then_clean(
+        async {
+            transport.setup().await.map_err(|e| e.to_string())?;
+            let (messenger, handled) = job_messenger("jobs", transport.clone())?;
+            envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
+        },
+        delete_then_close(&*transport, transport.close()),
+    )
+    .await
 }
 
 /// `amqp_vs_apalis`: envoi's RabbitMQ transport against apalis-amqp, both
-/// on quorum queues.
+/// on quorum queues with a prefetch of [`AMQP_PREFETCH`].
 pub(crate) fn amqp() -> Result<(), String> {
     const SCENARIO: &str = "amqp_vs_apalis";
     let Some(url) = broker_url(SCENARIO, "ENVOI_AMQP_URL") else {
@@ -322,41 +375,18 @@ pub(crate) fn amqp() -> Result<(), String> {
     let Some(binary) = baseline_or_skip(SCENARIO) else {
         return Ok(());
     };
-    let n = n_messages();
-    let queue = format!("envoi-bench-apalis-{}", unique());
-    let envoi = runtime()?.block_on(async {
-        // `expires` only removes the queues should the run die before
-        // deleting them.
-        let dsn = with_options(
-            &url,
-            &format!(
-                "queue={queue}&exchange={queue}&queue_type=quorum&prefetch={AMQP_PREFETCH}&expires=10m"
-            ),
-        );
-        let transport = Arc::new(
-            envoi_amqp::AmqpTransport::connect("jobs", &dsn)
-                .await
-                .map_err(|e| e.to_string())?,
-        );
-        and_then_clean(
-            async {
-                transport.setup().await.map_err(|e| e.to_string())?;
-                let (messenger, handled) = job_messenger("jobs", transport.clone())?;
-                envoi_round_trip(&messenger, "jobs", &handled, n, CONCURRENCY, BROKER_BATCH).await
-            },
-            delete_then_close(&*transport, transport.close()),
-        )
-        .await
-    })?;
-    let rss = peak_rss_mb();
-    let mut args = baseline_args("amqp", n, BROKER_BATCH);
-    args.push("--url".to_owned());
-    args.push(url);
-    let baseline = run_baseline(&binary, &args)?;
-    summary(SCENARIO, envoi, baseline, rss, n);
-    Ok(())
+    let rt = runtime()?;
+    compare_with_apalis(
+        SCENARIO,
+        &binary,
+        |n| rt.block_on(amqp_envoi(&url, n)),
+        |n| {
+            let mut args = baseline_args("amqp", n, usize::from(AMQP_PREFETCH));
+            args.extend(["--url".into(), url.clone()]);
+            args
+        },
+    )
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,7 @@
-//! End-to-end scenarios: send N messages through a transport, then consume
-//! them all with the worker, against a raw client doing the minimum
-//! equivalent work in the same process.
+//! What every end-to-end scenario shares (the job, envoi's round trip with
+//! the real worker) and `memory_e2e`: send N messages through a transport,
+//! then consume them all with the worker, against the strongest reasonable
+//! code a user writes for the same work, in the same process.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,12 +9,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoi_core::transport::in_memory::InMemoryTransport;
-use envoi_core::transport::{Setup, Transport};
+use envoi_core::transport::Transport;
 use envoi_core::worker::Worker;
 use envoi_core::{Command, Message, Messenger};
 use serde::{Deserialize, Serialize};
 
-use crate::{alloc, report};
+use crate::alloc;
+use crate::harness::{self, Plan};
 
 /// The message every end-to-end scenario sends.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -38,37 +40,6 @@ pub(crate) fn job(id: u64) -> Job {
     }
 }
 
-/// How many messages a scenario moves: `ENVOI_BENCH_N`, 100,000 by default.
-pub(crate) fn n_messages() -> u64 {
-    std::env::var("ENVOI_BENCH_N")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(100_000)
-}
-
-/// How many times each side runs: `ENVOI_BENCH_ROUNDS`, 1 by default. The
-/// sides alternate and each keeps its best round, which filters out the
-/// moments a shared machine is busy elsewhere.
-pub(crate) fn rounds() -> u32 {
-    std::env::var("ENVOI_BENCH_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&r| r > 0)
-        .unwrap_or(1)
-}
-
-/// Messages each side moves once, untimed, before the timed rounds:
-/// `ENVOI_BENCH_WARMUP`, 5,000 by default (at most N), 0 for none. A broker
-/// that has been idle (files to create, caches to fill), or a heap not yet
-/// grown, would otherwise slow down whichever side runs first.
-pub(crate) fn warmup(n: u64) -> u64 {
-    std::env::var("ENVOI_BENCH_WARMUP")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(5_000)
-        .min(n)
-}
-
 /// How many dispatches run at once on the sending side.
 pub(crate) const PRODUCERS: u64 = 64;
 
@@ -80,17 +51,24 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, String> {
         .map_err(|e| e.to_string())
 }
 
-/// Peak resident set size of this process so far, in MiB.
-pub(crate) fn peak_rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
+/// How the sends and the worker of envoi's round trip share the clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phases {
+    /// Every job is sent first, then the worker consumes them all.
+    SendThenConsume,
+    /// The worker runs while the jobs are sent, and the producers keep at
+    /// most `max_backlog` jobs sent but not handled yet.
+    Overlapped { max_backlog: u64 },
+}
+
+/// The shape of one round trip: jobs, and the worker's concurrency and
+/// batch.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Trip {
+    pub(crate) n: u64,
+    pub(crate) concurrency: usize,
+    pub(crate) batch: usize,
+    pub(crate) phases: Phases,
 }
 
 /// Sends `n` jobs through `messenger` (routed to `transport`) with
@@ -104,36 +82,59 @@ pub(crate) async fn envoi_round_trip(
     concurrency: usize,
     batch: usize,
 ) -> Result<f64, String> {
+    let trip = Trip {
+        n,
+        concurrency,
+        batch,
+        phases: Phases::SendThenConsume,
+    };
+    envoi_trip(messenger, transport, handled, trip).await
+}
+
+/// [`envoi_round_trip`] laid out as `trip.phases` says.
+pub(crate) async fn envoi_trip(
+    messenger: &Messenger,
+    transport: &str,
+    handled: &Arc<AtomicU64>,
+    trip: Trip,
+) -> Result<f64, String> {
+    let n = trip.n;
     let start = Instant::now();
-    let mut producers = Vec::new();
-    for p in 0..PRODUCERS {
-        let dispatcher = messenger.dispatcher();
-        producers.push(tokio::spawn(async move {
-            let mut id = p;
-            while id < n {
-                dispatcher
-                    .dispatch(job(id))
-                    .await
-                    .map_err(|e| format!("dispatch failed: {e}"))?;
-                id += PRODUCERS;
-            }
-            Ok::<_, String>(())
-        }));
-    }
-    for p in producers {
-        p.await.map_err(|e| e.to_string())??;
-    }
-    let sent = start.elapsed();
-    let report = Worker::builder(messenger)
+    let worker = Worker::builder(messenger)
         .receiver(transport)
-        .concurrency(concurrency)
-        .batch_size(batch)
+        .concurrency(trip.concurrency)
+        .batch_size(trip.batch)
         .message_limit(n)
         .time_limit(Duration::from_secs(600))
         .build()
-        .map_err(|e| e.to_string())?
-        .run()
-        .await;
+        .map_err(|e| e.to_string())?;
+    let report = match trip.phases {
+        Phases::SendThenConsume => {
+            join_producers(spawn_producers(messenger, n, None)).await?;
+            let sent = start.elapsed();
+            let report = worker.run().await;
+            eprintln!(
+                "  envoi: sent {n} in {:.3}s, consumed in {:.3}s",
+                sent.as_secs_f64(),
+                (start.elapsed() - sent).as_secs_f64()
+            );
+            report
+        }
+        Phases::Overlapped { max_backlog } => {
+            let gate = Some((handled.clone(), max_backlog));
+            let producers = spawn_producers(messenger, n, gate);
+            let report = worker.run().await;
+            for p in &producers {
+                p.abort();
+            }
+            join_producers(producers).await?;
+            eprintln!(
+                "  envoi: sent and consumed {n} concurrently in {:.3}s",
+                start.elapsed().as_secs_f64()
+            );
+            report
+        }
+    };
     let total = start.elapsed();
     let got = handled.load(Ordering::Relaxed);
     if got != n || report.stats.handled != n {
@@ -142,12 +143,58 @@ pub(crate) async fn envoi_round_trip(
             report.stats, report.reason
         ));
     }
-    eprintln!(
-        "  envoi: sent {n} in {:.3}s, consumed in {:.3}s",
-        sent.as_secs_f64(),
-        (total - sent).as_secs_f64()
-    );
     Ok(n as f64 / total.as_secs_f64())
+}
+
+/// Starts [`PRODUCERS`] tasks dispatching jobs `0..n` between them. With a
+/// `gate` (the handled counter and a backlog), each job waits until no more
+/// than the backlog is sent but not handled.
+fn spawn_producers(
+    messenger: &Messenger,
+    n: u64,
+    gate: Option<(Arc<AtomicU64>, u64)>,
+) -> Vec<tokio::task::JoinHandle<Result<(), String>>> {
+    let reserved = Arc::new(AtomicU64::new(0));
+    (0..PRODUCERS)
+        .map(|p| {
+            let dispatcher = messenger.dispatcher();
+            let (gate, reserved) = (gate.clone(), reserved.clone());
+            tokio::spawn(async move {
+                let mut id = p;
+                while id < n {
+                    if let Some((handled, backlog)) = &gate {
+                        // Reserve first, so that the producers together
+                        // never exceed the backlog.
+                        let mine = reserved.fetch_add(1, Ordering::SeqCst) + 1;
+                        while mine.saturating_sub(handled.load(Ordering::SeqCst)) > *backlog {
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                    }
+                    dispatcher
+                        .dispatch(job(id))
+                        .await
+                        .map_err(|e| format!("dispatch failed: {e}"))?;
+                    id += PRODUCERS;
+                }
+                Ok::<_, String>(())
+            })
+        })
+        .collect()
+}
+
+/// Waits for every producer; the first error wins (an aborted producer,
+/// one the worker no longer needed, is no error).
+async fn join_producers(
+    producers: Vec<tokio::task::JoinHandle<Result<(), String>>>,
+) -> Result<(), String> {
+    for p in producers {
+        match p.await {
+            Ok(sent) => sent?,
+            Err(e) if e.is_cancelled() => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(())
 }
 
 /// A messenger routing [`Job`] to `name` with a counting no-op handler.
@@ -172,54 +219,45 @@ pub(crate) fn job_messenger(
     Ok((messenger, handled))
 }
 
-/// `memory_e2e`: the in-memory transport against a plain tokio mpsc loop.
-///
-/// Both sides first move a warm-up batch untimed (`ENVOI_BENCH_WARMUP`),
-/// then run [`rounds`] timed rounds alternately, each keeping its best: a
-/// run this short is otherwise dominated by whichever side first grows the
-/// process's heap, and envoi runs first.
+/// `memory_e2e`: the in-memory transport against a plain tokio mpsc loop,
+/// run by the [harness](crate::harness) (warm-ups, ABBA rounds, medians).
+/// The allocations reported are those of each side's last timed run.
 pub(crate) fn memory() -> Result<(), String> {
     let rt = runtime()?;
-    let n = n_messages();
-    let rounds = rounds();
-    let warmup = warmup(n);
-    rt.block_on(async {
-        if warmup > 0 {
-            memory_envoi(warmup).await?;
-            memory_baseline(warmup).await?;
-        }
-        let (mut envoi, mut baseline) = (0.0f64, 0.0f64);
-        let (mut envoi_allocs, mut baseline_allocs) = (0, 0);
-        for _ in 0..rounds {
-            let (rate, allocs) = alloc::count_async(memory_envoi(n)).await;
-            envoi = envoi.max(rate?);
+    let plan = Plan::from_env()?;
+    let n = plan.n;
+    let (mut envoi_allocs, mut baseline_allocs) = (0, 0);
+    let outcome = harness::compare(
+        &plan,
+        |n| {
+            let (rate, allocs) = rt.block_on(alloc::count_async(memory_envoi(n)));
             envoi_allocs = allocs;
-            let (rate, allocs) = alloc::count_async(memory_baseline(n)).await;
-            baseline = baseline.max(rate?);
+            rate
+        },
+        |n| {
+            let (rate, allocs) = rt.block_on(alloc::count_async(memory_baseline(n)));
             baseline_allocs = allocs;
-        }
-        let per_message = |allocs: usize| format!("{:.1}", allocs as f64 / n as f64);
-        report::line(
-            "memory_e2e",
-            envoi,
-            baseline,
-            "msg/s",
-            &[
-                ("allocs", per_message(envoi_allocs)),
-                ("baseline_allocs", per_message(baseline_allocs)),
-                ("n", n.to_string()),
-                ("rounds", rounds.to_string()),
-                ("warmup", warmup.to_string()),
-            ],
-        );
-        Ok(())
-    })
+            rate
+        },
+    )?;
+    let per_message = |allocs: usize| format!("{:.1}", allocs as f64 / n as f64);
+    harness::summary(
+        "memory_e2e",
+        &plan,
+        &outcome,
+        "msg/s",
+        &[
+            ("allocs", per_message(envoi_allocs)),
+            ("baseline_allocs", per_message(baseline_allocs)),
+        ],
+    );
+    Ok(())
 }
 
 /// Profiling aid: only envoi's side of `memory_e2e`, once, with
 /// `ENVOI_BENCH_N` messages.
 pub(crate) fn profile_memory() -> Result<(), String> {
-    let n = n_messages();
+    let n = Plan::from_env()?.n;
     let (rate, allocs) = runtime()?.block_on(alloc::count_async(memory_envoi(n)));
     println!(
         "profile_memory: {:.0} msg/s allocs={:.2} n={n}",
@@ -274,129 +312,4 @@ async fn memory_baseline(n: u64) -> Result<f64, String> {
         (start.elapsed() - sent).as_secs_f64()
     );
     Ok(n as f64 / start.elapsed().as_secs_f64())
-}
-
-/// `sqlite_e2e`: the SQLite transport against plain sqlx statements on the
-/// same schema.
-pub(crate) fn sqlite() -> Result<(), String> {
-    let rt = runtime()?;
-    let n = n_messages();
-    let dir = std::env::temp_dir().join(format!("envoi-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let result = rt.block_on(async {
-        let envoi_db = dir.join("envoi.db");
-        let dsn = format!("sqlite://{}?batch=256", envoi_db.display());
-        let transport = envoi_sqlite::SqliteTransport::connect("jobs", &dsn)
-            .await
-            .map_err(|e| e.to_string())?;
-        transport.setup().await.map_err(|e| e.to_string())?;
-        let (messenger, handled) = job_messenger("jobs", Arc::new(transport))?;
-        let envoi = envoi_round_trip(&messenger, "jobs", &handled, n, 64, 256).await?;
-        let rss = peak_rss_mb();
-        drop(messenger);
-
-        let baseline = sqlite_baseline(&dir.join("baseline.db"), n).await?;
-        report::line(
-            "sqlite_e2e",
-            envoi,
-            baseline,
-            "msg/s",
-            &[("peak_rss_mb", format!("{rss:.0}")), ("n", n.to_string())],
-        );
-        Ok(())
-    });
-    let _ = std::fs::remove_dir_all(&dir);
-    result
-}
-
-/// The minimum equivalent work with plain sqlx on envoi's schema: the same
-/// JSON bodies and headers inserted by [`PRODUCERS`] concurrent senders,
-/// then claimed 256 at a time with one `UPDATE … RETURNING` and deleted with
-/// one `DELETE` per batch.
-async fn sqlite_baseline(path: &std::path::Path, n: u64) -> Result<f64, String> {
-    use sqlx::sqlite::{
-        SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
-    };
-    use sqlx::Row;
-
-    let options = SqliteConnectOptions::new()
-        .filename(path)
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal)
-        .synchronous(SqliteSynchronous::Normal)
-        .busy_timeout(Duration::from_secs(30));
-    let pool = SqlitePoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await
-        .map_err(|e| e.to_string())?;
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, queue_name TEXT NOT NULL, \
-         body BLOB NOT NULL, headers TEXT NOT NULL, created_at INTEGER NOT NULL, available_at INTEGER NOT NULL, \
-         delivered_at INTEGER, lease_until INTEGER, delivery_count INTEGER NOT NULL DEFAULT 0)",
-    )
-    .execute(&pool)
-    .await
-    .map_err(|e| e.to_string())?;
-    sqlx::query("CREATE INDEX IF NOT EXISTS jobs_claim ON jobs (queue_name, available_at, id)")
-        .execute(&pool)
-        .await
-        .map_err(|e| e.to_string())?;
-    let headers = r#"{"type":"Job","kind":"command"}"#;
-
-    let start = Instant::now();
-    let mut producers = Vec::new();
-    for p in 0..PRODUCERS {
-        let pool = pool.clone();
-        producers.push(tokio::spawn(async move {
-            let mut id = p;
-            while id < n {
-                let body = serde_json::to_vec(&job(id)).map_err(|e| e.to_string())?;
-                sqlx::query(
-                    "INSERT INTO jobs (queue_name, body, headers, created_at, available_at) VALUES ('jobs', ?, ?, 0, 0)",
-                )
-                .bind(body)
-                .bind(headers)
-                .execute(&pool)
-                .await
-                .map_err(|e| e.to_string())?;
-                id += PRODUCERS;
-            }
-            Ok::<_, String>(())
-        }));
-    }
-    for p in producers {
-        p.await.map_err(|e| e.to_string())??;
-    }
-    let mut consumed = 0u64;
-    while consumed < n {
-        let rows = sqlx::query(
-            "UPDATE jobs SET delivered_at = 1, lease_until = 60000, available_at = 60000 WHERE id IN \
-             (SELECT id FROM jobs WHERE queue_name = 'jobs' AND available_at <= 1 ORDER BY available_at, id LIMIT 256) \
-             RETURNING id, body",
-        )
-        .fetch_all(&pool)
-        .await
-        .map_err(|e| e.to_string())?;
-        if rows.is_empty() {
-            return Err(format!("baseline ran dry after {consumed} of {n}"));
-        }
-        let mut ids = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let body: Vec<u8> = row.get(1);
-            let job: Job = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-            std::hint::black_box(job.id);
-            ids.push(row.get::<i64, _>(0));
-        }
-        let list = serde_json::to_string(&ids).map_err(|e| e.to_string())?;
-        sqlx::query("DELETE FROM jobs WHERE id IN (SELECT value FROM json_each(?))")
-            .bind(list)
-            .execute(&pool)
-            .await
-            .map_err(|e| e.to_string())?;
-        consumed += rows.len() as u64;
-    }
-    let elapsed = start.elapsed();
-    pool.close().await;
-    Ok(n as f64 / elapsed.as_secs_f64())
 }

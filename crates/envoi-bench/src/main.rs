@@ -11,8 +11,12 @@ mod apalis;
 mod brokers;
 mod dispatch;
 mod e2e;
+mod harness;
 mod peers;
+mod pipeline;
 mod report;
+mod sqlite;
+mod tally;
 
 use std::process::ExitCode;
 
@@ -41,31 +45,31 @@ const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "sqlite_e2e",
-        about: "SQLite transport, send then consume N messages, vs plain sqlx on the same schema",
-        run: e2e::sqlite,
+        about: "SQLite transport, send then consume N messages, vs plain sqlx with one group-committing writer on the same schema",
+        run: sqlite::sqlite,
     },
     Scenario {
         name: "postgres_e2e",
         about:
-            "PostgreSQL transport, send then consume N messages, vs plain sqlx insert/claim/delete",
-        run: brokers::postgres,
+            "PostgreSQL transport, send then consume N messages, vs plain sqlx grouped UNNEST inserts, pipelined claim/delete",
+        run: brokers::postgres::scenario,
     },
     Scenario {
         name: "redis_e2e",
-        about: "Redis Streams transport, send then consume N messages, vs raw XADD/XREADGROUP/XACK",
-        run: brokers::redis,
+        about: "Redis Streams transport, send then consume N messages, vs raw XADD, XREADGROUP read ahead, overlapped XACK",
+        run: brokers::redis::scenario,
     },
     Scenario {
         name: "amqp_e2e",
         about:
-            "RabbitMQ transport, send then consume N messages, vs raw lapin with confirms and acks",
-        run: brokers::amqp,
+            "RabbitMQ transport, send then consume N messages, vs raw lapin with confirms and overlapped multiple acks",
+        run: brokers::amqp::scenario,
     },
     Scenario {
         name: "nats_e2e",
         about:
-            "NATS JetStream transport, send then consume N messages, vs raw async-nats publish/pull",
-        run: brokers::nats,
+            "NATS JetStream transport, send then consume N messages, vs raw async-nats publish, pull ahead, confirmed overlapped acks",
+        run: brokers::nats::scenario,
     },
     Scenario {
         name: "sqlite_vs_apalis",

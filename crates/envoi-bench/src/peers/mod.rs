@@ -15,9 +15,9 @@
 //! of every process it starts, and adds them up ([`child`]).
 //!
 //! Every scenario runs one untimed warm-up of each side
-//! (`ENVOI_BENCH_WARMUP` messages), then [`ROUNDS`] timed rounds in which
-//! the sides alternate (`ENVOI_BENCH_ROUNDS` overrides the count), and
-//! reports each side's median rate and its largest peak RSS:
+//! (`ENVOI_BENCH_WARMUP` messages), then timed rounds (the plan of
+//! [`crate::harness`]: 3 unless `ENVOI_BENCH_ROUNDS` says otherwise) in
+//! which the sides alternate, and reports each side's median rate and its largest peak RSS:
 //!
 //! ```text
 //! <scenario>: envoi=<msg/s> baseline=<msg/s> ratio=<r> peak_rss_mb=<envoi> baseline_rss_mb=<peer> n=<N> rounds=<r>
@@ -38,11 +38,8 @@ mod symfony;
 use std::process::{Command, ExitCode};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::e2e::{n_messages, warmup};
+use crate::harness::Plan;
 use crate::report;
-
-/// Timed rounds per side, unless `ENVOI_BENCH_ROUNDS` says otherwise.
-const ROUNDS: u32 = 3;
 
 /// Where envoi's side of a scenario keeps its messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,15 +205,6 @@ fn envoi_command(scenario: &str, n: u64) -> Result<Command, String> {
     Ok(cmd)
 }
 
-/// Timed rounds per side: `ENVOI_BENCH_ROUNDS`, else [`ROUNDS`].
-fn rounds() -> u32 {
-    std::env::var("ENVOI_BENCH_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&r| r > 0)
-        .unwrap_or(ROUNDS)
-}
-
 /// What the timed rounds of one side measured.
 #[derive(Debug, Default)]
 struct Tally {
@@ -246,9 +234,7 @@ fn run(spec: &Spec) -> Result<(), String> {
         println!("{}: skipped: {why}", spec.scenario);
         return Ok(());
     }
-    let n = n_messages();
-    let rounds = rounds();
-    let warmup = warmup(n);
+    let Plan { n, rounds, warmup } = Plan::from_env()?;
     let envoi_side = |n| child::run_side("envoi", envoi_command(spec.scenario, n)?, n);
     let peer_side = |n| child::run_side("peer", (spec.peer)(&url, n)?, n);
     if warmup > 0 {
