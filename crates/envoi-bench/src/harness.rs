@@ -64,7 +64,7 @@ impl Plan {
             return Err("ENVOI_BENCH_N must be at least 1".into());
         }
         let rounds: u32 = rounds.map_or(Ok(DEFAULT_ROUNDS), |v| number("ENVOI_BENCH_ROUNDS", v))?;
-        if rounds % 2 == 0 {
+        if rounds.is_multiple_of(2) {
             return Err(format!(
                 "ENVOI_BENCH_ROUNDS must be odd (each side reports its median round), not {rounds}"
             ));
