@@ -23,7 +23,7 @@
 //! its own setup intend: its SQLite pragmas on every pooled connection
 //! rather than the one its setup reaches, and `ANALYZE` at setup on a
 //! database that has served jobs before (see `run_sqlite` in the baseline). The
-//! [harness](crate::harness) runs the sides: warm-ups, ABBA rounds,
+//! [harness] runs the sides: warm-ups, ABBA rounds,
 //! medians.
 //!
 //! Each scenario uses unique table / stream / queue names (SQLite: files
@@ -170,7 +170,7 @@ fn baseline_or_skip(scenario: &str) -> Option<PathBuf> {
 }
 
 /// Runs envoi's side (`envoi`) against the apalis baseline (the binary
-/// run with `args(n)`) as the [harness](crate::harness) plans, and prints
+/// run with `args(n)`) as the [harness] plans, and prints
 /// the summary line.
 fn compare_with_apalis(
     scenario: &str,

@@ -220,7 +220,7 @@ pub(crate) fn job_messenger(
 }
 
 /// `memory_e2e`: the in-memory transport against a plain tokio mpsc loop,
-/// run by the [harness](crate::harness) (warm-ups, ABBA rounds, medians).
+/// run by the [harness] (warm-ups, ABBA rounds, medians).
 /// The allocations reported are those of each side's last timed run.
 pub(crate) fn memory() -> Result<(), String> {
     let rt = runtime()?;

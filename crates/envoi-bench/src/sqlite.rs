@@ -10,7 +10,7 @@
 //! [`PRODUCERS`] concurrent senders, each waiting for its commit; claims of
 //! 256 rows (`UPDATE … RETURNING`, counting deliveries); and
 //! `DELETE … json_each` of each handled batch, overlapped with the next
-//! claim as the worker overlaps them (see [`pipeline`](crate::pipeline)).
+//! claim as the worker overlaps them (see [`pipeline`]).
 //! Every job must come back exactly once, and the deletes must remove as
 //! many rows as were consumed.
 
@@ -90,15 +90,15 @@ fn now_ms() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-/// A claimed row: its id and body.
-type Claimed = (i64, Vec<u8>);
+/// Claimed rows: `(id, body)`.
+type Rows = Vec<(i64, Vec<u8>)>;
 
 /// What the writer task is asked to do.
 enum Op {
     /// Insert one row.
     Insert(Vec<u8>, oneshot::Sender<Result<(), String>>),
     /// Lease up to [`BATCH`] rows; answers `(id, body)`.
-    Claim(oneshot::Sender<Result<Vec<Claimed>, String>>),
+    Claim(oneshot::Sender<Result<Rows, String>>),
     /// Delete rows; answers how many went.
     Delete(Vec<i64>, oneshot::Sender<Result<u64, String>>),
 }
@@ -106,7 +106,7 @@ enum Op {
 /// What applying an operation gave.
 enum Done {
     Inserted,
-    Claimed(Vec<(i64, Vec<u8>)>),
+    Claimed(Rows),
     Deleted(u64),
 }
 

@@ -29,7 +29,7 @@
 //! Each scenario uses unique table / stream / queue names and removes them
 //! at the end, whether the run succeeded or not. Without its URL variable
 //! a scenario prints `<scenario>: skipped: ENVOI_X_URL is not set` and
-//! succeeds. The [harness](crate::harness) runs the sides (warm-ups, ABBA
+//! succeeds. The [harness] runs the sides (warm-ups, ABBA
 //! rounds, medians).
 //!
 //! Besides the summary line, each side reports on stderr how long it took
@@ -249,7 +249,7 @@ struct Broker {
     baseline: Side,
 }
 
-/// Runs both sides of `broker` as the [harness](crate::harness) plans and
+/// Runs both sides of `broker` as the [harness] plans and
 /// prints the summary line with each side's median.
 fn run_scenario(broker: Broker) -> Result<(), String> {
     let Some(url) = broker_url(broker.scenario, broker.url_var) else {
